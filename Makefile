@@ -1,0 +1,65 @@
+# hpctrain — the commands a newcomer runs. Everything installs itself: CI runs `make test` on a clean clone.
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+PYTHON ?= python3
+# The CPU wheel of torch lies on disk on these machines; an unpinned torch pulls a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+DEEPSPEED_SPEC ?= deepspeed==0.19.8
+CLUSTER := tests/cluster/slurm.sh
+
+.PHONY: help install install-base install-node install-system cluster-up cluster-down test test-fast demo bench lint clean
+
+help:
+	@echo "make demo      install, then train a small model on the local executor (2 ranks, ZeRO-3)"
+	@echo "make test      install everything (apt included), start the 4-node SLURM cluster, run the tests"
+	@echo "make install   base CLI + node extra into $(VENV)"
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip setuptools wheel
+
+# Login-node install: the CLI only (click, jinja2, submitit, rich). No torch.
+install-base: $(VENV)/bin/python
+	$(PIP) install -e .
+
+# Compute-side install. Order matters: torch first (pinned), then deepspeed from source against it
+# (--no-build-isolation, so its build sees this torch), then the rest of the node extra.
+install-node: install-base
+	$(PIP) install "$(TORCH_SPEC)"
+	$(PIP) install ninja setuptools wheel
+	$(PIP) install --no-build-isolation "$(DEEPSPEED_SPEC)"
+	$(PIP) install -e ".[node,test]"
+
+install: install-node
+
+# Debian packages the tests need: SLURM + accounting, shellcheck, and tools for the cluster namespaces.
+install-system:
+	bash $(CLUSTER) install
+
+cluster-up:
+	bash $(CLUSTER) up
+
+cluster-down:
+	bash $(CLUSTER) down
+
+test: install install-system
+	$(PY) -m pytest -q tests
+
+test-fast: install-base
+	$(PY) -m pytest -q -m "not slurm and not deepspeed and not container" tests
+
+demo: install
+	bash examples/demo.sh
+
+bench: install
+	$(PY) bench/cli_startup.py
+
+lint: install
+	$(VENV)/bin/ruff check toolkit tests bench
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info toolkit/*.egg-info

@@ -1,0 +1,22 @@
+"""What every rank runs: the callable submitit pickles, and `python -m hpctrain.node`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class NodeJob:
+    """Run on every rank of a job: pre-flight rendezvous first, then (mode "train") the trainer.
+
+    Kept tiny and importable without torch so that submitit can unpickle it anywhere; the heavy
+    modules load inside `__call__`, on the compute node.
+    """
+
+    run_dir: str
+    mode: str = "train"  # "train" | "preflight"
+
+    def __call__(self) -> int:
+        from hpctrain.node.main import run  # heavy imports happen on the node only
+
+        return run(self.run_dir, self.mode)
