@@ -1,0 +1,110 @@
+"""A plain DeepSpeed training loop: the baseline hpctrain's entrypoint is measured against.
+
+Written the way the DeepSpeed examples do it, with nothing of hpctrain: random-init Llama from a
+config, bf16, ZeRO-N, optional activation checkpointing and optimizer offload, random tokens.
+Launch one process per GPU (torchrun, or `bench/gpu/launch.py`), e.g.
+
+    torchrun --nproc_per_node 1 bench/gpu/plain_ds.py --model llama-1b --zero 3 --mb 4 --seq 4096
+
+Prints one line `RESULT {json}` on rank 0 (tokens/s per GPU, model TFLOPS, peak memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+
+import deepspeed
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+# Llama 3.2 1B / 3B and Llama 3.1 8B shapes (random init; no download).
+SHAPES = {
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, tie_word_embeddings=True),
+    "llama-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                     num_key_value_heads=8, tie_word_embeddings=True),
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, tie_word_embeddings=False),
+}
+
+
+def model_flops_per_token(cfg: LlamaConfig, n_params: int, seq: int) -> float:
+    """6·N (N without the input-embedding lookup; a tied lm_head counted) + 12·L·H·S (attention)."""
+    emb = cfg.vocab_size * cfg.hidden_size
+    n = n_params - emb + (emb if cfg.tie_word_embeddings else 0)
+    return 6.0 * n + 12.0 * cfg.num_hidden_layers * cfg.hidden_size * seq
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-1b", choices=sorted(SHAPES))
+    ap.add_argument("--zero", type=int, default=3)
+    ap.add_argument("--mb", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--offload", default="none", choices=["none", "optimizer"])
+    ap.add_argument("--ratio", type=float, default=1.0)
+    ap.add_argument("--no-ac", action="store_true", help="no activation checkpointing")
+    args = ap.parse_args()
+
+    deepspeed.init_distributed()
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    cfg = LlamaConfig(vocab_size=128256, max_position_embeddings=args.seq, **SHAPES[args.model])
+    zero: dict = {"stage": args.zero, "overlap_comm": True, "contiguous_gradients": True}
+    if args.offload == "optimizer":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True, "ratio": args.ratio}
+    ds_config = {
+        "train_micro_batch_size_per_gpu": args.mb,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
+        "zero_optimization": zero,
+        "steps_per_print": 10**9,
+    }
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    if not args.no_ac:
+        model.gradient_checkpointing_enable()
+    n_params = sum(p.numel() for p in model.parameters())
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+
+    tokens_per_step = args.mb * args.seq * world
+    times: list[float] = []
+    losses: list[float] = []
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    for step in range(args.warmup + args.steps):
+        x = torch.randint(0, cfg.vocab_size, (args.mb, args.seq), device="cuda", generator=g)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        torch.cuda.synchronize()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    times.sort()
+    step_s = times[len(times) // 2]
+    tps_gpu = tokens_per_step / step_s / world
+    tflops = tps_gpu * model_flops_per_token(cfg, n_params, args.seq) / 1e12
+    if rank == 0:
+        print("RESULT " + json.dumps({
+            "impl": "plain-deepspeed", "model": args.model, "params": n_params, "zero": args.zero,
+            "offload": args.offload, "ratio": args.ratio, "world": world, "mb": args.mb, "seq": args.seq,
+            "step_s": round(step_s, 4), "tokens_per_s_per_gpu": round(tps_gpu, 1),
+            "model_tflops_per_gpu": round(tflops, 1),
+            "gpu_peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 1),
+            "host_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 1),
+            "first_loss": round(losses[0], 3), "last_loss": round(losses[-1], 3),
+        }), flush=True)
+
+
+if __name__ == "__main__":
+    main()
