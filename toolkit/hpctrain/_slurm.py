@@ -1,0 +1,268 @@
+"""The one wrapper around SLURM's commands (sacct, scancel, sinfo, sbatch) that hpctrain runs itself.
+
+submitit owns the pickled call and its own polling; everything else that shells out to SLURM goes
+through `_run` here, so that every call gets the same treatment: argv lists (never a shell), a
+timeout, bounded retries with exponential backoff while slurmctld/slurmdbd do not answer, and then
+one clear `SlurmUnavailable` that names the command and what to check.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Iterable, Sequence
+
+import click
+
+# Messages meaning "the daemon did not answer", not "your request is wrong": worth retrying.
+_TRANSIENT = re.compile(
+    r"socket timed out|unable to contact slurm controller|connection refused|"
+    r"slurmdbd|problem talking to the database|persistent connection|"
+    r"zero bytes were transmitted|resource temporarily unavailable|backup controller|"
+    r"communications connection failure|slurm_receive_msg|transient",
+    re.IGNORECASE,
+)
+# For sbatch only "not connected at all" is safe to retry: after a send timeout the job may exist.
+_SBATCH_RETRYABLE = re.compile(r"unable to contact slurm controller \(connect failure\)|connection refused",
+                               re.IGNORECASE)
+
+KNOWN_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY",
+                "REQUEUED", "RUNNING", "PENDING", "COMPLETING", "SUSPENDED", "BOOT_FAIL", "DEADLINE",
+                "RESIZING", "REVOKED", "REQUEUE_HOLD", "REQUEUE_FED", "SPECIAL_EXIT", "STOPPED")
+
+# sbatch's rejection messages -> the spec field a user should change.
+_REJECTIONS: tuple[tuple[str, str], ...] = (
+    ("invalid partition", "resources.partition"),
+    ("invalid account", "resources.account"),
+    ("invalid qos", "resources.qos"),
+    ("qos", "resources.qos"),
+    ("time limit", "resources.time"),
+    ("memory", "resources.mem"),
+    ("gres", "resources.gpus_per_node"),
+    ("feature specification", "resources.constraint"),
+    ("node count", "resources.nodes"),
+    ("processors", "resources.cpus_per_task"),
+    ("node configuration is not available", "resources"),
+    ("excluded", "resources.exclude"),
+)
+
+
+class SlurmUnavailable(click.ClickException):
+    """slurmctld/slurmdbd did not answer within the retry budget."""
+
+
+class SlurmCommandError(click.ClickException):
+    """A SLURM command failed for a reason retrying will not fix."""
+
+    def __init__(self, argv: Sequence[str], returncode: int, stderr: str) -> None:
+        self.argv, self.returncode, self.stderr = list(argv), returncode, stderr
+        super().__init__(f"`{' '.join(argv)}` failed (exit {returncode}): {_last_lines(stderr)}")
+
+
+class SbatchRejected(click.UsageError):
+    """sbatch refused the script (bad partition, account, memory...). `field` is the spec field."""
+
+    def __init__(self, reason: str, field: str) -> None:
+        self.reason, self.field = reason, field
+        super().__init__(f"sbatch rejected the job: {reason} (check {field})")
+
+
+@dataclass(frozen=True)
+class SacctRecord:
+    """One job (or array task) as sacct reports its allocation; `history` has requeued records too."""
+
+    job_id: str
+    state: str
+    exit_code: str = ""
+    nodelist: str = ""
+    start: float | None = None
+    end: float | None = None
+    history: tuple[str, ...] = field(default=())
+
+
+def _retries() -> int:
+    return max(1, int(os.environ.get("HPCTRAIN_SLURM_RETRIES", "5")))
+
+
+def _backoff() -> float:
+    return float(os.environ.get("HPCTRAIN_SLURM_BACKOFF_S", "0.5"))
+
+
+def _run(argv: Sequence[str], *, input_text: str | None = None, timeout_s: float = 30.0,
+         retryable: re.Pattern[str] = _TRANSIENT, env: dict[str, str] | None = None,
+         ) -> subprocess.CompletedProcess[str]:
+    """Run a SLURM command; retry transient failures with exponential backoff, then raise."""
+    argv = list(argv)
+    delay, last = _backoff(), ""
+    tries = _retries()
+    started = time.monotonic()
+    for attempt in range(tries):
+        try:
+            proc = subprocess.run(argv, input=input_text, capture_output=True, text=True,
+                                  timeout=timeout_s, env=env, check=False)
+        except FileNotFoundError as exc:
+            raise SlurmUnavailable(
+                f"`{argv[0]}` is not on PATH: SLURM's client tools are not installed here. "
+                "Run on a login node, or use --executor local.") from exc
+        except subprocess.TimeoutExpired:
+            last = f"no answer within {timeout_s:.0f}s"
+        else:
+            if proc.returncode == 0:
+                return proc
+            last = proc.stderr.strip() or proc.stdout.strip()
+            if not retryable.search(last):
+                raise SlurmCommandError(argv, proc.returncode, proc.stderr)
+        if attempt < tries - 1:
+            time.sleep(delay)
+            delay *= 2
+    waited = time.monotonic() - started
+    what = "slurmdbd (accounting)" if argv[0] in ("sacct", "sacctmgr") else "slurmctld"
+    raise SlurmUnavailable(
+        f"`{' '.join(argv[:3])}{' ...' if len(argv) > 3 else ''}` failed {tries} times over "
+        f"{waited:.0f}s: {_last_lines(last)}\n"
+        f"Check that {what} is running and reachable (`scontrol ping`"
+        f"{', `sacctmgr show cluster`' if what.startswith('slurmdbd') else ''}); "
+        "nothing was recorded as changed.")
+
+
+def _last_lines(text: str, n: int = 3) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return " | ".join(lines[-n:]) if lines else "(no output)"
+
+
+# -- sacct ------------------------------------------------------------------------------------
+_SACCT_FIELDS = ("JobID", "State", "ExitCode", "NodeList", "Start", "End")
+
+
+def sacct_states(job_ids: Iterable[str]) -> dict[str, SacctRecord]:
+    """States of many jobs in ONE sacct call. Keys are job ids as given (array tasks as "A_i").
+
+    -X: allocations only (a step's state is not the job's); -D: keep requeued/NODE_FAIL records,
+    which sacct otherwise hides behind the newest one. sacct lists only today's jobs unless
+    given -j, which we always pass.
+    """
+    ids = sorted({str(j) for j in job_ids if str(j)})
+    if not ids:
+        return {}
+    argv = ["sacct", "-X", "-D", "--parsable2", "--noheader",
+            "-o", ",".join(_SACCT_FIELDS), "-j", ",".join(ids)]
+    out = _run(argv).stdout
+    records = parse_sacct(out)
+    # Ask for "A" and get "A_0".."A_n" (array) -- callers asked for what they asked for.
+    return {k: v for k, v in records.items() if k in ids or k.split("_", 1)[0] in ids}
+
+
+def parse_sacct(text: str) -> dict[str, SacctRecord]:
+    """Parse `sacct -X -D --parsable2 --noheader -o JobID,State,ExitCode,NodeList,Start,End`."""
+    hist: dict[str, list[SacctRecord]] = {}
+    for line in text.splitlines():
+        parts = line.split("|")
+        if len(parts) < 2 or not parts[0]:
+            continue
+        parts += [""] * (len(_SACCT_FIELDS) - len(parts))
+        jid, state, exit_code, nodes, start, end = parts[: len(_SACCT_FIELDS)]
+        if "." in jid:  # a step (batch, extern, 0): -X should have hidden it already
+            continue
+        rec = SacctRecord(job_id=jid, state=normalize_state(state), exit_code=exit_code,
+                          nodelist="" if nodes in ("None assigned", "(null)") else nodes,
+                          start=_parse_time(start), end=_parse_time(end))
+        for key in _expand_array_id(jid):
+            hist.setdefault(key, []).append(rec)
+    out: dict[str, SacctRecord] = {}
+    for key, recs in hist.items():
+        # -D lists older records of a requeued job first; the last one is the job's current state.
+        last = recs[-1]
+        out[key] = SacctRecord(job_id=key, state=last.state, exit_code=last.exit_code,
+                               nodelist=last.nodelist, start=last.start, end=last.end,
+                               history=tuple(r.state for r in recs))
+    return out
+
+
+def normalize_state(raw: str) -> str:
+    """"CANCELLED by 1000" -> CANCELLED, "COMPLETED+" -> COMPLETED; unknown words are kept."""
+    word = raw.strip().split(" ", 1)[0].rstrip("+").upper()
+    return word or "UNKNOWN"
+
+
+def _parse_time(text: str) -> float | None:
+    text = text.strip()
+    if not text or text in ("Unknown", "None", "N/A"):
+        return None
+    try:
+        return datetime.strptime(text, "%Y-%m-%dT%H:%M:%S").timestamp()  # sacct prints local time
+    except ValueError:
+        return None
+
+
+def _expand_array_id(jid: str) -> list[str]:
+    """"12_[0-2,5%4]" (pending array tasks) -> 12_0 12_1 12_2 12_5; anything else unchanged."""
+    m = re.fullmatch(r"(\d+)_\[([0-9,\-]+)(?:%\d+)?\]", jid)
+    if not m:
+        return [jid]
+    main, out = m.group(1), []
+    for part in m.group(2).split(","):
+        lo, _, hi = part.partition("-")
+        out += [f"{main}_{i}" for i in range(int(lo), int(hi or lo) + 1)]
+    return out
+
+
+# -- scancel / sinfo / sbatch ------------------------------------------------------------------
+def scancel(job_ids: Iterable[str]) -> None:
+    """Cancel jobs (array ids "A" cancel every task). scancel is idempotent on finished jobs."""
+    ids = sorted({str(j) for j in job_ids if str(j)})
+    if ids:
+        _run(["scancel", *ids])
+
+
+def partitions() -> list[str]:
+    """Partition names as sinfo lists them (default partition without its '*')."""
+    out = _run(["sinfo", "-h", "-o", "%P"]).stdout
+    return sorted({p.strip().rstrip("*") for p in out.split() if p.strip()})
+
+
+def test_only(script_text: str) -> str:
+    """`sbatch --test-only` on a script given as text; returns sbatch's verdict, or raises
+    SbatchRejected naming the spec field to change."""
+    try:
+        proc = _run(["sbatch", "--test-only"], input_text=script_text)
+    except SlurmCommandError as exc:
+        raise rejection(exc.stderr) from exc
+    return (proc.stderr or proc.stdout).strip()
+
+
+def sbatch(script_path: str, extra: Sequence[str] = ()) -> str:
+    """Submit a script file; returns sbatch's stdout ("Submitted batch job N").
+
+    Only connect failures are retried: after a send/receive timeout slurmctld may already have
+    queued the job, and a blind retry would submit it twice.
+    """
+    try:
+        proc = _run(["sbatch", *extra, script_path], retryable=_SBATCH_RETRYABLE, timeout_s=60.0)
+    except SlurmCommandError as exc:
+        if _TRANSIENT.search(exc.stderr):
+            raise SlurmUnavailable(
+                f"sbatch did not get an answer from slurmctld: {_last_lines(exc.stderr)}\n"
+                "The job may or may not be queued: check `squeue --me` before submitting again."
+            ) from exc
+        raise rejection(exc.stderr) from exc
+    return proc.stdout.strip()
+
+
+def rejection(stderr: str) -> SbatchRejected:
+    """Turn sbatch's stderr into a usage error naming the field to fix."""
+    reason = _last_lines(stderr, 1)
+    reason = re.sub(r"^sbatch: error: (Batch job submission failed: )?", "", reason)
+    low = reason.lower()
+    field_name = next((f for key, f in _REJECTIONS if key in low), "resources")
+    return SbatchRejected(reason, field_name)
+
+
+def job_id_from_sbatch(stdout: str) -> str:
+    m = re.search(r"job (\d+)", stdout)
+    if not m:
+        raise SlurmCommandError(["sbatch"], 0, f"could not find a job id in sbatch output: {stdout!r}")
+    return m.group(1)

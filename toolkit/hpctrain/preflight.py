@@ -1,0 +1,310 @@
+"""Pre-flight: a torch-free TCP rendezvous + sum across all ranks, before any collective can hang.
+
+Rank 0 listens on MASTER_ADDR:(MASTER_PORT+1) (or $HPCTRAIN_PREFLIGHT_PORT); every other rank
+connects (retrying until the deadline) and sends {rank, host, value}. When all WORLD_SIZE ranks
+have joined, rank 0 sends the sum of the values back (a tiny all-reduce) and each rank checks it.
+If someone is missing at the deadline, every rank raises `PreflightError` naming the missing ranks
+and the hosts they were expected on -- in seconds, instead of a 30-minute NCCL timeout.
+
+Stdlib only: runs first on every rank, before torch is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class PreflightError(RuntimeError):
+    """The rendezvous did not complete; the message names the missing ranks and hosts."""
+
+
+@dataclass(frozen=True)
+class PreflightResult:
+    rank: int
+    world_size: int
+    host: str
+    master: str
+    port: int
+    total: int
+    elapsed_s: float
+    hosts: list[str] = field(default_factory=list)  # host of each rank, as the ranks reported
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Who should join: rank/world size, rendezvous address, and the host each rank should run on."""
+
+    rank: int
+    world_size: int
+    master: str
+    port: int
+    expected_hosts: list[str]  # index = rank; [] if unknown
+
+
+# -- reading the environment ------------------------------------------------------------------
+def _first_int(env: Mapping[str, str], *names: str) -> int | None:
+    for name in names:
+        value = env.get(name, "").strip()
+        if value:
+            try:
+                return int(value)
+            except ValueError:
+                raise PreflightError(f"{name}={value!r} is not an integer") from None
+    return None
+
+
+def _expand_nodelist(text: str) -> list[str]:
+    try:
+        from hpctrain.nodelist import expand
+    except ImportError:  # pragma: no cover - only if the package is partially installed
+        return [h for h in text.split(",") if h]
+    return expand(text)
+
+
+def expand_tasks_per_node(text: str) -> list[int]:
+    """SLURM_TASKS_PER_NODE: "2(x4)" -> [2,2,2,2]; "3(x2),1" -> [3,3,1]."""
+    counts: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part)
+        if not m:
+            raise PreflightError(f"SLURM_TASKS_PER_NODE={text!r}: cannot parse {part!r}")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts
+
+
+def hosts_by_rank(hosts: list[str], counts: list[int]) -> list[str]:
+    """Block distribution (SLURM's default): ranks 0..c0-1 on hosts[0], and so on."""
+    if len(counts) == 1 and len(hosts) > 1:
+        counts = counts * len(hosts)
+    out: list[str] = []
+    for host, n in zip(hosts, counts):
+        out += [host] * n
+    return out
+
+
+def read_hostfile(path: Path) -> list[str]:
+    """DeepSpeed hostfile (`host slots=N`) -> host of each rank, block-wise."""
+    hosts: list[str] = []
+    for line in path.read_text().splitlines():
+        m = re.match(r"^(\S+)\s+slots=(\d+)", line.strip())
+        if m:
+            hosts += [m.group(1)] * int(m.group(2))
+    return hosts
+
+
+def _expected_hosts(env: Mapping[str, str]) -> list[str]:
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+    tpn = env.get("SLURM_TASKS_PER_NODE") or env.get("SLURM_STEP_TASKS_PER_NODE") or ""
+    if nodelist and tpn:
+        return hosts_by_rank(_expand_nodelist(nodelist), expand_tasks_per_node(tpn))
+    hostfile = env.get("HPCTRAIN_HOSTFILE", "")
+    if hostfile and Path(hostfile).is_file():
+        return read_hostfile(Path(hostfile))
+    return []
+
+
+def default_port(job_id: str | None) -> int:
+    """A port derived from the job id, so two jobs sharing a node do not collide: 20000..39999."""
+    digits = re.sub(r"\D", "", job_id or "")
+    return 20000 + (int(digits[-6:]) % 20000 if digits else 0)
+
+
+def layout_from_env(env: Mapping[str, str] | None = None) -> Layout:
+    """Rank, world size, rendezvous address/port and expected hosts from the job's environment."""
+    env = os.environ if env is None else env
+    rank = _first_int(env, "RANK", "SLURM_PROCID", "SUBMITIT_LOCAL_GLOBALID")
+    world = _first_int(env, "WORLD_SIZE", "SLURM_NTASKS", "SUBMITIT_LOCAL_NTASKS")
+    if rank is None or world is None:
+        raise PreflightError("cannot tell this process's rank: set RANK and WORLD_SIZE, or run under "
+                             "srun (SLURM_PROCID/SLURM_NTASKS)")
+    if not 0 <= rank < world:
+        raise PreflightError(f"rank {rank} is outside world size {world}")
+    expected = _expected_hosts(env)
+    master = env.get("MASTER_ADDR", "").strip()
+    if not master:
+        nodelist = env.get("SLURM_JOB_NODELIST", "")
+        master = _expand_nodelist(nodelist)[0] if nodelist else "127.0.0.1"
+    explicit = _first_int(env, "HPCTRAIN_PREFLIGHT_PORT")
+    master_port = _first_int(env, "MASTER_PORT")
+    if explicit is not None:
+        port = explicit
+    elif master_port is not None:
+        port = master_port + 1  # MASTER_PORT itself belongs to torch.distributed, next
+    else:
+        port = default_port(env.get("SLURM_JOB_ID") or env.get("SUBMITIT_LOCAL_JOB_ID")) + 1
+    return Layout(rank=rank, world_size=world, master=master, port=port,
+                  expected_hosts=expected if len(expected) == world else [])
+
+
+# -- the rendezvous ---------------------------------------------------------------------------
+def run_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, env: Mapping[str, str] | None = None,
+                 host: str | None = None) -> PreflightResult:
+    """Run the pre-flight for this process; raises PreflightError within `timeout_s`."""
+    return run(layout_from_env(env), timeout_s=timeout_s, host=host)
+
+
+def run(layout: Layout, timeout_s: float = DEFAULT_TIMEOUT_S, host: str | None = None) -> PreflightResult:
+    me = host or socket.gethostname()
+    start = time.monotonic()
+    if layout.world_size == 1:
+        return PreflightResult(0, 1, me, layout.master, layout.port, 1, 0.0, [me])
+    if layout.rank == 0:
+        # Rank 0 gives up a little before the others, so they receive its named verdict
+        # instead of each timing out with only "no answer".
+        margin = min(5.0, 0.15 * timeout_s)
+        total, hosts = _serve(layout, me, start + timeout_s - margin)
+    else:
+        total, hosts = _join(layout, me, start + timeout_s)
+    expected = layout.world_size * (layout.world_size + 1) // 2
+    if total != expected:
+        raise PreflightError(f"pre-flight all-reduce gave {total}, expected {expected}")
+    return PreflightResult(layout.rank, layout.world_size, me, layout.master, layout.port, total,
+                           time.monotonic() - start, hosts)
+
+
+def _send(sock: socket.socket, obj: dict[str, object]) -> None:
+    sock.sendall((json.dumps(obj) + "\n").encode())
+
+
+def _recv_line(sock: socket.socket, deadline: float) -> dict[str, object]:
+    buf = b""
+    while not buf.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        sock.settimeout(left)
+        chunk = sock.recv(4096)
+        if not chunk:
+            raise ConnectionError("peer closed the connection")
+        buf += chunk
+        if len(buf) > 1 << 20:
+            raise ConnectionError("oversized pre-flight message")
+    obj = json.loads(buf)
+    if not isinstance(obj, dict):
+        raise ConnectionError("malformed pre-flight message")
+    return obj
+
+
+def _listen(layout: Layout) -> socket.socket:
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        srv.bind(("", layout.port))  # all interfaces: MASTER_ADDR may name any of them
+    except OSError as exc:
+        srv.close()
+        raise PreflightError(f"rank 0 cannot listen on port {layout.port}: {exc}. Another job may use it;"
+                             " set HPCTRAIN_PREFLIGHT_PORT to a free port") from exc
+    srv.listen(max(16, layout.world_size))
+    return srv
+
+
+def _serve(layout: Layout, me: str, deadline: float) -> tuple[int, list[str]]:
+    srv = _listen(layout)
+    peers: dict[int, tuple[socket.socket, str, int]] = {}
+    hosts = {0: me}
+    total = 1  # rank 0's own value (rank + 1)
+    try:
+        while len(peers) < layout.world_size - 1:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            srv.settimeout(left)
+            try:
+                conn, _ = srv.accept()
+            except (socket.timeout, TimeoutError):
+                break
+            try:
+                # A peer sends its hello right after connecting; don't let one silent peer eat the budget.
+                msg = _recv_line(conn, min(deadline, time.monotonic() + 5.0))
+                rank, host, value = int(msg["rank"]), str(msg["host"]), int(msg["value"])  # type: ignore[call-overload]
+            except (OSError, ValueError, KeyError, TypeError, ConnectionError):
+                conn.close()
+                continue
+            if not 0 < rank < layout.world_size or rank in peers:
+                _send(conn, {"error": f"rank {rank} is invalid or joined twice"})
+                conn.close()
+                continue
+            peers[rank] = (conn, host, value)
+            hosts[rank] = host
+        total += sum(v for _, _, v in peers.values())
+        host_list = [hosts.get(r, "?") for r in range(layout.world_size)]
+        missing = [r for r in range(1, layout.world_size) if r not in peers]
+        reply: dict[str, object]
+        if missing:
+            error = missing_message(layout, missing, hosts)
+            reply = {"error": error}
+        else:
+            reply = {"total": total, "hosts": host_list}
+        for conn, _, _ in peers.values():
+            try:
+                _send(conn, reply)
+            except OSError:
+                pass
+        if missing:
+            raise PreflightError(error)
+        return total, host_list
+    finally:
+        for conn, _, _ in peers.values():
+            conn.close()
+        srv.close()
+
+
+def missing_message(layout: Layout, missing: list[int], joined: dict[int, str]) -> str:
+    """"ranks 3, 7 did not join (expected on node2, node4)" -- the hosts are what users act on."""
+    shown = ", ".join(str(r) for r in missing[:16]) + (" ..." if len(missing) > 16 else "")
+    text = (f"pre-flight: {len(missing)} of {layout.world_size} ranks did not join the rendezvous at "
+            f"{layout.master}:{layout.port}: rank(s) {shown}")
+    if layout.expected_hosts:
+        want = sorted({layout.expected_hosts[r] for r in missing})
+        text += f"; expected on host(s) {', '.join(want)}"
+        # Compare by where ranks were *placed*: reported hostnames may be FQDNs or aliases.
+        present = {layout.expected_hosts[r] for r in joined}
+        silent = [h for h in want if h not in present]
+        if silent:
+            text += f" (no rank at all from {', '.join(silent)}: check that node)"
+    return text
+
+
+def _join(layout: Layout, me: str, deadline: float) -> tuple[int, list[str]]:
+    sock = _connect(layout, deadline)
+    try:
+        _send(sock, {"rank": layout.rank, "host": me, "value": layout.rank + 1})
+        try:
+            reply = _recv_line(sock, deadline)
+        except (TimeoutError, socket.timeout):
+            raise PreflightError(f"pre-flight: rank {layout.rank} on {me} joined {layout.master}:{layout.port}"
+                                 " but rank 0 did not answer in time") from None
+        except (ConnectionError, OSError, ValueError) as exc:
+            raise PreflightError(f"pre-flight: rank {layout.rank} lost rank 0 at "
+                                 f"{layout.master}:{layout.port}: {exc}") from None
+    finally:
+        sock.close()
+    if "error" in reply:
+        raise PreflightError(str(reply["error"]))
+    return int(reply["total"]), [str(h) for h in reply.get("hosts", [])]  # type: ignore[call-overload, attr-defined]
+
+
+def _connect(layout: Layout, deadline: float) -> socket.socket:
+    delay, last = 0.05, ""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise PreflightError(f"pre-flight: rank {layout.rank} could not reach rank 0 at "
+                                 f"{layout.master}:{layout.port} ({last or 'timed out'}); rank 0's host "
+                                 f"{layout.expected_hosts[0] if layout.expected_hosts else layout.master}"
+                                 " may be down or not started")
+        try:
+            return socket.create_connection((layout.master, layout.port), timeout=min(left, 5.0))
+        except OSError as exc:  # not listening yet, or name not resolvable yet: retry
+            last = str(exc)
+        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(delay * 2, 1.0)

@@ -1,0 +1,194 @@
+"""Run folders: one private directory per run, created whole or not at all.
+
+Layout (DESIGN.md "Job folder"):
+
+    <runs_dir>/<run_id>/
+      spec.toml plan.json sbatch.sh ds_config.json hostfile
+      submitit/ logs/ metrics/ checkpoints/
+      attempts.jsonl summary.json
+
+Stdlib only: the CLI imports this on the login node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+# Sub-folders every run folder has from the start, so the node never races to create them.
+SUBDIRS = ("submitit", "logs", "metrics", "checkpoints")
+_NAME_BAD = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+def runs_dir_default() -> Path:
+    """$HPCTRAIN_RUNS_DIR, else ./runs (CONTRACT.md)."""
+    return Path(os.environ.get("HPCTRAIN_RUNS_DIR") or "runs")
+
+
+def sanitize_name(name: str) -> str:
+    """Map a free-form job name onto [A-Za-z0-9_.-] so it is safe in paths, sbatch and sacct."""
+    cleaned = _NAME_BAD.sub("_", name).strip("._-")
+    return cleaned[:64] or "run"
+
+
+def new_run_id(name: str, now: float | None = None) -> str:
+    """`<name>-YYYYmmdd-HHMMSS-<4hex>`; the random suffix keeps ids unique within a second."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(time.time() if now is None else now))
+    return f"{sanitize_name(name)}-{stamp}-{secrets.token_hex(2)}"
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    """The paths of one run folder; knows nothing about what is inside them."""
+
+    path: Path
+
+    def __init__(self, path: Path | str) -> None:
+        object.__setattr__(self, "path", Path(path))
+
+    @property
+    def run_id(self) -> str:
+        return self.path.name
+
+    @property
+    def spec_toml(self) -> Path:
+        return self.path / "spec.toml"
+
+    @property
+    def plan_json(self) -> Path:
+        return self.path / "plan.json"
+
+    @property
+    def sbatch_sh(self) -> Path:
+        return self.path / "sbatch.sh"
+
+    @property
+    def ds_config_json(self) -> Path:
+        return self.path / "ds_config.json"
+
+    @property
+    def hostfile(self) -> Path:
+        return self.path / "hostfile"
+
+    @property
+    def submitit_dir(self) -> Path:
+        return self.path / "submitit"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.path / "logs"
+
+    @property
+    def metrics_dir(self) -> Path:
+        return self.path / "metrics"
+
+    @property
+    def metrics_jsonl(self) -> Path:
+        return self.metrics_dir / "metrics.jsonl"
+
+    @property
+    def heartbeat(self) -> Path:
+        return self.metrics_dir / "heartbeat"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def attempts_jsonl(self) -> Path:
+        return self.path / "attempts.jsonl"
+
+    @property
+    def summary_json(self) -> Path:
+        return self.path / "summary.json"
+
+    def rank_log(self, attempt: int, rank: int) -> Path:
+        return self.logs_dir / f"attempt-{attempt}.rank-{rank}.log"
+
+    def append_attempt(self, record: dict[str, Any]) -> None:
+        append_attempt(self.attempts_jsonl, record)
+
+    def read_attempts(self) -> list[dict[str, Any]]:
+        return read_attempts(self.attempts_jsonl)
+
+
+def create_run_folder_atomically(runs_dir: Path | str, run_id: str, files: dict[str, str]) -> Path:
+    """Create `<runs_dir>/<run_id>` (mode 0700) holding `files` (relative name -> text), all or nothing.
+
+    Everything is written into a hidden sibling first and renamed into place, so a crash or a
+    rejected submission never leaves a half-written run folder that `list` could trip over.
+    Raises FileExistsError if the run folder already exists.
+    """
+    runs = Path(runs_dir)
+    runs.mkdir(parents=True, exist_ok=True)
+    final = runs / run_id
+    if final.exists():
+        raise FileExistsError(f"run folder already exists: {final}")
+    tmp = runs / f".{run_id}.tmp-{secrets.token_hex(4)}"
+    old_umask = os.umask(0o077)  # private from the first byte, not chmod'ed afterwards
+    try:
+        tmp.mkdir(mode=0o700)
+        for sub in SUBDIRS:
+            (tmp / sub).mkdir(mode=0o700)
+        for rel, text in files.items():
+            _write_inside(tmp, rel, text)
+        os.rename(tmp, final)  # atomic on one filesystem; fails if `final` appeared meanwhile
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        os.umask(old_umask)
+    return final
+
+
+def remove_run_folder(path: Path | str) -> None:
+    """Remove a run folder that was never submitted (caller's cleanup after a rejection)."""
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _write_inside(root: Path, rel: str, text: str) -> None:
+    target = (root / rel).resolve()
+    if root.resolve() not in target.parents:
+        raise ValueError(f"run folder file name escapes the folder: {rel!r}")
+    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(text)
+
+
+def append_attempt(path: Path, record: dict[str, Any]) -> None:
+    """Append one JSON line; O_APPEND + one write() keeps concurrent writers' lines whole."""
+    line = json.dumps(record, sort_keys=True, default=str) + "\n"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, line.encode("utf-8"))
+    finally:
+        os.close(fd)
+
+
+def read_attempts(path: Path) -> list[dict[str, Any]]:
+    """All attempt records; a torn last line (writer killed mid-write) is skipped, not fatal."""
+    return list(_iter_jsonl(path))
+
+
+def _iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(obj, dict):
+            yield obj
