@@ -1,0 +1,88 @@
+"""SLURM hostlist expansion, pure Python (no `scontrol`), so the login node and tests can use it.
+
+Grammar handled: top-level comma lists (`a,b`), bracket ranges with comma lists inside
+(`node[1-4,7]`), zero padding taken from the low bound (`n[08-10]` -> n08 n09 n10), and several
+bracket groups in one name (`r[1-2]n[1-2]`, expanded like SLURM: the last group varies fastest).
+"""
+
+from __future__ import annotations
+
+import re
+
+from hpctrain.errors import HpcUsageError
+
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def _split_top(text: str) -> list[str]:
+    """Split on commas that are not inside brackets."""
+    parts: list[str] = []
+    depth = 0
+    cur = ""
+    for ch in text:
+        if ch == "[":
+            depth += 1
+            if depth > 1:
+                raise HpcUsageError(f"nodelist = {text!r}: nested '[' is not a SLURM hostlist. Fix: "
+                                    "write it like 'node[1-4,7],gpu01'")
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise HpcUsageError(f"nodelist = {text!r}: unbalanced ']'. Fix: write it like 'node[1-4]'")
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if depth != 0:
+        raise HpcUsageError(f"nodelist = {text!r}: unbalanced '['. Fix: write it like 'node[1-4]'")
+    parts.append(cur)
+    return parts
+
+
+def _expand_ranges(body: str, whole: str) -> list[str]:
+    """`1-3,07` -> ['1', '2', '3', '07'] keeping the low bound's width as padding."""
+    out: list[str] = []
+    for item in body.split(","):
+        m = _RANGE.match(item.strip())
+        if not m:
+            raise HpcUsageError(f"nodelist = {whole!r}: bad range {item!r}. Fix: use N or N-M, e.g. 'node[1-4,7]'")
+        lo, hi = m.group(1), m.group(2) or m.group(1)
+        if int(hi) < int(lo):
+            raise HpcUsageError(f"nodelist = {whole!r}: range {item!r} runs backwards. Fix: write {hi}-{lo}")
+        width = len(lo)
+        out.extend(str(i).zfill(width) for i in range(int(lo), int(hi) + 1))
+    return out
+
+
+def _expand_one(name: str, whole: str) -> list[str]:
+    """Expand one host pattern, which may hold several bracket groups."""
+    pieces = re.split(r"(\[[^\]]*\])", name)
+    results = [""]
+    for piece in pieces:
+        if piece.startswith("["):
+            values = _expand_ranges(piece[1:-1], whole)
+            results = [r + v for r in results for v in values]
+        else:
+            results = [r + piece for r in results]
+    return results
+
+
+def expand(nodelist: str) -> list[str]:
+    """Expand a SLURM hostlist such as ``"node[1-4,7],gpu01"`` into host names, in order.
+
+    Empty input or an empty element is an error: a hostfile built from it would be wrong, and
+    DeepSpeed would silently fall back to local GPUs (see DESIGN.md).
+    """
+    text = nodelist.strip()
+    if not text:
+        raise HpcUsageError("nodelist = '': no hosts. Fix: pass a SLURM hostlist such as 'node[1-4]'")
+    hosts: list[str] = []
+    for part in _split_top(text):
+        part = part.strip()
+        if not part:
+            raise HpcUsageError(f"nodelist = {nodelist!r}: empty element. Fix: remove the stray comma")
+        if any(c.isspace() for c in part):
+            raise HpcUsageError(f"nodelist = {nodelist!r}: host {part!r} contains whitespace. Fix: remove it")
+        hosts.extend(_expand_one(part, nodelist))
+    return hosts
