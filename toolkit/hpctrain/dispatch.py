@@ -1,0 +1,362 @@
+"""Dispatch: hand run folders to SLURM (through submitit) or to submitit's local executor.
+
+This is the only module that imports submitit, and only inside functions, so `import hpctrain.cli`
+stays light. What gets submitted to SLURM is *our* rendered script (`render.render_sbatch`); submitit
+keeps doing what it is good at: the pickled call (`NodeJob(run_dir, mode)`), result files and
+requeue bookkeeping, under `<run>/submitit/` with its `%j` file names.
+
+A sweep (several run folders with one allocation shape) is ONE `sbatch --array`: submitit's
+per-submit throttle (200 ms) and one sbatch per run would make a 100-run sweep take 20 s+.
+Each array task finds its own run folder through `<runs_dir>/.sweeps/<id>/<index>` -> run folder
+links, so submitit's `%a` path expansion puts each task's files in its own run folder.
+
+Nothing is recorded in the registry until sbatch has accepted the job. Secrets never reach a file:
+they travel in the environment (sbatch's default --export=ALL; the local executor inherits it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass, is_dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Sequence
+
+from hpctrain import runs as runs_mod
+from hpctrain.errors import HpcUsageError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hpctrain.plan import Plan
+    from hpctrain.spec import Spec
+
+ALWAYS_SECRET = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY")
+SWEEPS_DIR = ".sweeps"
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """One run as submitted: `job_id` is "123", or "123_4" for task 4 of an array."""
+
+    run_id: str
+    run_dir: Path
+    job_id: str
+    executor: Literal["slurm", "local"]
+    array_index: int | None = None
+
+
+def resolve_executor(name: str) -> Literal["slurm", "local"]:
+    """`auto` = slurm when `sbatch` is on PATH, else the local executor."""
+    if name == "auto":
+        return "slurm" if shutil.which("sbatch") else "local"
+    if name not in ("slurm", "local"):
+        raise HpcUsageError(f"launch.executor = {name!r}: unknown executor. Fix: use slurm, local or auto")
+    return name  # type: ignore[return-value]
+
+
+def submit(run_dirs: Sequence[Path], spec: Spec, plan: Plan, executor: str = "auto",
+           mode: str = "train") -> list[Submitted]:
+    """Submit one job (one run folder) or one job array (a sweep); record each run + attempt 0.
+
+    Raises HpcUsageError when the cluster refuses the job (nothing recorded; the caller removes
+    the run folders), SlurmUnavailable when slurmctld does not answer.
+    """
+    if not run_dirs:
+        raise ValueError("submit() needs at least one run folder")
+    if mode not in ("train", "preflight"):
+        raise HpcUsageError(f"mode = {mode!r}: unknown mode. Fix: use train or preflight")
+    which = resolve_executor(executor)
+    dirs = [Path(d).absolute() for d in run_dirs]
+    if which == "local":
+        subs = _submit_local(dirs, spec, plan, mode)
+    else:
+        subs = _submit_slurm(dirs, spec, plan, mode)
+    _record(subs, spec, plan, mode)
+    return subs
+
+
+# -- recording ----------------------------------------------------------------------------------
+def secret_names(spec: Spec) -> tuple[str, ...]:
+    names = getattr(spec, "secret_env", ()) or ()
+    return tuple(dict.fromkeys((*ALWAYS_SECRET, *names)))
+
+
+def secret_values(spec: Spec) -> list[str]:
+    """Values of the secret variables set in this environment (to prove none was written)."""
+    return [v for n in secret_names(spec) if len(v := os.environ.get(n, "")) >= 4]
+
+
+def spec_summary(spec: Spec, plan: Plan, mode: str) -> dict[str, Any]:
+    """What `list`/`status` show about a run: shape and knobs, never env values."""
+    res, par = spec.resources, spec.parallel
+    secret = set(secret_names(spec))
+    return {
+        "name": spec.name, "mode": mode, "site": spec.site,
+        "nodes": plan.nodes, "ranks_per_node": plan.ranks_per_node, "world_size": plan.world_size,
+        "gpus_per_node": res.gpus_per_node, "partition": res.partition, "time": res.time,
+        "zero": getattr(plan, "zero_stage", par.zero), "offload": par.offload, "pp": par.pp, "tp": par.tp,
+        "model": spec.model.path or spec.model.config, "data": spec.data.source,
+        "steps": spec.train.steps, "launcher": spec.launch.launcher,
+        # Names only: values of [env] are in sbatch.sh already; secret names are not even listed.
+        "env_keys": sorted(k for k in spec.env if k not in secret),
+    }
+
+
+def _record(subs: list[Submitted], spec: Spec, plan: Plan, mode: str) -> None:
+    from hpctrain.registry import Attempt, Registry
+
+    reg, now = Registry(), time.time()
+    summary = spec_summary(spec, plan, mode)
+    for s in subs:
+        rec = {"attempt": 0, "job_id": s.job_id, "state": "PENDING", "submitted": now,
+               "executor": s.executor, "mode": mode}
+        runs_mod.append_attempt(runs_mod.RunFolder(s.run_dir).attempts_jsonl, rec)
+        try:
+            reg.add_submitted(
+                {"run_id": s.run_id, "name": spec.name, "folder": str(s.run_dir), "executor": s.executor,
+                 "created": now, "spec": {**summary, "array_index": s.array_index}},
+                Attempt(run_id=s.run_id, attempt=0, job_id=s.job_id, state="PENDING", submitted=now))
+        except Exception as exc:
+            # The job IS queued: say so with its id instead of pretending nothing happened.
+            raise RuntimeError(f"job {s.job_id} for run {s.run_id} was submitted but could not be recorded "
+                               f"in the registry ({exc}); cancel it with `scancel {s.job_id}` or retry") from exc
+
+
+# -- SLURM ----------------------------------------------------------------------------------------
+def time_minutes(text: str) -> int:
+    """SLURM --time ("MM", "MM:SS", "HH:MM:SS", "D-HH[:MM[:SS]]") -> whole minutes (>= 1)."""
+    days, _, rest = text.rpartition("-")
+    parts = [int(p) for p in rest.split(":")]
+    if days:
+        h, m, s = (parts + [0, 0])[:3]
+    elif len(parts) == 3:
+        h, m, s = parts
+    else:
+        h, (m, s) = 0, (parts + [0])[:2]
+    total_s = int(days or 0) * 86400 + h * 3600 + m * 60 + s
+    return max(1, (total_s + 59) // 60)
+
+
+def _submit_slurm(dirs: list[Path], spec: Spec, plan: Plan, mode: str) -> list[Submitted]:
+    from hpctrain import _slurm
+    from hpctrain.node.entry import NodeJob
+
+    cls = _executor_class()
+    if len(dirs) == 1:
+        folder, links = dirs[0] / "submitit", None
+    else:
+        links = _make_sweep_links(dirs)
+        folder = links / "%a" / "submitit"
+    ex = cls(folder=folder, spec=spec, plan=plan, run_dirs=dirs)
+    ex.update_parameters(time=time_minutes(spec.resources.time), nodes=plan.nodes,
+                         ntasks_per_node=plan.ranks_per_node)
+    try:
+        if len(dirs) == 1:
+            jobs = [ex.submit(NodeJob(str(dirs[0]), mode))]
+        else:
+            with ex.batch():
+                for d in dirs:
+                    ex.submit(NodeJob(str(d), mode))
+            jobs = ex.last_jobs
+    except _slurm.SbatchRejected as exc:
+        if links is not None:
+            shutil.rmtree(links, ignore_errors=True)
+        raise _explain_rejection(exc, spec) from None
+    except BaseException:
+        if links is not None:
+            shutil.rmtree(links, ignore_errors=True)
+        raise
+    return [Submitted(run_id=d.name, run_dir=d, job_id=str(j.job_id), executor="slurm",
+                      array_index=None if len(dirs) == 1 else i)
+            for i, (d, j) in enumerate(zip(dirs, jobs))]
+
+
+def _make_sweep_links(dirs: list[Path]) -> Path:
+    """`<runs_dir>/.sweeps/<first run id>/<i>` -> run folder i (what `%a` resolves through)."""
+    base = dirs[0].parent / SWEEPS_DIR / dirs[0].name
+    base.mkdir(parents=True, mode=0o700)
+    for i, d in enumerate(dirs):
+        os.symlink(d, base / str(i), target_is_directory=True)
+    return base
+
+
+def _explain_rejection(exc: Any, spec: Spec) -> HpcUsageError:
+    """Name the field, its value and a fix; list the real partitions when that is what's wrong."""
+    field = exc.field
+    value: Any = spec.resources
+    section, _, key = field.partition(".")
+    if key:
+        value = getattr(spec.resources, key, "")
+    fix = f"change {field} (pass the matching --{key.replace('_', '-')} flag or edit the run file)" if key \
+        else "lower the resources request (nodes, cpus, mem, gpus) to what the partition offers"
+    if field == "resources.partition":
+        try:
+            from hpctrain import _slurm
+
+            fix = f"use one of the partitions `sinfo` lists: {', '.join(_slurm.partitions())} (--partition)"
+        except Exception:  # the partition list is a hint; a failure here must not hide the rejection
+            pass
+    shown = f"{value!r}" if key else "(resources)"
+    return HpcUsageError(f"{field} = {shown}: sbatch rejected the job: {exc.reason}. Fix: {fix}")
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write via a temp file + rename (readers never see half a script), mode 0600."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+def _check_no_secrets(text: str, spec: Spec) -> None:
+    for value in secret_values(spec):
+        if value in text:
+            raise HpcUsageError(
+                "sbatch.sh: the rendered script contains the value of a secret variable "
+                f"({', '.join(secret_names(spec))}). Fix: do not put secrets in [env]; export them in "
+                "the submitting shell, they reach the ranks through the environment")
+
+
+@lru_cache(maxsize=1)
+def _executor_class() -> type:
+    """Build the SlurmExecutor subclass on first use (keeps submitit off the import path)."""
+    import uuid
+
+    import submitit
+    from submitit.core import utils as sutils
+    from submitit.slurm.slurm import SlurmJob
+
+    from hpctrain import _slurm, render
+
+    class HpcSlurmExecutor(submitit.SlurmExecutor):  # type: ignore[misc]
+        """SlurmExecutor whose sbatch file is hpctrain's rendered script, submitted via _slurm."""
+
+        def __init__(self, folder: Path, spec: Spec, plan: Plan, run_dirs: list[Path]) -> None:
+            super().__init__(folder=folder)
+            self.spec, self.plan, self.run_dirs = spec, plan, run_dirs
+            self.last_jobs: list[Any] = []
+            self._throttling = 0.0  # one sbatch per call anyway; the 200 ms sleep buys nothing here
+
+        def _num_tasks(self) -> int:
+            return int(self.plan.nodes * self.plan.ranks_per_node)
+
+        def _make_submission_file_text(self, command: str, uid: str) -> str:
+            n = self.parameters.get("map_count")
+            array = f"0-{n - 1}" if n else None
+            run_dir = self.run_dirs[0] if not n else Path(sutils.JobPaths.get_first_id_independent_folder(
+                self.folder)) / "%a"
+            text = render.render_sbatch(self.spec, self.plan, run_dir, command, array=array)
+            _check_no_secrets(text, self.spec)
+            return str(text)
+
+        def _internal_process_submissions(self, delayed: list[Any]) -> list[Any]:
+            # submitit's own array path builds a *plain* SlurmExecutor (losing our script), so both
+            # paths are done here: dump pickles, one sbatch, then move pickles to their %j/%A_%a names.
+            indep = sutils.JobPaths.get_first_id_independent_folder(self.folder)
+            indep.mkdir(parents=True, exist_ok=True)
+            pickles = []
+            for d in delayed:
+                p = indep / f"{uuid.uuid4().hex}.pkl"
+                d.set_timeout(self.parameters.get("time", 5), self.max_num_timeout)
+                d.dump(p)
+                pickles.append(p)
+            n = len(delayed)
+            self.parameters.pop("map_count", None)
+            if n > 1:
+                self.parameters["map_count"] = n
+            try:
+                job_id, script = self._sbatch(self._submitit_command_str)
+            except BaseException:
+                for p in pickles:
+                    p.unlink(missing_ok=True)
+                raise
+            tasks = list(range(self._num_tasks()))
+            ids = [job_id] if n == 1 else [f"{job_id}_{a}" for a in range(n)]
+            jobs = [SlurmJob(folder=self.folder, job_id=i, tasks=tasks) for i in ids]
+            for job, p in zip(jobs, pickles):
+                job.paths.move_temporary_file(p, "submitted_pickle")
+                # submitit's own copy of the script (%j_submission.sh / %A_submission.sh) per run.
+                sub = job.paths.submission_file
+                if not sub.exists():
+                    _write_private(sub, script)
+            for d in self.run_dirs:
+                _write_private(runs_mod.RunFolder(d).sbatch_sh, script)
+            self.last_jobs = jobs
+            return jobs
+
+        def _sbatch(self, command: str) -> tuple[str, str]:
+            indep = sutils.JobPaths.get_first_id_independent_folder(self.folder)
+            script = self._make_submission_file_text(command, uuid.uuid4().hex)
+            path = indep / f".submission_file_{uuid.uuid4().hex}.sh"
+            _write_private(path, script)
+            try:
+                out = _slurm.sbatch(str(path))
+            finally:
+                path.unlink(missing_ok=True)
+            return _slurm.job_id_from_sbatch(out), script
+
+    return HpcSlurmExecutor
+
+
+# -- local ----------------------------------------------------------------------------------------
+def _submit_local(dirs: list[Path], spec: Spec, plan: Plan, mode: str) -> list[Submitted]:
+    if plan.nodes != 1:
+        raise HpcUsageError(
+            f"resources.nodes = {plan.nodes}: the local executor runs on this machine only. "
+            "Fix: use --nodes 1, or --executor slurm on a cluster")
+    import submitit
+
+    from hpctrain.node.entry import NodeJob
+
+    subs = []
+    for d in dirs:
+        ex = submitit.LocalExecutor(folder=d / "submitit")
+        ex.update_parameters(tasks_per_node=plan.ranks_per_node, nodes=1,
+                             timeout_min=time_minutes(spec.resources.time),
+                             gpus_per_node=spec.resources.gpus_per_node,
+                             signal_delay_s=spec.resources.signal_seconds)
+        job = ex.submit(NodeJob(str(d), mode))
+        subs.append(Submitted(run_id=d.name, run_dir=d, job_id=str(job.job_id), executor="local"))
+    return subs
+
+
+def local_state(run_dir: Path, job_id: str) -> tuple[str, str | None]:
+    """State of a local-executor job: RUNNING while its controller lives, then COMPLETED/FAILED
+    from submitit's result pickles (cached there by submitit, so this is cheap)."""
+    pid = int(job_id) if job_id.isdigit() else -1
+    if pid > 0 and _alive(pid):
+        return "RUNNING", None
+    results = sorted((run_dir / "submitit").glob(f"{job_id}_*_result.pkl"))
+    if not results:
+        return "FAILED", "no result file (killed?)"
+    import pickle
+
+    for path in results:
+        try:
+            with path.open("rb") as fh:
+                status, _ = pickle.load(fh)
+        except Exception:
+            return "FAILED", f"unreadable {path.name}"
+        if status != "success":
+            return "FAILED", f"see {path.name}"
+    return "COMPLETED", None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+            # Field 3 is the state; a zombie (Z) has exited but not been reaped yet.
+            return re.sub(r"^.*\) ", "", fh.read()).split(" ", 1)[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def to_jsonable(obj: Any) -> Any:
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return {k: to_jsonable(v) for k, v in asdict(obj).items()}
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
