@@ -229,7 +229,7 @@ def _executor_class() -> type:
     from submitit.core import utils as sutils
     from submitit.slurm.slurm import SlurmJob
 
-    from hpctrain import _slurm, render
+    from hpctrain import _slurm
 
     class HpcSlurmExecutor(submitit.SlurmExecutor):  # type: ignore[misc]
         """SlurmExecutor whose sbatch file is hpctrain's rendered script, submitted via _slurm."""
@@ -244,6 +244,8 @@ def _executor_class() -> type:
             return int(self.plan.nodes * self.plan.ranks_per_node)
 
         def _make_submission_file_text(self, command: str, uid: str) -> str:
+            from hpctrain import render  # looked up per call: the class itself is cached
+
             n = self.parameters.get("map_count")
             array = f"0-{n - 1}" if n else None
             run_dir = self.run_dirs[0] if not n else Path(sutils.JobPaths.get_first_id_independent_folder(

@@ -1,0 +1,282 @@
+"""Dispatch without a cluster: run folders, sacct parsing, retries, and the submit path against fake
+sbatch/srun/sacct executables on PATH (the real-cluster versions are in test_submit_slurm.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+import time
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import click
+import pytest
+
+from hpctrain import _slurm, runs
+from hpctrain.registry import Registry
+
+# -- run folders ----------------------------------------------------------------------------------
+
+
+def test_new_run_id_sanitised_and_unique() -> None:
+    rid = runs.new_run_id("my run; $(rm -rf /)", now=0)
+    assert rid.startswith("my_run_rm_-rf-19700101-000000-")
+    assert all(c.isalnum() or c in "_.-" for c in rid)
+    assert len({runs.new_run_id("x") for _ in range(50)}) > 40
+
+
+def test_create_run_folder_atomic_and_private(tmp_path: Path) -> None:
+    d = runs.create_run_folder_atomically(tmp_path / "runs", "r-1", {"spec.toml": "a=1\n", "plan.json": "{}"})
+    assert (d.stat().st_mode & 0o777) == 0o700
+    assert (d / "spec.toml").read_text() == "a=1\n" and ((d / "plan.json").stat().st_mode & 0o077) == 0
+    for sub in runs.SUBDIRS:
+        assert (d / sub).is_dir()
+    with pytest.raises(FileExistsError):
+        runs.create_run_folder_atomically(tmp_path / "runs", "r-1", {})
+    with pytest.raises(ValueError):
+        runs.create_run_folder_atomically(tmp_path / "runs", "r-2", {"../escape": "x"})
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["r-1"]  # no temp dir left behind
+
+
+def test_attempts_jsonl_roundtrip(tmp_path: Path) -> None:
+    f = runs.RunFolder(tmp_path)
+    f.append_attempt({"attempt": 0, "job_id": "1"})
+    with f.attempts_jsonl.open("a") as fh:
+        fh.write('{"attempt": 1, "job_')  # torn line from a killed writer
+    assert f.read_attempts() == [{"attempt": 0, "job_id": "1"}]
+
+
+# -- sacct parsing ----------------------------------------------------------------------------------
+SACCT = """\
+11|COMPLETED|0:0|node[1-4]|2026-11-29T10:00:00|2026-11-29T10:00:05
+12|CANCELLED by 0|0:15|node1|2026-11-29T10:00:00|2026-11-29T10:01:00
+13|NODE_FAIL|0:0|node2|2026-11-29T10:00:00|2026-11-29T10:00:30
+13|PENDING|0:0|None assigned|Unknown|Unknown
+14_0|OUT_OF_MEMORY|0:125|node3|2026-11-29T10:00:00|2026-11-29T10:00:09
+14_[1-3%2]|PENDING|0:0|None assigned|Unknown|Unknown
+15|TIMEOUT|0:0|node1|2026-11-29T10:00:00|2026-11-29T10:02:00
+16|PREEMPTED|0:0|node1|2026-11-29T10:00:00|2026-11-29T10:02:00
+17|REQUEUED|0:0|node1|2026-11-29T10:00:00|2026-11-29T10:02:00
+18|RUNNING|0:0|node4|2026-11-29T10:00:00|Unknown
+18.batch|RUNNING|0:0|node4|2026-11-29T10:00:00|Unknown
+19|FAILED|1:0|node1|2026-11-29T10:00:00|2026-11-29T10:00:01
+"""
+
+
+def test_parse_sacct_keeps_states_distinct() -> None:
+    recs = _slurm.parse_sacct(SACCT)
+    assert {k: r.state for k, r in recs.items()} == {
+        "11": "COMPLETED", "12": "CANCELLED", "13": "PENDING", "14_0": "OUT_OF_MEMORY", "14_1": "PENDING",
+        "14_2": "PENDING", "14_3": "PENDING", "15": "TIMEOUT", "16": "PREEMPTED", "17": "REQUEUED",
+        "18": "RUNNING", "19": "FAILED"}
+    assert recs["13"].history == ("NODE_FAIL", "PENDING")  # -D keeps the requeued record
+    assert recs["11"].nodelist == "node[1-4]" and recs["11"].end and recs["18"].end is None
+    assert recs["13"].nodelist == "" and recs["19"].exit_code == "1:0"
+
+
+# -- fake SLURM binaries ------------------------------------------------------------------------------
+FAKE_SBATCH = r"""#!/bin/bash
+set -u
+dir=$(dirname "$0")
+script="${@: -1}"
+if grep -q -- 'nosuch' "$script"; then
+  echo "sbatch: error: Batch job submission failed: Invalid partition name specified" >&2; exit 1
+fi
+n=$(( $(cat "$dir/counter" 2>/dev/null || echo 100) + 1 )); echo $n > "$dir/counter"
+cp "$script" "$dir/submitted-$n.sh"
+env > "$dir/env-$n"
+echo "Submitted batch job $n"
+"""
+FAKE_FLAKY = r"""#!/bin/bash
+dir=$(dirname "$0")
+n=$(( $(cat "$dir/flaky" 2>/dev/null || echo 0) + 1 )); echo $n > "$dir/flaky"
+if [ "$n" -le "${FAIL_TIMES:-2}" ]; then
+  echo "sacct: error: slurm_persist_conn_open_without_init: failed to open persistent connection to host:localhost:6819: Connection refused" >&2
+  exit 1
+fi
+printf '7|COMPLETED|0:0|node1|2026-11-29T10:00:00|2026-11-29T10:00:05\n'
+"""
+
+
+def _exe(path: Path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+@pytest.fixture()
+def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _exe(bin_dir / "sbatch", FAKE_SBATCH)
+    _exe(bin_dir / "srun", "#!/bin/sh\nexit 0\n")
+    _exe(bin_dir / "sacct", FAKE_FLAKY)
+    _exe(bin_dir / "sinfo", "#!/bin/sh\necho 'debug*'\necho gpu\n")
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("HPCTRAIN_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("HPCTRAIN_SLURM_BACKOFF_S", "0.01")
+    return bin_dir
+
+
+def test_retry_then_success(fake_slurm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAIL_TIMES", "2")
+    assert _slurm.sacct_states(["7"])["7"].state == "COMPLETED"
+    assert (fake_slurm / "flaky").read_text().strip() == "3"
+
+
+def test_unavailable_after_bounded_retries(fake_slurm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAIL_TIMES", "99")
+    monkeypatch.setenv("HPCTRAIN_SLURM_RETRIES", "3")
+    t0 = time.monotonic()
+    with pytest.raises(_slurm.SlurmUnavailable) as e:
+        _slurm.sacct_states(["7"])
+    assert time.monotonic() - t0 < 5
+    msg = e.value.format_message()
+    assert "sacct" in msg and "3 times" in msg and "slurmdbd" in msg
+    assert isinstance(e.value, click.ClickException)
+
+
+def test_not_installed_is_clear(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(_slurm.SlurmUnavailable, match="not on PATH"):
+        _slurm.scancel(["1"])
+
+
+def test_rejection_maps_to_field() -> None:
+    e = _slurm.rejection("sbatch: error: Batch job submission failed: Invalid partition name specified")
+    assert e.field == "resources.partition" and "Invalid partition" in e.reason
+    assert _slurm.rejection("sbatch: error: Memory specification can not be satisfied").field == "resources.mem"
+
+
+# -- submit through the fake cluster --------------------------------------------------------------------
+def _stand_in_render(spec: object, plan: object, run_dir: Path, command: str, *, array: str | None = None,
+                     **_: object) -> str:
+    part = spec.resources.partition  # type: ignore[attr-defined]
+    lines = ["#!/bin/bash", f"#SBATCH --partition={part}", f"#SBATCH --nodes={plan.nodes}"]  # type: ignore[attr-defined]
+    if array:
+        lines.append(f"#SBATCH --array={array}")
+    return "\n".join(lines + [f"srun {command}", ""])
+
+
+def _spec(partition: str = "debug", nodes: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(
+        name="tiny", site="", env={"A": "1"}, secret_env=("MY_SECRET",),
+        resources=SimpleNamespace(partition=partition, time="00:05:00", gpus_per_node=0, signal_seconds=30,
+                                  nodes=nodes, mem="", account="", qos=""),
+        parallel=SimpleNamespace(zero=3, offload="none", pp=1, tp=1),
+        model=SimpleNamespace(path="", config="llama-tiny"), data=SimpleNamespace(source="synthetic"),
+        train=SimpleNamespace(steps=2), launch=SimpleNamespace(launcher="srun"))
+
+
+def _plan(nodes: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(nodes=nodes, ranks_per_node=2, world_size=2 * nodes, zero_stage=3)
+
+
+@pytest.fixture()
+def stand_in_render(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hpctrain
+
+    mod = types.ModuleType("hpctrain.render")
+    mod.render_sbatch = _stand_in_render  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "hpctrain.render", mod)
+    monkeypatch.setattr(hpctrain, "render", mod, raising=False)
+
+
+def _folders(tmp_path: Path, n: int) -> list[Path]:
+    return [runs.create_run_folder_atomically(tmp_path / "runs", f"tiny-{i}", {"spec.toml": "x\n"})
+            for i in range(n)]
+
+
+def test_submit_one_job_records_after_sbatch(fake_slurm: Path, stand_in_render: None, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpctrain import dispatch
+
+    monkeypatch.setenv("HF_TOKEN", "hf_canary_secret_value_123")
+    monkeypatch.setenv("MY_SECRET", "canary-my-secret-456")
+    (d,) = _folders(tmp_path, 1)
+    subs = dispatch.submit([d], _spec(), _plan(), "slurm", mode="preflight")  # type: ignore[arg-type]
+    assert [s.job_id for s in subs] == ["101"]
+    assert (d / "sbatch.sh").read_text() == (fake_slurm / "submitted-101.sh").read_text()
+    assert (d / "submitit" / "101_submitted.pkl").is_file()
+    assert "HF_TOKEN=hf_canary" in (fake_slurm / "env-101").read_text()  # reaches sbatch by environment
+    run = Registry().get_run("tiny-0")
+    assert run.latest and run.latest.job_id == "101" and run.spec["world_size"] == 2
+    assert json.loads((d / "attempts.jsonl").read_text())["job_id"] == "101"
+    _assert_no_canary(d, tmp_path / "state")
+
+
+def _assert_no_canary(*roots: Path) -> None:
+    for root in roots:
+        for p in root.rglob("*"):
+            if p.is_file():
+                data = p.read_bytes()
+                assert b"hf_canary" not in data and b"canary-my-secret" not in data, p
+
+
+def test_sweep_is_one_array(fake_slurm: Path, stand_in_render: None, tmp_path: Path) -> None:
+    from hpctrain import dispatch
+
+    dirs = _folders(tmp_path, 3)
+    t0 = time.monotonic()
+    subs = dispatch.submit(dirs, _spec(), _plan(), "slurm")  # type: ignore[arg-type]
+    assert time.monotonic() - t0 < 5
+    assert [s.job_id for s in subs] == ["101_0", "101_1", "101_2"]
+    assert not (fake_slurm / "submitted-102.sh").exists()  # ONE sbatch call
+    assert "--array=0-2" in (fake_slurm / "submitted-101.sh").read_text()
+    for i, d in enumerate(dirs):
+        assert (d / "submitit" / f"101_{i}_submitted.pkl").is_file()  # via the .sweeps/%a links
+        assert (d / "sbatch.sh").is_file()
+    assert len(Registry().list_runs(limit=None)) == 3
+
+
+def test_rejection_is_usage_error_and_records_nothing(fake_slurm: Path, stand_in_render: None,
+                                                      tmp_path: Path) -> None:
+    from hpctrain import dispatch
+
+    (d,) = _folders(tmp_path, 1)
+    with pytest.raises(click.UsageError) as e:
+        dispatch.submit([d], _spec(partition="nosuch"), _plan(), "slurm")  # type: ignore[arg-type]
+    msg = e.value.format_message()
+    assert "resources.partition = 'nosuch'" in msg and "Invalid partition" in msg and "debug, gpu" in msg
+    assert Registry().list_runs(limit=None) == []
+    assert not list((d / "submitit").glob("*.pkl"))
+
+
+def test_secret_in_script_refused(fake_slurm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hpctrain
+    from hpctrain import dispatch
+
+    mod = types.ModuleType("hpctrain.render")
+    mod.render_sbatch = lambda *a, **k: "#!/bin/bash\nexport T=hf_canary_leak_000\n"  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "hpctrain.render", mod)
+    monkeypatch.setattr(hpctrain, "render", mod, raising=False)
+    monkeypatch.setenv("HF_TOKEN", "hf_canary_leak_000")
+    (d,) = _folders(tmp_path, 1)
+    with pytest.raises(click.UsageError, match="secret"):
+        dispatch.submit([d], _spec(), _plan(), "slurm")  # type: ignore[arg-type]
+    assert not (fake_slurm / "counter").exists()
+
+
+def test_local_needs_one_node(tmp_path: Path) -> None:
+    from hpctrain import dispatch
+
+    (d,) = _folders(tmp_path, 1)
+    with pytest.raises(click.UsageError, match="--executor slurm"):
+        dispatch.submit([d], _spec(nodes=2), _plan(nodes=2), "local")  # type: ignore[arg-type]
+
+
+def test_time_minutes() -> None:
+    from hpctrain.dispatch import time_minutes
+
+    assert [time_minutes(t) for t in ("5", "00:05:00", "1:30", "1-00:00:00", "2-3", "00:00:10")] == \
+        [5, 5, 2, 1440, 2 * 1440 + 180, 1]
+
+
+def test_auto_executor(fake_slurm: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from hpctrain.dispatch import resolve_executor
+
+    assert resolve_executor("auto") == "slurm"
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert resolve_executor("auto") == "local"
