@@ -1,10 +1,27 @@
-"""The `hpctrain` command line. Nothing heavy is imported at module level (see DESIGN.md)."""
+"""The `hpctrain` command line. Nothing heavy is imported at module level (see DESIGN.md).
+
+Only click and the package version load with this module: spec/plan/render/dispatch are imported
+inside the commands that use them, so `hpctrain --help` costs about as much as `python -c pass`
+and a login node without torch runs every command.
+"""
 
 from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from hpctrain import __version__
+
+if TYPE_CHECKING:
+    from hpctrain.plan import Plan
+    from hpctrain.spec import Spec
+
+RUNTIMES = ("none", "apptainer", "pyxis", "podman", "charliecloud")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -13,5 +30,279 @@ def cli() -> None:
     """Launch DeepSpeed training on SLURM clusters."""
 
 
+# --------------------------------------------------------------------------------------------------
+# Flags shared by `plan` and `submit`: each maps to one dotted spec key (see spec.resolve).
+
+_SIMPLE_FLAGS: list[tuple[str, str, Any, str]] = [
+    ("--nodes", "resources.nodes", int, "Nodes to allocate."),
+    ("--gpus-per-node", "resources.gpus_per_node", int, "GPUs per node (0 = CPU ranks)."),
+    ("--cpus-per-task", "resources.cpus_per_task", int, "CPU cores per rank."),
+    ("--mem", "resources.mem", str, "Memory per node, SLURM syntax (64G)."),
+    ("--time", "resources.time", str, "Time limit (HH:MM:SS or D-HH:MM)."),
+    ("--partition", "resources.partition", str, "SLURM partition."),
+    ("--account", "resources.account", str, "SLURM account."),
+    ("--qos", "resources.qos", str, "SLURM QOS."),
+    ("--job-name", "name", str, "Run / job name."),
+    ("--zero", "parallel.zero", click.Choice(["0", "1", "2", "3", "auto"]), "ZeRO stage, or auto."),
+    ("--offload", "parallel.offload", click.Choice(["none", "optimizer", "param", "all"]), "What to offload."),
+    ("--offload-device", "parallel.offload_device", click.Choice(["cpu", "nvme"]), "Offload target."),
+    ("--nvme-path", "parallel.nvme_path", str, "Local NVMe folder for --offload-device nvme."),
+    ("--precision", "train.precision", click.Choice(["bf16", "fp16", "fp32"]), "Training precision."),
+    ("--micro-batch", "train.micro_batch", int, "Micro-batch per rank."),
+    ("--grad-accum", "train.grad_accum", int, "Gradient accumulation steps."),
+    ("--global-batch", "train.global_batch", int, "Global batch (micro x accum x dp)."),
+    ("--pp", "parallel.pp", int, "Pipeline-parallel degree."),
+    ("--tp", "parallel.tp", int, "Tensor-parallel degree."),
+    ("--launcher", "launch.launcher", click.Choice(["srun", "deepspeed"]), "How ranks start."),
+    ("--executor", "launch.executor", click.Choice(["slurm", "local", "auto"]), "Where the job runs."),
+    ("--steps", "train.steps", int, "Optimizer steps."),
+    ("--data", "data.source", str, "Data: 'synthetic', a .jsonl/.txt file or a folder."),
+]
+
+
+def spec_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Attach every spec flag (and RUNFILE) to a command."""
+    extra = [
+        click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
+                     help="Override any spec key, e.g. --set train.lr=1e-4 (repeatable)."),
+        click.option("--site", default=None, help="Site profile ($HPCTRAIN_CONFIG_DIR/sites/NAME.toml or [sites.NAME])."),
+        click.option("--container", default=None, metavar="RUNTIME:IMAGE",
+                     help="Container runtime and image, e.g. apptainer:/images/train.sif."),
+        click.option("--model", default=None, help="Local model folder, a config.json, or a preset (llama-tiny...)."),
+        click.option("--activation-checkpointing/--no-activation-checkpointing", default=None,
+                     help="Recompute activations in the backward pass."),
+    ]
+    for flag, _key, typ, help_text in reversed(_SIMPLE_FLAGS):
+        fn = click.option(flag, default=None, type=typ, help=help_text)(fn)
+    for opt in reversed(extra):
+        fn = opt(fn)
+    return click.argument("runfile", required=False, type=click.Path(dir_okay=False))(fn)
+
+
+def flags_from_options(opts: dict[str, Any]) -> dict[str, Any]:
+    """Click option values -> dotted spec keys (None = not given, so lower layers stay)."""
+    from hpctrain.errors import bad_value
+    from hpctrain.presets import PRESETS
+
+    flags: dict[str, Any] = {}
+    for flag, key, _typ, _help in _SIMPLE_FLAGS:
+        value = opts.get(flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            flags[key] = value
+    if opts.get("activation_checkpointing") is not None:
+        flags["train.activation_checkpointing"] = opts["activation_checkpointing"]
+    model = opts.get("model")
+    if model:  # one flag, two fields: a preset or config.json starts fresh, a folder loads weights
+        fresh = model in PRESETS or model.endswith(".json")
+        flags["model.config"], flags["model.path"] = (model, "") if fresh else ("", model)
+    container = opts.get("container")
+    if container:
+        runtime, _, image = container.partition(":")
+        if runtime not in RUNTIMES:
+            raise bad_value("--container", container, f"unknown runtime {runtime!r}",
+                            "write RUNTIME:IMAGE with RUNTIME one of " + ", ".join(RUNTIMES[1:]))
+        flags["container.runtime"], flags["container.image"] = runtime, image
+    for item in opts.get("overrides") or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise bad_value("--set", item, "expected SECTION.KEY=VALUE", "write e.g. --set train.lr=1e-4")
+        flags[key.strip()] = value
+    return flags
+
+
+def _resolve(runfile: str | None, opts: dict[str, Any], point: dict[str, Any] | None = None,
+             check: bool = True) -> tuple[Spec, Plan]:
+    from hpctrain.plan import make_plan
+    from hpctrain.spec import resolve
+
+    flags = {**flags_from_options(opts), **(point or {})}
+    spec = resolve(runfile, flags, opts.get("site"), check=check)
+    return spec, make_plan(spec)
+
+
+# --------------------------------------------------------------------------------------------------
+# plan
+
+@cli.command("plan", short_help="Validate a request and print its plan.")
+@spec_options
+@click.option("--json", "as_json", is_flag=True, help="Print plan.json instead of a table.")
+def plan_cmd(runfile: str | None, as_json: bool, **opts: Any) -> None:
+    """Print world size, parallel degrees, batch arithmetic, memory estimate and ZeRO choice.
+
+    Data and tokenizer paths are not checked here (they may live only on the cluster); submit checks them.
+    """
+    spec, plan = _resolve(runfile, opts, check=False)
+    if as_json:
+        click.echo(plan.to_json(), nl=False)
+        return
+    print_plan(spec, plan)
+
+
+def print_plan(spec: Spec, plan: Plan) -> None:
+    """Rich tables: the facts, every ZeRO/offload option, and the reasons."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    facts = Table(title=f"plan: {spec.name}", show_header=False)
+    rows = [
+        ("world size", f"{plan.world_size} = {plan.nodes} nodes x {plan.ranks_per_node} ranks ({plan.device})"),
+        ("dp / tp / pp", f"{plan.dp} / {plan.tp} / {plan.pp}"),
+        ("batch", f"global {plan.global_batch} = micro {plan.micro_batch} x accum {plan.grad_accum} x dp {plan.dp}"),
+        ("model", f"{spec.model.path or spec.model.config}: {plan.param_count:,} parameters"),
+        ("ZeRO / offload", f"stage {plan.zero_stage} / {plan.offload}"),
+        ("memory", f"{plan.memory['per_rank_gb']:.2f} GiB per rank, {plan.memory['per_host_gb']:.2f} GiB per host"),
+    ]
+    for k, v in rows:
+        facts.add_row(k, v)
+    console.print(facts)
+    opts = Table(title="memory by ZeRO stage and offload (GiB)")
+    for col in ("zero", "offload", "per rank", "per host", "fits"):
+        opts.add_column(col)
+    for o in plan.options:
+        mark = "<- chosen" if (o["zero"], o["offload"]) == (plan.zero_stage, plan.offload) else ""
+        opts.add_row(str(o["zero"]), o["offload"], f"{o['device_gb']:.2f}", f"{o['host_gb']:.2f}",
+                     ("yes " if o["fits"] else "no ") + mark)
+    console.print(opts)
+    for reason in plan.reasons:
+        console.print(f"- {reason}", markup=False, highlight=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# hostfile
+
+@cli.command("hostfile", short_help="Print a DeepSpeed hostfile for a SLURM nodelist.")
+@click.option("--nodelist", required=True, help="SLURM hostlist, e.g. 'node[1-4]' (default: $SLURM_JOB_NODELIST).",
+              envvar="SLURM_JOB_NODELIST")
+@click.option("--slots", required=True, type=int, help="Ranks per host (GPUs per node).")
+def hostfile_cmd(nodelist: str, slots: int) -> None:
+    """Expand NODELIST and print `host slots=N` lines (duplicates and empty lists are errors)."""
+    from hpctrain.nodelist import expand
+    from hpctrain.render import render_hostfile
+
+    click.echo(render_hostfile(expand(nodelist), slots), nl=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# submit
+
+def run_files(spec: Spec, plan: Plan, script: str) -> dict[str, str]:
+    """The files a run folder starts with (DESIGN.md job folder)."""
+    from hpctrain.render import render_ds_config
+    from hpctrain.spec import to_toml
+
+    return {"spec.toml": to_toml(spec), "plan.json": plan.to_json(),
+            "ds_config.json": json.dumps(render_ds_config(spec, plan), indent=2) + "\n", "sbatch.sh": script}
+
+
+def _script(spec: Spec, plan: Plan, run_dirs: list[Path]) -> str:
+    """The batch script as it would be submitted (one job, or one array over run_dirs)."""
+    import shlex
+
+    from hpctrain.render import render_sbatch, submitit_command
+
+    first = run_dirs[0]
+    command = submitit_command(shlex.quote(sys.executable), str(first / "submitit"))
+    if len(run_dirs) == 1:
+        return render_sbatch(spec, plan, first, command)
+    return render_sbatch(spec, plan, first, command, array=f"0-{len(run_dirs) - 1}", run_dirs=run_dirs)
+
+
+def _write_dry_run(out: Path, points: list[tuple[Spec, Plan]], script_for: Callable[[list[Path]], str]) -> list[Path]:
+    """--dry-run --out DIR: the files of each run into DIR (one run) or DIR/point-<i> (a sweep)."""
+    out.mkdir(parents=True, exist_ok=True, mode=0o700)
+    dirs = [out.absolute()] if len(points) == 1 else [(out / f"point-{i}").absolute() for i in range(len(points))]
+    script = script_for(dirs)
+    for d, (spec, plan) in zip(dirs, points):
+        d.mkdir(exist_ok=True, mode=0o700)
+        for name, text in run_files(spec, plan, script).items():
+            (d / name).write_text(text, encoding="utf-8")
+    return dirs
+
+
+@cli.command("submit", short_help="Validate, render and submit a training run.")
+@spec_options
+@click.option("--sweep", multiple=True, metavar="KEY=V1,V2", help="Sweep a key; one job array (repeatable).")
+@click.option("--preflight", is_flag=True, help="Only run the rendezvous + all-reduce check on every rank.")
+@click.option("--dry-run", is_flag=True, help="Render and print the script; submit nothing.")
+@click.option("--out", type=click.Path(file_okay=False), default=None, help="With --dry-run: write the files here.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry_run: bool, out: str | None,
+               as_json: bool, **opts: Any) -> None:
+    """Resolve RUNFILE + flags into a spec and plan, write the run folder(s), submit one job
+    (or one job array for --sweep). With --dry-run, print the sbatch script instead."""
+    from hpctrain import runs
+    from hpctrain.spec import parse_sweep
+
+    grid = parse_sweep(list(sweep)) if sweep else [{}]
+    points = [_resolve(runfile, opts, p) for p in grid]
+    spec, plan = points[0]
+    if dry_run:
+        if out:
+            dirs = _write_dry_run(Path(out), points, lambda ds: _script(spec, plan, ds))
+        else:
+            dirs = [(runs.runs_dir_default() / runs.new_run_id(s.name)).absolute() for s, _ in points]
+        script = _script(spec, plan, dirs)
+        if as_json:
+            from hpctrain.render import render_ds_config
+
+            click.echo(json.dumps({"dry_run": True, "run_dirs": [str(d) for d in dirs], "sbatch": script,
+                                   "plans": [json.loads(p.to_json()) for _, p in points],
+                                   "ds_configs": [render_ds_config(s, p) for s, p in points]}, indent=2))
+        else:
+            click.echo(script, nl=False)
+        return
+    run_dirs = _create_runs(points)
+    executor = spec.launch.executor
+    try:
+        from hpctrain import dispatch
+
+        subs = dispatch.submit(run_dirs, spec, plan, executor, mode="preflight" if preflight else "train")
+    except click.ClickException:  # refused or SLURM unreachable: nothing was submitted, leave nothing
+        for d in run_dirs:
+            runs.remove_run_folder(d)
+        raise
+    _report(subs, as_json)
+
+
+def _create_runs(points: list[tuple[Spec, Plan]]) -> list[Path]:
+    """One private run folder per point, each created whole (temp dir + rename) or not at all."""
+    from hpctrain import runs
+
+    base = runs.runs_dir_default()
+    ids = [runs.new_run_id(s.name) for s, _ in points]
+    dirs = [(base / i).absolute() for i in ids]
+    spec, plan = points[0]
+    script = _script(spec, plan, dirs)  # preview; dispatch replaces it with the script it submits
+    made: list[Path] = []
+    try:
+        for run_id, (s, p) in zip(ids, points):
+            made.append(runs.create_run_folder_atomically(base, run_id, run_files(s, p, script)).absolute())
+    except BaseException:
+        for d in made:
+            runs.remove_run_folder(d)
+        raise
+    return made
+
+
+def _report(subs: list[Any], as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps([{"run_id": s.run_id, "run_dir": str(s.run_dir), "job_id": s.job_id,
+                                "executor": s.executor, "array_index": s.array_index} for s in subs], indent=2))
+        return
+    for s in subs:
+        click.echo(f"submitted {s.run_id}: job {s.job_id} ({s.executor}), folder {s.run_dir}")
+
+
 def main() -> None:
+    """Console-script entry point."""
     cli()
+
+
+# DISPATCH's commands (list, status, cancel) live in cli_runs; registered when present.
+try:
+    from hpctrain import cli_runs
+except ImportError:  # pragma: no cover - only before cli_runs exists
+    cli_runs = None  # type: ignore[assignment]
+if cli_runs is not None:
+    cli_runs.register(cli)

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
+from typing import Any
 
 import click
 
 
 class HpcUsageError(click.UsageError):
     """Bad input from the user: the message says which field, which value, and how to fix it."""
+
+    def show(self, file: Any = None) -> None:
+        """One line, `Error: ...`, without click's usage banner: the message already says what to do."""
+        click.echo(f"Error: {self.format_message()}", file=file, err=True)
 
 
 def bad_value(field: str, value: object, why: str, fix: str) -> HpcUsageError:

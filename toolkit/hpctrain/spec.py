@@ -594,12 +594,14 @@ def load_run_file(path: str | Path) -> dict[str, Any]:
     return read_toml(Path(path), "run file")
 
 
-def resolve(run_file: str | Path | None, flags: dict[str, Any], site: str | None = None) -> Spec:
+def resolve(run_file: str | Path | None, flags: dict[str, Any], site: str | None = None, *,
+            check: bool = True) -> Spec:
     """Merge defaults < site profile < run file < flags into a validated, frozen Spec.
 
     `flags` maps dotted keys ("resources.nodes", "train.lr", "env.NCCL_DEBUG", "name") to values;
     strings are converted to the field's type. The site comes from `site`, else the flags, else the
     run file's `site` key; the run file's `[sites.NAME]` tables define profiles inline.
+    `check=False` skips the filesystem checks (`hpctrain plan` previews a run from anywhere).
     """
     from hpctrain import config
 
@@ -613,17 +615,42 @@ def resolve(run_file: str | Path | None, flags: dict[str, Any], site: str | None
     site_layer: dict[str, Any] = {}
     if site_name:
         site_layer = config.site_to_overrides(site_name, config.load_site(str(site_name), inline))
-    spec = _build(_merge([site_layer, run_layer, flags, {"site": site_name}]))
-    check_paths(spec, Path(run_file).parent if run_file else Path.cwd())
+    spec = absolute_paths(_build(_merge([site_layer, run_layer, flags, {"site": site_name}])))
+    if check:
+        check_paths(spec)
     return spec
 
 
-def check_paths(spec: Spec, base: Path) -> None:
+def absolute_paths(spec: Spec) -> Spec:
+    """Relative model/data/tokenizer/template paths -> absolute (from the current directory).
+
+    Ranks run in other directories, often in containers; spec.toml must not depend on where
+    `hpctrain submit` was typed.
+    """
+    import dataclasses
+
+    from hpctrain.presets import PRESETS
+
+    def absol(p: str) -> str:
+        return str(Path(p).expanduser().absolute()) if p else p
+
+    m, d, la = spec.model, spec.data, spec.launch
+    model = dataclasses.replace(m, path=absol(m.path), config=m.config if m.config in PRESETS else absol(m.config))
+    data = dataclasses.replace(d, source=d.source if d.source == "synthetic" else absol(d.source),
+                               tokenizer=d.tokenizer if d.tokenizer == "byte" else absol(d.tokenizer))
+    launch = dataclasses.replace(la, template_dir=absol(la.template_dir))
+    if spec.parallel.nvme_path and not spec.parallel.nvme_path.startswith("/"):
+        raise bad_value("parallel.nvme_path", spec.parallel.nvme_path, "must be an absolute node-local path",
+                        how_to_set("parallel.nvme_path", "/local/nvme"))
+    return dataclasses.replace(spec, model=model, data=data, launch=launch)
+
+
+def check_paths(spec: Spec) -> None:
     """Submit-time checks that need the filesystem: model and data must exist on the shared FS.
 
     Kept out of __post_init__ so that the node can read spec.toml without re-checking.
     """
-    from hpctrain.plan import PRESETS
+    from hpctrain.presets import PRESETS
 
     m = spec.model
     if not m.path and not m.config:
@@ -642,6 +669,10 @@ def check_paths(spec: Spec, base: Path) -> None:
     if src != "synthetic":
         _need(Path(src).exists(), "data.source", src, "path does not exist",
               "pass --data with an existing .jsonl/.txt file or folder, or 'synthetic'")
+    tok = spec.data.tokenizer
+    if tok != "byte":
+        _need(Path(tok).is_dir(), "data.tokenizer", tok, "not a local tokenizer folder",
+              "set [data] tokenizer = 'byte' or a folder holding tokenizer.json")
 
 
 # --------------------------------------------------------------------------------------------------
