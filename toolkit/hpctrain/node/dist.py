@@ -1,0 +1,127 @@
+"""Distributed start: who am I (rank, world, master) and the process group.
+
+Three launchers set three different environments; all five torch variables (RANK WORLD_SIZE
+MASTER_ADDR MASTER_PORT LOCAL_RANK) are exported before `deepspeed.init_distributed`, because with any
+one missing DeepSpeed falls back to MPI discovery and dies with "No module named 'mpi4py'".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import subprocess
+from typing import Mapping, MutableMapping
+
+TORCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    source: str  # "torch" (torchrun / deepspeed launcher), "submitit-local", "slurm", "single"
+    job_id: str = ""
+    node_rank: int = 0
+
+    def exports(self) -> dict[str, str]:
+        return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
+                "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
+
+
+def port_from_job_id(job_id: str) -> int:
+    """A port every rank of one job derives alike (no communication needed), 20000-39999."""
+    digits = "".join(ch for ch in job_id if ch.isdigit()) or "0"
+    return 20000 + int(digits[-8:]) % 20000
+
+
+def first_host(nodelist: str) -> str:
+    """First host of a SLURM nodelist ("node[1-4]" -> "node1")."""
+    try:
+        from hpctrain.nodelist import expand
+    except ImportError:  # CONTROL's parser not there: ask SLURM itself
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                             check=True, timeout=30).stdout
+        return out.split()[0]
+    return expand(nodelist)[0]
+
+
+def detect(env: Mapping[str, str] | None = None) -> DistEnv:
+    """Rank/world/master from whichever launcher started this process (first match wins)."""
+    env = os.environ if env is None else env
+    if all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+        return DistEnv(int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"]),
+                       env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500")), "torch",
+                       env.get("SLURM_JOB_ID", ""), int(env.get("GROUP_RANK", env.get("SLURM_NODEID", "0"))))
+    if "SUBMITIT_LOCAL_GLOBALID" in env:
+        job = env.get("SUBMITIT_LOCAL_JOB_ID", "0")
+        return DistEnv(int(env["SUBMITIT_LOCAL_GLOBALID"]), int(env["SUBMITIT_LOCAL_LOCALID"]),
+                       int(env["SUBMITIT_LOCAL_NTASKS"]), "127.0.0.1",
+                       int(env.get("MASTER_PORT") or port_from_job_id(job)), "submitit-local", job)
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        job = env.get("SLURM_JOB_ID", "0")
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "localhost"
+        return DistEnv(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", "0")), int(env["SLURM_NTASKS"]),
+                       env.get("MASTER_ADDR") or first_host(nodelist),
+                       int(env.get("MASTER_PORT") or port_from_job_id(job)), "slurm", job,
+                       int(env.get("SLURM_NODEID", "0")))
+    return DistEnv(0, 0, 1, "127.0.0.1", int(env.get("MASTER_PORT") or free_port()), "single")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def prepare_process_env(d: DistEnv, use_gpu: bool, env: MutableMapping[str, str] | None = None) -> None:
+    """Everything that must be in os.environ before torch/deepspeed are imported or initialised."""
+    env = os.environ if env is None else env
+    env.update(d.exports())
+    env.setdefault("HF_HUB_OFFLINE", "1")  # compute nodes are offline: never reach for the hub
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # A hung peer should fail the job in minutes, not DeepSpeed's default 30.
+    env.setdefault("DEEPSPEED_TIMEOUT", "10")
+    fix_cuda_arch_list(env)
+    if not use_gpu:
+        env["DS_ACCELERATOR"] = "cpu"
+
+
+def fix_cuda_arch_list(env: MutableMapping[str, str]) -> None:
+    """DeepSpeed's op builder parses TORCH_CUDA_ARCH_LIST with int(): "9.0a" (H200 images) -> "9.0"."""
+    value = env.get("TORCH_CUDA_ARCH_LIST")
+    if not value:
+        return
+    parts = value.replace(",", ";").replace(" ", ";").split(";")
+    fixed: list[str] = []
+    for part in filter(None, parts):
+        suffix = "+PTX" if part.endswith("+PTX") else ""
+        core = part.removesuffix("+PTX").rstrip("abf")  # "9.0a" -> "9.0", "10.0f" -> "10.0"
+        if core and core + suffix not in fixed:
+            fixed.append(core + suffix)
+    env["TORCH_CUDA_ARCH_LIST"] = ";".join(fixed)
+
+
+def init_process_group(d: DistEnv, use_gpu: bool, timeout_min: float) -> None:
+    """deepspeed.init_distributed with the right backend; CPU skips the shm op (a 30 s g++ JIT build)."""
+    import datetime
+
+    import deepspeed
+    import torch
+
+    if use_gpu:
+        torch.cuda.set_device(d.local_rank)
+        backend = "nccl"
+    else:
+        import deepspeed.ops
+
+        # Only used for inference all-reduce; building it needs g++ and ~30 s on every first start.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        backend = "gloo"
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
+                               timeout=datetime.timedelta(minutes=timeout_min), rank=d.rank,
+                               world_size=d.world_size)

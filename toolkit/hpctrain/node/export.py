@@ -1,0 +1,98 @@
+"""Consolidated Hugging Face folder from a complete checkpoint (also `hpctrain export RUN`).
+
+Reads the checkpoint files alone (no process group, one process): ZeRO 1-3 through DeepSpeed's
+zero_to_fp32 (fp32 master weights), ZeRO-0 from the model-states file, pipeline runs from the
+per-layer files. The folder is written aside and renamed, so a half-written export is never seen.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from hpctrain.node import checkpoint as ckpt
+from hpctrain.node.runconf import NodeInputError, RunPaths, read_spec
+
+
+def export_hf(run_dir: str | Path, out: str | Path | None = None, tag: str | None = None) -> Path:
+    """Write RUN/hf (or `out`) from checkpoint `tag` (default: the latest complete one); returns the folder."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hpctrain.node.model import hf_config
+
+    paths = RunPaths(Path(run_dir))
+    spec = read_spec(paths.root)
+    point = _point(paths, tag)
+    cfg = hf_config(spec.model)
+    if int(point.meta.get("pp", 1)) > 1:
+        cfg.tie_word_embeddings = False  # the pipeline trains an untied head (see pipeline.py)
+    sd = consolidated_state_dict(paths.checkpoints, point, cfg)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+    missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise NodeInputError(f"{point.path}: checkpoint does not match the model in spec.toml (missing {missing[:4]}, "
+                             f"unexpected {unexpected[:4]}).")
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    final = Path(out) if out else paths.export
+    tmp = final.with_name(f".tmp-{final.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    _save_tokenizer(spec, tmp)
+    (tmp / "hpctrain_export.json").write_text(json.dumps(
+        {"run": str(paths.root), "checkpoint": point.tag, "step": point.step, "time": time.time()}, indent=1) + "\n")
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    return final
+
+
+def _point(paths: RunPaths, tag: str | None) -> ckpt.ResumePoint:
+    if tag is None:
+        point = ckpt.find_resume(paths.checkpoints)
+        if point is None:
+            raise NodeInputError(f"{paths.checkpoints}: no complete checkpoint to export. Train first "
+                                 "(checkpoints are written at the end of every run).")
+        return point
+    path = paths.checkpoints / tag
+    meta = ckpt.read_marker(path)
+    ckpt.validate_files(path, meta)
+    return ckpt.ResumePoint(tag, path, meta)
+
+
+def consolidated_state_dict(ckpt_dir: Path, point: ckpt.ResumePoint, cfg: Any) -> dict[str, Any]:
+    """Full state dict with Hugging Face names, whatever the ZeRO stage or pipeline layout."""
+    import torch
+
+    if int(point.meta.get("pp", 1)) > 1:
+        from hpctrain.node.pipeline import hf_name
+
+        sd: dict[str, Any] = {}
+        for f in sorted(point.path.glob("layer_*-model_states.pt")):
+            idx = int(re.match(r"layer_(\d+)-", f.name).group(1))  # type: ignore[union-attr]
+            for k, v in torch.load(f, map_location="cpu", weights_only=False).items():
+                sd[hf_name(idx, k, cfg.num_hidden_layers)] = v.float()
+        return sd
+    if int(point.meta.get("zero", 0)) >= 1:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return dict(get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=point.tag))
+    states = torch.load(point.path / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    return {k: v.float() for k, v in states["module"].items()}
+
+
+def _save_tokenizer(spec: Any, out: Path) -> None:
+    from hpctrain.node.tokenize import ByteTokenizer, copy_tokenizer_files
+
+    if spec.data.tokenizer in ("", "byte"):
+        ByteTokenizer().save(out)
+    else:
+        copy_tokenizer_files(spec.data.tokenizer, out)

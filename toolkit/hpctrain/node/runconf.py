@@ -1,0 +1,146 @@
+"""What the node reads from the run folder: the resolved spec, the DeepSpeed config, the paths.
+
+Torch-free on purpose: the input checks in `main.py` run before any heavy import, so a bad path fails
+in a second on every rank instead of after a minute of imports and a hung collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any
+
+from hpctrain import spec as specmod
+from hpctrain.spec import Spec
+
+
+class NodeInputError(Exception):
+    """Bad user input found on the node. The message names the file and says how to fix it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPaths:
+    """The run folder layout (DESIGN.md). Kept local so the node does not depend on runs.py internals."""
+
+    root: Path
+
+    @property
+    def spec(self) -> Path:
+        return self.root / "spec.toml"
+
+    @property
+    def ds_config(self) -> Path:
+        return self.root / "ds_config.json"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def export(self) -> Path:
+        return self.root / "hf"
+
+    @property
+    def hostfile(self) -> Path:
+        return self.root / "hostfile"
+
+
+def read_spec(run_dir: Path) -> Spec:
+    """The resolved spec of a run: CONTROL's `read_resolved` when present, else a local TOML reader."""
+    path = Path(run_dir) / "spec.toml"
+    if not path.is_file():
+        raise NodeInputError(f"{path}: no spec.toml in the run folder; create the run with `hpctrain submit`.")
+    reader = getattr(specmod, "read_resolved", None)
+    if reader is not None:
+        return typing.cast(Spec, reader(Path(run_dir)))
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise NodeInputError(f"{path}: not valid TOML ({exc}); re-create the run with `hpctrain submit`.") from exc
+    return typing.cast(Spec, _build(Spec, data, str(path)))
+
+
+def _build(cls: Any, data: dict[str, Any], where: str) -> Any:
+    """Dataclass from a TOML table (lists -> tuples, nested tables -> nested dataclasses)."""
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key, value in data.items():
+        if key not in names:
+            if key == "sites":  # inline site profiles are resolved on the login node already
+                continue
+            raise NodeInputError(f"{where}: unknown key {key!r}; valid keys: {', '.join(sorted(names))}")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint) and isinstance(value, dict):
+            kwargs[key] = _build(hint, value, f"{where} [{key}]")
+        elif isinstance(value, list):
+            kwargs[key] = tuple(value)
+        else:
+            kwargs[key] = value
+    return cls(**kwargs)
+
+
+def read_ds_config(paths: RunPaths) -> dict[str, Any] | None:
+    """The rendered ds_config.json, or None when the run folder has none (tests build one from the spec)."""
+    if not paths.ds_config.is_file():
+        return None
+    try:
+        return typing.cast(dict[str, Any], json.loads(paths.ds_config.read_text()))
+    except json.JSONDecodeError as exc:
+        raise NodeInputError(f"{paths.ds_config}: not valid JSON ({exc}); re-render it with `hpctrain submit`.") from exc
+
+
+def zero_stage(spec: Spec) -> int:
+    """The ZeRO stage to run: an explicit spec value, or for "auto" the plan's choice (3 if unknown)."""
+    if spec.parallel.zero != "auto":
+        return int(spec.parallel.zero)
+    return 3
+
+
+def build_ds_config(spec: Spec, dp: int, stage: int | None = None) -> dict[str, Any]:
+    """A DeepSpeed config from the spec alone, used when the run folder has no rendered ds_config.json."""
+    t, p = spec.train, spec.parallel
+    stage = zero_stage(spec) if stage is None else stage
+    if p.pp > 1:
+        stage = min(stage, 1)  # DeepSpeed's pipeline engine supports ZeRO 0 and 1 only
+    micro = t.micro_batch or 1
+    gas = t.grad_accum or 1
+    zero: dict[str, Any] = {"stage": stage}
+    if stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    if p.offload in ("optimizer", "all"):
+        zero["offload_optimizer"] = _offload(spec)
+    if p.offload in ("param", "all") and stage == 3:
+        zero["offload_param"] = _offload(spec)
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": gas,
+        "train_batch_size": micro * gas * dp,
+        "gradient_clipping": t.grad_clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": t.lr, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                  "weight_decay": t.weight_decay}},
+        "zero_optimization": zero,
+        "bf16": {"enabled": t.precision == "bf16"},
+        "fp16": {"enabled": t.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16,
+                 "loss_scale_window": 100, "hysteresis": 2, "min_loss_scale": 1},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    return cfg
+
+
+def _offload(spec: Spec) -> dict[str, Any]:
+    if spec.parallel.offload_device == "nvme":
+        return {"device": "nvme", "nvme_path": spec.parallel.nvme_path, "pin_memory": True}
+    return {"device": "cpu", "pin_memory": True}

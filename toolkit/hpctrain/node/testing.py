@@ -1,0 +1,101 @@
+"""Helpers for the node tests and the benchmarks: tiny run folders and multi-rank launches."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hpctrain.node.dist import free_port
+
+
+def toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {toml_value(x)}" for k, x in v.items()) + "}"
+    return json.dumps(str(v))
+
+
+def spec_toml(tables: dict[str, Any]) -> str:
+    """TOML for a spec dict of {top-level key: value, section: {key: value}}."""
+    lines = [f"{k} = {toml_value(v)}" for k, v in tables.items() if not isinstance(v, dict)]
+    for section, body in tables.items():
+        if isinstance(body, dict):
+            lines.append(f"\n[{section}]")
+            lines += [f"{k} = {toml_value(v)}" for k, v in body.items()]
+    return "\n".join(lines) + "\n"
+
+
+TINY: dict[str, Any] = {
+    "name": "tiny",
+    "resources": {"nodes": 1, "gpus_per_node": 0, "tasks_per_node": 2},
+    "model": {"config": "llama-tiny"},
+    "data": {"source": "synthetic", "seq_len": 32},
+    "train": {"steps": 6, "micro_batch": 2, "grad_accum": 2, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2,
+              "precision": "fp32", "seed": 7},
+    "parallel": {"zero": 3},
+    "checkpoint": {"every_steps": 0, "keep": 2, "export_hf": False},
+}
+
+
+def make_run(root: Path, **sections: dict[str, Any]) -> Path:
+    """A run folder with spec.toml = TINY updated section by section."""
+    tables = {k: (dict(v) if isinstance(v, dict) else v) for k, v in TINY.items()}
+    for name, body in sections.items():
+        if isinstance(body, dict):
+            tables.setdefault(name, {}).update(body)
+        else:
+            tables[name] = body
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "spec.toml").write_text(spec_toml(tables))
+    return root
+
+
+def node_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
+    env.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "DEEPSPEED_TIMEOUT": "3",
+                "PATH": os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")})
+    env.update(extra or {})
+    return env
+
+
+def torchrun(run_dir: Path, nproc: int, *, timeout: float = 180, env: dict[str, str] | None = None,
+             mode: str = "train") -> subprocess.CompletedProcess[str]:
+    """`torchrun --standalone` the node entrypoint; bounded by a timeout, on a fresh port."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "hpctrain.node", str(run_dir),
+           "--mode", mode]
+    return subprocess.run(cmd, env=node_env(env), capture_output=True, text=True, timeout=timeout)
+
+
+def metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics" / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def events(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics" / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def losses_by_step(run_dir: Path) -> dict[int, float]:
+    """Last logged loss per step (a resumed run logs the re-run steps again)."""
+    return {int(r["step"]): float(r["loss"]) for r in metrics(run_dir)}
+
+
+class Timer:
+    def __enter__(self) -> "Timer":
+        self.t0 = time.time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.s = time.time() - self.t0

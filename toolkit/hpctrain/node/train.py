@@ -1,0 +1,377 @@
+"""The training loop every rank runs: checks, DeepSpeed engine, steps, checkpoints, metrics, export."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from hpctrain.node import checkpoint as ckpt
+from hpctrain.node.dist import DistEnv
+from hpctrain.node.metrics import MetricsWriter, host_mem_gb, log, step_line
+from hpctrain.node.runconf import NodeInputError, RunPaths, build_ds_config, read_ds_config, read_spec, zero_stage
+from hpctrain.spec import Spec
+
+
+class StopRequested(Exception):
+    """Training stopped after a checkpoint because SLURM signalled (time limit near, or preemption)."""
+
+
+class OtherRankFailed(Exception):
+    """Another rank hit an error; this rank stops without a message of its own."""
+
+
+@dataclass
+class Prepared:
+    """Everything checked and read before the process group exists (fast, no collective can hang)."""
+
+    paths: RunPaths
+    spec: Spec
+    d: DistEnv
+    use_gpu: bool
+    ds_config: dict[str, Any]
+    zero: int
+    dp: int
+    micro: int
+    gas: int
+    hf_cfg: Any
+    tokenizer: Any
+    source: Any
+    resume: ckpt.ResumePoint | None
+    universal: bool
+
+
+@dataclass
+class StopFlag:
+    """Set from a signal handler; acted on at the next step boundary, when all ranks agree."""
+
+    signum: int = 0
+    previous: dict[int, Any] = field(default_factory=dict)
+
+    def install(self) -> None:
+        for sig in (signal.SIGUSR2, signal.SIGTERM):
+            self.previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+
+    def chain(self) -> None:
+        """Hand the signal to whoever had it before (submitit requeues a preempted job from rank 0)."""
+        prev = self.previous.get(self.signum)
+        if callable(prev) and self.signum == signal.SIGUSR2:
+            prev(self.signum, None)
+
+
+# -------------------------------------------------------------------------------------------- prepare
+def prepare(run_dir: Path, d: DistEnv) -> Prepared:
+    """Read and check every input; raises NodeInputError naming the file and the fix."""
+    from hpctrain.node.data import build_source
+    from hpctrain.node.model import check_model_inputs, hf_config
+    from hpctrain.node.tokenize import load_tokenizer
+
+    paths = RunPaths(Path(run_dir))
+    spec = read_spec(paths.root)
+    use_gpu = spec.resources.gpus_per_node > 0 and os.environ.get("DS_ACCELERATOR", "") != "cpu"
+    pp, tp = spec.parallel.pp, spec.parallel.tp
+    if tp > 1:
+        raise NodeInputError("[parallel] tp > 1: tensor parallel (AutoTP) is not implemented in the node trainer "
+                             "yet. Fix: set tp = 1 and use ZeRO-3 (or pp) to split the model.")
+    if d.world_size % pp:
+        raise NodeInputError(f"[parallel] pp = {pp} does not divide the world size {d.world_size}. Fix: choose pp "
+                             "dividing nodes * tasks_per_node.")
+    dp = d.world_size // pp
+    check_model_inputs(spec.model)
+    cfg = read_ds_config(paths) or build_ds_config(spec, dp)
+    zero = int(cfg.get("zero_optimization", {}).get("stage", zero_stage(spec)))
+    cfg = normalize_ds_config(cfg, dp, use_gpu)
+    micro, gas = int(cfg["train_micro_batch_size_per_gpu"]), int(cfg["gradient_accumulation_steps"])
+    resume = ckpt.find_resume(paths.checkpoints)
+    universal = bool(resume) and ckpt.needs_universal(resume.meta, dp, pp, tp)  # type: ignore[union-attr]
+    if universal:
+        cfg["checkpoint"] = {**cfg.get("checkpoint", {}), "load_universal": True}
+    hf_cfg = hf_config(spec.model)
+    tok = load_tokenizer(spec.data.tokenizer)
+    source = build_source(spec, tok, micro, int(hf_cfg.vocab_size), force_padded=pp > 1)
+    return Prepared(paths, spec, d, use_gpu, cfg, zero, dp, micro, gas, hf_cfg, tok, source, resume, universal)
+
+
+def normalize_ds_config(cfg: dict[str, Any], dp: int, use_gpu: bool) -> dict[str, Any]:
+    """Fix up a rendered config for this allocation: batch product, quiet logs, no JIT-built Adam on CPU."""
+    cfg = {**cfg}
+    micro = int(cfg.get("train_micro_batch_size_per_gpu", 1))
+    gas = int(cfg.get("gradient_accumulation_steps", 1))
+    cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"] = micro, gas
+    cfg["train_batch_size"] = micro * gas * dp  # the rendered value is wrong after a resume at another size
+    cfg.setdefault("steps_per_print", 10**9)
+    opt = cfg.get("optimizer")
+    if not use_gpu and isinstance(opt, dict) and str(opt.get("type", "")).lower() in ("adam", "adamw"):
+        # torch's AdamW needs no C++ build; FusedAdam / DeepSpeedCPUAdam cost a 40 s JIT compile on CPU.
+        if not os.environ.get("HPCTRAIN_CPU_ADAM"):
+            cfg["optimizer"] = {**opt, "params": {**opt.get("params", {}), "torch_adam": True}}
+    return cfg
+
+
+def lr_lambda(spec: Spec) -> Callable[[int], float]:
+    """Linear warmup to lr, then cosine to min_lr at the last step (a multiplier of the base lr)."""
+    t = spec.train
+    warm, total, floor = t.warmup_steps, max(1, t.steps), (t.min_lr / t.lr if t.lr else 0.0)
+
+    def fn(s: int) -> float:
+        if s < warm:
+            return (s + 1) / warm
+        progress = min(1.0, (s - warm) / max(1, total - warm))
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return fn
+
+
+# -------------------------------------------------------------------------------------------- engine
+def build_engine(p: Prepared) -> tuple[Any, int]:
+    """The DeepSpeed engine (pipeline engine when pp > 1) and the full parameter count."""
+    import deepspeed
+    import torch
+
+    from hpctrain import presets
+    from hpctrain.node.model import apply_freeze, build_model, param_count
+
+    spec = p.spec
+    torch.manual_seed(spec.train.seed)  # same init on every rank
+    if spec.parallel.pp > 1:
+        from hpctrain.node.pipeline import build_pipeline, load_pretrained_into
+
+        model = build_pipeline(p.hf_cfg, spec.parallel.pp, spec.train.activation_checkpointing)
+        if spec.model.path:
+            load_pretrained_into(model, spec.model.path, p.hf_cfg.num_hidden_layers)
+        n_params = presets.llama_param_count(p.hf_cfg.to_dict())
+    else:
+        model = build_model(spec.model, p.hf_cfg, spec.train.precision, p.ds_config, zero3=p.zero == 3)
+        if spec.train.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        n_params = param_count(model)
+    frozen = apply_freeze(model, spec.model.freeze)
+    if frozen:
+        log.info("froze %d parameter tensors matching %s", frozen, list(spec.model.freeze))
+    params = [q for q in model.parameters() if q.requires_grad]
+    sched = None
+    if "scheduler" not in p.ds_config:
+        fn = lr_lambda(spec)
+        sched = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, fn)  # noqa: E731
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=p.ds_config,
+                                           lr_scheduler=sched)
+    return engine, n_params
+
+
+def agree(ok: bool) -> bool:
+    """All ranks learn whether every rank succeeded (one all_reduce), so none waits in a collective."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([0.0 if ok else 1.0])
+    dist.all_reduce(flag)
+    return flag.item() == 0
+
+
+def resume(p: Prepared, engine: Any) -> tuple[int, int, float]:
+    """Load the resume point (converting to universal first when the DP size changed).
+
+    Returns (start step, data cursor, tokens seen)."""
+    import torch.distributed as dist
+
+    if p.resume is None:
+        return 0, 0, 0.0
+    tag = p.resume.tag
+    error: Exception | None = None
+    if p.universal:
+        if dist.get_rank() == 0:
+            log.info("checkpoint %s has dp=%s, this run dp=%d: converting to a universal checkpoint",
+                     tag, p.resume.meta.get("dp"), p.dp)
+            try:
+                tag = ckpt.convert_universal(p.paths.checkpoints, tag, p.zero)
+            except Exception as exc:  # reported below, after every rank knows
+                error = exc
+        if not agree(error is None):
+            raise error or OtherRankFailed()
+        tag = f"universal-{p.resume.tag}"
+    try:
+        path, client = engine.load_checkpoint(str(p.paths.checkpoints), tag=tag, load_module_strict=True,
+                                              load_optimizer_states=True, load_lr_scheduler_states=True)
+        if path is None:
+            raise NodeInputError(f"{p.paths.checkpoints / tag}: DeepSpeed found no checkpoint to load there.")
+    except NodeInputError as exc:
+        error = exc
+    except Exception as exc:
+        error = NodeInputError(f"{p.paths.checkpoints / tag}: cannot load checkpoint ({type(exc).__name__}: {exc}). "
+                               "Fix: delete that folder (and `latest`) to resume from an earlier checkpoint.")
+    if not agree(error is None):
+        raise error or OtherRankFailed()
+    same_world = int(p.resume.meta.get("world_size", -1)) == p.d.world_size
+    restored = same_world and ckpt.load_rng(p.resume.path / f"rng-rank-{p.d.rank}.pt")
+    step = int(client.get("step", p.resume.step))
+    cursor = int(client.get("cursor", 0))
+    log.info("resumed from %s at step %d (data cursor %d, rng %s)", tag, step, cursor,
+             "restored" if restored else "re-seeded")
+    return step, cursor, float(client.get("tokens_seen", 0.0))
+
+
+# -------------------------------------------------------------------------------------------- loop
+@dataclass
+class LoopState:
+    step: int
+    cursor0: int
+    step0: int
+    tokens_seen: float
+    last_ckpt_time: float
+    last_saved: int = -1
+
+
+def run_training(p: Prepared, stop: StopFlag) -> tuple[Any, LoopState]:
+    """Train to spec.train.steps (or until a signal); returns the engine and the final loop state."""
+    import torch
+    import torch.distributed as dist
+
+    from hpctrain.node.model import flops_per_token
+
+    engine, n_params = build_engine(p)
+    metrics = MetricsWriter(p.paths.metrics, p.d.rank)
+    step0, cursor0, tokens_seen = resume(p, engine)
+    st = LoopState(step0, cursor0, step0, tokens_seen, time.time())
+    t = p.spec.train
+    pipe = p.spec.parallel.pp > 1
+    dp_rank = engine.grid.get_data_parallel_rank() if pipe else p.d.rank
+    first_stage = (not pipe) or engine.is_first_stage()
+    fpt = flops_per_token(p.hf_cfg, n_params, p.spec.data.seq_len)
+    if p.d.rank == 0:
+        metrics.event({"event": "start", "step": step0, "world_size": p.d.world_size, "dp": p.dp, "zero": p.zero,
+                       "params": n_params, "resumed_from": p.resume.tag if p.resume else None})
+    log.info("training %d params, world %d (dp %d pp %d), ZeRO %d, %s, micro %d x gas %d, steps %d -> %d",
+             n_params, p.d.world_size, p.dp, p.spec.parallel.pp, p.zero, t.precision, p.micro, p.gas, step0, t.steps)
+    while st.step < t.steps:
+        t0 = time.time()
+        lr = float(engine.get_lr()[0])
+        batches = [p.source.batch(st.cursor0 + ((st.step - st.step0) * p.gas + m) * p.dp + dp_rank)
+                   for m in range(p.gas)]
+        loss_sum = _train_step(engine, batches, pipe)
+        tokens = sum(b.tokens for b in batches) if first_stage else 0
+        slots = sum(b.slots for b in batches) if first_stage else 0
+        ckpt_due = p.d.rank == 0 and p.spec.checkpoint.every_minutes > 0 and \
+            time.time() - st.last_ckpt_time >= 60 * p.spec.checkpoint.every_minutes
+        red = torch.tensor([loss_sum, float(tokens), float(slots), float(stop.signum > 0), float(ckpt_due)],
+                           dtype=torch.float64)
+        dist.all_reduce(red)
+        st.step += 1
+        loss = red[0].item() / (p.gas * p.d.world_size) if not pipe else loss_sum
+        dt = time.time() - t0
+        st.tokens_seen += red[1].item()
+        signalled = red[3].item() > 0
+        ckpt_s = 0.0
+        if signalled or red[4].item() > 0 or _due(p, st.step) or st.step == t.steps:
+            ckpt_s = save_now(p, engine, st)
+        rec = _record(p, st, loss, lr, red, dt, fpt, ckpt_s, engine)
+        metrics.step(rec)
+        log.info(step_line(rec))
+        if signalled:
+            metrics.heartbeat(st.step, "stopped-on-signal")
+            metrics.event({"event": "stopped-on-signal", "step": st.step, "signal": stop.signum})
+            log.info("signal %d: checkpointed at step %d, stopping for requeue", stop.signum, st.step)
+            if p.d.rank == 0:
+                stop.chain()
+            raise StopRequested(f"stopped on signal at step {st.step}")
+        _fail_hook(st.step)
+    metrics.heartbeat(st.step, "finished")
+    return engine, st
+
+
+def _train_step(engine: Any, batches: list[Any], pipe: bool) -> float:
+    """One optimizer step over the micro-batches; returns the summed micro-batch loss (this rank)."""
+    if pipe:
+        it = iter([(b.input_ids, b.labels) for b in batches])
+        return float(engine.train_batch(data_iter=it).item())
+    total = 0.0
+    for b in batches:
+        out = engine(**b.model_inputs())
+        engine.backward(out.loss)
+        engine.step()
+        total += float(out.loss.detach().float().item())
+    return total
+
+
+def _due(p: Prepared, step: int) -> bool:
+    n = p.spec.checkpoint.every_steps
+    return n > 0 and step % n == 0
+
+
+def save_now(p: Prepared, engine: Any, st: LoopState) -> float:
+    """Checkpoint at st.step (collective)."""
+    if st.last_saved == st.step:
+        return 0.0
+    cursor = st.cursor0 + (st.step - st.step0) * p.gas * p.dp
+    client = {"step": st.step, "cursor": cursor, "tokens_seen": st.tokens_seen, "dp": p.dp,
+              "world_size": p.d.world_size}
+    meta = {"world_size": p.d.world_size, "dp": p.dp, "pp": p.spec.parallel.pp, "tp": p.spec.parallel.tp,
+            "zero": p.zero, "precision": p.spec.train.precision, "cursor": cursor}
+    secs = ckpt.save(engine, p.paths.checkpoints, st.step, client, meta, p.spec.checkpoint.keep)
+    st.last_saved, st.last_ckpt_time = st.step, time.time()
+    log.info("checkpoint step-%d written in %.2f s", st.step, secs)
+    return secs
+
+
+def _record(p: Prepared, st: LoopState, loss: float, lr: float, red: Any, dt: float, fpt: float, ckpt_s: float,
+            engine: Any) -> dict[str, Any]:
+    import torch
+
+    tokens, slots = red[1].item(), red[2].item()
+    tps = tokens / dt if dt > 0 else 0.0
+    tflops = fpt * tps / p.d.world_size / 1e12
+    peak = p.spec.train.peak_tflops
+    rec: dict[str, Any] = {
+        "step": st.step, "loss": loss, "lr": lr, "tokens": int(tokens), "tokens_per_s": tps,
+        "tflops": tflops, "mfu": (tflops / peak) if peak > 0 else None,
+        "gpu_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if p.use_gpu else 0.0,
+        "host_mem_gb": host_mem_gb(), "padding_frac": (1.0 - tokens / slots) if slots else 0.0,
+        "ckpt_s": ckpt_s, "time": time.time(),
+    }
+    if p.spec.train.precision == "fp16":
+        opt = engine.optimizer
+        rec["loss_scale"] = float(getattr(opt, "cur_scale", getattr(opt, "loss_scale", 0.0)))
+    return rec
+
+
+def _fail_hook(step: int) -> None:
+    """Test hook: HPCTRAIN_FAIL_AT_STEP=N kills every rank right after step N (a crash, no cleanup)."""
+    at = os.environ.get("HPCTRAIN_FAIL_AT_STEP")
+    if at and int(at) == step:
+        log.info("HPCTRAIN_FAIL_AT_STEP=%s: exiting hard", at)
+        for h in log.handlers:
+            h.flush()
+        os._exit(17)
+
+
+# -------------------------------------------------------------------------------------------- finish
+def finish(p: Prepared, engine: Any, st: LoopState) -> None:
+    """Final eval loss (the check an export must reproduce), then the HF export on rank 0."""
+    import torch
+
+    metrics = MetricsWriter(p.paths.metrics, p.d.rank)
+    cursor = st.cursor0 + (st.step - st.step0) * p.gas * p.dp
+    eval_loss = None
+    if p.spec.parallel.pp == 1:
+        g = cursor + p.d.rank  # the first micro-batch a next step would train on
+        engine.eval()
+        with torch.no_grad():
+            eval_loss = float(engine(**p.source.batch(g).model_inputs()).loss.float().item())
+        engine.train()
+    record = {"event": "finished", "step": st.step, "eval_loss": eval_loss, "eval_batch": cursor,
+              "tokens_seen": st.tokens_seen}
+    if p.d.rank == 0 and p.spec.checkpoint.export_hf:
+        from hpctrain.node.export import export_hf
+
+        t0 = time.time()
+        out = export_hf(p.paths.root, tag=f"step-{st.step}")
+        record.update(export=str(out), export_s=time.time() - t0)
+        log.info("exported Hugging Face model to %s in %.1f s", out, record["export_s"])
+    metrics.event(record)
+    log.info("finished at step %d, eval loss %s", st.step, eval_loss)
