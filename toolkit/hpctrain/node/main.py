@@ -39,10 +39,11 @@ def run(run_dir: str, mode: str = "train") -> int:
         if mode not in ("train", "preflight"):
             raise NodeInputError(f"mode {mode!r}: use 'train' or 'preflight'.")
         spec = read_spec(paths.root)
+        # Export MASTER_ADDR/PORT first: the preflight rendezvous listens on MASTER_PORT + 1.
+        dist.prepare_process_env(d, use_gpu=spec.resources.gpus_per_node > 0)
         _preflight(spec.launch.preflight_timeout_s)
         if mode == "preflight":
             return EXIT_OK
-        dist.prepare_process_env(d, use_gpu=spec.resources.gpus_per_node > 0)
         from hpctrain.node import train
 
         prep = train.prepare(paths.root, d)  # every input checked before any collective can hang
