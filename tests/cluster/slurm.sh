@@ -309,7 +309,7 @@ start_munge() {
   chmod 755 /run/munge
   [ -s /etc/munge/munge.key ] || die "/etc/munge/munge.key is missing (the munge package creates it); run: bash $0 install"
   # --force: a socket left by a killed munged would otherwise stop it from starting
-  runuser -u munge -- /usr/sbin/munged --force --pid-file=/run/munge/munged.pid </dev/null >"$LOG/munged.start.log" 2>&1 ||
+  runuser -u munge -- /usr/sbin/munged --force --pid-file=/run/munge/munged.pid 9>&- </dev/null >"$LOG/munged.start.log" 2>&1 ||
     die "munged did not start: $(cat "$LOG/munged.start.log")"
   for _ in $(seq 50); do [ -S /run/munge/munge.socket.2 ] && ours /run/munge/munged.pid munged && break; sleep 0.1; done
   cp /run/munge/munged.pid "$RUN/munged.pid"
@@ -329,7 +329,7 @@ start_mariadb() {
   nohup /usr/sbin/mariadbd --no-defaults --user=root --datadir="$DB/data" --socket="$DB/mysqld.sock" \
     --pid-file="$RUN/mariadb.pid" --bind-address=127.0.0.1 --port=3307 --skip-name-resolve \
     --log-error="$LOG/mariadb.err" --innodb-buffer-pool-size=256M --innodb-log-file-size=64M \
-    --innodb-lock-wait-timeout=900 --performance-schema=OFF </dev/null >/dev/null 2>&1 &
+    --innodb-lock-wait-timeout=900 --performance-schema=OFF 9>&- </dev/null >/dev/null 2>&1 &
   echo $! >"$RUN/mariadb.pid" # mariadbd rewrites it with the same PID; written now so a failure can stop it
   STARTED+=(mariadbd)
   for _ in $(seq 300); do sql -e 'select 1' >/dev/null 2>&1 && break; sleep 0.2; done
@@ -340,7 +340,7 @@ start_mariadb() {
 start_slurmdbd() {
   if ! ours "$RUN/slurmdbd.pid" slurmdbd; then
     rm -f "$RUN/slurmdbd.pid"
-    slurmdbd </dev/null >"$LOG/slurmdbd.start.log" 2>&1 || die "slurmdbd did not start: $(cat "$LOG/slurmdbd.start.log")"
+    slurmdbd 9>&- </dev/null >"$LOG/slurmdbd.start.log" 2>&1 || die "slurmdbd did not start: $(cat "$LOG/slurmdbd.start.log")"
     STARTED+=(slurmdbd)
   fi
   for _ in $(seq 150); do timeout 5 sacctmgr -n show cluster >/dev/null 2>&1 && return 0; sleep 0.2; done
@@ -350,7 +350,7 @@ ctld_up() { [[ "$(timeout 5 scontrol ping 2>/dev/null)" == *'is UP'* ]]; }
 start_slurmctld() {
   if ! ours "$RUN/slurmctld.pid" slurmctld; then
     rm -f "$RUN/slurmctld.pid"
-    slurmctld -i </dev/null >"$LOG/slurmctld.start.log" 2>&1 || die "slurmctld did not start: $(cat "$LOG/slurmctld.start.log")"
+    slurmctld -i 9>&- </dev/null >"$LOG/slurmctld.start.log" 2>&1 || die "slurmctld did not start: $(cat "$LOG/slurmctld.start.log")"
     STARTED+=(slurmctld)
   fi
   for _ in $(seq 150); do ctld_up && return 0; sleep 0.2; done
@@ -362,7 +362,7 @@ start_node() { # slurmd for node $1 in its netns, in its own UTS namespace so `h
   rm -f "$pf"
   [ -e "/run/netns/$NS$i" ] || die "namespace $NS$i is missing; run: bash $0 up"
   nsenter --net="/run/netns/$NS$i" -- unshare --uts -- sh -c "hostname node$i && exec /usr/sbin/slurmd -N node$i" \
-    </dev/null >"$LOG/slurmd.node$i.start.log" 2>&1 || die "slurmd node$i did not start: $(cat "$LOG/slurmd.node$i.start.log")"
+    9>&- </dev/null >"$LOG/slurmd.node$i.start.log" 2>&1 || die "slurmd node$i did not start: $(cat "$LOG/slurmd.node$i.start.log")"
   STARTED+=("slurmd.node$i")
   for _ in $(seq 50); do [ -s "$pf" ] && break; sleep 0.1; done
   ours "$pf" slurmd || die "slurmd node$i exited (see $LOG/slurmd.node$i.log)"
@@ -397,7 +397,8 @@ wait_nodes() {
 }
 
 # --- commands -------------------------------------------------------------------------------------------
-lock() { # serialize up/down/wipe/kill-node/restart-node between concurrent callers (4 engineers, pytest)
+lock() { # serialize up/down/wipe/kill-node/restart-node between concurrent callers (4 engineers, pytest).
+  # Every daemon is started with 9>&-: an inherited fd would hold the lock for the daemon's lifetime.
   exec 9>"$LOCK"
   flock -w 300 9 || die "another slurm.sh holds $LOCK for more than 300 s"
 }
