@@ -187,7 +187,7 @@ SECTIONS: dict[str, type] = {
 }
 TOP_SCALARS = ("name", "site", "secret_env")
 # These variables are secret whatever the site says: they reach ranks by name through --export=ALL.
-ALWAYS_SECRET = ("HF_TOKEN", "WANDB_API_KEY")
+ALWAYS_SECRET = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY")
 # A sweep makes one job array, and an array has one allocation shape and one launch line.
 UNSWEEPABLE = ("resources.", "launch.", "container.", "site", "secret_env", "env.")
 

@@ -1,0 +1,53 @@
+#!/bin/bash
+# hpctrain 0.1.0: batch script for run pretrain-8b.
+# Rendered from the resolved spec; change the run file or flags and re-submit instead of editing.
+#SBATCH --account=proj
+#SBATCH --cpus-per-task=8
+#SBATCH --error=/runs/r1/submitit/%j_0_log.err
+#SBATCH --exclude=gpu07,gpu09
+#SBATCH --export=ALL
+#SBATCH --gpus-per-node=8
+#SBATCH --job-name=pretrain-8b
+#SBATCH --mem=0
+#SBATCH --nodes=4
+#SBATCH --ntasks-per-node=8
+#SBATCH --open-mode=append
+#SBATCH --output=/runs/r1/submitit/%j_0_log.out
+#SBATCH --partition=gpu
+#SBATCH --qos=normal
+#SBATCH --requeue
+#SBATCH --signal=USR2@90
+#SBATCH --time=2-00:00:00
+
+set -eo pipefail
+
+# Site modules (loaded before `set -u`: module scripts often read unset variables).
+module load cuda/12.4
+module load nccl/2.21
+set -u
+
+# Plain environment from the spec and the site profile. Secrets (HF_TOKEN, HUGGING_FACE_HUB_TOKEN, WANDB_API_KEY, MY_SECRET)
+# are not written here: they reach the ranks from the submitting shell through --export=ALL.
+export NCCL_DEBUG=WARN
+export NCCL_SOCKET_IFNAME=ib0
+export HPCTRAIN_RUN_DIR=/runs/r1
+export HF_HUB_OFFLINE=1
+export TRANSFORMERS_OFFLINE=1
+export SUBMITIT_EXECUTOR=slurm
+
+# Rendezvous: rank 0 lives on the first host; the port derives from the job id so that jobs
+# sharing a node do not collide.
+MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+export MASTER_ADDR
+export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
+
+# DeepSpeed hostfile for this allocation, written aside then renamed; empty means a broken allocation.
+scontrol show hostnames "$SLURM_JOB_NODELIST" | awk '{ print $1 " slots=8" }' > "$HPCTRAIN_RUN_DIR/hostfile.tmp"
+if [ ! -s "$HPCTRAIN_RUN_DIR/hostfile.tmp" ]; then
+  echo "hpctrain: SLURM_JOB_NODELIST gave no hosts; refusing to start" >&2
+  exit 1
+fi
+mv -f "$HPCTRAIN_RUN_DIR/hostfile.tmp" "$HPCTRAIN_RUN_DIR/hostfile"
+
+# Launch: srun starts 8 task(s) per node, one per rank, each running submitit's job.
+srun --unbuffered --kill-on-bad-exit=1 --output /runs/r1/submitit/%j_%t_log.out --error /runs/r1/submitit/%j_%t_log.err '--container-image=nvcr.io#nvidia/pytorch:24.05-py3' --container-mounts=/runs/r1:/runs/r1,/shared/data/pretrain:/shared/data/pretrain --container-workdir=/runs/r1 /opt/venv/bin/python -u -m submitit.core._submit /runs/r1/submitit

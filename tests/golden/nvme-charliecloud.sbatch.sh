@@ -1,0 +1,42 @@
+#!/bin/bash
+# hpctrain 0.1.0: batch script for run nvme.
+# Rendered from the resolved spec; change the run file or flags and re-submit instead of editing.
+#SBATCH --cpus-per-task=1
+#SBATCH --error=/runs/r1/submitit/%j_0_log.err
+#SBATCH --export=ALL
+#SBATCH --gpus-per-node=2
+#SBATCH --job-name=nvme
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=2
+#SBATCH --open-mode=append
+#SBATCH --output=/runs/r1/submitit/%j_0_log.out
+#SBATCH --requeue
+#SBATCH --signal=USR2@90
+#SBATCH --time=01:00:00
+
+set -eo pipefail
+set -u
+
+# Plain environment from the spec and the site profile. Secrets (HF_TOKEN, HUGGING_FACE_HUB_TOKEN, WANDB_API_KEY)
+# are not written here: they reach the ranks from the submitting shell through --export=ALL.
+export HPCTRAIN_RUN_DIR=/runs/r1
+export HF_HUB_OFFLINE=1
+export TRANSFORMERS_OFFLINE=1
+export SUBMITIT_EXECUTOR=slurm
+
+# Rendezvous: rank 0 lives on the first host; the port derives from the job id so that jobs
+# sharing a node do not collide.
+MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+export MASTER_ADDR
+export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
+
+# DeepSpeed hostfile for this allocation, written aside then renamed; empty means a broken allocation.
+scontrol show hostnames "$SLURM_JOB_NODELIST" | awk '{ print $1 " slots=2" }' > "$HPCTRAIN_RUN_DIR/hostfile.tmp"
+if [ ! -s "$HPCTRAIN_RUN_DIR/hostfile.tmp" ]; then
+  echo "hpctrain: SLURM_JOB_NODELIST gave no hosts; refusing to start" >&2
+  exit 1
+fi
+mv -f "$HPCTRAIN_RUN_DIR/hostfile.tmp" "$HPCTRAIN_RUN_DIR/hostfile"
+
+# Launch: srun starts 2 task(s) per node, one per rank, each running submitit's job.
+srun --unbuffered --kill-on-bad-exit=1 --output /runs/r1/submitit/%j_%t_log.out --error /runs/r1/submitit/%j_%t_log.err ch-run -b /runs/r1:/runs/r1 -b /local/nvme:/local/nvme -c /runs/r1 /var/tmp/train.img -- /opt/venv/bin/python -u -m submitit.core._submit /runs/r1/submitit

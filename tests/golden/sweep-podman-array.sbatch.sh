@@ -1,0 +1,44 @@
+#!/bin/bash
+# hpctrain 0.1.0: batch script for run sweep.
+# Rendered from the resolved spec; change the run file or flags and re-submit instead of editing.
+#SBATCH --array=0-1
+#SBATCH --cpus-per-task=1
+#SBATCH --error=/runs/.sweeps/s1/%a/submitit/%A_%a_0_log.err
+#SBATCH --export=ALL
+#SBATCH --gpus-per-node=4
+#SBATCH --job-name=sweep
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=4
+#SBATCH --open-mode=append
+#SBATCH --output=/runs/.sweeps/s1/%a/submitit/%A_%a_0_log.out
+#SBATCH --requeue
+#SBATCH --signal=USR2@90
+#SBATCH --time=01:00:00
+
+set -eo pipefail
+set -u
+
+# Plain environment from the spec and the site profile. Secrets (HF_TOKEN, HUGGING_FACE_HUB_TOKEN, WANDB_API_KEY)
+# are not written here: they reach the ranks from the submitting shell through --export=ALL.
+export OMP_NUM_THREADS=4
+export HPCTRAIN_RUN_DIR=/runs/.sweeps/s1/"${SLURM_ARRAY_TASK_ID}"
+export HF_HUB_OFFLINE=1
+export TRANSFORMERS_OFFLINE=1
+export SUBMITIT_EXECUTOR=slurm
+
+# Rendezvous: rank 0 lives on the first host; the port derives from the job id so that jobs
+# sharing a node do not collide.
+MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+export MASTER_ADDR
+export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
+
+# DeepSpeed hostfile for this allocation, written aside then renamed; empty means a broken allocation.
+scontrol show hostnames "$SLURM_JOB_NODELIST" | awk '{ print $1 " slots=4" }' > "$HPCTRAIN_RUN_DIR/hostfile.tmp"
+if [ ! -s "$HPCTRAIN_RUN_DIR/hostfile.tmp" ]; then
+  echo "hpctrain: SLURM_JOB_NODELIST gave no hosts; refusing to start" >&2
+  exit 1
+fi
+mv -f "$HPCTRAIN_RUN_DIR/hostfile.tmp" "$HPCTRAIN_RUN_DIR/hostfile"
+
+# Launch: srun starts 4 task(s) per node, one per rank, each running submitit's job.
+srun --unbuffered --kill-on-bad-exit=1 --output /runs/.sweeps/s1/%a/submitit/%A_%a_%t_log.out --error /runs/.sweeps/s1/%a/submitit/%A_%a_%t_log.err podman run --rm --runtime runc --network host --ipc host --shm-size=1g --ulimit "nofile=$(ulimit -Hn):$(ulimit -Hn)" --ulimit nproc=32768:32768 --device nvidia.com/gpu=all -v /runs:/runs --env 'SLURM_*' --env 'HPCTRAIN_*' --env 'SUBMITIT_*' --env MASTER_ADDR --env MASTER_PORT --env HF_HUB_OFFLINE --env TRANSFORMERS_OFFLINE --env DS_ACCELERATOR --env OMP_NUM_THREADS --env HF_TOKEN --env HUGGING_FACE_HUB_TOKEN --env WANDB_API_KEY -w /runs localhost/train:1 /opt/venv/bin/python -u -m submitit.core._submit /runs/.sweeps/s1/%a/submitit
