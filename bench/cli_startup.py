@@ -48,8 +48,8 @@ def main() -> None:
         med = statistics.median(ts)
         print(f"{name:<22}{min(ts) * 1e3:>9.1f}{med * 1e3:>11.1f}{(med - base) * 1e3:>15.1f}{med / base:>8.2f}")
     heavy = subprocess.run(
-        [py, "-c", "import sys, hpctrain.cli; print(','.join(m for m in ('torch','deepspeed','transformers',"
-                   "'submitit','datasets','jinja2','rich') if m in sys.modules) or 'none')"],
+        [py, "-c", ("import sys, hpctrain.cli; print(','.join(m for m in ('torch','deepspeed','transformers',"
+                    "'submitit','datasets','jinja2','rich') if m in sys.modules) or 'none')")],
         capture_output=True, text=True, check=True).stdout.strip()
     print(f"heavy modules imported by hpctrain.cli: {heavy}")
 

@@ -12,8 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.preflight import (Layout, PreflightError, expand_tasks_per_node, hosts_by_rank, layout_from_env,
-                                read_hostfile, run)
+from hpctrain.preflight import (
+    Layout,
+    PreflightError,
+    expand_tasks_per_node,
+    hosts_by_rank,
+    layout_from_env,
+    read_hostfile,
+    run,
+)
 
 
 def _free_port() -> int:
@@ -47,7 +54,7 @@ def _threads(world: int, skip: set[int], timeout: float) -> dict[int, object]:
 def test_all_ranks_join_and_sum() -> None:
     out = _threads(8, set(), 10)
     assert len(out) == 8
-    for rank, res in out.items():
+    for res in out.values():
         assert not isinstance(res, Exception), res
         assert res.total == 36 and res.hosts == [f"h{r}" for r in range(8)]  # type: ignore[attr-defined]
 

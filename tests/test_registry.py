@@ -31,7 +31,7 @@ def test_add_get_update_list(tmp_path: Path) -> None:
     reg.add_attempt(Attempt(run_id=run.run_id, attempt=1, job_id="19", state="RUNNING"))
     run = reg.get_run(run.run_id)
     assert [a.state for a in run.attempts] == ["FAILED", "RUNNING"] and run.state == "RUNNING"
-    assert [r.run_id for r in reg.list_runs()][0] == "big-20261129-120001-0001"  # newest first
+    assert reg.list_runs()[0].run_id == "big-20261129-120001-0001"  # newest first
     assert reg.integrity_check() == "ok"
 
 

@@ -12,9 +12,9 @@ import os
 import re
 import subprocess
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Iterable, Sequence
 
 import click
 

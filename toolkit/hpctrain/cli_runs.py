@@ -91,11 +91,11 @@ def refresh(reg: Registry, runs: list[Run]) -> list[str]:
             setattr(att, k, v)
         run.state = run.attempts[-1].state
         if att.final:
-            rec = {"attempt": att.attempt, "job_id": att.job_id, "state": att.state, "nodes": att.nodes,
+            line = {"attempt": att.attempt, "job_id": att.job_id, "state": att.state, "nodes": att.nodes,
                    "started": att.started, "ended": att.ended, "exit_code": att.exit_code,
                    "failure_class": att.failure_class}
             try:
-                runs_mod.append_attempt(runs_mod.RunFolder(run.folder).attempts_jsonl, rec)
+                runs_mod.append_attempt(runs_mod.RunFolder(run.folder).attempts_jsonl, line)
             except OSError:
                 pass  # the run folder may be gone; the registry still has it
     reg.update_attempts(updates)

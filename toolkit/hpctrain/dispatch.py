@@ -20,10 +20,11 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, is_dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 from hpctrain import runs as runs_mod
 from hpctrain.errors import HpcUsageError
@@ -186,7 +187,7 @@ def _explain_rejection(exc: Any, spec: Spec) -> HpcUsageError:
     """Name the field, its value and a fix; list the real partitions when that is what's wrong."""
     field = exc.field
     value: Any = spec.resources
-    section, _, key = field.partition(".")
+    _, _, key = field.partition(".")
     if key:
         value = getattr(spec.resources, key, "")
     fix = f"change {field} (pass the matching --{key.replace('_', '-')} flag or edit the run file)" if key \
@@ -196,7 +197,7 @@ def _explain_rejection(exc: Any, spec: Spec) -> HpcUsageError:
             from hpctrain import _slurm
 
             fix = f"use one of the partitions `sinfo` lists: {', '.join(_slurm.partitions())} (--partition)"
-        except Exception:  # the partition list is a hint; a failure here must not hide the rejection
+        except Exception:  # noqa: BLE001,S110 - the partition list is a hint; a failure here must not hide the rejection
             pass
     shown = f"{value!r}" if key else "(resources)"
     return HpcUsageError(f"{field} = {shown}: sbatch rejected the job: {exc.reason}. Fix: {fix}")
@@ -231,7 +232,7 @@ def _executor_class() -> type:
 
     from hpctrain import _slurm
 
-    class HpcSlurmExecutor(submitit.SlurmExecutor):  # type: ignore[misc]
+    class HpcSlurmExecutor(submitit.SlurmExecutor):
         """SlurmExecutor whose sbatch file is hpctrain's rendered script, submitted via _slurm."""
 
         def __init__(self, folder: Path, spec: Spec, plan: Plan, run_dirs: list[Path]) -> None:
@@ -247,10 +248,12 @@ def _executor_class() -> type:
             from hpctrain import render  # looked up per call: the class itself is cached
 
             n = self.parameters.get("map_count")
-            array = f"0-{n - 1}" if n else None
-            run_dir = self.run_dirs[0] if not n else Path(sutils.JobPaths.get_first_id_independent_folder(
-                self.folder)) / "%a"
-            text = render.render_sbatch(self.spec, self.plan, run_dir, command, array=array)
+            if n:  # a sweep: task i runs in run_dirs[i]; submitit files go through the %a links
+                text = render.render_sbatch(self.spec, self.plan, self.run_dirs[0], command, array=f"0-{n - 1}",
+                                            run_dirs=self.run_dirs, submitit_folder=self.folder)
+            else:
+                text = render.render_sbatch(self.spec, self.plan, self.run_dirs[0], command,
+                                            submitit_folder=self.folder)
             _check_no_secrets(text, self.spec)
             return str(text)
 
@@ -277,7 +280,7 @@ def _executor_class() -> type:
                 raise
             tasks = list(range(self._num_tasks()))
             ids = [job_id] if n == 1 else [f"{job_id}_{a}" for a in range(n)]
-            jobs = [SlurmJob(folder=self.folder, job_id=i, tasks=tasks) for i in ids]
+            jobs: list[Any] = [SlurmJob(folder=self.folder, job_id=i, tasks=tasks) for i in ids]
             for job, p in zip(jobs, pickles):
                 job.paths.move_temporary_file(p, "submitted_pickle")
                 # submitit's own copy of the script (%j_submission.sh / %A_submission.sh) per run.
@@ -340,7 +343,7 @@ def local_state(run_dir: Path, job_id: str) -> tuple[str, str | None]:
         try:
             with path.open("rb") as fh:
                 status, _ = pickle.load(fh)
-        except Exception:
+        except Exception:  # noqa: BLE001 - any unreadable pickle means the task did not finish cleanly
             return "FAILED", f"unreadable {path.name}"
         if status != "success":
             return "FAILED", f"see {path.name}"

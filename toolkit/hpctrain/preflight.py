@@ -16,9 +16,9 @@ import os
 import re
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -220,7 +220,7 @@ def _serve(layout: Layout, me: str, deadline: float) -> tuple[int, list[str]]:
             srv.settimeout(left)
             try:
                 conn, _ = srv.accept()
-            except (socket.timeout, TimeoutError):
+            except TimeoutError:
                 break
             try:
                 # A peer sends its hello right after connecting; don't let one silent peer eat the budget.
@@ -280,7 +280,7 @@ def _join(layout: Layout, me: str, deadline: float) -> tuple[int, list[str]]:
         _send(sock, {"rank": layout.rank, "host": me, "value": layout.rank + 1})
         try:
             reply = _recv_line(sock, deadline)
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             raise PreflightError(f"pre-flight: rank {layout.rank} on {me} joined {layout.master}:{layout.port}"
                                  " but rank 0 did not answer in time") from None
         except (ConnectionError, OSError, ValueError) as exc:

@@ -16,10 +16,11 @@ import os
 import random
 import sqlite3
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -296,7 +297,7 @@ def _with_attempts(c: sqlite3.Connection, runs: list[Run]) -> list[Run]:
     rows = c.execute(f"SELECT * FROM attempts WHERE run_id IN ({marks}) ORDER BY run_id, attempt",
                      list(by_id)).fetchall()
     for r in rows:
-        by_id[r["run_id"]].attempts.append(Attempt(**{k: r[k] for k in r.keys()}))
+        by_id[r["run_id"]].attempts.append(Attempt(**dict(r)))
     return runs
 
 

@@ -18,9 +18,10 @@ import re
 import secrets
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 # Sub-folders every run folder has from the start, so the node never races to create them.
 SUBDIRS = ("submitit", "logs", "metrics", "checkpoints")
