@@ -114,6 +114,12 @@ def ranks_per_node(spec: Spec) -> int:
     return r.gpus_per_node or r.tasks_per_node or 1
 
 
+def _multiples(g: int, unit: int) -> str:
+    """The multiples of `unit` on either side of g: '48 or 72'."""
+    below, above = (g // unit) * unit, (g // unit + 1) * unit
+    return f"{below} or {above}" if below else str(above)
+
+
 def batch_sizes(spec: Spec, dp: int) -> tuple[int, int, int]:
     """(micro, accum, global) with global = micro * accum * dp; the missing value(s) derived.
 
@@ -133,12 +139,12 @@ def batch_sizes(spec: Spec, dp: int) -> tuple[int, int, int]:
         if m:
             if g % (m * dp):
                 raise bad_value("train.global_batch", g, f"not a multiple of micro_batch x dp = {m} x {dp}",
-                                f"set --global-batch {max(1, round(g / (m * dp))) * m * dp}, or change --micro-batch")
+                                f"set --global-batch {_multiples(g, m * dp)}, or change --micro-batch")
             return m, g // (m * dp), g
         a = a or 1
         if g % (a * dp):
             raise bad_value("train.global_batch", g, f"not a multiple of grad_accum x dp = {a} x {dp}",
-                            f"set --global-batch {max(1, round(g / (a * dp))) * a * dp}")
+                            f"set --global-batch {_multiples(g, a * dp)}, or change --grad-accum")
         return g // (a * dp), a, g
     m, a = m or 1, a or 1
     return m, a, m * a * dp

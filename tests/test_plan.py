@@ -1,0 +1,158 @@
+"""Plan: degrees, batch arithmetic, parameter counts, memory model, zero auto."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hpctrain.errors import HpcUsageError
+from hpctrain.plan import batch_sizes, load_model_config, make_plan, model_arch, param_count, read_plan
+from hpctrain.spec import Data, Model, Parallel, Resources, Spec, Train
+
+
+def spec(**kw: object) -> Spec:
+    base: dict[str, object] = {"model": Model(config="llama-tiny")}
+    base.update(kw)
+    return Spec(**base)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("preset, expected", [
+    ("llama-1b", 1_235_814_400),  # Llama 3.2 1B (tied embeddings)
+    ("llama-3b", 3_212_749_824),  # Llama 3.2 3B (tied)
+    ("llama-8b", 8_030_261_248),  # Llama 3.1 8B (untied)
+])
+def test_preset_param_counts_match_published(preset: str, expected: int) -> None:
+    assert param_count(model_arch(load_model_config(Model(config=preset)))) == expected
+
+
+def test_gpt2_and_mistral_configs(tmp_path: Path) -> None:
+    gpt2 = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 1024,
+            "vocab_size": 50257}
+    (tmp_path / "gpt2.json").write_text(json.dumps(gpt2))
+    assert param_count(model_arch(load_model_config(Model(config=str(tmp_path / "gpt2.json"))))) == 124_439_808
+    mistral = {"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+               "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
+               "tie_word_embeddings": False}
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(mistral))
+    assert param_count(model_arch(load_model_config(Model(path=str(tmp_path / "m"))))) == 7_241_732_096
+
+
+def test_tied_embeddings_counted_once() -> None:
+    cfg = load_model_config(Model(config="llama-tiny"))
+    untied = param_count(model_arch(cfg))
+    tied = param_count(model_arch({**cfg, "tie_word_embeddings": True}))
+    assert untied - tied == cfg["vocab_size"] * cfg["hidden_size"]
+
+
+def test_overrides_apply() -> None:
+    cfg = load_model_config(Model(config="llama-tiny", overrides={"num_hidden_layers": 4}))
+    assert cfg["num_hidden_layers"] == 4
+
+
+def test_world_and_dp() -> None:
+    p = make_plan(spec(resources=Resources(nodes=4, gpus_per_node=8), parallel=Parallel(tp=2, pp=2, zero=1)))
+    assert (p.world_size, p.ranks_per_node, p.dp, p.tp, p.pp) == (32, 8, 8, 2, 2)
+    cpu = make_plan(spec(resources=Resources(nodes=2, tasks_per_node=3)))
+    assert (cpu.world_size, cpu.ranks_per_node, cpu.device) == (6, 3, "cpu")
+    assert make_plan(spec()).world_size == 1
+
+
+def test_tp_pp_not_dividing_is_refused() -> None:
+    with pytest.raises(HpcUsageError) as exc:
+        make_plan(spec(resources=Resources(nodes=1, tasks_per_node=6), parallel=Parallel(tp=4, zero=1)))
+    msg = str(exc.value)
+    assert "parallel.tp*pp = 4" in msg and "world size 6" in msg and "Fix:" in msg and "[1, 2, 3, 6]" in msg
+
+
+@pytest.mark.parametrize("m, a, g, dp, expected", [
+    (2, 4, 0, 8, (2, 4, 64)), (2, 0, 64, 8, (2, 4, 64)), (0, 4, 64, 8, (2, 4, 64)),
+    (0, 0, 64, 8, (8, 1, 64)), (0, 0, 0, 8, (1, 1, 8)), (2, 4, 64, 8, (2, 4, 64)), (1, 4, 4, 1, (1, 4, 4)),
+])
+def test_batch_arithmetic(m: int, a: int, g: int, dp: int, expected: tuple[int, int, int]) -> None:
+    assert batch_sizes(spec(train=Train(micro_batch=m, grad_accum=a, global_batch=g)), dp) == expected
+
+
+@pytest.mark.parametrize("m, a, g, dp, fix", [
+    (2, 4, 60, 8, "--global-batch 64"),
+    (3, 0, 20, 8, "--global-batch 24"),
+    (3, 0, 64, 8, "--global-batch"),
+    (0, 3, 64, 8, "--global-batch 48 or 72"),
+    (2, 3, 32, 8, "--global-batch 48, or --grad-accum 2"),
+])
+def test_inconsistent_batches_name_the_fix(m: int, a: int, g: int, dp: int, fix: str) -> None:
+    with pytest.raises(HpcUsageError) as exc:
+        batch_sizes(spec(train=Train(micro_batch=m, grad_accum=a, global_batch=g)), dp)
+    msg = str(exc.value)
+    assert f"train.global_batch = {g}" in msg and fix in msg, msg
+
+
+def test_memory_falls_with_zero_stage() -> None:
+    p = make_plan(spec(model=Model(config="llama-8b"), resources=Resources(nodes=4, gpus_per_node=8),
+                       parallel=Parallel(zero="auto"), data=Data(seq_len=2048), train=Train(micro_batch=1)))
+    by = {(o["zero"], o["offload"]): o for o in p.options}
+    assert by[(0, "none")]["device_gb"] > by[(1, "none")]["device_gb"] > by[(2, "none")]["device_gb"] \
+        > by[(3, "none")]["device_gb"]
+    assert by[(3, "optimizer")]["device_gb"] < by[(3, "none")]["device_gb"]
+    assert by[(3, "optimizer")]["host_gb"] > by[(3, "none")]["host_gb"]
+    # 8B in bf16 with Adam: 16 B/param = ~120 GiB of state unsharded: stage 0 cannot fit on 80 GiB.
+    assert by[(0, "none")]["fits"] is False
+    assert p.zero_stage == 1 and "fastest" in " ".join(p.reasons) or "do not fit: 0/none" in " ".join(p.reasons)
+
+
+def test_zero_auto_single_gpu_chooses_offload() -> None:
+    p = make_plan(spec(model=Model(config="llama-8b"), resources=Resources(gpus_per_node=1, gpu_mem_gb=80),
+                       parallel=Parallel(zero="auto"), data=Data(seq_len=1024), train=Train(micro_batch=1)))
+    assert p.offload in ("optimizer", "all")
+    assert any("zero auto" in r for r in p.reasons)
+
+
+def test_zero_auto_small_model_picks_stage0() -> None:
+    p = make_plan(spec(resources=Resources(nodes=2, gpus_per_node=4), parallel=Parallel(zero="auto")))
+    assert (p.zero_stage, p.offload) == (0, "none")
+    assert "the fastest choice" in p.reasons[-1]
+
+
+def test_zero_auto_nothing_fits_is_refused() -> None:
+    with pytest.raises(HpcUsageError, match="no ZeRO/offload choice fits.*Fix"):
+        make_plan(spec(model=Model(config="llama-8b"), resources=Resources(gpus_per_node=1, gpu_mem_gb=8, mem="16G"),
+                       parallel=Parallel(zero="auto")))
+
+
+def test_explicit_choice_that_does_not_fit_warns() -> None:
+    p = make_plan(spec(model=Model(config="llama-8b"), resources=Resources(gpus_per_node=1), parallel=Parallel(zero=0)))
+    assert p.zero_stage == 0 and any(r.startswith("WARNING") for r in p.reasons)
+
+
+def test_pipeline_limits_auto_to_stage_0_1() -> None:
+    p = make_plan(spec(model=Model(config="llama-1b"), resources=Resources(nodes=2, gpus_per_node=4),
+                       parallel=Parallel(zero="auto", pp=2)))
+    assert p.zero_stage in (0, 1)
+
+
+def test_cpu_ranks_use_host_memory() -> None:
+    p = make_plan(spec(resources=Resources(tasks_per_node=2)))
+    assert p.device == "cpu" and p.memory["device_capacity_gb"] is None
+    assert p.memory["per_host_gb"] == pytest.approx(2 * p.memory["per_rank_gb"], rel=1e-3)
+
+
+def test_activation_checkpointing_reduces_activations() -> None:
+    # A small vocabulary, so the logits (not touched by checkpointing) do not dominate.
+    kw = dict(model=Model(config="llama-1b", overrides={"vocab_size": 320}), resources=Resources(gpus_per_node=8), data=Data(seq_len=4096),
+              train=Train(micro_batch=4))
+    off = make_plan(spec(**kw)).memory["breakdown"]["activations"]
+    kw["train"] = Train(micro_batch=4, activation_checkpointing=True)
+    on = make_plan(spec(**kw)).memory["breakdown"]["activations"]
+    assert on < off / 3
+
+
+def test_plan_json_and_read_plan(tmp_path: Path) -> None:
+    p = make_plan(spec(resources=Resources(tasks_per_node=2)))
+    (tmp_path / "plan.json").write_text(p.to_json())
+    data = read_plan(tmp_path)
+    for key in ("world_size", "nodes", "ranks_per_node", "dp", "pp", "tp", "micro_batch", "grad_accum",
+                "global_batch", "zero_stage", "offload", "param_count", "memory", "reasons"):
+        assert key in data
+    assert data["zero_stage"] == 3 and p.to_json() == make_plan(spec(resources=Resources(tasks_per_node=2))).to_json()
