@@ -1,0 +1,252 @@
+"""Dispatch against the REAL local SLURM cluster (tests/cluster/slurm.sh: node1..node4, partition debug).
+
+These submit real jobs; every test cancels what it submitted. Marked `slurm`; skipped when the
+cluster does not answer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slurm
+CANARY = "hf_canaryDISPATCH0123456789abcdefXYZ"
+
+
+@pytest.fixture(scope="module")
+def cluster(request: pytest.FixtureRequest) -> Any:
+    """The CLUSTER engineer's `slurm_cluster` fixture when conftest has one, else a health check."""
+    try:
+        return request.getfixturevalue("slurm_cluster")
+    except pytest.FixtureLookupError:
+        pass
+    if not shutil.which("sbatch"):
+        pytest.skip("no SLURM client tools (run tests/cluster/slurm.sh install && up)")
+    ok = subprocess.run(["sinfo", "-h", "-p", "debug", "-o", "%D %t"], capture_output=True, text=True,
+                        timeout=20)
+    if ok.returncode != 0 or not ok.stdout.strip():
+        pytest.skip(f"local SLURM cluster not up: {ok.stderr.strip()}")
+    return None
+
+
+@pytest.fixture()
+def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Path]]:
+    # Run folders must be visible from the nodes: the lab shares the filesystem, /tmp included.
+    paths = {"runs": tmp_path / "runs", "state": tmp_path / "state"}
+    monkeypatch.setenv("HPCTRAIN_RUNS_DIR", str(paths["runs"]))
+    monkeypatch.setenv("HPCTRAIN_STATE_DIR", str(paths["state"]))
+    monkeypatch.setenv("HF_TOKEN", CANARY)
+    yield paths
+    _cancel_all(paths["state"])
+
+
+def _cancel_all(state: Path) -> None:
+    """scancel every job this test recorded (finished ones are a no-op for scancel)."""
+    from hpctrain.registry import Registry
+
+    db = state / "registry.sqlite3"
+    if not db.exists():
+        return
+    ids = {a.job_id.split("_")[0] for r in Registry(db).list_runs(limit=None) for a in r.attempts
+           if r.executor == "slurm"}
+    if ids:
+        subprocess.run(["scancel", *sorted(ids)], capture_output=True, timeout=30)
+
+
+def _spec_plan(**flags: Any) -> tuple[Any, Any]:
+    from hpctrain import plan as P
+    from hpctrain import spec as S
+
+    base = {"resources.partition": "debug", "resources.time": "00:05:00", "model.config": "llama-tiny",
+            "launch.preflight_timeout_s": 30}
+    sp = S.resolve(None, {**base, **flags}, None)
+    return sp, P.make_plan(sp)
+
+
+def _make_runs(sp: Any, pl: Any, runs_dir: Path, n: int = 1) -> list[Path]:
+    from hpctrain import runs
+    from hpctrain import spec as S
+
+    files = {"spec.toml": S.to_toml(sp), "plan.json": pl.to_json()}
+    return [runs.create_run_folder_atomically(runs_dir, runs.new_run_id(sp.name), files) for _ in range(n)]
+
+
+def _hpctrain(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hpctrain", *args], capture_output=True, text=True,
+                          timeout=timeout, env=os.environ.copy())
+
+
+def _cli_has(command: str) -> bool:
+    return f"  {command} " in _hpctrain("--help").stdout
+
+
+def _wait_final(run_id: str, deadline_s: float = 120) -> dict[str, Any]:
+    """Poll `hpctrain status --json` (refresh = one forced sacct) until the run is final."""
+    from hpctrain.cli_runs import refresh
+    from hpctrain.registry import Registry
+
+    end = time.monotonic() + deadline_s
+    while True:
+        reg = Registry()
+        run = reg.get_run(run_id)
+        refresh(reg, [run])
+        if run.attempts and run.attempts[-1].final:
+            return run.to_dict()
+        if time.monotonic() > end:
+            raise AssertionError(f"run {run_id} not final after {deadline_s}s: {run.to_dict()}")
+        time.sleep(1.0)
+
+
+def test_test_only_accepts_rendered_scripts(cluster: Any, env: dict[str, Path]) -> None:
+    from hpctrain import _slurm, render
+
+    for flags in ({"resources.nodes": 1, "resources.tasks_per_node": 2}, {"resources.nodes": 4}):
+        sp, pl = _spec_plan(**flags)
+        run_dir = env["runs"] / "x"
+        single = render.render_sbatch(sp, pl, run_dir, render.submitit_command("python3", str(run_dir)))
+        assert "to start" in _slurm.test_only(single)
+        dirs = [env["runs"] / f"s{i}" for i in range(3)]
+        array = render.render_sbatch(sp, pl, dirs[0], "python3 -c pass", array="0-2", run_dirs=dirs)
+        assert "to start" in _slurm.test_only(array)
+
+
+def test_four_node_preflight_completes_and_lists(cluster: Any, env: dict[str, Path]) -> None:
+    from hpctrain import dispatch
+
+    sp, pl = _spec_plan(**{"resources.nodes": 4, "resources.tasks_per_node": 2})
+    (run_dir,) = _make_runs(sp, pl, env["runs"])
+    (sub,) = dispatch.submit([run_dir], sp, pl, "slurm", mode="preflight")
+    rec = _wait_final(sub.run_id)
+    assert rec["state"] == "COMPLETED", rec
+    assert rec["attempts"][0]["nodes"] == "node[1-4]"
+    # Every one of the 8 ranks on node1..node4 passed the rendezvous.
+    outs = sorted((run_dir / "submitit").glob(f"{sub.job_id}_*_log.out"))
+    assert len(outs) == 8
+    assert (run_dir / "hostfile").read_text().split() == [w for i in range(1, 5) for w in (f"node{i}", "slots=2")]
+    listed = json.loads(_hpctrain("list", "--json").stdout) if _cli_has("list") else None
+    if listed is not None:
+        assert any(r["run_id"] == sub.run_id and r["state"] == "COMPLETED" for r in listed)
+        status = json.loads(_hpctrain("status", sub.run_id[:-2], "--json").stdout)
+        assert status["state"] == "COMPLETED" and status["attempts"][0]["job_id"] == sub.job_id
+    _assert_no_canary(run_dir, env["state"])
+
+
+def _assert_no_canary(*roots: Path) -> None:
+    for root in roots:
+        for p in root.rglob("*"):
+            if p.is_file() and not p.is_symlink():
+                assert CANARY.encode() not in p.read_bytes(), f"secret leaked into {p}"
+
+
+def test_unknown_partition_clean_error(cluster: Any, env: dict[str, Path]) -> None:
+    import click
+
+    from hpctrain import dispatch, runs
+    from hpctrain.registry import Registry
+
+    if _cli_has("submit"):
+        proc = _hpctrain("submit", "examples/tiny.toml", "--partition", "nosuchpart", "--executor", "slurm")
+        assert proc.returncode == 2, proc.stderr
+        assert "partition" in proc.stderr and "nosuchpart" in proc.stderr and "debug" in proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert not env["runs"].exists() or not [p for p in env["runs"].iterdir() if not p.name.startswith(".")]
+    sp, pl = _spec_plan(**{"resources.partition": "nosuchpart"})
+    (run_dir,) = _make_runs(sp, pl, env["runs"])
+    with pytest.raises(click.UsageError) as e:
+        dispatch.submit([run_dir], sp, pl, "slurm")
+    msg = e.value.format_message()
+    assert "resources.partition = 'nosuchpart'" in msg and "Invalid partition" in msg and "debug" in msg
+    runs.remove_run_folder(run_dir)  # what the caller (hpctrain submit) does
+    assert Registry().list_runs(limit=None) == []
+
+
+WRITER = """
+import sys
+from pathlib import Path
+from hpctrain import dispatch, plan as P, runs, spec as S
+sp = S.resolve(None, {"resources.partition": "debug", "resources.time": "00:05:00", "name": "conc",
+                      "model.config": "llama-tiny", "launch.preflight_timeout_s": 20}, None)
+pl = P.make_plan(sp)
+d = runs.create_run_folder_atomically(sys.argv[1], runs.new_run_id("conc"), {"spec.toml": S.to_toml(sp)})
+print(dispatch.submit([d], sp, pl, "slurm", mode="preflight")[0].job_id)
+"""
+
+
+def test_twenty_concurrent_submits_all_recorded(cluster: Any, env: dict[str, Path]) -> None:
+    from hpctrain.registry import Registry
+
+    if _cli_has("submit"):
+        argv = [[sys.executable, "-m", "hpctrain", "submit", "examples/tiny.toml", "--preflight",
+                 "--executor", "slurm", "--partition", "debug", "--nodes", "1"]] * 20
+    else:
+        argv = [[sys.executable, "-c", WRITER, str(env["runs"])]] * 20
+    procs = [subprocess.Popen(a, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for a in argv]
+    results = [(p.wait(timeout=180), *p.communicate()) for p in procs]
+    try:
+        assert all(rc == 0 for rc, _, _ in results), [err for rc, _, err in results if rc][:2]
+        reg = Registry()
+        recs = reg.list_runs(limit=None)
+        assert len(recs) == 20
+        jobs = {r.attempts[0].job_id for r in recs}
+        assert len(jobs) == 20
+        assert reg.integrity_check() == "ok"
+        folders = [p for p in env["runs"].iterdir() if not p.name.startswith(".")]
+        assert sorted(p.name for p in folders) == sorted(r.run_id for r in recs)
+    finally:
+        _cancel_all(env["state"])
+
+
+def test_sweep_is_one_array_and_cancel(cluster: Any, env: dict[str, Path]) -> None:
+    from click.testing import CliRunner
+
+    from hpctrain import cli_runs, dispatch
+    from hpctrain.registry import Registry
+
+    sp, pl = _spec_plan(**{"resources.nodes": 1, "resources.time": "00:02:00"})
+    dirs = _make_runs(sp, pl, env["runs"], n=3)
+    subs = dispatch.submit(dirs, sp, pl, "slurm", mode="preflight")
+    base = {s.job_id.split("_")[0] for s in subs}
+    assert len(base) == 1 and [s.job_id.split("_")[1] for s in subs] == ["0", "1", "2"]
+    rec = _wait_final(subs[2].run_id)
+    assert rec["state"] == "COMPLETED", rec
+    assert (dirs[2] / "submitit" / f"{subs[2].job_id}_0_result.pkl").is_file()
+    # cancel on a finished run is a no-op that says so
+    import click
+
+    group = click.Group()
+    cli_runs.register(group)
+    out = CliRunner().invoke(group, ["cancel", subs[2].run_id, "--json"])
+    assert out.exit_code == 0 and json.loads(out.output)["cancelled"] == []
+    assert Registry().get_run(subs[0].run_id).spec["array_index"] == 0
+
+
+def test_local_executor_preflight_two_tasks(env: dict[str, Path]) -> None:
+    from hpctrain import dispatch
+    from hpctrain.cli_runs import refresh
+    from hpctrain.registry import Registry
+
+    sp, pl = _spec_plan(**{"resources.nodes": 1, "resources.tasks_per_node": 2, "launch.executor": "local"})
+    (run_dir,) = _make_runs(sp, pl, env["runs"])
+    (sub,) = dispatch.submit([run_dir], sp, pl, "local", mode="preflight")
+    assert sub.executor == "local"
+    end = time.monotonic() + 90
+    while True:
+        reg = Registry()
+        run = reg.get_run(sub.run_id)
+        refresh(reg, [run])
+        if run.state != "RUNNING" and run.state != "PENDING":
+            break
+        assert time.monotonic() < end, "local preflight did not finish in 90 s"
+        time.sleep(0.5)
+    assert run.state == "COMPLETED", (run.to_dict(), list((run_dir / "submitit").iterdir()))
+    assert len(list((run_dir / "submitit").glob(f"{sub.job_id}_*_result.pkl"))) == 2
+    _assert_no_canary(run_dir, env["state"])
