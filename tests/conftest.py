@@ -63,6 +63,7 @@ def run_cmd(
     try:
         proc = subprocess.run(
             argv,
+            check=False,
             cwd=cwd,
             env=full_env,
             input=input,
@@ -122,6 +123,7 @@ def _slurm_sh(cmd: str, timeout: float) -> subprocess.CompletedProcess[str]:
     try:
         return subprocess.run(
             ["bash", str(SLURM_SH), cmd],
+            check=False,
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,
