@@ -234,6 +234,11 @@ def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry
     from hpctrain import runs
     from hpctrain.spec import parse_sweep
 
+    if out and not dry_run:
+        from hpctrain.errors import bad_value
+
+        raise bad_value("--out", out, "only a dry run writes into a chosen folder",
+                        "add --dry-run, or set HPCTRAIN_RUNS_DIR to choose where run folders are created")
     grid = parse_sweep(list(sweep)) if sweep else [{}]
     points = [_resolve(runfile, opts, p) for p in grid]
     spec, plan = points[0]

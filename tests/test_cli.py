@@ -1,0 +1,210 @@
+"""CLI: bad input gives one clear message and exit != 0; dry runs write files and submit nothing;
+real submits create the run folder atomically and clean up after a refusal; imports stay light."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from hpctrain.cli import cli
+from hpctrain.errors import HpcUsageError
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HPCTRAIN_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("HPCTRAIN_RUNS_DIR", str(tmp_path / "runs"))
+    monkeypatch.setenv("HPCTRAIN_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture
+def no_dispatch(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Replace dispatch.submit with a recorder (the real one is DISPATCH's, tested there)."""
+    import hpctrain.dispatch as dispatch
+
+    calls: list[Any] = []
+
+    def fake_submit(run_dirs: list[Path], spec: Any, plan: Any, executor: str = "auto", mode: str = "train") -> list[Any]:
+        calls.append((run_dirs, spec, plan, executor, mode))
+        return [dispatch.Submitted(run_id=d.name, run_dir=d, job_id=str(100 + i), executor="local")
+                for i, d in enumerate(run_dirs)]
+
+    monkeypatch.setattr(dispatch, "submit", fake_submit)
+    return calls
+
+
+def invoke(*args: str) -> Any:
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def write(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+TINY = ["--model", "llama-tiny"]
+
+
+@pytest.mark.parametrize("args, field, value", [
+    (["--zero", "5"], "--zero", "5"),
+    (["--nodes", "0"], "resources.nodes", "0"),
+    (["--micro-batch", "2", "--grad-accum", "3", "--global-batch", "10"], "train.global_batch", "10"),
+    (["--gpus-per-node", "6", "--tp", "4"], "parallel.tp*pp", "4"),
+    (["--site", "nosuch"], "site", "'nosuch'"),
+    (["--set", "train.nope=1"], "[train]", "'nope'"),
+    (["--container", "docker:img"], "--container", "docker:img"),
+    (["--time", "1 day"], "resources.time", "'1 day'"),
+])
+@pytest.mark.parametrize("command", ["plan", "submit"])
+def test_bad_flags_one_message(command: str, args: list[str], field: str, value: str, no_dispatch: list[Any]) -> None:
+    res = invoke(command, *TINY, *args, *(["--dry-run"] if command == "submit" else []))
+    assert res.exit_code != 0
+    assert field in res.output and value in res.output, res.output
+    if command == "submit" or field != "--zero":  # click's own Choice message for --zero lists the choices
+        assert "Fix" in res.output or "is not one of" in res.output
+    assert res.output.count("Error") == 1 and "Traceback" not in res.output
+    assert no_dispatch == []
+
+
+def test_bad_run_file_values(tmp_path: Path, no_dispatch: list[Any]) -> None:
+    run = write(tmp_path / "r.toml", '[model]\nconfig = "llama-tiny"\n[parallel]\nzero = 5\n')
+    res = invoke("submit", run)
+    assert res.exit_code != 0 and "parallel.zero = 5" in res.output and "Fix:" in res.output
+    run = write(tmp_path / "r2.toml", '[model]\nconfig = "llama-tiny"\n[parallel]\nzreo = 3\n')
+    res = invoke("submit", run)
+    assert res.exit_code != 0 and "'zreo'" in res.output and "did you mean 'zero'" in res.output
+    res = invoke("submit", "--model", str(tmp_path / "no-such-model"))
+    assert res.exit_code != 0 and "model.path" in res.output and "no-such-model" in res.output and "Fix:" in res.output
+    assert no_dispatch == [] and not (tmp_path / "runs").exists()
+
+
+def test_dry_run_out_writes_files_and_prints_script(tmp_path: Path, no_dispatch: list[Any]) -> None:
+    out = tmp_path / "preview"
+    res = invoke("submit", str(EXAMPLES / "tiny.toml"), "--dry-run", "--out", str(out))
+    assert res.exit_code == 0, res.output
+    assert res.output.startswith("#!/bin/bash") and "#SBATCH --ntasks-per-node=2" in res.output
+    assert sorted(p.name for p in out.iterdir()) == ["ds_config.json", "plan.json", "sbatch.sh", "spec.toml"]
+    assert (out / "sbatch.sh").read_text() == res.output
+    assert json.loads((out / "plan.json").read_text())["world_size"] == 2
+    ds = json.loads((out / "ds_config.json").read_text())
+    assert ds["train_batch_size"] == 8 and ds["zero_optimization"]["stage"] == 3
+    from hpctrain.spec import read_resolved
+
+    assert read_resolved(out).checkpoint.every_steps == 5
+    assert no_dispatch == []
+
+
+def test_dry_run_json_and_sweep(tmp_path: Path, no_dispatch: list[Any]) -> None:
+    res = invoke("submit", str(EXAMPLES / "tiny.toml"), "--dry-run", "--json", "--sweep", "train.lr=1e-4,3e-4",
+                 "--out", str(tmp_path / "sw"))
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert len(data["run_dirs"]) == 2 and "#SBATCH --array=0-1" in data["sbatch"]
+    assert [c["optimizer"]["params"]["lr"] for c in data["ds_configs"]] == [1e-4, 3e-4]
+    assert (tmp_path / "sw" / "point-1" / "spec.toml").read_text().count("lr = 0.0003") == 1
+    res = invoke("submit", *TINY, "--dry-run", "--sweep", "resources.nodes=1,2")
+    assert res.exit_code != 0 and "one allocation shape" in res.output
+
+
+def test_submit_creates_private_run_folder(tmp_path: Path, no_dispatch: list[Any],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_TOKEN", "hf_thisIsASecretTokenValue123456")
+    res = invoke("submit", str(EXAMPLES / "tiny.toml"), "--executor", "local", "--json")
+    assert res.exit_code == 0, res.output
+    [(run_dirs, spec, plan, executor, mode)] = no_dispatch
+    assert executor == "local" and mode == "train" and plan.world_size == 2
+    run = run_dirs[0]
+    assert run.parent == tmp_path / "runs" and stat.S_IMODE(run.stat().st_mode) == 0o700
+    for name in ("spec.toml", "plan.json", "ds_config.json", "sbatch.sh", "submitit", "logs", "metrics", "checkpoints"):
+        assert (run / name).exists(), name
+    for path in run.rglob("*"):
+        if path.is_file():
+            assert "hf_thisIsASecret" not in path.read_text()
+    assert json.loads(res.output)[0]["job_id"] == "100"
+    assert not [p for p in (tmp_path / "runs").iterdir() if p.name.startswith(".")]  # no temp leftovers
+
+
+def test_submit_preflight_mode(no_dispatch: list[Any]) -> None:
+    res = invoke("submit", *TINY, "--preflight")
+    assert res.exit_code == 0, res.output
+    assert no_dispatch[0][4] == "preflight"
+
+
+def test_dispatch_refusal_removes_run_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hpctrain.dispatch as dispatch
+
+    def refuse(*_a: Any, **_k: Any) -> list[Any]:
+        raise HpcUsageError("resources.partition = 'nope': sbatch rejected the job. Fix: use debug")
+
+    monkeypatch.setattr(dispatch, "submit", refuse)
+    res = invoke("submit", *TINY, "--partition", "nope")
+    assert res.exit_code != 0 and "resources.partition = 'nope'" in res.output
+    assert list((tmp_path / "runs").iterdir()) == []
+
+
+def test_sweep_submit_is_one_dispatch_call(no_dispatch: list[Any]) -> None:
+    res = invoke("submit", *TINY, "--sweep", "train.seed=1,2,3")
+    assert res.exit_code == 0, res.output
+    assert len(no_dispatch) == 1 and len(no_dispatch[0][0]) == 3
+
+
+def test_plan_outputs() -> None:
+    res = invoke("plan", str(EXAMPLES / "tiny.toml"))
+    assert res.exit_code == 0 and "world size" in res.output and "<- chosen" in res.output
+    res = invoke("plan", str(EXAMPLES / "tiny.toml"), "--json", "--zero", "auto")
+    data = json.loads(res.output)
+    assert data["zero_stage"] == 0 and data["dp"] == 2
+
+
+@pytest.mark.parametrize("example", ["tiny.toml", "finetune-offload.toml", "pretrain-multinode.toml"])
+def test_examples_plan(example: str) -> None:
+    extra = ["--model", "llama-1b"] if example.startswith("finetune") else []
+    res = invoke("plan", str(EXAMPLES / example), "--json", *extra)
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    if example.startswith("finetune"):
+        assert (data["global_batch"], data["grad_accum"], data["offload"]) == (4, 4, "optimizer")
+    if example.startswith("pretrain"):
+        assert (data["world_size"], data["grad_accum"], data["zero_stage"]) == (32, 4, 3)
+
+
+def test_set_and_flags_reach_the_spec(tmp_path: Path, no_dispatch: list[Any]) -> None:
+    out = tmp_path / "o"
+    res = invoke("submit", *TINY, "--dry-run", "--out", str(out), "--set", "env.NCCL_DEBUG=INFO",
+                 "--set", "train.lr=1e-4", "--container", "apptainer:/img.sif", "--launcher", "deepspeed",
+                 "--activation-checkpointing", "--job-name", "my run")
+    assert res.exit_code == 0, res.output
+    from hpctrain.spec import read_resolved
+
+    spec = read_resolved(out)
+    assert spec.env["NCCL_DEBUG"] == "INFO" and spec.train.lr == 1e-4 and spec.name == "my run"
+    assert spec.container.runtime == "apptainer" and spec.train.activation_checkpointing
+    assert "export NCCL_DEBUG=INFO" in res.output and "apptainer exec" in res.output
+
+
+def test_hostfile_command() -> None:
+    res = invoke("hostfile", "--nodelist", "node[1-3],gpu[08-09]", "--slots", "8")
+    assert res.exit_code == 0
+    assert res.output == "".join(f"{h} slots=8\n" for h in ("node1", "node2", "node3", "gpu08", "gpu09"))
+    res = invoke("hostfile", "--nodelist", "node[1-2],node1", "--slots", "8")
+    assert res.exit_code != 0 and "listed twice" in res.output
+
+
+def test_cli_import_stays_light() -> None:
+    code = ("import sys, hpctrain.cli; heavy = ('torch', 'deepspeed', 'transformers', 'submitit', 'datasets', "
+            "'jinja2', 'rich', 'numpy'); print([m for m in heavy if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
