@@ -35,15 +35,24 @@ install-node: install-base
 
 install: install-node
 
-# Debian packages the tests need: SLURM + accounting, shellcheck, and tools for the cluster namespaces.
+# Debian packages the tests need: SLURM + accounting (slurmdbd, MariaDB), munge, and tools for the cluster
+# namespaces (as root; skips apt when every program is present). shellcheck comes from the test extra.
 install-system:
 	bash $(CLUSTER) install
 
-cluster-up:
+# The local 4-node cluster (tests/cluster/slurm.sh; LAB=/tmp/hpctrain-slurm, nodes node1..node4, partition debug).
+.PHONY: cluster-status cluster-wipe
+cluster-up: install-system
 	bash $(CLUSTER) up
 
 cluster-down:
 	bash $(CLUSTER) down
+
+cluster-status:
+	bash $(CLUSTER) status
+
+cluster-wipe:
+	bash $(CLUSTER) wipe
 
 test: install install-system
 	$(PY) -m pytest -q tests
