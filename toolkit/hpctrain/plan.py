@@ -86,23 +86,24 @@ def model_arch(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def layer_params(a: dict[str, Any]) -> int:
     """Parameters of one transformer block."""
-    h, i, hd = a["hidden"], a["intermediate"], a["head_dim"]
+    h, i, hd = int(a["hidden"]), int(a["intermediate"]), int(a["head_dim"])
+    heads, kvh = int(a["heads"]), int(a["kv_heads"])
     if a["style"] == "gpt2":  # c_attn (3h) + c_proj + 2-layer MLP, all with biases, 2 LayerNorms (w+b)
         return (h * 3 * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h) + 4 * h
-    q = h * a["heads"] * hd
-    kv = 2 * h * a["kv_heads"] * hd
-    o = a["heads"] * hd * h
-    bias = (a["heads"] + 2 * a["kv_heads"]) * hd if a["attention_bias"] else 0
+    q = h * heads * hd
+    kv = 2 * h * kvh * hd
+    o = heads * hd * h
+    bias = (heads + 2 * kvh) * hd if a["attention_bias"] else 0
     return q + kv + o + bias + 3 * h * i + 2 * h  # SwiGLU MLP (gate, up, down) + 2 RMSNorms
 
 
 def param_count(a: dict[str, Any]) -> int:
     """Total parameters; tied embeddings counted once."""
-    h, v = a["hidden"], a["vocab"]
+    h, v, layers = int(a["hidden"]), int(a["vocab"]), int(a["layers"])
     emb = v * h * (1 if a["tied"] else 2)
     if a["style"] == "gpt2":
-        return a["layers"] * layer_params(a) + emb + a["positions"] * h + 2 * h
-    return a["layers"] * layer_params(a) + emb + h
+        return layers * layer_params(a) + emb + int(a["positions"]) * h + 2 * h
+    return layers * layer_params(a) + emb + h
 
 
 # --------------------------------------------------------------------------------------------------
@@ -319,8 +320,8 @@ def make_plan(spec: Spec) -> Plan:
     micro, accum, glob = batch_sizes(spec, dp)
     arch = model_arch(load_model_config(spec.model))
     params = param_count(arch)
-    reasons = [f"world {world} = {spec.resources.nodes} nodes x {rpn} ranks; dp {dp} = world / (tp {spec.parallel.tp}"
-               f" x pp {spec.parallel.pp})",
+    reasons = [(f"world {world} = {spec.resources.nodes} nodes x {rpn} ranks; dp {dp} = world / "
+                f"(tp {spec.parallel.tp} x pp {spec.parallel.pp})"),
                f"global batch {glob} = micro {micro} x accum {accum} x dp {dp}"]
     r = spec.resources
     if r.gpus_per_node and not r.gpu_mem_gb:

@@ -17,11 +17,12 @@ import functools
 import itertools
 import math
 import re
-import tomllib
 import typing
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, Union
+
+import tomllib
 
 from hpctrain.errors import HpcUsageError, bad_value, unknown_key
 
@@ -208,7 +209,7 @@ _SECRET_NAME_PARTS = {"TOKEN", "SECRET", "PASSWORD", "PASSWD", "APIKEY", "CREDEN
 _SECRET_VALUE = re.compile(
     r"^(hf_[A-Za-z0-9]{20,}|(sk|pk|ghp|gho|ghs|github_pat|xox[abpr])[-_][A-Za-z0-9_-]{16,}"
     r"|[0-9a-f]{40}|AKIA[0-9A-Z]{16}|-----BEGIN [A-Z ]*PRIVATE KEY-----.*)$",
-    re.S,
+    re.DOTALL,
 )
 _MEM = re.compile(r"^\d+[KMGT]?$")
 _TIME = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d{1,2}(:\d{1,2}(:\d{1,2})?)?)$")
@@ -289,7 +290,7 @@ def _check(obj: Any) -> None:
     prefix = _section_of(obj)
     for f in fields(obj):
         value = getattr(obj, f.name)
-        hint = _hints(type(obj))[f.name]
+        hint = _hints(typing.cast(type, type(obj)))[f.name]
         if not _type_ok(value, hint):
             raise bad_value(prefix + f.name, value, f"must be {_describe(hint)}",
                             how_to_set(prefix + f.name, _example(hint, f.default)))
@@ -545,7 +546,7 @@ def _merge(layers: list[dict[str, Any]]) -> dict[str, Any]:
         for key, raw in layer.items():
             value = coerce(key, raw)
             if key == "secret_env":
-                secrets.extend(value if isinstance(value, (list, tuple)) else [value])  # union of layers
+                secrets.extend(str(v) for v in (value if isinstance(value, (list, tuple)) else [value]))  # union
                 continue
             parts = key.split(".")
             if len(parts) == 3 or (parts[0] == "env" and len(parts) == 2):
