@@ -110,19 +110,21 @@ def _record(subs: list[Submitted], spec: Spec, plan: Plan, mode: str) -> None:
 
     reg, now = Registry(), time.time()
     summary = spec_summary(spec, plan, mode)
+    items = []
     for s in subs:
         rec = {"attempt": 0, "job_id": s.job_id, "state": "PENDING", "submitted": now,
                "executor": s.executor, "mode": mode}
         runs_mod.append_attempt(runs_mod.RunFolder(s.run_dir).attempts_jsonl, rec)
-        try:
-            reg.add_submitted(
-                {"run_id": s.run_id, "name": spec.name, "folder": str(s.run_dir), "executor": s.executor,
-                 "created": now, "spec": {**summary, "array_index": s.array_index}},
-                Attempt(run_id=s.run_id, attempt=0, job_id=s.job_id, state="PENDING", submitted=now))
-        except Exception as exc:
-            # The job IS queued: say so with its id instead of pretending nothing happened.
-            raise RuntimeError(f"job {s.job_id} for run {s.run_id} was submitted but could not be recorded "
-                               f"in the registry ({exc}); cancel it with `scancel {s.job_id}` or retry") from exc
+        items.append(({"run_id": s.run_id, "name": spec.name, "folder": str(s.run_dir), "executor": s.executor,
+                       "created": now, "spec": {**summary, "array_index": s.array_index}},
+                      Attempt(run_id=s.run_id, attempt=0, job_id=s.job_id, state="PENDING", submitted=now)))
+    try:
+        reg.add_submitted_many(items)  # one transaction for a whole sweep
+    except Exception as exc:
+        # The job IS queued: say so with its id instead of pretending nothing happened.
+        ids = sorted({s.job_id.split("_")[0] for s in subs})
+        raise RuntimeError(f"job {', '.join(ids)} was submitted but could not be recorded in the registry "
+                           f"({exc}); cancel it with `scancel {' '.join(ids)}` or retry") from exc
 
 
 # -- SLURM ----------------------------------------------------------------------------------------

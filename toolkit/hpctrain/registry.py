@@ -139,6 +139,8 @@ class Registry:
         try:
             conn.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")
             conn.execute("PRAGMA foreign_keys=ON")
+            # WAL + NORMAL: a crash never corrupts the db; only a power cut can lose the last commit.
+            conn.execute("PRAGMA synchronous=NORMAL")
             conn.row_factory = sqlite3.Row
             if not self._ready:
                 self._init(conn)
@@ -198,14 +200,19 @@ class Registry:
 
     def add_submitted(self, run: dict[str, Any], attempt: Attempt) -> None:
         """Add a run and its first attempt in ONE transaction: never a run without its job id."""
+        self.add_submitted_many([(run, attempt)])
+
+    def add_submitted_many(self, items: list[tuple[dict[str, Any], Attempt]]) -> None:
+        """A whole sweep's runs + attempts in one transaction: all recorded, or none."""
 
         def tx(c: sqlite3.Connection) -> None:
-            c.execute(
-                "INSERT INTO runs(run_id,name,folder,created,executor,spec,state) VALUES (?,?,?,?,?,?,?)",
-                (run["run_id"], run["name"], run["folder"], run.get("created") or time.time(),
-                 run["executor"], json.dumps(_strip_secrets(run.get("spec", {})), sort_keys=True,
-                                             default=str), attempt.state))
-            _insert_attempt(c, attempt)
+            for run, attempt in items:
+                c.execute(
+                    "INSERT INTO runs(run_id,name,folder,created,executor,spec,state) VALUES (?,?,?,?,?,?,?)",
+                    (run["run_id"], run["name"], run["folder"], run.get("created") or time.time(),
+                     run["executor"], json.dumps(_strip_secrets(run.get("spec", {})), sort_keys=True,
+                                                 default=str), attempt.state))
+                _insert_attempt(c, attempt)
 
         self._write(tx)
 

@@ -155,9 +155,11 @@ def remove_run_folder(path: Path | str) -> None:
 
 
 def _write_inside(root: Path, rel: str, text: str) -> None:
-    target = (root / rel).resolve()
-    if root.resolve() not in target.parents:
+    # The temp dir is fresh (no symlinks in it), so a lexical check is enough and avoids resolve().
+    norm = os.path.normpath(rel)
+    if os.path.isabs(norm) or norm == ".." or norm.startswith("../") or norm == ".":
         raise ValueError(f"run folder file name escapes the folder: {rel!r}")
+    target = root / norm
     target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
