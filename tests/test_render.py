@@ -160,7 +160,7 @@ def test_deepspeed_launcher_runs_node_entry_once_per_node() -> None:
     script, _ = _render("finetune-deepspeed-apptainer")
     assert "#SBATCH --ntasks-per-node=1\n" in script and "#SBATCH --cpus-per-task=8\n" in script
     line = script.strip().splitlines()[-1]
-    assert line.endswith('-u -m hpctrain.node "$HPCTRAIN_RUN_DIR" --launcher deepspeed')
+    assert line.endswith('-u -m hpctrain.node "$HPCTRAIN_RUN_DIR" --launcher deepspeed --mode train')
     assert "apptainer exec --nv --bind /runs/r1:/runs/r1" in line and "/images/train.sif" in line
 
 

@@ -40,4 +40,4 @@ fi
 mv -f "$HPCTRAIN_RUN_DIR/hostfile.tmp" "$HPCTRAIN_RUN_DIR/hostfile"
 
 # Launch: one task per node; the node entry starts DeepSpeed's runner with the hostfile.
-srun --unbuffered --kill-on-bad-exit=1 --output /runs/r1/submitit/%j_%t_log.out --error /runs/r1/submitit/%j_%t_log.err --ntasks-per-node=1 apptainer exec --nv --bind /runs/r1:/runs/r1 --bind /shared/data/sft.jsonl:/shared/data/sft.jsonl --bind /scratch:/scratch --pwd /runs/r1 /images/train.sif /opt/venv/bin/python -u -m hpctrain.node "$HPCTRAIN_RUN_DIR" --launcher deepspeed
+srun --unbuffered --kill-on-bad-exit=1 --output /runs/r1/submitit/%j_%t_log.out --error /runs/r1/submitit/%j_%t_log.err --ntasks-per-node=1 apptainer exec --nv --bind /runs/r1:/runs/r1 --bind /shared/data/sft.jsonl:/shared/data/sft.jsonl --bind /scratch:/scratch --pwd /runs/r1 /images/train.sif /opt/venv/bin/python -u -m hpctrain.node "$HPCTRAIN_RUN_DIR" --launcher deepspeed --mode train

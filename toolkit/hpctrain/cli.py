@@ -195,7 +195,7 @@ def run_files(spec: Spec, plan: Plan, script: str) -> dict[str, str]:
             "ds_config.json": json.dumps(render_ds_config(spec, plan), indent=2) + "\n", "sbatch.sh": script}
 
 
-def _script(spec: Spec, plan: Plan, run_dirs: list[Path]) -> str:
+def _script(spec: Spec, plan: Plan, run_dirs: list[Path], mode: str = "train") -> str:
     """The batch script as it would be submitted (one job, or one array over run_dirs)."""
     import shlex
 
@@ -204,8 +204,8 @@ def _script(spec: Spec, plan: Plan, run_dirs: list[Path]) -> str:
     first = run_dirs[0]
     command = submitit_command(shlex.quote(sys.executable), str(first / "submitit"))
     if len(run_dirs) == 1:
-        return render_sbatch(spec, plan, first, command)
-    return render_sbatch(spec, plan, first, command, array=f"0-{len(run_dirs) - 1}", run_dirs=run_dirs)
+        return render_sbatch(spec, plan, first, command, mode=mode)
+    return render_sbatch(spec, plan, first, command, array=f"0-{len(run_dirs) - 1}", run_dirs=run_dirs, mode=mode)
 
 
 def _write_dry_run(out: Path, points: list[tuple[Spec, Plan]], script_for: Callable[[list[Path]], str]) -> list[Path]:
@@ -242,12 +242,13 @@ def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry
     grid = parse_sweep(list(sweep)) if sweep else [{}]
     points = [_resolve(runfile, opts, p) for p in grid]
     spec, plan = points[0]
+    mode = "preflight" if preflight else "train"
     if dry_run:
         if out:
-            dirs = _write_dry_run(Path(out), points, lambda ds: _script(spec, plan, ds))
+            dirs = _write_dry_run(Path(out), points, lambda ds: _script(spec, plan, ds, mode))
         else:
             dirs = [(runs.runs_dir_default() / runs.new_run_id(s.name)).absolute() for s, _ in points]
-        script = _script(spec, plan, dirs)
+        script = _script(spec, plan, dirs, mode)
         if as_json:
             from hpctrain.render import render_ds_config
 
@@ -257,12 +258,11 @@ def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry
         else:
             click.echo(script, nl=False)
         return
-    run_dirs = _create_runs(points)
-    executor = spec.launch.executor
+    run_dirs = _create_runs(points, mode)
     try:
         from hpctrain import dispatch
 
-        subs = dispatch.submit(run_dirs, spec, plan, executor, mode="preflight" if preflight else "train")
+        subs = dispatch.submit(run_dirs, spec, plan, spec.launch.executor, mode=mode)
     except click.ClickException:  # refused or SLURM unreachable: nothing was submitted, leave nothing
         for d in run_dirs:
             runs.remove_run_folder(d)
@@ -270,7 +270,7 @@ def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry
     _report(subs, as_json)
 
 
-def _create_runs(points: list[tuple[Spec, Plan]]) -> list[Path]:
+def _create_runs(points: list[tuple[Spec, Plan]], mode: str) -> list[Path]:
     """One private run folder per point, each created whole (temp dir + rename) or not at all."""
     from hpctrain import runs
 
@@ -278,7 +278,7 @@ def _create_runs(points: list[tuple[Spec, Plan]]) -> list[Path]:
     ids = [runs.new_run_id(s.name) for s, _ in points]
     dirs = [(base / i).absolute() for i in ids]
     spec, plan = points[0]
-    script = _script(spec, plan, dirs)  # preview; dispatch replaces it with the script it submits
+    script = _script(spec, plan, dirs, mode)  # preview; dispatch replaces it with the script it submits
     made: list[Path] = []
     try:
         for run_id, (s, p) in zip(ids, points):

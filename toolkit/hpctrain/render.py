@@ -225,14 +225,14 @@ def sbatch_directives(spec: Spec, plan: Plan, folder: Path, array: str | None) -
 
 
 def _launch_line(spec: Spec, plan: Plan, folder: Path, array: str | None, command: str,
-                 run_dirs: Sequence[Path], python: str | None) -> tuple[str, str]:
+                 run_dirs: Sequence[Path], python: str | None, mode: str) -> tuple[str, str]:
     log = _log_pattern(folder, array, "%t")
     srun = ["srun", "--unbuffered", "--kill-on-bad-exit=1", "--output", shlex.quote(log + ".out"),
             "--error", shlex.quote(log + ".err")]
     flags, prefix = container_wrap(spec, run_dirs, _bind_root(run_dirs))
     if spec.launch.launcher == "deepspeed":
         py = python or (shlex.quote(shlex.split(command)[0]) if command.strip() else "python")
-        cmd = f'{py} -u -m {NODE_MODULE} "$HPCTRAIN_RUN_DIR" --launcher deepspeed'
+        cmd = f'{py} -u -m {NODE_MODULE} "$HPCTRAIN_RUN_DIR" --launcher deepspeed --mode {shlex.quote(mode)}'
         srun += ["--ntasks-per-node=1"]
         note = "one task per node; the node entry starts DeepSpeed's runner with the hostfile."
     else:
@@ -249,19 +249,21 @@ def _shell_path(path: Path) -> str:
 
 def render_sbatch(spec: Spec, plan: Plan, run_dir: Path, command: str, *, array: str | None = None,
                   run_dirs: Sequence[Path] | None = None, submitit_folder: Path | None = None,
-                  python: str | None = None) -> str:
+                  python: str | None = None, mode: str = "train") -> str:
     """The batch script for a run (or, with `array` and `run_dirs`, for a sweep's job array).
 
     `command` is what every srun task runs (submitit's `python -u -m submitit.core._submit FOLDER`).
     Logs go where submitit looks for them: SUBMITIT_FOLDER/%j_%t_log.{out,err}
-    (default RUN_DIR/submitit). For an array, task i runs in run_dirs[i].
+    (default RUN_DIR/submitit). For an array, task i runs in run_dirs[i], or in run_dir with `%a`
+    replaced by the array index. `mode` ("train"/"preflight") only matters for launcher deepspeed,
+    where the node entry runs instead of submitit's pickled job.
     """
     run_dir = Path(run_dir)
     folder = Path(submitit_folder) if submitit_folder else run_dir / "submitit"
     dirs = [Path(d) for d in run_dirs] if run_dirs else [run_dir]
     if array and not run_dirs and "%a" not in str(run_dir):
         raise ValueError("render_sbatch: an array needs run_dirs, or a run_dir pattern holding %a")
-    launch_line, note = _launch_line(spec, plan, folder, array, command, dirs, python)
+    launch_line, note = _launch_line(spec, plan, folder, array, command, dirs, python, mode)
     secrets = secret_names(spec)
     env = [(k, v) for k, v in sorted(spec.env.items()) if k not in secrets]
     return environment(spec).get_template("sbatch.sh.j2").render(
