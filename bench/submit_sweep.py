@@ -32,7 +32,7 @@ def _wait_gone(job: str, deadline_s: float) -> float:
     """Seconds until squeue stops listing `job` (never `squeue | grep -q`: SIGPIPE, see the recipe)."""
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < deadline_s:
-        out = subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout
+        out = subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True, check=False).stdout
         if not out.strip():
             return time.perf_counter() - t0
         time.sleep(0.5)
@@ -46,7 +46,7 @@ def run_hpctrain(n: int, tmp: Path, wait: bool) -> tuple[float, float | None, st
             "--executor", "slurm", "--partition", "debug", "--nodes", "1", "--set", "resources.tasks_per_node=1",
             "--time", "00:05:00", "--sweep", f"train.lr={lrs}", "--json"]
     t0 = time.perf_counter()
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300, check=False)
     submit_s = time.perf_counter() - t0
     if proc.returncode:
         raise SystemExit(f"hpctrain submit failed:\n{proc.stderr}")
@@ -86,7 +86,7 @@ def main() -> None:
             jobs.append(hpc[2])
         finally:
             if jobs:
-                subprocess.run(["scancel", *jobs], capture_output=True)
+                subprocess.run(["scancel", *jobs], capture_output=True, check=False)
     print(f"{args.n}-task sweep on the local cluster (one job array each)")
     print(f"{'':<28}{'submit s':>10}{'done s':>10}")
     for name, (sub, done, _) in (("raw sbatch --array", raw), ("hpctrain submit --sweep", hpc)):

@@ -280,3 +280,90 @@ def test_auto_executor(fake_slurm: Path, monkeypatch: pytest.MonkeyPatch, tmp_pa
     assert resolve_executor("auto") == "slurm"
     monkeypatch.setenv("PATH", str(tmp_path))
     assert resolve_executor("auto") == "local"
+
+
+# -- slurmctld down, and the list/status/cancel commands ------------------------------------------------
+DOWN = '#!/bin/sh\necho "sbatch: error: Batch job submission failed: Unable to contact slurm controller (connect failure)" >&2\nexit 1\n'
+
+
+def test_submit_with_controller_down_records_nothing(fake_slurm: Path, stand_in_render: None, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpctrain import dispatch
+
+    _exe(fake_slurm / "sbatch", DOWN)
+    monkeypatch.setenv("HPCTRAIN_SLURM_RETRIES", "3")
+    (d,) = _folders(tmp_path, 1)
+    t0 = time.monotonic()
+    with pytest.raises(_slurm.SlurmUnavailable) as e:
+        dispatch.submit([d], _spec(), _plan(), "slurm")  # type: ignore[arg-type]
+    assert time.monotonic() - t0 < 5
+    assert "3 times" in e.value.format_message() and "slurmctld" in e.value.format_message()
+    assert Registry().list_runs(limit=None) == []
+
+
+def _cli() -> click.Group:
+    from hpctrain import cli_runs
+
+    group = click.Group()
+    cli_runs.register(group)
+    return group
+
+
+def test_list_status_cancel_commands(fake_slurm: Path, stand_in_render: None, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from hpctrain import dispatch
+
+    dirs = _folders(tmp_path, 2)
+    subs = dispatch.submit(dirs, _spec(), _plan(), "slurm")  # type: ignore[arg-type]
+    # sacct reports task 0 finished and task 1 running; the parent id is what we asked about.
+    _exe(fake_slurm / "sacct", "#!/bin/sh\necho '101_0|COMPLETED|0:0|node1|2026-11-29T10:00:00|2026-11-29T10:00:05'\n"
+         "echo '101_1|RUNNING|0:0|node2|2026-11-29T10:00:00|Unknown'\necho \"$@\" >> \"$(dirname \"$0\")/sacct.args\"\n")
+    _exe(fake_slurm / "scancel", "#!/bin/sh\necho \"$@\" >> \"$(dirname \"$0\")/scancel.args\"\n")
+    r = CliRunner().invoke(_cli(), ["list", "--json"])
+    assert r.exit_code == 0, r.output
+    states = {x["run_id"]: x["state"] for x in json.loads(r.output)}
+    assert states == {subs[0].run_id: "COMPLETED", subs[1].run_id: "RUNNING"}
+    assert len((fake_slurm / "sacct.args").read_text().splitlines()) == 1  # ONE batched sacct call
+    r = CliRunner().invoke(_cli(), ["list"])
+    assert "COMPLETED" in r.output and "RUNNING" in r.output
+    # the finished attempt is cached: status of it does not ask sacct again
+    calls = len((fake_slurm / "sacct.args").read_text().splitlines())
+    r = CliRunner().invoke(_cli(), ["status", subs[0].run_id])
+    assert r.exit_code == 0 and "node1" in r.output
+    assert len((fake_slurm / "sacct.args").read_text().splitlines()) == calls
+    r = CliRunner().invoke(_cli(), ["cancel", subs[1].run_id, "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["cancelled"] == ["101_1"]
+    assert (fake_slurm / "scancel.args").read_text().split() == ["101_1"]
+    assert Registry().get_run(subs[1].run_id).state == "CANCELLED"
+    lines = [json.loads(x) for x in (dirs[0] / "attempts.jsonl").read_text().splitlines()]
+    assert lines[-1]["state"] == "COMPLETED" and lines[-1]["nodes"] == "node1"
+
+
+def test_unknown_run_lists_close_matches(fake_slurm: Path, stand_in_render: None, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from hpctrain import dispatch
+
+    (d,) = _folders(tmp_path, 1)
+    dispatch.submit([d], _spec(), _plan(), "slurm")  # type: ignore[arg-type]
+    r = CliRunner().invoke(_cli(), ["status", "tiny-9"])
+    assert r.exit_code == 2 and "tiny-0" in r.output and "Close matches" in r.output, r.output
+    r = CliRunner().invoke(_cli(), ["cancel", "zzz"])
+    assert r.exit_code == 2 and "hpctrain list --all" in r.output
+
+
+def test_status_with_slurmdbd_down_warns_and_shows_cache(fake_slurm: Path, stand_in_render: None, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from hpctrain import dispatch
+
+    (d,) = _folders(tmp_path, 1)
+    (sub,) = dispatch.submit([d], _spec(), _plan(), "slurm")  # type: ignore[arg-type]
+    monkeypatch.setenv("FAIL_TIMES", "99")
+    monkeypatch.setenv("HPCTRAIN_SLURM_RETRIES", "2")
+    r = CliRunner().invoke(_cli(), ["status", sub.run_id, "--json"])
+    assert r.exit_code == 0
+    assert "PENDING" in r.output and "stale" in r.output and "slurmdbd" in r.output

@@ -32,7 +32,7 @@ def cluster(request: pytest.FixtureRequest) -> Any:
     if not shutil.which("sbatch"):
         pytest.skip("no SLURM client tools (run tests/cluster/slurm.sh install && up)")
     ok = subprocess.run(["sinfo", "-h", "-p", "debug", "-o", "%D %t"], capture_output=True, text=True,
-                        timeout=20)
+                        timeout=20, check=False)
     if ok.returncode != 0 or not ok.stdout.strip():
         pytest.skip(f"local SLURM cluster not up: {ok.stderr.strip()}")
     return None
@@ -59,7 +59,7 @@ def _cancel_all(state: Path) -> None:
     ids = {a.job_id.split("_")[0] for r in Registry(db).list_runs(limit=None) for a in r.attempts
            if r.executor == "slurm"}
     if ids:
-        subprocess.run(["scancel", *sorted(ids)], capture_output=True, timeout=30)
+        subprocess.run(["scancel", *sorted(ids)], capture_output=True, timeout=30, check=False)
 
 
 def _spec_plan(**flags: Any) -> tuple[Any, Any]:
@@ -82,7 +82,7 @@ def _make_runs(sp: Any, pl: Any, runs_dir: Path, n: int = 1) -> list[Path]:
 
 def _hpctrain(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "hpctrain", *args], capture_output=True, text=True,
-                          timeout=timeout, env=os.environ.copy())
+                          timeout=timeout, env=os.environ.copy(), check=False)
 
 
 def _cli_has(command: str) -> bool:

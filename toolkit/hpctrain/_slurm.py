@@ -92,23 +92,34 @@ def _backoff() -> float:
     return float(os.environ.get("HPCTRAIN_SLURM_BACKOFF_S", "0.5"))
 
 
+def _budget() -> float:
+    """Total seconds one call may spend retrying: a dead controller must not hang a CLI for minutes."""
+    return float(os.environ.get("HPCTRAIN_SLURM_BUDGET_S", "90"))
+
+
 def _run(argv: Sequence[str], *, input_text: str | None = None, timeout_s: float = 30.0,
          retryable: re.Pattern[str] = _TRANSIENT, env: dict[str, str] | None = None,
-         ) -> subprocess.CompletedProcess[str]:
+         retry_timeouts: bool = True) -> subprocess.CompletedProcess[str]:
     """Run a SLURM command; retry transient failures with exponential backoff, then raise."""
     argv = list(argv)
     delay, last = _backoff(), ""
     tries = _retries()
     started = time.monotonic()
+    deadline = started + _budget()
     for attempt in range(tries):
+        left = deadline - time.monotonic()
         try:
             proc = subprocess.run(argv, input=input_text, capture_output=True, text=True,
-                                  timeout=timeout_s, env=env, check=False)
+                                  timeout=max(1.0, min(timeout_s, left)), env=env, check=False)
         except FileNotFoundError as exc:
             raise SlurmUnavailable(
                 f"`{argv[0]}` is not on PATH: SLURM's client tools are not installed here. "
                 "Run on a login node, or use --executor local.") from exc
         except subprocess.TimeoutExpired:
+            if not retry_timeouts:  # sbatch: the job may be queued already; never submit twice
+                raise SlurmUnavailable(
+                    f"`{argv[0]}` got no answer from slurmctld within {timeout_s:.0f}s. The job may or may "
+                    "not be queued: check `squeue --me` before submitting again.") from None
             last = f"no answer within {timeout_s:.0f}s"
         else:
             if proc.returncode == 0:
@@ -116,9 +127,11 @@ def _run(argv: Sequence[str], *, input_text: str | None = None, timeout_s: float
             last = proc.stderr.strip() or proc.stdout.strip()
             if not retryable.search(last):
                 raise SlurmCommandError(argv, proc.returncode, proc.stderr)
-        if attempt < tries - 1:
-            time.sleep(delay)
-            delay *= 2
+        if attempt == tries - 1 or time.monotonic() + delay >= deadline:
+            tries = attempt + 1
+            break
+        time.sleep(delay)
+        delay *= 2
     waited = time.monotonic() - started
     what = "slurmdbd (accounting)" if argv[0] in ("sacct", "sacctmgr") else "slurmctld"
     raise SlurmUnavailable(
@@ -126,7 +139,7 @@ def _run(argv: Sequence[str], *, input_text: str | None = None, timeout_s: float
         f"{waited:.0f}s: {_last_lines(last)}\n"
         f"Check that {what} is running and reachable (`scontrol ping`"
         f"{', `sacctmgr show cluster`' if what.startswith('slurmdbd') else ''}); "
-        "nothing was recorded as changed.")
+        "hpctrain recorded nothing from this call.")
 
 
 def _last_lines(text: str, n: int = 3) -> str:
@@ -241,7 +254,8 @@ def sbatch(script_path: str, extra: Sequence[str] = ()) -> str:
     queued the job, and a blind retry would submit it twice.
     """
     try:
-        proc = _run(["sbatch", *extra, script_path], retryable=_SBATCH_RETRYABLE, timeout_s=60.0)
+        proc = _run(["sbatch", *extra, script_path], retryable=_SBATCH_RETRYABLE, timeout_s=60.0,
+                    retry_timeouts=False)
     except SlurmCommandError as exc:
         if _TRANSIENT.search(exc.stderr):
             raise SlurmUnavailable(
