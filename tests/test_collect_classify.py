@@ -1,0 +1,213 @@
+"""Failure classification over real-looking logs: one fixture per class, plus torn/interleaved/binary input."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpctrain import collect_classify as cc
+from hpctrain.collect_logs import last_timestamp, parse_time
+
+HEAD = "2026-11-29T10:00:01 rank{r} INFO hpctrain node: mode train, rank {r}/4 (local {r}) via slurm, master node1:21234\n"
+
+GPU_OOM = HEAD.format(r=1) + """2026-11-29T10:00:05 rank1 INFO step 3 | loss 9.8123 | lr 1.00e-04 | tok/s 51234 | pad 0.0%
+2026-11-29T10:00:06 rank1 ERROR training failed:
+Traceback (most recent call last):
+  File "/opt/hpctrain/toolkit/hpctrain/node/main.py", line 48, in run
+    engine, state = train.run_training(prep, stop)
+  File "/opt/venv/lib/python3.12/site-packages/torch/_tensor.py", line 626, in backward
+    torch.autograd.backward(
+torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total capacity of 79.10 GiB \
+of which 1.21 GiB is free. Including non-PyTorch memory, this process has 77.88 GiB memory in use.
+"""
+
+HOST_OOM_ERR = """srun: error: node3: task 2: Out Of Memory
+slurmstepd: error: Detected 1 oom_kill event in StepId=1234.0. Some of the step tasks have been OOM Killed.
+"""
+
+NCCL_TIMEOUT = HEAD.format(r=2) + """[rank2]:[E1129 10:31:02.123456 12345 ProcessGroupNCCL.cpp:616] [Rank 2] Watchdog caught \
+collective operation timeout: WorkNCCL(SeqNum=1042, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran \
+for 600031 milliseconds before timing out.
+[rank2]:[E1129 10:31:02.223456 12345 ProcessGroupNCCL.cpp:1664] [PG 0 Rank 2] Exception (either an error or timeout) \
+detected by watchdog at work: 1042, last enqueued NCCL work: 1042, last completed NCCL work: 1041.
+terminate called after throwing an instance of 'c10::DistBackendError'
+"""
+
+GLOO_TIMEOUT = HEAD.format(r=0) + """2026-11-29T10:40:00 rank0 ERROR training failed:
+Traceback (most recent call last):
+  File "/opt/hpctrain/toolkit/hpctrain/node/train.py", line 265, in run_training
+    dist.all_reduce(red)
+  File "/opt/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 2806, in all_reduce
+    work.wait()
+RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 600000ms for recv \
+operation to complete
+"""
+
+PEER_CLOSED = HEAD.format(r=0) + """2026-11-29T10:00:09 rank0 ERROR training failed:
+Traceback (most recent call last):
+  File "/opt/hpctrain/toolkit/hpctrain/node/train.py", line 265, in run_training
+    dist.all_reduce(red)
+RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.77.0.2]:21000
+"""
+
+USER_EXC = HEAD.format(r=1) + """2026-11-29T10:00:07 rank1 INFO step 6 | loss 9.1000 | lr 1.00e-04 | tok/s 812 | pad 0.0%
+2026-11-29T10:00:08 rank1 ERROR training failed:
+Traceback (most recent call last):
+  File "/opt/hpctrain/toolkit/hpctrain/node/main.py", line 48, in run
+    engine, state = train.run_training(prep, stop)
+  File "/opt/hpctrain/toolkit/hpctrain/node/train.py", line 310, in _fail_hook
+    raise ValueError(f"HPCTRAIN_FAIL_AT_STEP: failing on purpose at step {step}")
+ValueError: HPCTRAIN_FAIL_AT_STEP: failing on purpose at step 7
+"""
+
+APPTAINER = """FATAL:   could not open image /images/train.sif: failed to retrieve path for /images/train.sif: \
+lstat /images/train.sif: no such file or directory
+srun: error: node2: task 0: Exited with exit code 255
+"""
+PYXIS = """pyxis: importing docker image: nvcr.io#nvidia/pytorch:24.01-py3
+pyxis: child 81231 failed with error code: 1
+pyxis: failed to import docker image
+slurmstepd: error: pyxis: [ERROR] URL https://nvcr.io/proxy_auth returned error code: 401 Unauthorized
+"""
+PODMAN = 'Error: short-name "train" did not resolve to an alias and no unqualified-search registries are defined\n'
+CHRUN = "ch-run[4412]: error: can't run user command: python: No such file or directory (core.c:1193 2)\n"
+
+PREFLIGHT = """hpctrain: preflight failed: pre-flight: 1 of 4 ranks did not join the rendezvous at node1:20008: rank(s) 3; \
+expected on host(s) node4 (no rank at all from node4: check that node)
+"""
+
+
+def src(text: str, name: str = "logs/attempt-0.rank-0.log", rank: int | None = 0, host: str | None = None) -> cc.LogSource:
+    return cc.LogSource(name, text, rank, host)
+
+
+def test_gpu_oom_names_rank_and_host() -> None:
+    f = cc.classify("FAILED", [src(GPU_OOM, "logs/attempt-0.rank-1.log", 1, "node1"),
+                               src(PEER_CLOSED, "logs/attempt-0.rank-0.log", 0, "node1")], exit_code="1:0")
+    assert f.failure_class == cc.GPU_OOM
+    assert (f.rank, f.host, f.source) == (1, "node1", "logs/attempt-0.rank-1.log")
+    assert f.exception and f.exception.startswith("torch.OutOfMemoryError: CUDA out of memory")
+
+
+@pytest.mark.parametrize("state,exit_code,text", [
+    ("FAILED", "0:9", HOST_OOM_ERR),
+    ("OUT_OF_MEMORY", "0:125", ""),
+    ("FAILED", "137:0", "/var/spool/slurmd/job01234/slurm_script: line 52: 81231 Killed   python -u train.py\n"),
+    ("FAILED", "0:0", "[Mon Nov 29 10:00:01 2026] python invoked oom-killer: gfp_mask=0x140cca(GFP_HIGHUSER_MOVABLE)\n"),
+])
+def test_host_oom(state: str, exit_code: str, text: str) -> None:
+    f = cc.classify(state, [src(text, "submitit/1234_2_log.err", 2, "node3")], exit_code=exit_code)
+    assert f.failure_class == cc.HOST_OOM
+
+
+def test_bare_killed_after_scancel_is_not_oom() -> None:
+    f = cc.classify("CANCELLED", [src("slurmstepd: error: *** STEP 12.0 ON node1 CANCELLED AT 2026-11-29T10:00:00 ***\n"
+                                      "Killed\n")], exit_code="0:15")
+    assert f.failure_class == cc.CANCELLED
+
+
+@pytest.mark.parametrize("text", [NCCL_TIMEOUT, GLOO_TIMEOUT, PEER_CLOSED])
+def test_comm_timeouts(text: str) -> None:
+    f = cc.classify("FAILED", [src(text, rank=2, host="node2")], exit_code="1:0")
+    assert f.failure_class == cc.COMM_TIMEOUT
+    assert f.rank == 2
+
+
+def test_user_exception_beats_peers_connection_closed() -> None:
+    """Rank 1 raised; rank 0 only saw its peer vanish. The root cause is rank 1's exception."""
+    f = cc.classify("FAILED", [src(PEER_CLOSED, "logs/attempt-0.rank-0.log", 0, "node1"),
+                               src(USER_EXC, "logs/attempt-0.rank-1.log", 1, "node2")], exit_code="1:0")
+    assert f.failure_class == cc.PYTHON_EXCEPTION
+    assert (f.rank, f.host) == (1, "node2")
+    assert f.exception == "ValueError: HPCTRAIN_FAIL_AT_STEP: failing on purpose at step 7"
+    assert f.last_lines[-1] == f.exception
+    assert any("_fail_hook" in ln for ln in f.last_lines)
+
+
+@pytest.mark.parametrize("text", [APPTAINER, PYXIS, PODMAN, CHRUN])
+def test_container_errors(text: str) -> None:
+    f = cc.classify("FAILED", [src(text, "submitit/77_0_log.err", 0, "node2")], exit_code="255:0")
+    assert f.failure_class == cc.CONTAINER_ERROR
+    assert f.host == "node2"
+
+
+def test_preflight_names_missing_host() -> None:
+    f = cc.classify("FAILED", [src(PREFLIGHT, "submitit/12_0_log.err", 0, "node1")], exit_code="4:0")
+    assert f.failure_class == cc.PREFLIGHT
+    assert f.host == "node4"
+    assert "did not join" in f.message
+
+
+def test_hang_from_heartbeat() -> None:
+    assert cc.is_hang(1000.0, 1000.0 + 3600, 2.0)
+    assert not cc.is_hang(1000.0, 1000.0 + 60, 2.0)
+    assert not cc.is_hang(None, 5000.0, 2.0)
+    f = cc.classify("CANCELLED", [src(HEAD.format(r=0))], hang=True, hang_message="no step for 60 min")
+    assert f.failure_class == cc.HANG and "60 min" in f.message
+
+
+@pytest.mark.parametrize("state,cls", [("COMPLETED", None), ("TIMEOUT", cc.TIME_LIMIT), ("PREEMPTED", cc.PREEMPTED),
+                                       ("CANCELLED", cc.CANCELLED), ("OUT_OF_MEMORY", cc.HOST_OOM),
+                                       ("NODE_FAIL", cc.NODE_FAIL), ("FAILED", cc.UNKNOWN), ("RUNNING", None)])
+def test_slurm_states_stay_distinct(state: str, cls: str | None) -> None:
+    assert cc.classify(state, [src(HEAD.format(r=0))]).failure_class == cls
+
+
+def test_survivors_comm_errors_do_not_hide_node_fail() -> None:
+    dead = src("2026-11-29T10:00:01 rank1 INFO step 5 | loss 9.0\n", "logs/attempt-0.rank-1.log", 1, "node2")
+    alive = src("2026-11-29T10:00:01 rank0 INFO step 5 | loss 9.0\n2026-11-29T10:10:01 rank0 ERROR x\n" + PEER_CLOSED,
+                "logs/attempt-0.rank-0.log", 0, "node1")
+    f = cc.classify("NODE_FAIL", [alive, dead])
+    assert f.failure_class == cc.NODE_FAIL
+    assert f.host == "node2"
+
+
+def test_timeout_with_signal_stop_is_time_limit() -> None:
+    text = HEAD.format(r=0) + "2026-11-29T10:00:02 rank0 INFO signal 12: checkpointed at step 40, stopping for requeue\n"
+    assert cc.classify("TIMEOUT", [src(text)]).failure_class == cc.TIME_LIMIT
+
+
+def test_interleaved_traceback_with_binary_junk() -> None:
+    """Another rank's lines and NUL/binary bytes inside the traceback; the exception is still found."""
+    raw = (b"2026-11-29T10:00:08 rank1 ERROR training failed:\nTraceback (most recent call last):\n"
+           b"2026-11-29T10:00:08 rank0 INFO step 7 | loss 9.0\n"
+           b'  File "/x/train.py", line 3, in f\n\x00\x00\xff\xfe\x01garbage\n    raise KeyError("tokenizer")\n'
+           b"[rank1]: KeyError: 'tokenizer'\n")
+    f = cc.classify("FAILED", [src(cc.clean_text(raw), rank=1)], exit_code="1:0")
+    assert f.failure_class == cc.PYTHON_EXCEPTION
+    assert f.exception == "KeyError: 'tokenizer'"
+
+
+def test_truncated_traceback() -> None:
+    text = HEAD.format(r=0) + 'Traceback (most recent call last):\n  File "/x/train.py", line 3, in f\n    run('
+    f = cc.classify("FAILED", [src(text)], exit_code="1:0")
+    assert f.failure_class == cc.PYTHON_EXCEPTION
+    assert f.exception == "(traceback truncated)"
+
+
+def test_node_stderr_line_without_traceback() -> None:
+    f = cc.classify("FAILED", [src("hpctrain: rank 3 failed: RuntimeError: loss is NaN (traceback in /r/logs)\n",
+                                   "submitit/9_3_log.err", None, "node2")], exit_code="1:0")
+    assert f.failure_class == cc.PYTHON_EXCEPTION
+    assert f.rank == 3 and f.exception == "RuntimeError: loss is NaN"
+
+
+def test_submitit_jobenvironment_gives_rank_and_host() -> None:
+    text = ("submitit INFO (2026-11-29 16:52:58,133) - Starting with JobEnvironment(job_id=5_0, hostname=node2, "
+            "local_rank=0(1), node=1(4), global_rank=1(4))\n")
+    s = cc.identify(cc.LogSource("submitit/5_0_1_log.out", text))
+    assert (s.rank, s.host, s.job_id) == (1, "node2", "5_0")
+
+
+def test_timestamps() -> None:
+    a = parse_time("2026-11-29T10:00:01 rank0 INFO x")
+    b = parse_time("[2026-11-29 10:00:01,500] [INFO] [engine.py:1] x")
+    c = parse_time("submitit INFO (2026-11-29 10:00:02,000) - Job completed successfully")
+    assert a is not None and b == a + 0.5 and c == a + 1
+    assert parse_time("  File x") is None and parse_time("2026-13-45T99:00:00 bad") is None
+    assert last_timestamp("2026-11-29T10:00:01 a\ntrailing\n") == a
+
+
+def test_garbage_never_raises() -> None:
+    for text in ["", "\x00" * 100, "Traceback (most recent call last):", "rank\n" * 3, "é\ud800"]:
+        cc.classify("FAILED", [src(text)], exit_code="garbage")
+        cc.classify(None, [src(text, rank=None)])

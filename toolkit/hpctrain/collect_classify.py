@@ -1,0 +1,317 @@
+"""Failure classification: pure functions from log text (+ SLURM state) to one failure class.
+
+Inputs are whatever a dead job leaves behind: per-rank logs (logs/attempt-K.rank-R.log), submitit's
+per-task logs (submitit/<job>_<task>_log.out/.err), the SLURM state and exit code, and whether the
+heartbeat went stale long before the job ended. Logs can be truncated, interleaved or hold binary
+junk, so everything here works line by line on decoded text and never raises on bad input.
+
+Stdlib only (the CLI imports this on the login node).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# Failure classes (the `failure_class` field of summary.json; docs/summary.md explains each).
+GPU_OOM = "gpu_oom"
+HOST_OOM = "host_oom"
+COMM_TIMEOUT = "comm_timeout"
+HANG = "hang"
+PYTHON_EXCEPTION = "python_exception"
+CONTAINER_ERROR = "container_error"
+PREFLIGHT = "preflight"
+NODE_FAIL = "node_fail"
+TIME_LIMIT = "time_limit"
+PREEMPTED = "preempted"
+CANCELLED = "cancelled"
+UNKNOWN = "unknown"
+CLASSES = (GPU_OOM, HOST_OOM, COMM_TIMEOUT, HANG, PYTHON_EXCEPTION, CONTAINER_ERROR, PREFLIGHT, NODE_FAIL,
+           TIME_LIMIT, PREEMPTED, CANCELLED, UNKNOWN)
+
+# SLURM states after which nothing went wrong / the job was stopped from outside.
+_STATE_CLASS = {"TIMEOUT": TIME_LIMIT, "PREEMPTED": PREEMPTED, "NODE_FAIL": NODE_FAIL,
+                "CANCELLED": CANCELLED, "OUT_OF_MEMORY": HOST_OOM, "BOOT_FAIL": NODE_FAIL,
+                "DEADLINE": TIME_LIMIT}
+# States where the job was stopped from outside: what the ranks logged while dying (peers gone,
+# SIGKILL) is a consequence, not the cause, so comm errors and a bare "Killed" do not win here.
+_EXTERNAL_STOP = frozenset({"CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "DEADLINE", "BOOT_FAIL"})
+
+_GPU_OOM = re.compile(r"OutOfMemoryError|CUDA out of memory|CUDA error: out of memory|"
+                      r"HIP out of memory|NCCL.*\bout of memory|cudaErrorMemoryAllocation")
+_HOST_OOM = re.compile(r"oom[-_ ]kill|Out of memory: Kill|OUT_OF_MEMORY|Memory cgroup out of memory|"
+                       r"oom_reaper|invoked oom-killer", re.IGNORECASE)
+_KILLED = re.compile(r"^\s*(?:\S+: line \d+: \d+ )?Killed\b|\bexit(?:ed)?(?: with)?(?: code| status)? 137\b|"
+                     r"\bsignal 9\b|SIGKILL", re.IGNORECASE)
+_COMM = re.compile(r"Watchdog caught collective operation timeout|Connection closed by peer|"
+                   r"Timed out waiting .*(?:for|to)|gloo.*timed? ?out|NCCL (?:error|WARN).*(?:timeout|timed out)|"
+                   r"ProcessGroupNCCL.*[Tt]imeout|DistBackendError|Connection reset by peer|"
+                   r"ncclRemoteError|ncclSystemError|Socket Timeout|collective operation timeout")
+_CONTAINER = re.compile(
+    r"^(?:.*\b)?(?:podman|apptainer|singularity|ch-run|enroot|pyxis|conmon|crun|runc)\b.*"
+    r"(?:error|ERROR|FATAL|fatal|failed|not found|denied)|"
+    r"pyxis: (?:error|failed)|"
+    r"FATAL: +(?:container|could not|while|image|failed)|"
+    r"OCI runtime (?:error|create failed)|Error: (?:short-name|image not known)|"
+    r"ch-run\[\d+\]: error")
+_PREFLIGHT = re.compile(r"PreflightError|pre-flight: .*(?:did not join|could not reach|did not answer|lost rank 0)|"
+                        r"preflight failed")
+_HOSTS_IN_PREFLIGHT = re.compile(r"expected on host\(s\) ([^;()\n]+)|rank 0's host (\S+)")
+_TB_HEAD = "Traceback (most recent call last):"
+# The line that ends a traceback: `pkg.module.Name: message` or a bare `Name`, not indented.
+_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Failed|Failure|Requested|"
+                       r"Timeout|Warning|Fault|Abort)|[A-Za-z_][\w.]*\.[A-Z]\w*)(?::\s?(.*))?$")
+# The one line the node prints on stderr when a rank fails (node/main.py).
+_NODE_FAILED = re.compile(r"hpctrain: rank (\d+) failed: ([\w.]+): (.*?)(?: \(traceback in .*\))?$")
+_CTRL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+# Tags that identify who wrote a line: the node's "rank3", submitit's JobEnvironment line.
+_RANK_TAG = re.compile(r"\brank ?(\d+)\b")
+_JOBENV = re.compile(r"JobEnvironment\(job_id=([^,]+), hostname=([^,]+), local_rank=\d+\(\d+\), "
+                     r"node=\d+\(\d+\), global_rank=(\d+)\(\d+\)\)")
+_HOST_TAG = re.compile(r"\bhost[= ]([A-Za-z0-9][\w.-]*)")
+
+
+@dataclass
+class LogSource:
+    """One log's text and who wrote it (rank/host may be unknown: None)."""
+
+    name: str
+    text: str
+    rank: int | None = None
+    host: str | None = None
+    job_id: str | None = None
+
+
+@dataclass
+class Failure:
+    """What went wrong in one attempt, and where the evidence is."""
+
+    failure_class: str | None  # None: nothing went wrong
+    message: str = ""
+    rank: int | None = None
+    host: str | None = None
+    source: str | None = None  # file the evidence came from
+    exception: str | None = None  # "ValueError: boom" for Python exceptions
+    last_lines: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def clean_text(data: bytes | str) -> str:
+    """Decode bytes leniently and drop control characters (binary junk, NULs from a torn write)."""
+    text = data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data
+    return _CTRL.sub("", text.replace("\r\n", "\n").replace("\r", "\n"))
+
+
+def identify(source: LogSource) -> LogSource:
+    """Fill rank/host from submitit's JobEnvironment line or node tags when the file name did not."""
+    m = _JOBENV.search(source.text)
+    if m:
+        source.host = source.host or m.group(2).strip()
+        source.rank = source.rank if source.rank is not None else int(m.group(3))
+        source.job_id = source.job_id or m.group(1)
+    if source.host is None:
+        h = _HOST_TAG.search(source.text[:4000])
+        if h:
+            source.host = h.group(1)
+    return source
+
+
+# -- single detectors: each returns the evidence line (or None) --------------------------------------
+def _first(pattern: re.Pattern[str], lines: list[str]) -> str | None:
+    return next((ln for ln in lines if pattern.search(ln)), None)
+
+
+def find_traceback(lines: list[str]) -> tuple[str, list[str]] | None:
+    """The last traceback's exception ("Type: message") and its last lines.
+
+    Frame lines are indented; anything else that is not the exception line (another rank's line
+    interleaved, a log prefix, junk) is skipped rather than ending the block, so a torn or
+    interleaved traceback still yields its exception. A traceback cut before its exception line
+    gives "(traceback truncated)".
+    """
+    heads = [i for i, ln in enumerate(lines) if _TB_HEAD in ln]
+    if not heads:
+        return None
+    start = heads[-1]
+    block: list[str] = [lines[start].strip()]
+    for ln in lines[start + 1:start + 400]:
+        stripped = ln.rstrip()
+        if stripped.startswith((" ", "\t")):
+            block.append(stripped)
+            continue
+        m = _EXC_LINE.match(_strip_prefix(stripped))
+        if m:
+            exc = m.group(1) + (f": {m.group(2)}" if m.group(2) else "")
+            block.append(exc)
+            return exc, block[-8:]
+    return "(traceback truncated)", block[-8:]
+
+
+def _strip_prefix(line: str) -> str:
+    """Drop a `[rank3]:` / `0: ` prefix (torchrun/srun --label) so the exception line matches."""
+    return re.sub(r"^(?:\[(?:rank|default)\d+\]:|\d+: )\s*", "", line)
+
+
+def _exception_from_node_line(lines: list[str]) -> tuple[int, str] | None:
+    for ln in reversed(lines):
+        m = _NODE_FAILED.search(ln)
+        if m:
+            return int(m.group(1)), f"{m.group(2)}: {m.group(3)}"
+    return None
+
+
+@dataclass
+class _Evidence:
+    cls: str
+    line: str
+    src: LogSource
+    exception: str | None = None
+    last_lines: list[str] = field(default_factory=list)
+
+
+def _scan(src: LogSource) -> list[_Evidence]:
+    """Every kind of evidence in one log, strongest kinds first."""
+    lines = clean_text(src.text).split("\n")
+    out: list[_Evidence] = []
+    tb = find_traceback(lines)
+    for cls, pattern in ((PREFLIGHT, _PREFLIGHT), (GPU_OOM, _GPU_OOM), (HOST_OOM, _HOST_OOM),
+                         (CONTAINER_ERROR, _CONTAINER), (COMM_TIMEOUT, _COMM)):
+        hit = _first(pattern, lines)
+        if hit is not None:
+            out.append(_Evidence(cls, hit.strip(), src, tb[0] if tb else None, tb[1] if tb else []))
+    if tb is not None:
+        exc, block = tb
+        kind = PYTHON_EXCEPTION
+        if _GPU_OOM.search(exc):
+            kind = GPU_OOM
+        elif _COMM.search(exc):
+            kind = COMM_TIMEOUT
+        elif _PREFLIGHT.search(exc):
+            kind = PREFLIGHT
+        out.append(_Evidence(kind, exc, src, exc, block))
+    else:
+        node = _exception_from_node_line(lines)
+        if node is not None:
+            rank, exc = node
+            if src.rank is None:
+                src.rank = rank
+            out.append(_Evidence(PYTHON_EXCEPTION, exc, src, exc, [exc]))
+    killed = _first(_KILLED, lines)
+    if killed is not None:
+        out.append(_Evidence("killed", killed.strip(), src))
+    return out
+
+
+# Root causes first: a failed pre-flight explains everything after it; OOMs explain the exception
+# they raise; a real exception on one rank explains its peers' "connection closed" errors.
+_PRIORITY = (PREFLIGHT, GPU_OOM, HOST_OOM, CONTAINER_ERROR, PYTHON_EXCEPTION, COMM_TIMEOUT)
+
+
+def classify(state: str | None, sources: Iterable[LogSource], *, exit_code: str | None = None,
+             hang: bool = False, hang_message: str = "") -> Failure:
+    """One failure class for one attempt from its SLURM state, logs and heartbeat verdict.
+
+    `state` is SLURM's (or the local executor's) final state; None/RUNNING/PENDING mean still going.
+    COMPLETED with no error evidence gives failure_class None.
+    """
+    state = (state or "").upper()
+    srcs = [identify(s) for s in sources]
+    found = [e for s in srcs for e in _scan(s)]
+    external = state in _EXTERNAL_STOP
+    by_cls: dict[str, list[_Evidence]] = {}
+    for e in found:
+        by_cls.setdefault(e.cls, []).append(e)
+    for cls in _PRIORITY:
+        if cls not in by_cls:
+            continue
+        if external and cls == COMM_TIMEOUT:
+            break  # survivors' complaints about a peer that was cancelled / lost / timed out
+        if state == "COMPLETED" and cls in (COMM_TIMEOUT, CONTAINER_ERROR):
+            continue  # a warning the job survived
+        return _failure(cls, _culprit(by_cls[cls]))
+    if state == "OUT_OF_MEMORY" or ("killed" in by_cls and not external and _is_kill_exit(exit_code, state)):
+        ev = by_cls.get("killed", [None])[0]
+        return _failure(HOST_OOM, ev, default=f"SLURM state {state or '?'}, exit {exit_code or '?'}: "
+                                                "killed (host memory exhausted?)")
+    if hang and state not in ("COMPLETED",):
+        return Failure(HANG, hang_message or "heartbeat stopped long before the job ended")
+    if state in _STATE_CLASS:
+        cls = _STATE_CLASS[state]
+        if cls == NODE_FAIL:
+            host = lost_host(srcs)
+            return Failure(NODE_FAIL, f"SLURM lost a node{f' ({host})' if host else ''}", host=host)
+        return Failure(cls, f"SLURM state {state}")
+    if state == "FAILED" or (exit_code and exit_code not in ("0", "0:0")):
+        if COMM_TIMEOUT in by_cls:
+            return _failure(COMM_TIMEOUT, _culprit(by_cls[COMM_TIMEOUT]))
+        return Failure(UNKNOWN, f"SLURM state {state or '?'}, exit {exit_code or '?'}; no error found in the logs")
+    return Failure(None)
+
+
+def _is_kill_exit(exit_code: str | None, state: str) -> bool:
+    """137 = 128 + SIGKILL; sacct writes "0:9" when the signal killed the step. Without an exit
+    code (sacct down) a bare "Killed" on a FAILED job is still the best guess."""
+    if not exit_code:
+        return state in ("FAILED", "")
+    return exit_code.split(":")[0] == "137" or exit_code.endswith(":9")
+
+
+def _culprit(evidence: list[_Evidence]) -> _Evidence:
+    """The lowest rank with this evidence (rank logs before submitit's, which repeat them)."""
+    return min(evidence, key=lambda e: (e.src.rank if e.src.rank is not None else 1 << 30,
+                                        not e.src.name.endswith(".log")))
+
+
+def _failure(cls: str, ev: _Evidence | None, default: str = "") -> Failure:
+    if ev is None:
+        return Failure(cls, default)
+    msg = ev.line if cls != PYTHON_EXCEPTION else (ev.exception or ev.line)
+    if cls == PREFLIGHT:
+        hosts = _HOSTS_IN_PREFLIGHT.search(msg) or next(
+            (h for h in (_HOSTS_IN_PREFLIGHT.search(ln) for ln in ev.src.text.splitlines()) if h), None)
+        host = (hosts.group(1) or hosts.group(2)).strip() if hosts else ev.src.host
+        return Failure(cls, _tidy(msg), rank=ev.src.rank, host=host, source=ev.src.name)
+    return Failure(cls, _tidy(msg), rank=ev.src.rank, host=ev.src.host, source=ev.src.name,
+                   exception=ev.exception if cls in (PYTHON_EXCEPTION, GPU_OOM, COMM_TIMEOUT) else None,
+                   last_lines=ev.last_lines)
+
+
+def _tidy(msg: str, limit: int = 300) -> str:
+    msg = re.sub(r"^\S+T\d\d:\d\d:\d\d\S* rank\d+ [A-Z]+ ", "", msg.strip())  # the node's log prefix
+    return msg if len(msg) <= limit else msg[: limit - 3] + "..."
+
+
+def lost_host(sources: list[LogSource]) -> str | None:
+    """After NODE_FAIL: the host whose ranks stopped logging first (the others wrote on until
+    their collectives timed out). None when there is nothing to compare."""
+    from hpctrain.collect_logs import last_timestamp  # local: collect_logs imports this module
+
+    last: dict[str, float] = {}
+    for s in sources:
+        if s.host is None:
+            continue
+        t = last_timestamp(s.text)
+        if t is not None:
+            last[s.host] = max(last.get(s.host, t), t)
+    if len(last) < 2:
+        return None
+    return min(last, key=lambda h: last[h])
+
+
+def rank_of_line(line: str) -> int | None:
+    m = _RANK_TAG.search(line)
+    return int(m.group(1)) if m else None
+
+
+def is_hang(heartbeat_time: float | None, job_end: float | None, step_interval_s: float | None,
+            *, min_stale_s: float = 300.0, factor: float = 10.0) -> bool:
+    """The heartbeat went quiet long before the job ended: more than max(min_stale_s,
+    factor x the usual step time). Needs both times; without them nobody can say it hung."""
+    if heartbeat_time is None or job_end is None:
+        return False
+    limit = max(min_stale_s, factor * (step_interval_s or 0.0))
+    return job_end - heartbeat_time > limit
