@@ -20,6 +20,7 @@ import pytest
 
 pytestmark = pytest.mark.slurm
 CANARY = "hf_canaryDISPATCH0123456789abcdefXYZ"
+TINY = str(Path(__file__).resolve().parents[1] / "examples" / "tiny.toml")
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +155,7 @@ def test_unknown_partition_clean_error(cluster: Any, env: dict[str, Path]) -> No
     from hpctrain.registry import Registry
 
     if _cli_has("submit"):
-        proc = _hpctrain("submit", "examples/tiny.toml", "--partition", "nosuchpart", "--executor", "slurm")
+        proc = _hpctrain("submit", TINY, "--partition", "nosuchpart", "--executor", "slurm")
         assert proc.returncode == 2, proc.stderr
         assert "partition" in proc.stderr and "nosuchpart" in proc.stderr and "debug" in proc.stderr
         assert "Traceback" not in proc.stderr
@@ -185,7 +186,7 @@ def test_twenty_concurrent_submits_all_recorded(cluster: Any, env: dict[str, Pat
     from hpctrain.registry import Registry
 
     if _cli_has("submit"):
-        argv = [[sys.executable, "-m", "hpctrain", "submit", "examples/tiny.toml", "--preflight",
+        argv = [[sys.executable, "-m", "hpctrain", "submit", TINY, "--preflight",
                  "--executor", "slurm", "--partition", "debug", "--nodes", "1"]] * 20
     else:
         argv = [[sys.executable, "-c", WRITER, str(env["runs"])]] * 20
