@@ -93,10 +93,29 @@ def prepare(run_dir: Path, d: DistEnv) -> Prepared:
     universal = bool(resume) and ckpt.needs_universal(resume.meta, dp, pp, tp)  # type: ignore[union-attr]
     if universal:
         cfg["checkpoint"] = {**cfg.get("checkpoint", {}), "load_universal": True}
+    if spec.train.precision == "fp16" and not use_gpu:
+        _allow_cpu_fp16()
     hf_cfg = hf_config(spec.model)
     tok = load_tokenizer(spec.data.tokenizer)
     source = build_source(spec, tok, micro, int(hf_cfg.vocab_size), force_padded=pp > 1)
     return Prepared(paths, spec, d, use_gpu, cfg, zero, dp, micro, gas, hf_cfg, tok, source, resume, universal)
+
+
+def _allow_cpu_fp16() -> None:
+    """DeepSpeed refuses fp16 on CPUs without mkldnn fp16 (no AMX-FP16/AVX512-FP16).
+
+    HPCTRAIN_CPU_FP16=1 lets it run anyway (torch computes fp16 on such CPUs, slowly): the tests use it
+    to exercise dynamic loss scaling on any CPU.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if acc.is_fp16_supported():
+        return
+    if os.environ.get("HPCTRAIN_CPU_FP16") != "1":
+        raise NodeInputError("[train] precision = \"fp16\": this CPU has no fp16 support and DeepSpeed refuses it. "
+                             "Fix: use precision = \"bf16\" or \"fp32\" on CPU ranks.")
+    acc.is_fp16_supported = lambda: True  # type: ignore[method-assign]
 
 
 def normalize_ds_config(cfg: dict[str, Any], dp: int, use_gpu: bool) -> dict[str, Any]:

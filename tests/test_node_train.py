@@ -1,0 +1,192 @@
+"""The node trainer for real: DeepSpeed on CPU (gloo), several ranks via torchrun, tiny Llama.
+
+Each launch costs ~10 s (imports + init on 2 busy cores); the module keeps launches few by checking
+several facts per run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+torch = pytest.importorskip("torch")
+
+from hpctrain.node.testing import events, losses_by_step, make_run, metrics, node_env, torchrun  # noqa: E402
+
+pytestmark = pytest.mark.deepspeed
+
+
+def _ok(proc: subprocess.CompletedProcess[str]) -> None:
+    assert proc.returncode == 0, f"rc={proc.returncode}\nSTDOUT\n{proc.stdout[-3000:]}\nSTDERR\n{proc.stderr[-5000:]}"
+
+
+@pytest.fixture(scope="module")
+def zero3_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One uninterrupted 20-step run and one that crashes after step 12 and resumes from step-10."""
+    base = tmp_path_factory.mktemp("zero3")
+    common = dict(train={"steps": 20}, checkpoint={"every_steps": 10, "keep": 2, "export_hf": True})
+    full = make_run(base / "full", **common)
+    _ok(torchrun(full, 2))
+    crash = make_run(base / "crash", **common)
+    first = torchrun(crash, 2, env={"HPCTRAIN_FAIL_AT_STEP": "12"})
+    assert first.returncode != 0
+    _ok(torchrun(crash, 2))
+    return {"full": full, "crash": crash}
+
+
+def test_zero3_resume_is_bit_identical(zero3_runs: dict[str, Path]) -> None:
+    full, crash = losses_by_step(zero3_runs["full"]), losses_by_step(zero3_runs["crash"])
+    assert sorted(full) == list(range(1, 21))
+    assert full[1] == pytest.approx(5.77, abs=0.15)  # ln(320): a sane random init
+    assert full[20] < full[1] - 0.5
+    for step in range(11, 21):  # steps after the checkpoint at 10, re-run by the resumed attempt
+        assert crash[step] == full[step], (step, crash[step], full[step])
+    starts = [e for e in events(zero3_runs["crash"]) if e["event"] == "start"]
+    assert [s["resumed_from"] for s in starts] == [None, "step-10"]
+    ck = zero3_runs["crash"] / "checkpoints"
+    assert (ck / "latest").read_text().strip() == "step-20"
+    assert sorted(p.name for p in ck.iterdir() if p.name.startswith("step-")) == ["step-10", "step-20"]
+
+
+def test_metrics_heartbeat_and_logs(zero3_runs: dict[str, Path]) -> None:
+    run = zero3_runs["full"]
+    rec = metrics(run)[-1]
+    for key in ("step", "loss", "lr", "tokens", "tokens_per_s", "tflops", "mfu", "gpu_mem_gb", "host_mem_gb",
+                "padding_frac", "ckpt_s", "time"):
+        assert key in rec
+    assert rec["tokens"] == 2 * 2 * 2 * 32 and rec["ckpt_s"] > 0
+    beat = json.loads((run / "metrics" / "heartbeat").read_text())
+    assert beat["step"] == 20 and beat["state"] == "finished"
+    assert sorted(p.name for p in (run / "logs").iterdir()) == ["attempt-0.rank-0.log", "attempt-0.rank-1.log"]
+    assert "step 20 | loss" in (run / "logs" / "attempt-0.rank-0.log").read_text()
+
+
+def test_exported_model_loads_and_reproduces_loss(zero3_runs: dict[str, Path]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from hpctrain.node.data import DataSource
+
+    run = zero3_runs["full"]
+    final = [e for e in events(run) if e["event"] == "finished"][-1]
+    model = AutoModelForCausalLM.from_pretrained(run / "hf").eval()
+    assert json.loads((run / "hf" / "tokenizer_info.json").read_text())["type"] == "byte"
+    src = DataSource(None, mode="padded", micro=2, seq_len=32, budget=64, seed=7, pad_id=256, vocab=320)
+    b = src.batch(final["eval_batch"])  # the batch rank 0 evaluated after the last step
+    with torch.no_grad():
+        loss = model(**b.model_inputs()).loss.item()
+    assert loss == pytest.approx(final["eval_loss"], abs=1e-5)
+
+
+def test_partial_checkpoint_is_refused_on_every_rank(zero3_runs: dict[str, Path], tmp_path: Path) -> None:
+    import shutil
+
+    run = tmp_path / "broken"
+    shutil.copytree(zero3_runs["crash"], run)
+    victim = sorted((run / "checkpoints" / "step-20").glob("*optim_states.pt"))[0]
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    proc = torchrun(run, 2, timeout=90)
+    assert proc.returncode != 0
+    assert proc.stderr.count(f"checkpoint file {victim} has") == 1  # one message, from rank 0
+    assert "delete" in proc.stderr
+
+
+def test_resume_two_to_four_ranks_through_universal(tmp_path: Path) -> None:
+    run = make_run(tmp_path / "run", train={"steps": 8}, checkpoint={"every_steps": 0, "keep": 2})
+    _ok(torchrun(run, 2))
+    before = losses_by_step(run)
+    make_run(run, train={"steps": 11})  # same run, longer, now on 4 ranks
+    _ok(torchrun(run, 4, timeout=240))
+    after = losses_by_step(run)
+    assert sorted(after) == list(range(1, 12))
+    assert all(after[s] == before[s] for s in range(1, 9))  # the 2-rank history is kept
+    assert after[9] < before[1] - 0.3  # continued from trained weights, not from scratch
+    start = [e for e in events(run) if e["event"] == "start"][-1]
+    assert (start["world_size"], start["resumed_from"]) == (4, "step-8")
+    assert (run / "checkpoints" / "universal-step-8").is_dir()
+
+
+def test_pipeline_two_stages(tmp_path: Path) -> None:
+    run = make_run(tmp_path / "run", train={"steps": 8, "precision": "bf16"}, parallel={"zero": 1, "pp": 2},
+                   checkpoint={"export_hf": True})
+    _ok(torchrun(run, 2))
+    loss = losses_by_step(run)
+    assert loss[1] == pytest.approx(5.77, abs=0.2) and loss[8] < loss[1] - 0.3
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(run / "hf")
+    assert model.config.num_hidden_layers == 2 and not model.config.tie_word_embeddings
+
+
+def test_fp16_dynamic_loss_scaling(tmp_path: Path) -> None:
+    run = make_run(tmp_path / "run", train={"steps": 8, "precision": "fp16"}, parallel={"zero": 2})
+    from hpctrain.node.runconf import build_ds_config, read_spec
+
+    cfg = build_ds_config(read_spec(run), dp=2)
+    cfg["fp16"].update(initial_scale_power=30, loss_scale_window=2, hysteresis=1)  # start too high: overflow
+    (run / "ds_config.json").write_text(json.dumps(cfg))
+    _ok(torchrun(run, 2, env={"HPCTRAIN_CPU_FP16": "1"}))
+    recs = metrics(run)
+    scales = [r["loss_scale"] for r in recs]
+    assert scales[0] < 2**30, scales  # the first step overflowed and halved the scale
+    assert len(set(scales)) > 1, scales  # and it keeps moving (down on overflow, up after the window)
+    assert all(r["loss"] == r["loss"] for r in recs)  # finite
+    assert recs[-1]["loss"] < recs[0]["loss"]
+
+
+def test_packed_jsonl_data_zero2_bf16(tmp_path: Path) -> None:
+    data = tmp_path / "corpus.jsonl"
+    words = ["alpha", "beta", "gamma", "delta", "epsilon"]
+    data.write_text("".join(json.dumps({"text": " ".join(words[: 1 + i % 5]) * (1 + i % 3)}) + "\n"
+                            for i in range(200)))
+    run = make_run(tmp_path / "run", data={"source": str(data), "pack": True, "seq_len": 64},
+                   train={"steps": 6, "precision": "bf16"}, parallel={"zero": 2})
+    _ok(torchrun(run, 2))
+    recs = metrics(run)
+    assert recs[-1]["loss"] < recs[0]["loss"]
+    assert all(r["padding_frac"] < 0.3 for r in recs)
+
+
+def test_bad_data_path_fails_every_rank_with_one_message(tmp_path: Path) -> None:
+    run = make_run(tmp_path / "run", data={"source": str(tmp_path / "missing.jsonl")})
+    proc = torchrun(run, 2, timeout=90)
+    assert proc.returncode != 0
+    assert proc.stderr.count("missing.jsonl': no such file or folder") == 1
+    for r in (0, 1):
+        assert "no such file" in (run / "logs" / f"attempt-0.rank-{r}.log").read_text()
+
+
+def test_sigusr2_checkpoints_at_step_boundary_and_stops(tmp_path: Path) -> None:
+    """Ranks started by hand (RANK/WORLD_SIZE env): SIGUSR2 to one rank -> all agree, save, exit 3."""
+    from hpctrain.node.dist import free_port
+
+    run = make_run(tmp_path / "run", train={"steps": 100000})
+    port = str(free_port())
+    procs = []
+    for r in range(2):
+        env = node_env({"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": port})
+        procs.append(subprocess.Popen([sys.executable, "-m", "hpctrain.node", str(run)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        deadline = time.time() + 120
+        while len(metrics(run)) < 3 and time.time() < deadline:
+            time.sleep(0.5)
+        assert len(metrics(run)) >= 3, procs[0].communicate(timeout=5)
+        procs[1].send_signal(signal.SIGUSR2)  # only one rank sees it; the all_reduce spreads it
+        codes = [p.wait(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [3, 3]
+    last = metrics(run)[-1]["step"]
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{last}"
+    assert json.loads((run / "metrics" / "heartbeat").read_text())["state"] == "stopped-on-signal"
