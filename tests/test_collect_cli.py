@@ -1,0 +1,316 @@
+"""`hpctrain logs` / `hpctrain summary` through click's CliRunner, on hand-built run folders and a
+temporary registry; a fake `sacct` on PATH counts its calls (one per refresh, none for finished runs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from hpctrain import cli_collect, collect, collect_schema
+from hpctrain.registry import Attempt, Registry
+
+T0 = time.mktime(time.strptime("2026-11-29 10:00:00", "%Y-%m-%d %H:%M:%S"))
+SPEC = """name = "t"\n[resources]\nnodes = 2\ngpus_per_node = {gpus}\ntasks_per_node = 2\ncpus_per_task = 1\n"""
+
+
+def ts(sec: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(T0 + sec))
+
+
+@pytest.fixture()
+def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """A private registry and runs dir, and a fake sacct that logs each call and prints $FAKE_SACCT_OUT."""
+    state, runs, bindir = tmp_path / "state", tmp_path / "runs", tmp_path / "bin"
+    for d in (state, runs, bindir):
+        d.mkdir()
+    calls = tmp_path / "sacct.calls"
+    fake = bindir / "sacct"
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {calls}\nif [ -n "$FAKE_SACCT_FAIL" ]; then echo "sacct: error: '
+                    'Problem talking to the database: Connection refused" >&2; exit 1; fi\n'
+                    'cat "$FAKE_SACCT_OUT" 2>/dev/null\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("HPCTRAIN_STATE_DIR", str(state))
+    monkeypatch.setenv("HPCTRAIN_RUNS_DIR", str(runs))
+    monkeypatch.setenv("HPCTRAIN_SLURM_RETRIES", "1")
+    monkeypatch.setenv("HPCTRAIN_SLURM_BACKOFF_S", "0")
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    return {"runs": runs, "reg": Registry(), "calls": calls, "tmp": tmp_path}
+
+
+def make_run(env: dict[str, Any], run_id: str, attempts: list[dict[str, Any]], *, gpus: int = 0,
+             logs: dict[str, str] | None = None, metrics: list[dict[str, Any]] | None = None,
+             ckpts: tuple[int, ...] = (), register: bool = True) -> Path:
+    folder = env["runs"] / run_id
+    for sub in ("logs", "metrics", "checkpoints", "submitit"):
+        (folder / sub).mkdir(parents=True)
+    (folder / "spec.toml").write_text(SPEC.format(gpus=gpus))
+    for name, text in (logs or {}).items():
+        (folder / name).write_text(text)
+    if metrics:
+        (folder / "metrics" / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    for s in ckpts:
+        (folder / "checkpoints" / f"step-{s}").mkdir()
+        (folder / "checkpoints" / f"step-{s}" / "hpctrain.json").write_text("{}")
+    with (folder / "attempts.jsonl").open("w") as fh:
+        for a in attempts:
+            fh.write(json.dumps({"executor": "slurm", **a}) + "\n")
+    if register:
+        reg: Registry = env["reg"]
+        first, *rest = [Attempt(run_id=run_id, **a) for a in attempts]
+        reg.add_submitted({"run_id": run_id, "name": "t", "folder": str(folder), "executor": "slurm",
+                           "created": T0, "spec": {"nodes": 2, "gpus_per_node": gpus, "ranks_per_node": 2}}, first)
+        for a in rest:
+            reg.add_attempt(a)
+    return folder
+
+
+def metrics(steps: range, start: float, ckpt_every: int = 10) -> list[dict[str, Any]]:
+    return [{"step": s, "loss": 10 - s / 10, "tokens_per_s": 2000.0, "tflops": 1.5, "mfu": 0.3, "ckpt_s":
+             0.5 if s % ckpt_every == 0 else 0.0, "time": T0 + start + s} for s in steps]
+
+
+def rank_log(rank: int, lines: list[tuple[float, str]]) -> str:
+    return "".join(f"{ts(t)} rank{rank} INFO {msg}\n" if not msg.startswith(("Traceback", " ", "ValueError"))
+                   else msg + "\n" for t, msg in lines)
+
+
+TRACE = ["Traceback (most recent call last):", '  File "/x/train.py", line 310, in _fail_hook',
+         '    raise ValueError("boom at step 7")', "ValueError: boom at step 7"]
+
+
+def cli() -> click.Group:
+    group = click.Group()
+    cli_collect.register(group)
+    return group
+
+
+def invoke(*args: str) -> Any:
+    return CliRunner().invoke(cli(), list(args), catch_exceptions=False)
+
+
+def two_attempt_run(env: dict[str, Any]) -> Path:
+    """Attempt 0 fails with a Python exception on rank 1 (node1, 2 ranks per node) at step 7 after a checkpoint at 5;
+    attempt 1 resumes from 5 and completes at 20."""
+    logs = {
+        "logs/attempt-0.rank-0.log": rank_log(0, [(1, "hpctrain node: rank 0/4"), (6, "step 5"), (8, "stopping")]),
+        "logs/attempt-0.rank-1.log": rank_log(1, [(1, "hpctrain node: rank 1/4"), (7.5, "training failed:")]
+                                              + [(7.5, ln) for ln in TRACE]),
+        "logs/attempt-1.rank-0.log": rank_log(0, [(100, "resumed from step-5"), (120, "done")]),
+        "logs/attempt-1.rank-1.log": rank_log(1, [(101, "resumed from step-5")]),
+    }
+    mets = metrics(range(1, 8), 0, 5) + metrics(range(6, 21), 100, 5)
+    return make_run(env, "twice-1", [
+        {"attempt": 0, "job_id": "101", "state": "FAILED", "nodes": "node[1-2]", "started": T0, "ended": T0 + 9,
+         "exit_code": "1:0"},
+        {"attempt": 1, "job_id": "102", "state": "COMPLETED", "nodes": "node[3-4]", "started": T0 + 99,
+         "ended": T0 + 121, "exit_code": "0:0"}], logs=logs, metrics=mets, ckpts=(5, 10, 15, 20))
+
+
+def test_summary_json_two_attempts(env: dict[str, Any]) -> None:
+    folder = two_attempt_run(env)
+    res = invoke("summary", "twice-1", "--json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert collect_schema.validate(doc) == []
+    run = doc["runs"][0]
+    a0, a1 = run["attempts"]
+    assert (a0["state"], a0["failure_class"], a0["failure"]["rank"], a0["failure"]["host"]) == \
+        ("FAILED", "python_exception", 1, "node1")
+    assert a0["failure"]["exception"] == "ValueError: boom at step 7"
+    assert (a0["last_step"], a0["last_checkpoint_step"], a0["lost_steps"], a0["elapsed_s"]) == (7, 5, 2, 9)
+    assert (a1["state"], a1["failure_class"], a1["first_step"], a1["last_step"], a1["lost_steps"]) == \
+        ("COMPLETED", None, 6, 20, 0)
+    assert a1["cpu_hours"] == pytest.approx(2 * 2 * 22 / 3600, abs=1e-5) and a1["gpu_hours"] == 0
+    assert run["totals"]["attempts"] == 2 and run["totals"]["lost_steps"] == 2
+    assert json.loads((folder / "summary.json").read_text())["run_id"] == "twice-1"
+    assert not env["calls"].exists()  # every attempt final: sacct never asked
+    assert Registry().get_run("twice-1").attempts[0].failure_class == "python_exception"
+
+
+def test_jsonschema_agrees(env: dict[str, Any]) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    two_attempt_run(env)
+    jsonschema.validate(json.loads(invoke("summary", "--json").stdout), collect_schema.load_schema())
+
+
+def test_schema_rejects_bad_documents() -> None:
+    assert collect_schema.validate({"schema_version": 1}) != []
+    bad = {"schema_version": 1, "generated": 1.0, "runs": [{"run_id": 3}], "errors": [], "warnings": [], "x": 1}
+    errs = collect_schema.validate(bad)
+    assert any("unexpected key 'x'" in e for e in errs) and any("missing 'attempts'" in e for e in errs)
+
+
+def test_cached_summary_is_reused(env: dict[str, Any]) -> None:
+    folder = two_attempt_run(env)
+    invoke("summary", "twice-1", "--json")
+    (folder / "logs" / "attempt-0.rank-1.log").write_text("changed, but the run is final\n")
+    doc = json.loads(invoke("summary", "twice-1", "--json").stdout)
+    assert doc["runs"][0]["attempts"][0]["failure_class"] == "python_exception"
+
+
+def test_summary_table_names_the_culprit(env: dict[str, Any]) -> None:
+    two_attempt_run(env)
+    res = invoke("summary", "twice-1")
+    assert res.exit_code == 0
+    assert "python_exception rank 1 on node1: ValueError: boom at step 7" in res.output
+    assert "attempt-0.rank-1.log" in res.output and "COMPLETED" in res.output
+
+
+def test_one_sacct_call_for_all_running_jobs(env: dict[str, Any]) -> None:
+    for i in range(3):
+        make_run(env, f"live-{i}", [{"attempt": 0, "job_id": str(200 + i), "state": "RUNNING", "nodes": "node1"}])
+    make_run(env, "old", [{"attempt": 0, "job_id": "150", "state": "COMPLETED", "nodes": "node1",
+                           "started": T0, "ended": T0 + 5}])
+    out = env["tmp"] / "sacct.out"
+    out.write_text("".join(f"{200 + i}|{'TIMEOUT' if i == 0 else 'RUNNING'}|0:0|node1|2026-11-29T10:00:00|"
+                           f"{'2026-11-29T10:30:00' if i == 0 else 'Unknown'}\n" for i in range(3)))
+    os.environ["FAKE_SACCT_OUT"] = str(out)
+    try:
+        doc = json.loads(invoke("summary", "--all", "--json").stdout)
+    finally:
+        del os.environ["FAKE_SACCT_OUT"]
+    calls = env["calls"].read_text().splitlines()
+    assert len(calls) == 1 and "200,201,202" in calls[0] and "150" not in calls[0]
+    states = {r["run_id"]: (r["state"], r["failure_class"]) for r in doc["runs"]}
+    assert states["live-0"] == ("TIMEOUT", "time_limit") and states["live-1"][0] == "RUNNING"
+    invoke("summary", "live-0", "--json")  # now final in the registry: no new sacct call
+    assert len(env["calls"].read_text().splitlines()) == 1
+
+
+def test_sacct_down_gives_best_summary(env: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    make_run(env, "live", [{"attempt": 0, "job_id": "300", "state": "RUNNING", "nodes": "node1", "started": T0}],
+             metrics=metrics(range(1, 4), 0))
+    monkeypatch.setenv("FAKE_SACCT_FAIL", "1")
+    res = invoke("summary", "live", "--json")
+    assert res.exit_code == 0
+    doc = json.loads(res.stdout)
+    assert any("stale" in w for w in doc["warnings"]) and doc["runs"][0]["attempts"][0]["last_step"] == 3
+    assert collect_schema.validate(doc) == []
+
+
+def test_unknown_run_and_vanished_folder(env: dict[str, Any]) -> None:
+    folder = two_attempt_run(env)
+    import shutil
+
+    shutil.rmtree(folder)
+    res = CliRunner().invoke(cli(), ["summary", "twice-1", "nosuchrun", "--json"])
+    assert res.exit_code == 1 and "Traceback" not in res.output
+    doc = json.loads(res.stdout)
+    run = doc["runs"][0]
+    assert run["folder_exists"] is False and any("missing" in w for w in run["warnings"])
+    assert [a["state"] for a in run["attempts"]] == ["FAILED", "COMPLETED"]
+    assert "nosuchrun" in doc["errors"][0] and "hpctrain list" in doc["errors"][0]
+    res = CliRunner().invoke(cli(), ["summary", "nosuchrun"])
+    assert res.exit_code == 2 and "no such run" in res.output
+    res = CliRunner().invoke(cli(), ["logs", "nosuchrun"])
+    assert res.exit_code == 2 and "no such run" in res.output and "Traceback" not in res.output
+
+
+def test_folder_path_not_in_registry(env: dict[str, Any]) -> None:
+    folder = make_run(env, "loose", [{"attempt": 0, "job_id": "9", "state": "NODE_FAIL", "nodes": "node[1-2]",
+                                      "started": T0, "ended": T0 + 60}], register=False,
+                      logs={"logs/attempt-0.rank-0.log": rank_log(0, [(1, "a"), (50, "b")]),
+                            "logs/attempt-0.rank-2.log": rank_log(2, [(1, "a"), (10, "b")])})
+    doc = json.loads(invoke("summary", str(folder), "--json").stdout)
+    a0 = doc["runs"][0]["attempts"][0]
+    assert (a0["state"], a0["failure_class"], a0["failure"]["host"]) == ("NODE_FAIL", "node_fail", "node2")
+
+
+def test_hang_detected_from_stale_metrics(env: dict[str, Any]) -> None:
+    make_run(env, "hung", [{"attempt": 0, "job_id": "5", "state": "CANCELLED", "nodes": "node1", "started": T0,
+                            "ended": T0 + 4000}], metrics=metrics(range(1, 10), 0))
+    doc = json.loads(invoke("summary", "hung", "--json").stdout)
+    a0 = doc["runs"][0]["attempts"][0]
+    assert a0["failure_class"] == "hang" and "no step for" in a0["failure"]["message"]
+
+
+def test_logs_merged_and_tagged(env: dict[str, Any]) -> None:
+    two_attempt_run(env)
+    out = invoke("logs", "twice-1").output.splitlines()
+    assert out[0].startswith("a0 r0 node1 | ") and "rank 0/4" in out[0]
+    assert out[1].startswith("a0 r1 node1 | ")  # ranks 0,1 on node1 (2 per node)
+    i = next(i for i, ln in enumerate(out) if "training failed" in ln)
+    assert out[i + 1].endswith("Traceback (most recent call last):")  # untimestamped lines stay with their line
+    assert out[-1].startswith("a1 r0 node3 | ") and out[-1].endswith("done")
+    assert [ln for ln in out if "stopping" in ln] == [out[i + 5]]  # 8 s comes after 7.5 s
+    only = invoke("logs", "twice-1", "--attempt", "1", "--rank", "1").output.splitlines()
+    assert len(only) == 1 and only[0].startswith("a1 r1 node3")
+    grep = invoke("logs", "twice-1", "--grep", r"ValueError|resumed").output.splitlines()
+    assert len(grep) == 4  # the raise line, the exception, two resumes
+    assert invoke("logs", "twice-1", "--host", "node3").output.count("\n") == 3
+    res = CliRunner().invoke(cli(), ["logs", "twice-1", "--grep", "(unclosed"])
+    assert res.exit_code == 2 and "--grep" in res.output
+
+
+def test_logs_fall_back_to_submitit(env: dict[str, Any]) -> None:
+    err = ("submitit INFO (2026-11-29 10:00:01,000) - Starting with JobEnvironment(job_id=77, hostname=node4, "
+           "local_rank=0(1), node=0(1), global_rank=0(1))\nFATAL:   could not open image /x.sif\n")
+    make_run(env, "noimg", [{"attempt": 0, "job_id": "77", "state": "FAILED", "nodes": "node4", "exit_code": "255:0",
+                             "started": T0, "ended": T0 + 2}], logs={"submitit/77_0_log.out": err})
+    out = invoke("logs", "noimg").output
+    assert "a0 r0 node4 | FATAL:   could not open image" in out
+    doc = json.loads(invoke("summary", "noimg", "--json").stdout)
+    assert doc["runs"][0]["attempts"][0]["failure"]["host"] == "node4"
+    assert doc["runs"][0]["failure_class"] == "container_error"
+
+
+def test_logs_follow_stops_at_job_end(env: dict[str, Any]) -> None:
+    from hpctrain import collect_logs as cl
+
+    folder = two_attempt_run(env)
+    seen: list[str] = []
+    files = cl.rank_log_files(folder / "logs")
+    cl.follow(lambda: files, lambda f: "h", cl.LogFilter(attempt=1), lambda: True,
+              lambda ln: seen.append(ln.text), poll_s=0.01, max_s=5)
+    assert len(seen) == 3
+
+
+def test_plot_is_png(env: dict[str, Any]) -> None:
+    pytest.importorskip("matplotlib")
+    two_attempt_run(env)
+    out = env["tmp"] / "p.png"
+    res = invoke("summary", "twice-1", "--plot", str(out))
+    assert res.exit_code == 0
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and b"matplotlib" in data[:4096]
+
+
+def test_plot_without_matplotlib(env: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+
+    real = builtins.__import__
+
+    def no_mpl(name: str, *a: Any, **k: Any) -> Any:
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real(name, *a, **k)
+
+    two_attempt_run(env)
+    monkeypatch.setattr(builtins, "__import__", no_mpl)
+    res = CliRunner().invoke(cli(), ["summary", "twice-1", "--plot", str(env["tmp"] / "p.png")])
+    assert res.exit_code == 1 and "pip install 'hpctrain[plot]'" in res.output
+
+
+def test_build_run_directly_without_registry(env: dict[str, Any]) -> None:
+    folder = two_attempt_run(env)
+    rec = collect.build_run(collect.from_folder(folder))
+    assert collect_schema.validate({"schema_version": 1, "generated": 0.0, "runs": [rec], "errors": [],
+                                    "warnings": []}) == []
+
+
+def test_cli_import_stays_light() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, hpctrain.cli_collect, hpctrain.collect; "
+            "print([m for m in ('rich','matplotlib','torch','submitit') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

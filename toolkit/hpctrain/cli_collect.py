@@ -1,0 +1,269 @@
+"""`hpctrain logs RUN` and `hpctrain summary [RUN ...|--all]` -- the collector's commands.
+
+`register(group)` adds them to the main group (cli.py calls it). Only click at module level: rich,
+the registry, sacct and matplotlib load inside the commands.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hpctrain.collect import RunInput
+    from hpctrain.collect_logs import LogFile
+    from hpctrain.registry import Registry
+
+
+def register(group: click.Group) -> None:
+    group.add_command(logs)
+    group.add_command(summary)
+
+
+def _registry() -> Registry:
+    from hpctrain.registry import Registry
+
+    return Registry()
+
+
+def _one_run(ref: str) -> tuple[RunInput, Registry]:
+    from hpctrain.collect import resolve_refs
+    from hpctrain.errors import HpcUsageError
+
+    reg = _registry()
+    found, errors, _ = resolve_refs(reg, [ref], all_runs=False)
+    if not found:
+        raise HpcUsageError(errors[0] if errors else f"RUN = {ref!r}: not found")
+    for w in found[0].warnings:
+        click.echo(f"warning: {w}", err=True)
+    return found[0], reg
+
+
+# -- logs -------------------------------------------------------------------------------------------
+@click.command(short_help="Per-rank logs of a run, merged by time.")
+@click.argument("run")
+@click.option("--attempt", "-a", type=int, default=None, help="Only attempt K (0 = first).")
+@click.option("--rank", "-r", type=int, default=None, help="Only rank N.")
+@click.option("--host", default=None, help="Only ranks on host H.")
+@click.option("--grep", "pattern", default=None, metavar="RE", help="Only lines matching this regular expression.")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing new lines until the job ends (Ctrl-C stops).")
+def logs(run: str, attempt: int | None, rank: int | None, host: str | None, pattern: str | None,
+         follow: bool) -> None:
+    """Print RUN's per-rank logs across attempts, merged by time; each line is tagged
+    `a<attempt> r<rank> <host>`. Attempts without rank logs show submitit's task logs instead."""
+    from hpctrain import collect_logs as cl
+    from hpctrain.errors import HpcUsageError
+
+    grep = None
+    if pattern is not None:
+        try:
+            grep = re.compile(pattern)
+        except re.error as exc:
+            raise HpcUsageError(f"--grep = {pattern!r}: not a regular expression ({exc}). "
+                                "Fix: escape special characters, e.g. 'loss \\d'") from None
+    inp, reg = _one_run(run)
+    if not inp.folder.is_dir():
+        raise click.ClickException(f"run folder {inp.folder} of {inp.run_id} is missing (moved, deleted, or its "
+                                   "filesystem is not mounted here): no logs to show")
+    flt = cl.LogFilter(attempt, rank, host, grep)
+    list_files, host_of = _log_sources(inp)
+    emit: Callable[[cl.Line], None] = lambda ln: click.echo(ln.tagged())
+    if not follow:
+        files = list_files()
+        if not files:
+            click.echo(f"no logs yet in {inp.folder / 'logs'} (the job may still be pending)", err=True)
+        for line in cl.merged_lines(files, host_of, flt):
+            emit(line)
+        return
+    try:
+        cl.follow(list_files, host_of, flt, _finished_check(inp, reg), emit)
+    except KeyboardInterrupt:
+        click.echo("", err=True)
+
+
+def _log_sources(inp: RunInput) -> tuple[Callable[[], list[LogFile]], Callable[[LogFile], str]]:
+    """(list the files now, host of a file): rank logs, plus submitit's logs for attempts that
+    have no rank log (the job died before the node started logging)."""
+    from hpctrain import collect as co
+
+    hosts: dict[tuple[int, int], str] = {}
+    nodelists = {int(a["attempt"]): str(a.get("nodes") or "") for a in inp.attempts}
+    shape = co._shape(inp)
+
+    def list_files() -> list[LogFile]:
+        files = co.attempt_files(inp.folder, inp.attempts)
+        with_rank_logs = {f.attempt for f in files if f.kind == "rank"}
+        chosen = [f for f in files if f.kind == "rank" or f.attempt not in with_rank_logs]
+        for k in {f.attempt for f in chosen} - {a for a, _ in hosts}:
+            mine = [f for f in files if f.attempt == k]
+            for r, h in co.rank_hosts(mine, nodelists.get(k, ""), shape.ranks_per_node).items():
+                hosts[(k, r)] = h
+        return chosen
+
+    def host_of(f: LogFile) -> str:
+        return hosts.get((f.attempt, f.rank if f.rank is not None else -1), "")
+
+    return list_files, host_of
+
+
+def _finished_check(inp: RunInput, reg: Registry, every_s: float = 10.0) -> Callable[[], bool]:
+    """True once the run's latest attempt is final; asks sacct at most every `every_s` seconds."""
+    from hpctrain.collect import FINAL
+
+    last = {"t": 0.0, "done": False}
+
+    def finished() -> bool:
+        if last["done"] or time.monotonic() - last["t"] < every_s:
+            return bool(last["done"])
+        last["t"] = time.monotonic()
+        try:
+            from hpctrain.cli_runs import refresh
+
+            run = reg.get_run(inp.run_id)
+            refresh(reg, [run])
+            last["done"] = bool(run.attempts) and run.attempts[-1].state in FINAL
+        except Exception:  # not in the registry, or sacct down: trust attempts.jsonl
+            from hpctrain.collect import from_folder
+
+            atts = from_folder(inp.folder).attempts
+            last["done"] = bool(atts) and str(atts[-1].get("state")) in FINAL
+        return bool(last["done"])
+
+    return finished
+
+
+# -- summary ----------------------------------------------------------------------------------------
+@click.command(short_help="What happened to runs: states, failures, speed, cost.")
+@click.argument("runs", nargs=-1)
+@click.option("--all", "all_runs", is_flag=True, help="Every run in the registry (default: the 20 newest).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (schema: hpctrain/summary_schema.json).")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None, metavar="FILE.png",
+              help="Draw loss and tokens/s over steps, attempt starts marked (needs hpctrain[plot]).")
+def summary(runs: tuple[str, ...], all_runs: bool, as_json: bool, plot: str | None) -> None:
+    """One record per run (one row per attempt): job id, state, failure class and where it came
+    from, nodes, times, GPU-hours, steps, loss, tokens/s, TFLOPS/MFU and steps lost since the last
+    checkpoint. Also writes RUN_DIR/summary.json. RUN may be a run id, a prefix or a run folder."""
+    from hpctrain import collect as co
+    from hpctrain.errors import HpcUsageError
+
+    if runs and all_runs:
+        raise HpcUsageError("RUN and --all together: give run ids, or --all for every run, not both")
+    reg = _registry()
+    inputs, errors, warnings = co.resolve_refs(reg, list(runs), all_runs)
+    records = co.summarize(inputs)
+    co.store_failure_classes(reg, [r for r, i in zip(records, inputs) if _class_changed(r, i)])
+    if as_json:
+        doc = {"schema_version": co.SCHEMA_VERSION, "generated": time.time(), "runs": records,
+               "errors": errors, "warnings": warnings}
+        click.echo(json.dumps(doc, indent=2, sort_keys=True))
+    else:
+        _print_table(records, warnings)
+    if plot:
+        _plot(records, Path(plot))
+    for e in errors:
+        click.echo(f"error: {e}", err=True)
+    if errors:
+        sys.exit(1 if records else 2)
+
+
+def _class_changed(record: dict[str, Any], inp: RunInput) -> bool:
+    old = {int(a["attempt"]): a.get("failure_class") for a in inp.attempts}
+    return any(r["failure_class"] and old.get(r["attempt"]) != r["failure_class"] for r in record["attempts"])
+
+
+def _plot(records: list[dict[str, Any]], out: Path) -> None:
+    from hpctrain.collect_plot import PlotUnavailable, plot_runs
+
+    try:
+        n = plot_runs(records, out)
+    except PlotUnavailable as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"plot: {out} ({n} points)", err=True)
+
+
+def _fmt(v: Any, spec: str = "", none: str = "-") -> str:
+    if v is None:
+        return none
+    return format(v, spec) if spec else str(v)
+
+
+def _dur(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = int(s)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def _when(t: float | None) -> str:
+    return time.strftime("%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+
+def _row(run: dict[str, Any], a: dict[str, Any]) -> list[str]:
+    hours = a["gpu_hours"] if run["gpus_per_node"] > 0 else a["cpu_hours"]
+    return [run["run_id"], str(a["attempt"]), a["job_id"], a["state"], a["failure_class"] or "-", str(a["nodes"]),
+            _when(a["start"]), _dur(a["elapsed_s"]), f"{hours:.3f}", _fmt(a["last_step"]), _fmt(a["last_loss"], ".4f"),
+            _fmt(a["tokens_per_s"], ".0f"), _fmt(a["tflops"], ".2f"),
+            _fmt(None if a["mfu"] is None else 100 * a["mfu"], ".1f"), _fmt(a["lost_steps"])]
+
+
+_HEADER = ["RUN", "A", "JOB", "STATE", "FAILURE", "NODES", "START", "ELAPSED", "GPU-H*", "STEP", "LOSS",
+           "TOK/S", "TFLOPS", "MFU%", "LOST"]
+
+
+def _print_table(records: list[dict[str, Any]], warnings: list[str]) -> None:
+    """A rich table (plain columns past 200 rows: rich's layout cost grows with the row count)."""
+    rows: list[list[str]] = []
+    for run in records:
+        for a in run["attempts"]:
+            rows.append(_row(run, a))
+        if len(run["attempts"]) != 1:
+            t = run["totals"]
+            hours = t["gpu_hours"] if run["gpus_per_node"] > 0 else t["cpu_hours"]
+            rows.append([run["run_id"], "all", "", run["state"], run["failure_class"] or "-", "", "",
+                         _dur(t["elapsed_s"]), f"{hours:.3f}", _fmt(t["last_step"]), _fmt(t["last_loss"], ".4f"),
+                         "", "", "", _fmt(t["lost_steps"])])
+    if not records:
+        click.echo("no runs to summarise")
+    elif len(rows) > 200:
+        widths = [max(len(x) for x in col) for col in zip(_HEADER, *rows)]
+        click.echo("\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [_HEADER, *rows]))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title="hpctrain summary", caption="GPU-H*: GPU-hours; CPU-hours for CPU runs")
+        for col in _HEADER:
+            table.add_column(col, overflow="fold", justify="right" if col in ("STEP", "LOSS", "TOK/S") else "left")
+        for r in rows:
+            table.add_row(*r)
+        # 15 columns do not fit 80: keep rows on one line each and let a narrow terminal scroll.
+        import shutil
+
+        Console(width=max(shutil.get_terminal_size((160, 24)).columns, 160)).print(table)
+    for run in records:
+        _print_failures(run)
+    for w in dict.fromkeys(warnings + [w for run in records for w in run["warnings"]]):
+        click.echo(f"warning: {w}", err=True)
+
+
+def _print_failures(run: dict[str, Any]) -> None:
+    """The evidence under the table: which rank on which host, what it said, and where to look."""
+    for a in run["attempts"]:
+        f = a.get("failure")
+        if not f:
+            continue
+        where = " ".join(x for x in (f"rank {f['rank']}" if f["rank"] is not None else "",
+                                     f"on {f['host']}" if f["host"] else "") if x)
+        click.echo(f"{run['run_id']} a{a['attempt']} (job {a['job_id']}): {f['failure_class']}"
+                   f"{' ' + where if where else ''}: {f['message']}")
+        for ln in f["last_lines"][-4:] if f["failure_class"] == "python_exception" else []:
+            click.echo(f"    {ln}")
+        if f["source"]:
+            click.echo(f"    log: {Path(run['folder']) / f['source']}")

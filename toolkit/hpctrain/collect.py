@@ -1,0 +1,355 @@
+"""One summary per run: registry + sacct + run folder (attempts, logs, metrics) -> summary.json.
+
+`summarize(refs)` is what `hpctrain summary` runs: it refreshes every unfinished SLURM attempt in
+view with ONE sacct call (`cli_runs.refresh`, which also caches final states in the registry), then
+builds each run's record from what its folder still holds. A finished run whose summary.json is
+already final is read back, not rebuilt, so old runs cost a file read. Missing pieces (sacct down,
+a vanished folder, a torn metrics line) become warnings in the record, never exceptions.
+
+Stdlib only at module level; the pieces live in collect_classify / collect_logs / collect_metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpctrain import collect_classify as cc
+from hpctrain import collect_logs as cl
+from hpctrain import collect_metrics as cm
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hpctrain.registry import Attempt, Registry, Run
+
+SCHEMA_VERSION = 1
+FINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY",
+                   "BOOT_FAIL", "DEADLINE"})
+
+
+@dataclass
+class Shape:
+    """How big each attempt is, from the registry's spec summary, else spec.toml/plan.json."""
+
+    nodes: int = 1
+    gpus_per_node: int = 0
+    ranks_per_node: int = 1
+    cpus_per_task: int = 1
+
+
+@dataclass
+class RunInput:
+    """Everything known about one run before its folder is read."""
+
+    run_id: str
+    folder: Path
+    name: str = ""
+    executor: str = ""
+    state: str = "UNKNOWN"
+    created: float | None = None
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+    spec: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+
+# -- inputs -----------------------------------------------------------------------------------------
+def from_registry(run: Run) -> RunInput:
+    atts = [_attempt_dict(a) for a in run.attempts]
+    return RunInput(run.run_id, Path(run.folder), run.name, run.executor, run.state, run.created, atts,
+                    dict(run.spec))
+
+
+def _attempt_dict(a: Attempt) -> dict[str, Any]:
+    return {"attempt": a.attempt, "job_id": a.job_id, "state": a.state, "nodes": a.nodes, "submitted": a.submitted,
+            "started": a.started, "ended": a.ended, "exit_code": a.exit_code, "failure_class": a.failure_class}
+
+
+def from_folder(folder: Path) -> RunInput:
+    """A run known only by its folder (not in this registry): attempts.jsonl is the record."""
+    latest: dict[int, dict[str, Any]] = {}
+    from hpctrain.runs import read_attempts
+
+    for rec in read_attempts(folder / "attempts.jsonl"):
+        k = rec.get("attempt")
+        if isinstance(k, int):
+            latest.setdefault(k, {}).update({key: v for key, v in rec.items() if v not in (None, "")})
+    atts = [latest[k] for k in sorted(latest)]
+    executor = str(atts[0].get("executor", "")) if atts else ""
+    state = str(atts[-1].get("state", "UNKNOWN")) if atts else "UNKNOWN"
+    return RunInput(folder.name, folder, folder.name, executor, state, None, atts)
+
+
+def _shape(inp: RunInput) -> Shape:
+    s = inp.spec
+    shape = Shape()
+    res: dict[str, Any] = {}
+    try:
+        import tomllib
+
+        res = tomllib.loads((inp.folder / "spec.toml").read_text(encoding="utf-8")).get("resources", {})
+    except Exception:  # missing/unreadable spec.toml: the registry's summary or defaults will do
+        pass
+    shape.nodes = _int(s.get("nodes"), res.get("nodes"), default=1)
+    shape.gpus_per_node = _int(s.get("gpus_per_node"), res.get("gpus_per_node"), default=0)
+    shape.ranks_per_node = _int(s.get("ranks_per_node"), res.get("tasks_per_node"), default=1)
+    shape.cpus_per_task = _int(res.get("cpus_per_task"), default=1)
+    return shape
+
+
+def _int(*vals: Any, default: int) -> int:
+    for v in vals:
+        try:
+            if v is not None and not isinstance(v, bool):
+                return int(v)
+        except (TypeError, ValueError):
+            continue
+    return default
+
+
+# -- one attempt ------------------------------------------------------------------------------------
+def _hosts_of(nodelist: str) -> list[str]:
+    if not nodelist:
+        return []
+    try:
+        from hpctrain.nodelist import expand
+
+        return expand(nodelist)
+    except Exception:
+        return [h for h in nodelist.split(",") if h and "[" not in h]
+
+
+def rank_hosts(job_files: list[cl.LogFile], nodelist: str, ranks_per_node: int) -> dict[int, str]:
+    """rank -> host: submitit's JobEnvironment line is ground truth; SLURM's block distribution over
+    the job's nodelist (ranks_per_node per host, in order) fills the rest."""
+    out: dict[int, str] = {}
+    hosts = _hosts_of(nodelist)
+    for f in job_files:
+        if f.kind == "submitit" and f.rank is not None and f.rank not in out:
+            src = cc.identify(cc.LogSource(f.path.name, cl.read_text(f.path, limit=16384)))
+            if src.host:
+                out[src.rank if src.rank is not None else f.rank] = src.host
+    if hosts:
+        per = max(1, ranks_per_node)
+        for r in range(len(hosts) * per):
+            out.setdefault(r, hosts[r // per])
+    return out
+
+
+def attempt_files(folder: Path, attempts: list[dict[str, Any]]) -> list[cl.LogFile]:
+    """Every rank log and every submitit task log of the run's attempts."""
+    jobs = {str(a.get("job_id")): int(a["attempt"]) for a in attempts if a.get("job_id")}
+    return cl.rank_log_files(folder / "logs") + cl.submitit_log_files(folder / "submitit", jobs)
+
+
+def _attempt_row(inp: RunInput, a: dict[str, Any], files: list[cl.LogFile], recs: list[dict[str, Any]],
+                 earlier: list[dict[str, Any]], ckpts: list[int], shape: Shape, is_last: bool,
+                 heartbeat: dict[str, Any] | None, now: float) -> dict[str, Any]:
+    k = int(a["attempt"])
+    state = str(a.get("state") or "UNKNOWN")
+    start, end = _float(a.get("started")), _float(a.get("ended"))
+    m = cm.attempt_metrics(recs, earlier, ckpts)
+    if start is None and m.first_time is not None:
+        start = m.first_time - (m.step_interval_s or 0)
+    if end is None and state in FINAL and m.last_time is not None:
+        end = m.last_time
+    elapsed = (end if end is not None else (now if state not in FINAL else None))
+    elapsed_s = max(0.0, elapsed - start) if (elapsed is not None and start is not None) else None
+    hosts = _hosts_of(str(a.get("nodes") or ""))
+    nodes = len(hosts) or shape.nodes
+    gpu_h, cpu_h = cm.resource_hours(elapsed_s, nodes, shape.gpus_per_node, shape.ranks_per_node * shape.cpus_per_task)
+    mine = [f for f in files if f.attempt == k]
+    host_of = rank_hosts(mine, str(a.get("nodes") or ""), shape.ranks_per_node)
+    sources = [cc.LogSource(str(f.path.relative_to(inp.folder)) if inp.folder in f.path.parents else f.path.name,
+                            cl.read_text(f.path, limit=4 << 20), f.rank, host_of.get(f.rank) if f.rank is not None else None, str(a.get("job_id") or "")) for f in mine]
+    beat = m.last_time
+    if is_last and heartbeat and _float(heartbeat.get("time")):
+        beat = max(beat or 0.0, float(heartbeat["time"]))
+    hang_end = end if state in FINAL else now
+    hang = cc.is_hang(beat, hang_end, m.step_interval_s) if state not in ("COMPLETED", "PENDING") else False
+    hang_msg = (f"no step for {((hang_end or 0) - (beat or 0)) / 60:.0f} min before "
+                f"{'the job ended' if state in FINAL else 'now'} (last step {m.last_step})") if hang else ""
+    failure = cc.classify(state if state in FINAL or hang else None, sources, exit_code=a.get("exit_code"),
+                          hang=hang, hang_message=hang_msg)
+    return {
+        "attempt": k, "job_id": str(a.get("job_id") or ""), "state": state, "exit_code": a.get("exit_code"),
+        "failure_class": failure.failure_class, "failure": failure.to_dict() if failure.failure_class else None,
+        "nodes": nodes, "hosts": hosts, "submitted": _float(a.get("submitted")), "start": start, "end": end,
+        "elapsed_s": elapsed_s, "gpu_hours": round(gpu_h, 6), "cpu_hours": round(cpu_h, 6),
+        **m.to_dict(), "logs": [s.name for s in sources],
+    }
+
+
+def _float(v: Any) -> float | None:
+    try:
+        return float(v) if v is not None and v != "" else None
+    except (TypeError, ValueError):
+        return None
+
+
+# -- one run ----------------------------------------------------------------------------------------
+def build_run(inp: RunInput, now: float | None = None) -> dict[str, Any]:
+    """The summary record of one run (what summary.json holds)."""
+    now = time.time() if now is None else now
+    warnings = list(inp.warnings)
+    folder_ok = inp.folder.is_dir()
+    if not folder_ok:
+        warnings.append(f"run folder {inp.folder} is missing (moved, deleted, or its filesystem is not "
+                        "mounted here); showing what the registry knows")
+    shape = _shape(inp)
+    records, bad = cm.read_metrics(inp.folder / "metrics" / "metrics.jsonl") if folder_ok else ([], 0)
+    if bad:
+        warnings.append(f"skipped {bad} unreadable line(s) in metrics/metrics.jsonl (cut mid-write?)")
+    ckpts = cm.complete_checkpoints(inp.folder / "checkpoints") if folder_ok else []
+    atts = sorted(inp.attempts, key=lambda a: int(a["attempt"]))
+    per = cm.split_by_attempt(records, [_float(a.get("started")) for a in atts]) if atts else []
+    files = attempt_files(inp.folder, atts) if folder_ok else []
+    heartbeat = _read_json(inp.folder / "metrics" / "heartbeat") if folder_ok else None
+    rows, earlier = [], []
+    for i, a in enumerate(atts):
+        recs = per[i] if i < len(per) else []
+        rows.append(_attempt_row(inp, a, files, recs, earlier, ckpts, shape, i == len(atts) - 1, heartbeat, now))
+        earlier = earlier + recs
+    state = rows[-1]["state"] if rows else inp.state
+    return {
+        "schema_version": SCHEMA_VERSION, "run_id": inp.run_id, "name": inp.name, "folder": str(inp.folder),
+        "folder_exists": folder_ok, "executor": inp.executor, "state": state,
+        "failure_class": rows[-1]["failure_class"] if rows else None,
+        "gpus_per_node": shape.gpus_per_node, "ranks_per_node": shape.ranks_per_node,
+        "complete": bool(rows) and all(r["state"] in FINAL for r in rows),
+        "updated": now, "attempts": rows, "totals": _totals(rows), "warnings": warnings,
+    }
+
+
+def _totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    last = [r["last_step"] for r in rows if r["last_step"] is not None]
+    losses = [r["last_loss"] for r in rows if r["last_loss"] is not None]
+    return {
+        "attempts": len(rows),
+        "elapsed_s": sum(r["elapsed_s"] or 0.0 for r in rows),
+        "gpu_hours": round(sum(r["gpu_hours"] for r in rows), 6),
+        "cpu_hours": round(sum(r["cpu_hours"] for r in rows), 6),
+        "last_step": max(last) if last else None,
+        "steps_done": sum(r["steps_done"] for r in rows),
+        "lost_steps": sum(r["lost_steps"] or 0 for r in rows),
+        "last_loss": losses[-1] if losses else None,
+    }
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8", errors="replace"))
+    except (OSError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def write_summary(record: dict[str, Any]) -> str | None:
+    """summary.json in the run folder, replaced atomically; returns a warning instead of raising."""
+    folder = Path(record["folder"])
+    if not record.get("folder_exists"):
+        return None
+    tmp = folder / f".summary.json.tmp-{os.getpid()}"
+    try:
+        tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        os.replace(tmp, folder / "summary.json")
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        return f"could not write {folder / 'summary.json'}: {exc}"
+    return None
+
+
+def cached(inp: RunInput) -> dict[str, Any] | None:
+    """A final summary.json that still matches the run's attempts: reused as is (old runs cost a
+    file read, no log scan)."""
+    if not inp.attempts or any(str(a.get("state")) not in FINAL for a in inp.attempts):
+        return None
+    old = _read_json(inp.folder / "summary.json")
+    if not old or not old.get("complete") or old.get("schema_version") != SCHEMA_VERSION:
+        return None
+    want = [(int(a["attempt"]), str(a.get("job_id")), str(a.get("state"))) for a in inp.attempts]
+    have = [(r.get("attempt"), r.get("job_id"), r.get("state")) for r in old.get("attempts", [])]
+    return old if want == have else None
+
+
+# -- many runs --------------------------------------------------------------------------------------
+def resolve_refs(reg: Registry, refs: list[str], all_runs: bool) -> tuple[list[RunInput], list[str], list[str]]:
+    """(runs in view, errors for refs that match nothing, warnings such as "sacct is down").
+
+    A ref may be a run id, a unique prefix, or a run folder path (for runs this registry never saw).
+    Unknown refs do not stop the others from being summarised.
+    """
+    from hpctrain.registry import RunNotFound
+
+    errors: list[str] = []
+    warnings: list[str] = []
+    if all_runs or not refs:
+        try:
+            runs = reg.list_runs(limit=None if all_runs else 20)
+        except Exception as exc:  # unreadable registry: nothing to list, say why
+            return [], [f"cannot read the run registry {reg.path}: {exc}"], []
+        return _inputs(reg, runs, warnings), errors, warnings
+    found: list[Run] = []
+    loose: list[RunInput] = []
+    for ref in refs:
+        try:
+            found.append(reg.get_run(ref))
+        except RunNotFound as exc:
+            p = Path(ref)
+            if p.is_dir() and ((p / "attempts.jsonl").exists() or (p / "spec.toml").exists()):
+                loose.append(from_folder(p.resolve()))
+            elif exc.ambiguous:
+                errors.append(f"RUN = {ref!r}: matches several runs: {', '.join(exc.close)}. Give more of the id.")
+            else:
+                hint = f" Close matches: {', '.join(exc.close)}." if exc.close else ""
+                errors.append(f"RUN = {ref!r}: no such run in {reg.path}.{hint} "
+                              "Pick a run id from `hpctrain list --all`, or give the run folder's path.")
+        except Exception as exc:
+            errors.append(f"RUN = {ref!r}: cannot read the run registry {reg.path}: {exc}")
+    return _inputs(reg, found, warnings) + loose, errors, warnings
+
+
+def _inputs(reg: Registry, runs: list[Run], warnings: list[str]) -> list[RunInput]:
+    """ONE sacct call for every unfinished SLURM attempt in view (DISPATCH's refresh), and the
+    registry keeps final states so the next refresh skips them."""
+    try:
+        from hpctrain.cli_runs import refresh
+
+        warnings.extend(refresh(reg, runs))
+    except Exception as exc:  # sacct missing, slurmdbd down, registry locked: stale states still help
+        warnings.append(f"states may be stale: {exc}")
+    inputs = [from_registry(r) for r in runs]
+    for inp in inputs:
+        inp.warnings.extend(warnings)
+    return inputs
+
+
+def summarize(inputs: list[RunInput], *, write: bool = True, now: float | None = None) -> list[dict[str, Any]]:
+    """Records for the runs in view; rebuilds only what is not cached, writes summary.json files."""
+    out = []
+    for inp in inputs:
+        rec = cached(inp)
+        if rec is None:
+            rec = build_run(inp, now)
+            if write:
+                warn = write_summary(rec)
+                if warn:
+                    rec["warnings"].append(warn)
+        out.append(rec)
+    return out
+
+
+def store_failure_classes(reg: Registry, records: list[dict[str, Any]]) -> None:
+    """Put the failure class of finished attempts into the registry (for `status` and resubmit)."""
+    updates = []
+    for rec in records:
+        for row in rec["attempts"]:
+            if row["state"] in FINAL and row.get("failure_class"):
+                updates.append((rec["run_id"], row["attempt"], {"failure_class": row["failure_class"]}))
+    if updates:
+        try:
+            reg.update_attempts(updates)
+        except Exception:  # a locked or read-only registry must not cost the user the summary
+            pass

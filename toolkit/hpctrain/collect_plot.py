@@ -1,0 +1,64 @@
+"""`hpctrain summary --plot FILE.png`: loss and throughput over steps, attempt boundaries marked.
+
+matplotlib is optional (the `plot` extra) and imported only here, inside `plot_runs`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hpctrain import collect_metrics as cm
+
+
+class PlotUnavailable(RuntimeError):
+    """matplotlib is not installed."""
+
+
+def series(run: dict[str, Any]) -> list[tuple[int, list[dict[str, Any]]]]:
+    """(attempt, metrics records) for each attempt of a summary record, read from its folder."""
+    folder = Path(run["folder"])
+    records, _ = cm.read_metrics(folder / "metrics" / "metrics.jsonl")
+    atts = run.get("attempts", [])
+    per = cm.split_by_attempt(records, [a.get("start") for a in atts]) if atts else [records]
+    keys = [a["attempt"] for a in atts] or [0]
+    return list(zip(keys, per))
+
+
+def plot_runs(runs: list[dict[str, Any]], out: Path) -> int:
+    """Draw every run into one PNG (two panels: loss, tokens/s). Returns the number of points drawn."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display on a login node
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise PlotUnavailable("--plot needs matplotlib: pip install 'hpctrain[plot]'") from exc
+    fig, (ax_loss, ax_tps) = plt.subplots(2, 1, sharex=True, figsize=(9, 6.5))
+    drawn = 0
+    for run in runs:
+        for k, recs in series(run):
+            pts = [(r["step"], r.get("loss"), r.get("tokens_per_s")) for r in recs]
+            if not pts:
+                continue
+            label = f"{run['run_id']} a{k}" if len(runs) > 1 else f"attempt {k}"
+            line = ax_loss.plot([p[0] for p in pts if p[1] is not None],
+                                [p[1] for p in pts if p[1] is not None], label=label)[0]
+            ax_tps.plot([p[0] for p in pts if p[2] is not None], [p[2] for p in pts if p[2] is not None],
+                        color=line.get_color())
+            for ax in (ax_loss, ax_tps):  # where this attempt started (a resume starts mid-way)
+                ax.axvline(pts[0][0], color=line.get_color(), linestyle="--", linewidth=0.8, alpha=0.7)
+            drawn += len(pts)
+    ax_loss.set_ylabel("loss")
+    ax_tps.set_ylabel("tokens/s")
+    ax_tps.set_xlabel("step (dashed: attempt start)")
+    if drawn:
+        ax_loss.legend(fontsize="small")
+    else:
+        ax_loss.text(0.5, 0.5, "no metrics yet", ha="center", va="center", transform=ax_loss.transAxes)
+    ax_loss.set_title(", ".join(r["run_id"] for r in runs)[:120])
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png", dpi=100, metadata={"Software": f"matplotlib {matplotlib.__version__}"})
+    plt.close(fig)
+    return drawn
