@@ -228,3 +228,29 @@ def test_coerce_types() -> None:
     assert S.coerce("launch.modules", "a, b") == ("a", "b")
     assert S.coerce("model.overrides.rope_theta", "1e4") == 1e4
     assert S.coerce("model.overrides.name", "plain words") == "plain words"
+
+
+def test_config_paths(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from hpctrain import config
+
+    monkeypatch.delenv("HPCTRAIN_RUNS_DIR", raising=False)
+    monkeypatch.delenv("HPCTRAIN_STATE_DIR", raising=False)
+    monkeypatch.delenv("HPCTRAIN_CONFIG_DIR", raising=False)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xs"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xc"))
+    assert config.runs_dir() == Path("runs")
+    assert config.state_dir() == tmp_path / "xs" / "hpctrain"
+    assert config.config_dir() == tmp_path / "xc" / "hpctrain"
+    monkeypatch.setenv("HPCTRAIN_STATE_DIR", str(tmp_path / "st"))
+    assert config.state_dir() == tmp_path / "st"
+
+
+def test_site_profile_tables_are_checked() -> None:
+    from hpctrain.config import site_to_overrides
+
+    with pytest.raises(HpcUsageError, match="unknown key 'imgae'.*did you mean 'image'"):
+        site_to_overrides("s", {"container": {"imgae": "x"}})
+    with pytest.raises(HpcUsageError, match="must be a table"):
+        site_to_overrides("s", {"env": "NCCL_DEBUG=INFO"})
+    assert site_to_overrides("s", {"template_dir": "/t", "env": {"A": "1"}}) == {
+        "launch.template_dir": "/t", "env.A": "1"}
