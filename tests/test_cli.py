@@ -208,3 +208,23 @@ def test_cli_import_stays_light() -> None:
                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_sweep_over_paths_in_container_refused(tmp_path: Path) -> None:
+    for name in ("a.jsonl", "b.jsonl"):
+        (tmp_path / name).write_text('{"text": "x"}\n')
+    res = invoke("submit", *TINY, "--dry-run", "--container", "apptainer:/i.sif",
+                 "--sweep", f"data.source={tmp_path / 'a.jsonl'},{tmp_path / 'b.jsonl'}")
+    assert res.exit_code != 0 and "container mounts" in res.output
+
+
+def test_submitit_command_matches_submitit(tmp_path: Path) -> None:
+    import shlex
+
+    import submitit
+
+    from hpctrain.render import submitit_command
+
+    folder = tmp_path / "we'ird dir" / "submitit"
+    ex = submitit.SlurmExecutor(folder=folder)
+    assert ex._submitit_command_str == submitit_command(shlex.quote(sys.executable), str(folder))

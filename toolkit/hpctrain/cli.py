@@ -241,6 +241,7 @@ def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry
                         "add --dry-run, or set HPCTRAIN_RUNS_DIR to choose where run folders are created")
     grid = parse_sweep(list(sweep)) if sweep else [{}]
     points = [_resolve(runfile, opts, p) for p in grid]
+    _check_sweep_binds(points)
     spec, plan = points[0]
     mode = "preflight" if preflight else "train"
     if dry_run:
@@ -268,6 +269,22 @@ def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry
             runs.remove_run_folder(d)
         raise
     _report(subs, as_json)
+
+
+def _check_sweep_binds(points: list[tuple[Spec, Plan]]) -> None:
+    """A sweep shares one batch script, so in a container every point must need the same binds."""
+    from hpctrain.errors import bad_value
+    from hpctrain.render import container_binds
+
+    spec = points[0][0]
+    if spec.container.runtime == "none" or len(points) < 2:
+        return
+    first = container_binds(spec, [Path("/run")])
+    for s, _ in points[1:]:
+        if container_binds(s, [Path("/run")]) != first:
+            raise bad_value("--sweep", "model/data paths", "sweep points need different container mounts, "
+                            "but one job array has one launch line",
+                            "sweep non-path keys only, or submit each path separately")
 
 
 def _create_runs(points: list[tuple[Spec, Plan]], mode: str) -> list[Path]:
