@@ -166,6 +166,14 @@ def test_timeout_with_signal_stop_is_time_limit() -> None:
     assert cc.classify("TIMEOUT", [src(text)]).failure_class == cc.TIME_LIMIT
 
 
+@pytest.mark.parametrize("signum,state,cls", [(12, "FAILED", cc.TIME_LIMIT), (15, "FAILED", cc.PREEMPTED),
+                                              (12, "TIMEOUT", cc.TIME_LIMIT), (15, "PREEMPTED", cc.PREEMPTED)])
+def test_stopped_on_signal_after_checkpoint(signum: int, state: str, cls: str) -> None:
+    text = HEAD.format(r=0) + f"2026-11-29T10:00:02 rank0 INFO signal {signum}: checkpointed at step 40, stopping for requeue\n"
+    f = cc.classify(state, [src(text, host="node1")], exit_code="3:0")
+    assert f.failure_class == cls and "resumable" in f.message and f.host == "node1"
+
+
 def test_interleaved_traceback_with_binary_junk() -> None:
     """Another rank's lines and NUL/binary bytes inside the traceback; the exception is still found."""
     raw = (b"2026-11-29T10:00:08 rank1 ERROR training failed:\nTraceback (most recent call last):\n"

@@ -65,6 +65,8 @@ _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Fail
                        r"Timeout|Warning|Fault|Abort)|[A-Za-z_][\w.]*\.[A-Z]\w*)(?::\s?(.*))?$")
 # The one line the node prints on stderr when a rank fails (node/main.py).
 _NODE_FAILED = re.compile(r"hpctrain: rank (\d+) failed: ([\w.]+): (.*?)(?: \(traceback in .*\))?$")
+# The node checkpointed on SLURM's pre-timeout signal (USR2) or a preemption (TERM) and exited 3.
+_SIGNAL_STOP = re.compile(r"signal (\d+): checkpointed at step (\d+), stopping for requeue")
 _CTRL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 # Tags that identify who wrote a line: the node's "rank3", submitit's JobEnvironment line.
 _RANK_TAG = re.compile(r"\brank ?(\d+)\b")
@@ -200,6 +202,9 @@ def _scan(src: LogSource) -> list[_Evidence]:
             if src.rank is None:
                 src.rank = rank
             out.append(_Evidence(PYTHON_EXCEPTION, exc, src, exc, [exc]))
+    stop = _first(_SIGNAL_STOP, lines)
+    if stop is not None:
+        out.append(_Evidence("signal_stop", stop.strip(), src))
     killed = _first(_KILLED, lines)
     if killed is not None:
         out.append(_Evidence("killed", killed.strip(), src))
@@ -237,6 +242,13 @@ def classify(state: str | None, sources: Iterable[LogSource], *, exit_code: str 
         ev = by_cls.get("killed", [None])[0]
         return _failure(HOST_OOM, ev, default=f"SLURM state {state or '?'}, exit {exit_code or '?'}: "
                                                 "killed (host memory exhausted?)")
+    if "signal_stop" in by_cls and state not in ("CANCELLED", "NODE_FAIL"):
+        ev = by_cls["signal_stop"][0]
+        m = _SIGNAL_STOP.search(ev.line)
+        signum = int(m.group(1)) if m else 0
+        cls = TIME_LIMIT if signum in (10, 12) or state == "TIMEOUT" else PREEMPTED  # USR1/USR2: pre-timeout
+        return Failure(cls, f"{_tidy(ev.line)} (checkpointed: resumable)", rank=ev.src.rank, host=ev.src.host,
+                       source=ev.src.name)
     if hang and state not in ("COMPLETED",):
         return Failure(HANG, hang_message or "heartbeat stopped long before the job ended")
     if state in _STATE_CLASS:
