@@ -167,7 +167,7 @@ def _spec(partition: str = "debug", nodes: int = 1) -> SimpleNamespace:
                                   nodes=nodes, mem="", account="", qos=""),
         parallel=SimpleNamespace(zero=3, offload="none", pp=1, tp=1),
         model=SimpleNamespace(path="", config="llama-tiny"), data=SimpleNamespace(source="synthetic"),
-        train=SimpleNamespace(steps=2), launch=SimpleNamespace(launcher="srun"))
+        train=SimpleNamespace(steps=2, lr=1e-3), launch=SimpleNamespace(launcher="srun"))
 
 
 def _plan(nodes: int = 1) -> SimpleNamespace:
@@ -367,3 +367,12 @@ def test_status_with_slurmdbd_down_warns_and_shows_cache(fake_slurm: Path, stand
     r = CliRunner().invoke(_cli(), ["status", sub.run_id, "--json"])
     assert r.exit_code == 0
     assert "PENDING" in r.output and "stale" in r.output and "slurmdbd" in r.output
+
+
+def test_unsplit_array_state_applies_to_every_task(fake_slurm: Path) -> None:
+    """An array cancelled while pending has one sacct line "5"; `-j 5_0` would return nothing."""
+    _exe(fake_slurm / "sacct", "#!/bin/sh\necho \"$@\" > \"$(dirname \"$0\")/sacct.args\"\n"
+         "echo '5|CANCELLED by 0|0:0|None assigned|Unknown|2026-11-29T10:00:05'\n")
+    recs = _slurm.sacct_states(["5_0", "5_1"])
+    assert {k: r.state for k, r in recs.items()} == {"5_0": "CANCELLED", "5_1": "CANCELLED"}
+    assert (fake_slurm / "sacct.args").read_text().split()[-1] == "5"  # asked about the parent

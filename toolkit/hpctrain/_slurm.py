@@ -161,12 +161,20 @@ def sacct_states(job_ids: Iterable[str]) -> dict[str, SacctRecord]:
     ids = sorted({str(j) for j in job_ids if str(j)})
     if not ids:
         return {}
+    # Ask about array *parents*: `-j A_3` returns nothing for an array cancelled before its tasks
+    # were split out, while `-j A` returns the split tasks, the pending range, or the whole array.
+    parents = sorted({j.split("_", 1)[0] for j in ids})
     argv = ["sacct", "-X", "-D", "--parsable2", "--noheader",
-            "-o", ",".join(_SACCT_FIELDS), "-j", ",".join(ids)]
-    out = _run(argv).stdout
-    records = parse_sacct(out)
-    # Ask for "A" and get "A_0".."A_n" (array) -- callers asked for what they asked for.
-    return {k: v for k, v in records.items() if k in ids or k.split("_", 1)[0] in ids}
+            "-o", ",".join(_SACCT_FIELDS), "-j", ",".join(parents)]
+    records = parse_sacct(_run(argv).stdout)
+    out: dict[str, SacctRecord] = {}
+    for j in ids:
+        rec = records.get(j) or records.get(j.split("_", 1)[0])  # unsplit array: its state is every task's
+        if rec is not None:
+            out[j] = rec if rec.job_id == j else SacctRecord(
+                job_id=j, state=rec.state, exit_code=rec.exit_code, nodelist=rec.nodelist, start=rec.start,
+                end=rec.end, history=rec.history)
+    return out
 
 
 def parse_sacct(text: str) -> dict[str, SacctRecord]:

@@ -19,7 +19,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, is_dataclass
 from functools import lru_cache
@@ -99,7 +102,8 @@ def spec_summary(spec: Spec, plan: Plan, mode: str) -> dict[str, Any]:
         "gpus_per_node": res.gpus_per_node, "partition": res.partition, "time": res.time,
         "zero": getattr(plan, "zero_stage", par.zero), "offload": par.offload, "pp": par.pp, "tp": par.tp,
         "model": spec.model.path or spec.model.config, "data": spec.data.source,
-        "steps": spec.train.steps, "launcher": spec.launch.launcher,
+        "steps": spec.train.steps, "lr": spec.train.lr, "launcher": spec.launch.launcher,
+        "micro_batch": getattr(plan, "micro_batch", None), "global_batch": getattr(plan, "global_batch", None),
         # Names only: values of [env] are in sbatch.sh already; secret names are not even listed.
         "env_keys": sorted(k for k in spec.env if k not in secret),
     }
@@ -112,6 +116,7 @@ def _record(subs: list[Submitted], spec: Spec, plan: Plan, mode: str) -> None:
     summary = spec_summary(spec, plan, mode)
     items = []
     for s in subs:
+        summary = _point_summary(s, spec, plan, mode) if s.array_index else summary
         rec = {"attempt": 0, "job_id": s.job_id, "state": "PENDING", "submitted": now,
                "executor": s.executor, "mode": mode}
         runs_mod.append_attempt(runs_mod.RunFolder(s.run_dir).attempts_jsonl, rec)
@@ -125,6 +130,16 @@ def _record(subs: list[Submitted], spec: Spec, plan: Plan, mode: str) -> None:
         ids = sorted({s.job_id.split("_")[0] for s in subs})
         raise RuntimeError(f"job {', '.join(ids)} was submitted but could not be recorded in the registry "
                            f"({exc}); cancel it with `scancel {' '.join(ids)}` or retry") from exc
+
+
+def _point_summary(sub: Submitted, spec: Spec, plan: Plan, mode: str) -> dict[str, Any]:
+    """A sweep point differs from the first in train/parallel/... keys: summarise its own spec.toml."""
+    try:
+        from hpctrain.spec import read_resolved
+
+        return spec_summary(read_resolved(sub.run_dir), plan, mode)
+    except Exception:  # noqa: BLE001 - a summary is informative only; never fail a queued job over it
+        return spec_summary(spec, plan, mode)
 
 
 # -- SLURM ----------------------------------------------------------------------------------------
@@ -325,9 +340,34 @@ def _submit_local(dirs: list[Path], spec: Spec, plan: Plan, mode: str) -> list[S
                              timeout_min=time_minutes(spec.resources.time),
                              gpus_per_node=spec.resources.gpus_per_node,
                              signal_delay_s=spec.resources.signal_seconds)
-        job = ex.submit(NodeJob(str(d), mode))
+        with _stdio_to(d / "submitit" / "controller.log"):
+            job = ex.submit(NodeJob(str(d), mode))
         subs.append(Submitted(run_id=d.name, run_dir=d, job_id=str(job.job_id), executor="local"))
     return subs
+
+
+@contextmanager
+def _stdio_to(path: Path) -> Iterator[None]:
+    """Point fds 1/2 at `path` while submitit starts its local controller.
+
+    The controller inherits our stdout/stderr; left alone, `hpctrain submit --executor local | jq`
+    (or any caller reading our output through a pipe) would block until the training ends.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for f in (fd, *saved):
+            os.close(f)
 
 
 def local_state(run_dir: Path, job_id: str) -> tuple[str, str | None]:
