@@ -136,3 +136,38 @@ def test_sacct_completed_failed_cancelled(sbatch: Callable[..., str], wait_job_s
     assert rows[ok] == ["COMPLETED", "0:0"]
     assert rows[bad] == ["FAILED", "3:0"]
     assert rows[long][0].startswith("CANCELLED")  # "CANCELLED by 0"
+
+
+# -- the pytest wiring -----------------------------------------------------------------------------------
+
+
+def _inner_pytest(tmp_path: Path, env: dict[str, str]) -> str:
+    (tmp_path / "test_inner.py").write_text(
+        "import pytest\n\n@pytest.mark.slurm\ndef test_needs_cluster():\n    pass\n"
+    )
+    (tmp_path / "conftest.py").write_text(
+        (Path(__file__).parent / "conftest.py").read_text().replace(
+            'REPO = Path(__file__).resolve().parent.parent', f"REPO = Path({str(SLURM_SH.parents[2])!r})"
+        )
+    )
+    proc = run_cmd(
+        [sys.executable, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider", "-o", "markers=slurm: x",
+         "--rootdir", str(tmp_path), str(tmp_path / "test_inner.py")],
+        timeout=120, check=False, env=env, cwd=tmp_path,
+    )
+    return f"rc={proc.returncode}\n{proc.stdout}{proc.stderr}"
+
+
+@pytest.mark.slurm
+def test_cluster_that_cannot_start_fails_loudly(tmp_path: Path) -> None:
+    # A lab folder that does not own the running daemons: `up` refuses (ports taken by strangers) before
+    # touching anything, and the slurm test errors instead of being skipped.
+    out = _inner_pytest(tmp_path, {"LAB": str(tmp_path / "other-lab"), "HPCTRAIN_SKIP_SLURM": "0"})
+    assert out.startswith("rc=1"), out
+    assert "could not start the local SLURM cluster" in out and "is taken by PID" in out, out
+    assert "1 error" in out, out
+
+
+def test_skip_slurm_env_skips(tmp_path: Path) -> None:
+    out = _inner_pytest(tmp_path, {"LAB": str(tmp_path / "other-lab"), "HPCTRAIN_SKIP_SLURM": "1"})
+    assert out.startswith("rc=0") and "1 skipped" in out and "HPCTRAIN_SKIP_SLURM=1" in out, out
