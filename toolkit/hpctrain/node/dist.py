@@ -77,7 +77,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def prepare_process_env(d: DistEnv, use_gpu: bool, env: MutableMapping[str, str] | None = None) -> None:
+def prepare_process_env(d: DistEnv, use_gpu: bool, env: MutableMapping[str, str] | None = None,
+                        cpus_per_task: int = 1) -> None:
     """Everything that must be in os.environ before torch/deepspeed are imported or initialised."""
     env = os.environ if env is None else env
     env.update(d.exports())
@@ -89,6 +90,9 @@ def prepare_process_env(d: DistEnv, use_gpu: bool, env: MutableMapping[str, str]
     fix_cuda_arch_list(env)
     if not use_gpu:
         env["DS_ACCELERATOR"] = "cpu"
+        # One rank per allocated core: torch would otherwise start a thread per core in every rank
+        # and oversubscribe the node (submitit's local executor sets no limit).
+        env.setdefault("OMP_NUM_THREADS", env.get("SLURM_CPUS_PER_TASK") or str(cpus_per_task))
 
 
 def fix_cuda_arch_list(env: MutableMapping[str, str]) -> None:

@@ -21,6 +21,7 @@ from hpctrain.node.runconf import NodeInputError, RunPaths, read_spec
 
 def export_hf(run_dir: str | Path, out: str | Path | None = None, tag: str | None = None) -> Path:
     """Write RUN/hf (or `out`) from checkpoint `tag` (default: the latest complete one); returns the folder."""
+    os.environ.setdefault("TQDM_DISABLE", "1")  # zero_to_fp32 and transformers draw progress bars on stderr
     import torch
     from transformers import AutoModelForCausalLM
 

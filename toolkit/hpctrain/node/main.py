@@ -40,7 +40,8 @@ def run(run_dir: str, mode: str = "train") -> int:
             raise NodeInputError(f"mode {mode!r}: use 'train' or 'preflight'.")
         spec = read_spec(paths.root)
         # Export MASTER_ADDR/PORT first: the preflight rendezvous listens on MASTER_PORT + 1.
-        dist.prepare_process_env(d, use_gpu=spec.resources.gpus_per_node > 0)
+        dist.prepare_process_env(d, use_gpu=spec.resources.gpus_per_node > 0,
+                                 cpus_per_task=max(1, spec.resources.cpus_per_task))
         _preflight(spec.launch.preflight_timeout_s)
         if mode == "preflight":
             return EXIT_OK

@@ -299,7 +299,7 @@ def run_training(p: Prepared, stop: StopFlag) -> tuple[Any, LoopState]:
             if p.d.rank == 0:
                 stop.chain()
             raise StopRequested(f"stopped on signal at step {st.step}")
-        _fail_hook(st.step)
+        _fail_hook(st.step, st.step0)
     metrics.heartbeat(st.step, "finished")
     return engine, st
 
@@ -359,10 +359,11 @@ def _record(p: Prepared, st: LoopState, loss: float, lr: float, red: Any, dt: fl
     return rec
 
 
-def _fail_hook(step: int) -> None:
-    """Test hook: HPCTRAIN_FAIL_AT_STEP=N kills every rank right after step N (a crash, no cleanup)."""
+def _fail_hook(step: int, step0: int) -> None:
+    """Test/demo hook: HPCTRAIN_FAIL_AT_STEP=N kills every rank right after step N (a crash, no cleanup),
+    in an attempt that started before N only, so the resumed attempt runs through."""
     at = os.environ.get("HPCTRAIN_FAIL_AT_STEP")
-    if at and int(at) == step:
+    if at and int(at) == step and step0 < step:
         log.info("HPCTRAIN_FAIL_AT_STEP=%s: exiting hard", at)
         for h in log.handlers:
             h.flush()
