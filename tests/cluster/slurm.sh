@@ -120,7 +120,7 @@ check_port() {
   pids=$(grep -o 'pid=[0-9]*' <<<"$line" | cut -d= -f2 | sort -u || true)
   for p in $pids; do
     [ "$p" = "$mine" ] && continue
-    die "port $port is taken by PID $p ($(comm_of "$p"): $(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | cut -c1-120)), which this lab did not start; stop it or free the port"
+    die "port $port is taken by PID $p ($(comm_of "$p"): $(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | cut -c1-120)), which this lab did not start (no PID file under $RUN names it); stop it or free the port. If it is a leftover of this lab whose PID files were deleted: kill $p"
   done
   [ -n "$pids" ] || [ -n "$mine" ] || die "port $port is in use by a process this lab did not start (ss: $line)"
 }
@@ -150,8 +150,8 @@ install_pkgs() {
   fi
   local rc=0
   {
-    apt-get update -qq &&
-      apt-get install -y -qq --no-install-recommends -o Dpkg::Options::=--force-confdef \
+    apt-get -o Acquire::Retries=3 update -qq &&
+      apt-get -o Acquire::Retries=3 install -y -qq --no-install-recommends -o Dpkg::Options::=--force-confdef \
         -o Dpkg::Options::=--force-confold slurm-wlm slurmctld slurmd slurm-client slurmdbd munge \
         mariadb-server iproute2 util-linux </dev/null >"/tmp/hpctrain-slurm-apt.log" 2>&1
   } || rc=$?
