@@ -75,10 +75,11 @@ def refresh(reg: Registry, runs: list[Run]) -> list[str]:
 
             from hpctrain.dispatch import local_state
 
-            state, why = local_state(Path(run.folder), att.job_id)
+            # The reason (e.g. "see 123_0_result.pkl") is for humans; collect assigns failure classes.
+            state, _ = local_state(Path(run.folder), att.job_id)
             fields: dict[str, Any] = {"state": state}
             if state in FINAL_STATES:
-                fields.update(ended=time.time(), failure_class=why)
+                fields["ended"] = time.time()
         elif att.job_id in fresh:
             fields = {k: v for k, v in fresh[att.job_id].items() if v not in (None, "")}
         else:
