@@ -18,7 +18,8 @@ from typing import Any
 
 from hpctrain.errors import HpcUsageError, bad_value
 from hpctrain.presets import PRESETS
-from hpctrain.spec import Model, Spec, how_to_set
+from hpctrain.spec import Model, Spec
+from hpctrain.spec_rules import how_to_set
 
 GiB = 1024**3
 DEFAULT_GPU_GB = 80.0  # A100/H100 80GB: the common training GPU when the site does not say

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from hpctrain import __version__
 from hpctrain.errors import HpcUsageError, bad_value
-from hpctrain.spec import Spec, secret_names
+from hpctrain.spec import Spec
+from hpctrain.spec_rules import secret_names
 
 if TYPE_CHECKING:
     import jinja2

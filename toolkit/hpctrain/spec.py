@@ -13,18 +13,18 @@ This module is pure Python (no torch): the login node and the compute node both 
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import re
 import typing
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, Union
 
 import tomllib
 
 from hpctrain.errors import HpcUsageError, bad_value, unknown_key
+from hpctrain.spec_rules import check, describe, field_types, how_to_set, need
 
 Zero = Union[int, Literal["auto"]]  # 0, 1, 2, 3 or "auto"
 Offload = Literal["none", "optimizer", "param", "all"]
@@ -54,7 +54,7 @@ class Resources:
     gpu_mem_gb: float = 0.0  # memory of one GPU for the plan's fit check; 0 = assume 80 (A100/H100 80GB)
 
     def __post_init__(self) -> None:
-        _check(self)
+        check(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,7 +67,7 @@ class Launch:
     template_dir: str = ""  # folder whose *.j2 override the shipped templates ("" = config dir's templates/)
 
     def __post_init__(self) -> None:
-        _check(self)
+        check(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,7 +80,7 @@ class Model:
     freeze: tuple[str, ...] = ()  # fnmatch patterns of parameter names to freeze
 
     def __post_init__(self) -> None:
-        _check(self)
+        check(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,7 +95,7 @@ class Data:
     pack: bool = False  # pack documents into seq_len with per-document attention boundaries
 
     def __post_init__(self) -> None:
-        _check(self)
+        check(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,7 +115,7 @@ class Train:
     peak_tflops: float = 0.0  # per-device peak for MFU; 0 = unknown (no MFU reported)
 
     def __post_init__(self) -> None:
-        _check(self)
+        check(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,7 +128,7 @@ class Parallel:
     tp: int = 1
 
     def __post_init__(self) -> None:
-        _check(self)
+        check(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,7 +139,7 @@ class Checkpoint:
     export_hf: bool = True  # consolidated HF folder at the end
 
     def __post_init__(self) -> None:
-        _check(self)
+        check(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,7 +149,7 @@ class Container:
     mounts: tuple[str, ...] = ()  # extra "SRC[:DST]" binds; run folder, data and model are bound automatically
 
     def __post_init__(self) -> None:
-        _check(self)
+        check(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,11 +170,11 @@ class Spec:
     secret_env: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        _check(self)
+        check(self)
 
 
 # --------------------------------------------------------------------------------------------------
-# Field metadata: sections, CLI flags (for fix messages), secrets.
+# Sections of the run file (each a dataclass above) and keys that a sweep may not vary.
 
 SECTIONS: dict[str, type] = {
     "resources": Resources,
@@ -187,273 +187,8 @@ SECTIONS: dict[str, type] = {
     "container": Container,
 }
 TOP_SCALARS = ("name", "site", "secret_env")
-# These variables are secret whatever the site says: they reach ranks by name through --export=ALL.
-ALWAYS_SECRET = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY")
 # A sweep makes one job array, and an array has one allocation shape and one launch line.
 UNSWEEPABLE = ("resources.", "launch.", "container.", "site", "secret_env", "env.")
-
-FLAG_FOR: dict[str, str] = {
-    "resources.nodes": "--nodes", "resources.gpus_per_node": "--gpus-per-node",
-    "resources.cpus_per_task": "--cpus-per-task", "resources.mem": "--mem", "resources.time": "--time",
-    "resources.partition": "--partition", "resources.account": "--account", "resources.qos": "--qos",
-    "name": "--job-name", "parallel.zero": "--zero", "parallel.offload": "--offload",
-    "parallel.offload_device": "--offload-device", "parallel.nvme_path": "--nvme-path",
-    "train.precision": "--precision", "train.micro_batch": "--micro-batch", "train.grad_accum": "--grad-accum",
-    "train.global_batch": "--global-batch", "parallel.pp": "--pp", "parallel.tp": "--tp",
-    "launch.launcher": "--launcher", "launch.executor": "--executor", "site": "--site",
-    "train.steps": "--steps", "model.path": "--model", "data.source": "--data",
-}
-
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_SECRET_NAME_PARTS = {"TOKEN", "SECRET", "PASSWORD", "PASSWD", "APIKEY", "CREDENTIAL", "CREDENTIALS"}
-_SECRET_VALUE = re.compile(
-    r"^(hf_[A-Za-z0-9]{20,}|(sk|pk|ghp|gho|ghs|github_pat|xox[abpr])[-_][A-Za-z0-9_-]{16,}"
-    r"|[0-9a-f]{40}|AKIA[0-9A-Z]{16}|-----BEGIN [A-Z ]*PRIVATE KEY-----.*)$",
-    re.DOTALL,
-)
-_MEM = re.compile(r"^\d+[KMGT]?$")
-_TIME = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d{1,2}(:\d{1,2}(:\d{1,2})?)?)$")
-_SLURM_WORD = re.compile(r"^[A-Za-z0-9_.,:@+\-\[\]|&*!()]*$")
-
-
-def how_to_set(key: str, example: object) -> str:
-    """The fix half of a message: the CLI flag if there is one, and the run-file spelling."""
-    section, _, name = key.rpartition(".")
-    where = f"[{section}] {name} = {example}" if section else f"{name} = {example}"
-    flag = FLAG_FOR.get(key)
-    return f"pass {flag} {example} or set {where} in the run file" if flag else f"set {where} in the run file"
-
-
-def secret_names(spec: Spec) -> tuple[str, ...]:
-    """Every variable treated as secret for this spec: the always-secret ones plus the site's."""
-    return tuple(dict.fromkeys((*ALWAYS_SECRET, *spec.secret_env)))
-
-
-def looks_secret(name: str, value: str) -> bool:
-    """Guess whether an [env] entry carries a credential, by its name or the shape of its value."""
-    parts = set(name.upper().split("_"))
-    return bool(parts & _SECRET_NAME_PARTS) or name.upper().endswith("API_KEY") or bool(
-        _SECRET_VALUE.match(value.strip()))
-
-
-# --------------------------------------------------------------------------------------------------
-# Type checks shared by every section (run in each dataclass's __post_init__).
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _section_of(obj: object) -> str:
-    for name, cls in SECTIONS.items():
-        if type(obj) is cls:
-            return f"{name}."
-    return ""
-
-
-def _type_ok(value: object, hint: Any) -> bool:
-    origin = typing.get_origin(hint)
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if hint is str:
-        return isinstance(value, str)
-    if origin is Literal:
-        return value in typing.get_args(hint) and not isinstance(value, bool)
-    if origin is Union:
-        return any(_type_ok(value, h) for h in typing.get_args(hint))
-    if origin is tuple:
-        return isinstance(value, tuple) and all(isinstance(v, str) for v in value)
-    if origin is dict:
-        return isinstance(value, dict) and all(isinstance(k, str) for k in value)
-    return True
-
-
-def _describe(hint: Any) -> str:
-    origin = typing.get_origin(hint)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
-    if origin is Union:
-        return " or ".join(_describe(h) for h in typing.get_args(hint))
-    if origin is tuple:
-        return "a list of strings"
-    if origin is dict:
-        return "a table"
-    return f"a {getattr(hint, '__name__', hint)}"
-
-
-def _check(obj: Any) -> None:
-    """Validate types, then the section's own rules; normalise ints given for float fields."""
-    prefix = _section_of(obj)
-    for f in fields(obj):
-        value = getattr(obj, f.name)
-        hint = _hints(typing.cast(type, type(obj)))[f.name]
-        if not _type_ok(value, hint):
-            raise bad_value(prefix + f.name, value, f"must be {_describe(hint)}",
-                            how_to_set(prefix + f.name, _example(hint, f.default)))
-        if hint is float and isinstance(value, int):
-            object.__setattr__(obj, f.name, float(value))
-        if isinstance(value, str) and "\x00" in value:
-            raise bad_value(prefix + f.name, value, "contains a NUL byte", "remove it")
-    rule = _RULES.get(type(obj).__name__)
-    if rule:
-        rule(obj)
-
-
-def _example(hint: Any, default: object) -> str:
-    if typing.get_origin(hint) is Literal:
-        return str(typing.get_args(hint)[0])
-    if default is not MISSING:
-        return repr(default) if isinstance(default, str) else str(default).lower()
-    return "..."
-
-
-def _need(ok: bool, key: str, value: object, why: str, fix: str) -> None:
-    if not ok:
-        raise bad_value(key, value, why, fix)
-
-
-def _no_controls(key: str, value: str, allow_newline: bool = False) -> None:
-    bad = [c for c in value if ord(c) < 32 and not (allow_newline and c in "\n\t")]
-    _need(not bad, key, value, "contains control characters (newline, tab, ...)", "remove them")
-
-
-def _rules_resources(r: Resources) -> None:
-    _need(r.nodes >= 1, "resources.nodes", r.nodes, "a job needs at least one node", how_to_set("resources.nodes", 1))
-    _need(r.gpus_per_node >= 0, "resources.gpus_per_node", r.gpus_per_node, "cannot be negative",
-          how_to_set("resources.gpus_per_node", 0) + " (0 = CPU ranks)")
-    _need(r.tasks_per_node >= 0, "resources.tasks_per_node", r.tasks_per_node, "cannot be negative",
-          "set [resources] tasks_per_node = 0 (derive) or a positive count")
-    _need(not (r.gpus_per_node and r.tasks_per_node and r.gpus_per_node != r.tasks_per_node),
-          "resources.tasks_per_node", r.tasks_per_node,
-          f"one rank drives one GPU, but gpus_per_node is {r.gpus_per_node}",
-          f"set [resources] tasks_per_node = {r.gpus_per_node} or 0 (derive)")
-    _need(r.cpus_per_task >= 1, "resources.cpus_per_task", r.cpus_per_task, "must be at least 1",
-          how_to_set("resources.cpus_per_task", 1))
-    _need(r.mem == "" or bool(_MEM.match(r.mem)), "resources.mem", r.mem, "not a SLURM memory size",
-          how_to_set("resources.mem", "64G") + " (digits with K/M/G/T, or empty for the default)")
-    _need(bool(_TIME.match(r.time)), "resources.time", r.time, "not a SLURM time limit",
-          how_to_set("resources.time", "04:00:00") + " (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS)")
-    for key in ("partition", "account", "qos", "constraint"):
-        value = getattr(r, key)
-        _need(bool(_SLURM_WORD.match(value)), f"resources.{key}", value,
-              "contains characters SLURM does not accept here (space, quote, $, ;, newline, ...)",
-              how_to_set(f"resources.{key}", "NAME") + " with a plain name")
-    for host in r.exclude:
-        _need(bool(re.match(r"^[A-Za-z0-9_.\-\[\],]+$", host)), "resources.exclude", host,
-              "not a host name or hostlist", "list plain host names such as 'node3'")
-    _need(r.signal_seconds >= 1, "resources.signal_seconds", r.signal_seconds, "must be at least 1",
-          "set [resources] signal_seconds = 90")
-    _need(r.gpu_mem_gb >= 0, "resources.gpu_mem_gb", r.gpu_mem_gb, "cannot be negative",
-          "set [resources] gpu_mem_gb = 80 (or 0 to assume 80)")
-
-
-def _rules_launch(x: Launch) -> None:
-    _need(x.retries >= 0, "launch.retries", x.retries, "cannot be negative", "set [launch] retries = 3")
-    _need(x.preflight_timeout_s >= 1, "launch.preflight_timeout_s", x.preflight_timeout_s,
-          "must be at least 1 second", "set [launch] preflight_timeout_s = 60")
-    for m in x.modules:
-        _no_controls("launch.modules", m)
-        _need(bool(m.strip()), "launch.modules", m, "empty module name", "remove the empty entry")
-
-
-def _rules_model(m: Model) -> None:
-    _need(not (m.path and m.config), "model.path", m.path,
-          f"both model.path and model.config ({m.config!r}) are set; a run starts from exactly one",
-          "keep path (pretrained weights) or config (fresh init), not both")
-
-
-def _rules_data(d: Data) -> None:
-    _need(d.seq_len >= 1, "data.seq_len", d.seq_len, "must be at least 1", "set [data] seq_len = 512")
-    _need(d.tokens_per_batch >= 0, "data.tokens_per_batch", d.tokens_per_batch, "cannot be negative",
-          "set [data] tokens_per_batch = 0 (micro_batch * seq_len)")
-
-
-def _rules_train(t: Train) -> None:
-    _need(t.steps >= 1, "train.steps", t.steps, "must be at least 1", how_to_set("train.steps", 100))
-    for key in ("micro_batch", "grad_accum", "global_batch"):
-        _need(getattr(t, key) >= 0, f"train.{key}", getattr(t, key), "cannot be negative",
-              how_to_set(f"train.{key}", 1) + " (or 0 to derive it)")
-    _need(t.lr > 0, "train.lr", t.lr, "must be positive", "set [train] lr = 3e-4")
-    _need(0 <= t.min_lr <= t.lr, "train.min_lr", t.min_lr, f"must lie in [0, lr={t.lr}]",
-          f"set [train] min_lr = {t.lr / 10:g}")
-    _need(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "cannot be negative", "set it to 0")
-    _need(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "cannot be negative", "set it to 0.0")
-    _need(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "cannot be negative", "set it to 1.0 (0 = off)")
-    _need(t.peak_tflops >= 0, "train.peak_tflops", t.peak_tflops, "cannot be negative", "set it to 0 (unknown)")
-
-
-def _rules_parallel(p: Parallel) -> None:
-    _need(p.zero == "auto" or p.zero in (0, 1, 2, 3), "parallel.zero", p.zero,
-          "DeepSpeed ZeRO stages are 0, 1, 2 and 3", how_to_set("parallel.zero", 3) + " (or auto)")
-    _need(p.pp >= 1, "parallel.pp", p.pp, "pipeline degree must be at least 1", how_to_set("parallel.pp", 1))
-    _need(p.tp >= 1, "parallel.tp", p.tp, "tensor degree must be at least 1", how_to_set("parallel.tp", 1))
-    if p.offload in ("param", "all"):
-        _need(p.zero in (3, "auto"), "parallel.offload", p.offload,
-              f"parameter offload needs ZeRO stage 3 (zero is {p.zero})",
-              "pass --zero 3, or --offload optimizer")
-    if p.offload == "optimizer":
-        _need(p.zero != 0, "parallel.offload", p.offload, "optimizer offload needs ZeRO stage 1, 2 or 3",
-              "pass --zero 1 (or higher), or --offload none")
-    if p.offload != "none" and p.offload_device == "nvme":
-        _need(bool(p.nvme_path), "parallel.nvme_path", p.nvme_path, "NVMe offload needs a local NVMe folder",
-              how_to_set("parallel.nvme_path", "/local/nvme"))
-    _need(p.pp == 1 or p.zero in (0, 1, "auto"), "parallel.zero", p.zero,
-          f"DeepSpeed's pipeline engine (pp={p.pp}) supports ZeRO 0 and 1 only",
-          "pass --zero 1, or --pp 1")
-    _no_controls("parallel.nvme_path", p.nvme_path)
-
-
-def _rules_checkpoint(c: Checkpoint) -> None:
-    _need(c.every_steps >= 0, "checkpoint.every_steps", c.every_steps, "cannot be negative", "set it to 0 (off)")
-    _need(c.every_minutes >= 0, "checkpoint.every_minutes", c.every_minutes, "cannot be negative",
-          "set it to 0 (off)")
-    _need(c.keep >= 1, "checkpoint.keep", c.keep, "at least one checkpoint must be kept to resume",
-          "set [checkpoint] keep = 2")
-
-
-def _rules_container(c: Container) -> None:
-    _need(c.runtime == "none" or bool(c.image), "container.image", c.image,
-          f"runtime {c.runtime!r} needs an image", f"pass --container {c.runtime}:IMAGE")
-    _need(c.runtime != "none" or not c.image, "container.runtime", c.runtime,
-          f"an image ({c.image!r}) is set but no runtime", "pass --container RUNTIME:IMAGE "
-          "(apptainer, pyxis, podman or charliecloud)")
-    _no_controls("container.image", c.image)
-    for m in c.mounts:
-        _no_controls("container.mounts", m)
-        _need(bool(m) and "," not in m and m.count(":") <= 2, "container.mounts", m,
-              "a mount is SRC[:DST[:OPTS]] without commas", "write one mount per list entry")
-
-
-def _rules_spec(s: Spec) -> None:
-    _need(bool(s.name.strip()), "name", s.name, "a run needs a name", how_to_set("name", "'my-run'"))
-    _need(len(s.name) <= 200, "name", s.name[:40] + "...", "longer than 200 characters", "shorten it")
-    _no_controls("name", s.name)
-    _need(s.site == "" or bool(re.match(r"^[A-Za-z0-9_.-]+$", s.site)), "site", s.site,
-          "site profile names are letters, digits, '_', '.', '-'", "rename the profile")
-    secrets = secret_names(s)
-    for name in s.secret_env:
-        _need(bool(_ENV_NAME.match(name)), "secret_env", name, "not an environment variable name",
-              "use letters, digits and '_'")
-    for key, value in s.env.items():
-        _need(bool(_ENV_NAME.match(key)), f"env.{key}", value, "not an environment variable name",
-              "use letters, digits and '_' (not starting with a digit)")
-        _need(isinstance(value, str), f"env.{key}", value, "env values are strings",
-              f'write {key} = "{value}" in [env]')
-        _need(key not in secrets and not looks_secret(key, value), f"env.{key}", "<redacted>",
-              "looks like a secret, and [env] is written into spec.toml and sbatch.sh",
-              f"remove it from [env], export {key} in the submitting shell, and list it in secret_env "
-              f"(HF_TOKEN and WANDB_API_KEY always pass this way)")
-
-
-_RULES: dict[str, Any] = {
-    "Resources": _rules_resources, "Launch": _rules_launch, "Model": _rules_model, "Data": _rules_data,
-    "Train": _rules_train, "Parallel": _rules_parallel, "Checkpoint": _rules_checkpoint,
-    "Container": _rules_container, "Spec": _rules_spec,
-}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -463,7 +198,7 @@ def _field_hint(key: str) -> Any:
     """Type hint of a dotted key such as 'train.lr', or raise listing the valid keys."""
     section, _, name = key.partition(".")
     if section in SECTIONS and name:
-        hints = _hints(SECTIONS[section])
+        hints = field_types(SECTIONS[section])
         if name in hints:
             return hints[name]
         if "." in name and typing.get_origin(hints.get(name.split(".")[0])) is dict:
@@ -472,8 +207,8 @@ def _field_hint(key: str) -> Any:
     if section == "env" and name:
         return str
     if key in TOP_SCALARS:
-        return _hints(Spec)[key]
-    valid = [*TOP_SCALARS, *(f"{s}.{f}" for s, c in SECTIONS.items() for f in _hints(c)), "env.NAME"]
+        return field_types(Spec)[key]
+    valid = [*TOP_SCALARS, *(f"{s}.{f}" for s, c in SECTIONS.items() for f in field_types(c)), "env.NAME"]
     raise unknown_key("override key", key, valid)
 
 
@@ -507,7 +242,7 @@ def coerce(key: str, value: object) -> object:
             except tomllib.TOMLDecodeError:
                 return value
     except ValueError:
-        raise bad_value(key, value, f"must be {_describe(hint)}", how_to_set(key, "...")) from None
+        raise bad_value(key, value, f"must be {describe(hint)}", how_to_set(key, "...")) from None
     return value
 
 
@@ -518,7 +253,7 @@ def _flatten(data: dict[str, Any], where: str) -> dict[str, Any]:
         if key in SECTIONS:
             if not isinstance(value, dict):
                 raise bad_value(key, value, "must be a table", f"write [{key}] in {where}")
-            hints = _hints(SECTIONS[key])
+            hints = field_types(SECTIONS[key])
             for name, v in value.items():
                 if name not in hints:
                     raise unknown_key(f"{where} [{key}]", name, hints)
@@ -572,7 +307,7 @@ def _build(data: dict[str, Any], where: str = "spec") -> Spec:
     for key, value in data.items():
         if key in SECTIONS:
             cls = SECTIONS[key]
-            hints = _hints(cls)
+            hints = field_types(cls)
             sub: dict[str, Any] = {}
             for name, v in value.items():
                 if name not in hints:
@@ -660,19 +395,19 @@ def check_paths(spec: Spec) -> None:
                         "'llama-tiny' (a preset or a config.json path)")
     if m.path:
         p = Path(m.path)
-        _need(p.is_dir() and (p / "config.json").is_file(), "model.path", m.path,
+        need(p.is_dir() and (p / "config.json").is_file(), "model.path", m.path,
               "not a local model folder with a config.json (compute nodes are offline: no hub ids)",
               "pass --model with the folder from `huggingface-cli download --local-dir DIR`")
     if m.config and m.config not in PRESETS:
-        _need(Path(m.config).is_file(), "model.config", m.config,
+        need(Path(m.config).is_file(), "model.config", m.config,
               "neither a preset nor an existing config.json", f"use a preset ({', '.join(PRESETS)}) or a path")
     src = spec.data.source
     if src != "synthetic":
-        _need(Path(src).exists(), "data.source", src, "path does not exist",
+        need(Path(src).exists(), "data.source", src, "path does not exist",
               "pass --data with an existing .jsonl/.txt file or folder, or 'synthetic'")
     tok = spec.data.tokenizer
     if tok != "byte":
-        _need(Path(tok).is_dir(), "data.tokenizer", tok, "not a local tokenizer folder",
+        need(Path(tok).is_dir(), "data.tokenizer", tok, "not a local tokenizer folder",
               "set [data] tokenizer = 'byte' or a folder holding tokenizer.json")
 
 

@@ -1,0 +1,288 @@
+"""Validation of spec fields: types, per-section rules, secrets, and the wording of refusals.
+
+Split from spec.py so the dataclasses stay readable. Every dataclass's __post_init__ calls
+`check(self)`; each refusal names the field, the bad value and the fix (the CLI flag when there is
+one, and the run-file spelling).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+import typing
+from dataclasses import MISSING, fields
+from typing import TYPE_CHECKING, Any, Literal, Union
+
+from hpctrain.errors import bad_value
+
+if TYPE_CHECKING:
+    from hpctrain.spec import Checkpoint, Container, Data, Launch, Model, Parallel, Resources, Spec, Train
+
+# Run-file sections are the dataclass names in lower case: Resources -> [resources].
+SECTION_CLASSES = ("Resources", "Launch", "Model", "Data", "Train", "Parallel", "Checkpoint", "Container")
+
+# These variables are secret whatever the site says: they reach ranks by name through --export=ALL.
+ALWAYS_SECRET = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY")
+
+FLAG_FOR: dict[str, str] = {
+    "resources.nodes": "--nodes", "resources.gpus_per_node": "--gpus-per-node",
+    "resources.cpus_per_task": "--cpus-per-task", "resources.mem": "--mem", "resources.time": "--time",
+    "resources.partition": "--partition", "resources.account": "--account", "resources.qos": "--qos",
+    "name": "--job-name", "parallel.zero": "--zero", "parallel.offload": "--offload",
+    "parallel.offload_device": "--offload-device", "parallel.nvme_path": "--nvme-path",
+    "train.precision": "--precision", "train.micro_batch": "--micro-batch", "train.grad_accum": "--grad-accum",
+    "train.global_batch": "--global-batch", "parallel.pp": "--pp", "parallel.tp": "--tp",
+    "launch.launcher": "--launcher", "launch.executor": "--executor", "site": "--site",
+    "train.steps": "--steps", "model.path": "--model", "data.source": "--data",
+}
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_SECRET_NAME_PARTS = {"TOKEN", "SECRET", "PASSWORD", "PASSWD", "APIKEY", "CREDENTIAL", "CREDENTIALS"}
+_SECRET_VALUE = re.compile(
+    r"^(hf_[A-Za-z0-9]{20,}|(sk|pk|ghp|gho|ghs|github_pat|xox[abpr])[-_][A-Za-z0-9_-]{16,}"
+    r"|[0-9a-f]{40}|AKIA[0-9A-Z]{16}|-----BEGIN [A-Z ]*PRIVATE KEY-----.*)$",
+    re.DOTALL,
+)
+_MEM = re.compile(r"^\d+[KMGT]?$")
+_TIME = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d{1,2}(:\d{1,2}(:\d{1,2})?)?)$")
+_SLURM_WORD = re.compile(r"^[A-Za-z0-9_.,:@+\-\[\]|&*!()]*$")
+
+
+def how_to_set(key: str, example: object) -> str:
+    """The fix half of a message: the CLI flag if there is one, and the run-file spelling."""
+    section, _, name = key.rpartition(".")
+    where = f"[{section}] {name} = {example}" if section else f"{name} = {example}"
+    flag = FLAG_FOR.get(key)
+    return f"pass {flag} {example} or set {where} in the run file" if flag else f"set {where} in the run file"
+
+
+def secret_names(spec: Spec) -> tuple[str, ...]:
+    """Every variable treated as secret for this spec: the always-secret ones plus the site's."""
+    return tuple(dict.fromkeys((*ALWAYS_SECRET, *spec.secret_env)))
+
+
+def looks_secret(name: str, value: str) -> bool:
+    """Guess whether an [env] entry carries a credential, by its name or the shape of its value."""
+    parts = set(name.upper().split("_"))
+    return bool(parts & _SECRET_NAME_PARTS) or name.upper().endswith("API_KEY") or bool(
+        _SECRET_VALUE.match(value.strip()))
+
+
+# --------------------------------------------------------------------------------------------------
+# Type checks shared by every section (run in each dataclass's __post_init__).
+
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    """Resolved annotations of a dataclass (cached: __post_init__ runs for every instance)."""
+    return dict(typing.get_type_hints(cls))
+
+
+def _section_of(obj: object) -> str:
+    name = type(obj).__name__
+    return f"{name.lower()}." if name in SECTION_CLASSES else ""
+
+
+def _type_ok(value: object, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if hint is str:
+        return isinstance(value, str)
+    if origin is Literal:
+        return value in typing.get_args(hint) and not isinstance(value, bool)
+    if origin is Union:
+        return any(_type_ok(value, h) for h in typing.get_args(hint))
+    if origin is tuple:
+        return isinstance(value, tuple) and all(isinstance(v, str) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(isinstance(k, str) for k in value)
+    return True
+
+
+def describe(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
+    if origin is Union:
+        return " or ".join(describe(h) for h in typing.get_args(hint))
+    if origin is tuple:
+        return "a list of strings"
+    if origin is dict:
+        return "a table"
+    return f"a {getattr(hint, '__name__', hint)}"
+
+
+def check(obj: Any) -> None:
+    """Validate types, then the section's own rules; normalise ints given for float fields."""
+    prefix = _section_of(obj)
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        hint = field_types(typing.cast(type, type(obj)))[f.name]
+        if not _type_ok(value, hint):
+            raise bad_value(prefix + f.name, value, f"must be {describe(hint)}",
+                            how_to_set(prefix + f.name, _example(hint, f.default)))
+        if hint is float and isinstance(value, int):
+            object.__setattr__(obj, f.name, float(value))
+        if isinstance(value, str) and "\x00" in value:
+            raise bad_value(prefix + f.name, value, "contains a NUL byte", "remove it")
+    rule = _RULES.get(type(obj).__name__)
+    if rule:
+        rule(obj)
+
+
+def _example(hint: Any, default: object) -> str:
+    if typing.get_origin(hint) is Literal:
+        return str(typing.get_args(hint)[0])
+    if default is not MISSING:
+        return repr(default) if isinstance(default, str) else str(default).lower()
+    return "..."
+
+
+def need(ok: bool, key: str, value: object, why: str, fix: str) -> None:
+    if not ok:
+        raise bad_value(key, value, why, fix)
+
+
+def _no_controls(key: str, value: str, allow_newline: bool = False) -> None:
+    bad = [c for c in value if ord(c) < 32 and not (allow_newline and c in "\n\t")]
+    need(not bad, key, value, "contains control characters (newline, tab, ...)", "remove them")
+
+
+def _rules_resources(r: Resources) -> None:
+    need(r.nodes >= 1, "resources.nodes", r.nodes, "a job needs at least one node", how_to_set("resources.nodes", 1))
+    need(r.gpus_per_node >= 0, "resources.gpus_per_node", r.gpus_per_node, "cannot be negative",
+          how_to_set("resources.gpus_per_node", 0) + " (0 = CPU ranks)")
+    need(r.tasks_per_node >= 0, "resources.tasks_per_node", r.tasks_per_node, "cannot be negative",
+          "set [resources] tasks_per_node = 0 (derive) or a positive count")
+    need(not (r.gpus_per_node and r.tasks_per_node and r.gpus_per_node != r.tasks_per_node),
+          "resources.tasks_per_node", r.tasks_per_node,
+          f"one rank drives one GPU, but gpus_per_node is {r.gpus_per_node}",
+          f"set [resources] tasks_per_node = {r.gpus_per_node} or 0 (derive)")
+    need(r.cpus_per_task >= 1, "resources.cpus_per_task", r.cpus_per_task, "must be at least 1",
+          how_to_set("resources.cpus_per_task", 1))
+    need(r.mem == "" or bool(_MEM.match(r.mem)), "resources.mem", r.mem, "not a SLURM memory size",
+          how_to_set("resources.mem", "64G") + " (digits with K/M/G/T, or empty for the default)")
+    need(bool(_TIME.match(r.time)), "resources.time", r.time, "not a SLURM time limit",
+          how_to_set("resources.time", "04:00:00") + " (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS)")
+    for key in ("partition", "account", "qos", "constraint"):
+        value = getattr(r, key)
+        need(bool(_SLURM_WORD.match(value)), f"resources.{key}", value,
+              "contains characters SLURM does not accept here (space, quote, $, ;, newline, ...)",
+              how_to_set(f"resources.{key}", "NAME") + " with a plain name")
+    for host in r.exclude:
+        need(bool(re.match(r"^[A-Za-z0-9_.\-\[\],]+$", host)), "resources.exclude", host,
+              "not a host name or hostlist", "list plain host names such as 'node3'")
+    need(r.signal_seconds >= 1, "resources.signal_seconds", r.signal_seconds, "must be at least 1",
+          "set [resources] signal_seconds = 90")
+    need(r.gpu_mem_gb >= 0, "resources.gpu_mem_gb", r.gpu_mem_gb, "cannot be negative",
+          "set [resources] gpu_mem_gb = 80 (or 0 to assume 80)")
+
+
+def _rules_launch(x: Launch) -> None:
+    need(x.retries >= 0, "launch.retries", x.retries, "cannot be negative", "set [launch] retries = 3")
+    need(x.preflight_timeout_s >= 1, "launch.preflight_timeout_s", x.preflight_timeout_s,
+          "must be at least 1 second", "set [launch] preflight_timeout_s = 60")
+    for m in x.modules:
+        _no_controls("launch.modules", m)
+        need(bool(m.strip()), "launch.modules", m, "empty module name", "remove the empty entry")
+
+
+def _rules_model(m: Model) -> None:
+    need(not (m.path and m.config), "model.path", m.path,
+          f"both model.path and model.config ({m.config!r}) are set; a run starts from exactly one",
+          "keep path (pretrained weights) or config (fresh init), not both")
+
+
+def _rules_data(d: Data) -> None:
+    need(d.seq_len >= 1, "data.seq_len", d.seq_len, "must be at least 1", "set [data] seq_len = 512")
+    need(d.tokens_per_batch >= 0, "data.tokens_per_batch", d.tokens_per_batch, "cannot be negative",
+          "set [data] tokens_per_batch = 0 (micro_batch * seq_len)")
+
+
+def _rules_train(t: Train) -> None:
+    need(t.steps >= 1, "train.steps", t.steps, "must be at least 1", how_to_set("train.steps", 100))
+    for key in ("micro_batch", "grad_accum", "global_batch"):
+        need(getattr(t, key) >= 0, f"train.{key}", getattr(t, key), "cannot be negative",
+              how_to_set(f"train.{key}", 1) + " (or 0 to derive it)")
+    need(t.lr > 0, "train.lr", t.lr, "must be positive", "set [train] lr = 3e-4")
+    need(0 <= t.min_lr <= t.lr, "train.min_lr", t.min_lr, f"must lie in [0, lr={t.lr}]",
+          f"set [train] min_lr = {t.lr / 10:g}")
+    need(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "cannot be negative", "set it to 0")
+    need(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "cannot be negative", "set it to 0.0")
+    need(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "cannot be negative", "set it to 1.0 (0 = off)")
+    need(t.peak_tflops >= 0, "train.peak_tflops", t.peak_tflops, "cannot be negative", "set it to 0 (unknown)")
+
+
+def _rules_parallel(p: Parallel) -> None:
+    need(p.zero == "auto" or p.zero in (0, 1, 2, 3), "parallel.zero", p.zero,
+          "DeepSpeed ZeRO stages are 0, 1, 2 and 3", how_to_set("parallel.zero", 3) + " (or auto)")
+    need(p.pp >= 1, "parallel.pp", p.pp, "pipeline degree must be at least 1", how_to_set("parallel.pp", 1))
+    need(p.tp >= 1, "parallel.tp", p.tp, "tensor degree must be at least 1", how_to_set("parallel.tp", 1))
+    if p.offload in ("param", "all"):
+        need(p.zero in (3, "auto"), "parallel.offload", p.offload,
+              f"parameter offload needs ZeRO stage 3 (zero is {p.zero})",
+              "pass --zero 3, or --offload optimizer")
+    if p.offload == "optimizer":
+        need(p.zero != 0, "parallel.offload", p.offload, "optimizer offload needs ZeRO stage 1, 2 or 3",
+              "pass --zero 1 (or higher), or --offload none")
+    if p.offload != "none" and p.offload_device == "nvme":
+        need(bool(p.nvme_path), "parallel.nvme_path", p.nvme_path, "NVMe offload needs a local NVMe folder",
+              how_to_set("parallel.nvme_path", "/local/nvme"))
+    need(p.pp == 1 or p.zero in (0, 1, "auto"), "parallel.zero", p.zero,
+          f"DeepSpeed's pipeline engine (pp={p.pp}) supports ZeRO 0 and 1 only",
+          "pass --zero 1, or --pp 1")
+    _no_controls("parallel.nvme_path", p.nvme_path)
+
+
+def _rules_checkpoint(c: Checkpoint) -> None:
+    need(c.every_steps >= 0, "checkpoint.every_steps", c.every_steps, "cannot be negative", "set it to 0 (off)")
+    need(c.every_minutes >= 0, "checkpoint.every_minutes", c.every_minutes, "cannot be negative",
+          "set it to 0 (off)")
+    need(c.keep >= 1, "checkpoint.keep", c.keep, "at least one checkpoint must be kept to resume",
+          "set [checkpoint] keep = 2")
+
+
+def _rules_container(c: Container) -> None:
+    need(c.runtime == "none" or bool(c.image), "container.image", c.image,
+          f"runtime {c.runtime!r} needs an image", f"pass --container {c.runtime}:IMAGE")
+    need(c.runtime != "none" or not c.image, "container.runtime", c.runtime,
+          f"an image ({c.image!r}) is set but no runtime", "pass --container RUNTIME:IMAGE "
+          "(apptainer, pyxis, podman or charliecloud)")
+    _no_controls("container.image", c.image)
+    for m in c.mounts:
+        _no_controls("container.mounts", m)
+        need(bool(m) and "," not in m and m.count(":") <= 2, "container.mounts", m,
+              "a mount is SRC[:DST[:OPTS]] without commas", "write one mount per list entry")
+
+
+def _rules_spec(s: Spec) -> None:
+    need(bool(s.name.strip()), "name", s.name, "a run needs a name", how_to_set("name", "'my-run'"))
+    need(len(s.name) <= 200, "name", s.name[:40] + "...", "longer than 200 characters", "shorten it")
+    _no_controls("name", s.name)
+    need(s.site == "" or bool(re.match(r"^[A-Za-z0-9_.-]+$", s.site)), "site", s.site,
+          "site profile names are letters, digits, '_', '.', '-'", "rename the profile")
+    secrets = secret_names(s)
+    for name in s.secret_env:
+        need(bool(_ENV_NAME.match(name)), "secret_env", name, "not an environment variable name",
+              "use letters, digits and '_'")
+    for key, value in s.env.items():
+        need(bool(_ENV_NAME.match(key)), f"env.{key}", value, "not an environment variable name",
+              "use letters, digits and '_' (not starting with a digit)")
+        need(isinstance(value, str), f"env.{key}", value, "env values are strings",
+              f'write {key} = "{value}" in [env]')
+        need(key not in secrets and not looks_secret(key, value), f"env.{key}", "<redacted>",
+              "looks like a secret, and [env] is written into spec.toml and sbatch.sh",
+              f"remove it from [env], export {key} in the submitting shell, and list it in secret_env "
+              f"(HF_TOKEN and WANDB_API_KEY always pass this way)")
+
+
+_RULES: dict[str, Any] = {
+    "Resources": _rules_resources, "Launch": _rules_launch, "Model": _rules_model, "Data": _rules_data,
+    "Train": _rules_train, "Parallel": _rules_parallel, "Checkpoint": _rules_checkpoint,
+    "Container": _rules_container, "Spec": _rules_spec,
+}
