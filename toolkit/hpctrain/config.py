@@ -11,9 +11,10 @@ variables, container runtime) so that run files stay portable between clusters.
 from __future__ import annotations
 
 import os
-import tomllib
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from hpctrain.errors import HpcUsageError, did_you_mean
 
