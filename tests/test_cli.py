@@ -228,3 +228,26 @@ def test_submitit_command_matches_submitit(tmp_path: Path) -> None:
     folder = tmp_path / "we'ird dir" / "submitit"
     ex = submitit.SlurmExecutor(folder=folder)
     assert ex._submitit_command_str == submitit_command(shlex.quote(sys.executable), str(folder))
+
+
+def test_site_profile_from_config_dir_with_template_override(tmp_path: Path) -> None:
+    tpl = tmp_path / "tpl"
+    tpl.mkdir()
+    (tpl / "sbatch.sh.j2").write_text("#!/bin/bash\n# site template for {{ name|shquote }}\n{{ launch_line }}\n")
+    sites = tmp_path / "config" / "sites"
+    sites.mkdir(parents=True)
+    (sites / "lab.toml").write_text(f'partition = "debug"\nmodules = ["gcc/12"]\ntemplate_dir = "{tpl}"\n'
+                                    '[env]\nNCCL_DEBUG = "INFO"\n')
+    res = invoke("submit", *TINY, "--site", "lab", "--dry-run", "--out", str(tmp_path / "o"))
+    assert res.exit_code == 0, res.output
+    assert res.output.startswith("#!/bin/bash\n# site template for hpctrain\nsrun ")
+    from hpctrain.spec import read_resolved
+
+    spec = read_resolved(tmp_path / "o")
+    assert (spec.site, spec.resources.partition, spec.launch.modules) == ("lab", "debug", ("gcc/12",))
+    assert spec.env == {"NCCL_DEBUG": "INFO"}
+
+
+def test_secret_in_env_flag_refused_without_echoing_it() -> None:
+    res = invoke("plan", *TINY, "--set", "env.HF_TOKEN=hf_abcdefghijklmnopqrstuvwxyz123456")
+    assert res.exit_code != 0 and "secret_env" in res.output and "hf_abcdefghijklmnop" not in res.output
