@@ -121,23 +121,33 @@ def test_test_only_accepts_rendered_scripts(cluster: Any, env: dict[str, Path]) 
 
 
 def test_four_node_preflight_completes_and_lists(cluster: Any, env: dict[str, Path]) -> None:
+    """`hpctrain submit examples/tiny.toml --nodes 4 --preflight`: 8 ranks on node1..node4 rendezvous."""
     from hpctrain import dispatch
 
-    sp, pl = _spec_plan(**{"resources.nodes": 4, "resources.tasks_per_node": 2})
-    (run_dir,) = _make_runs(sp, pl, env["runs"])
-    (sub,) = dispatch.submit([run_dir], sp, pl, "slurm", mode="preflight")
-    rec = _wait_final(sub.run_id)
+    if _cli_has("submit"):
+        proc = _hpctrain("submit", TINY, "--nodes", "4", "--preflight", "--executor", "slurm", "--json")
+        assert proc.returncode == 0, proc.stderr
+        (sub,) = json.loads(proc.stdout)
+        run_id, job_id, run_dir = sub["run_id"], sub["job_id"], Path(sub["run_dir"])
+    else:
+        sp, pl = _spec_plan(**{"resources.nodes": 4, "resources.tasks_per_node": 2})
+        (run_dir,) = _make_runs(sp, pl, env["runs"])
+        (s,) = dispatch.submit([run_dir], sp, pl, "slurm", mode="preflight")
+        run_id, job_id = s.run_id, s.job_id
+    rec = _wait_final(run_id)
     assert rec["state"] == "COMPLETED", rec
     assert rec["attempts"][0]["nodes"] == "node[1-4]"
     # Every one of the 8 ranks on node1..node4 passed the rendezvous.
-    outs = sorted((run_dir / "submitit").glob(f"{sub.job_id}_*_log.out"))
+    outs = sorted((run_dir / "submitit").glob(f"{job_id}_*_result.pkl"))
     assert len(outs) == 8
     assert (run_dir / "hostfile").read_text().split() == [w for i in range(1, 5) for w in (f"node{i}", "slots=2")]
-    listed = json.loads(_hpctrain("list", "--json").stdout) if _cli_has("list") else None
-    if listed is not None:
-        assert any(r["run_id"] == sub.run_id and r["state"] == "COMPLETED" for r in listed)
-        status = json.loads(_hpctrain("status", sub.run_id[:-2], "--json").stdout)
-        assert status["state"] == "COMPLETED" and status["attempts"][0]["job_id"] == sub.job_id
+    if _cli_has("list"):
+        listed = json.loads(_hpctrain("list", "--json").stdout)
+        assert any(r["run_id"] == run_id and r["state"] == "COMPLETED" for r in listed)
+        status = json.loads(_hpctrain("status", run_id[:-2], "--json").stdout)
+        assert status["state"] == "COMPLETED" and status["attempts"][0]["job_id"] == job_id
+        table = _hpctrain("list").stdout
+        assert run_id in table and "COMPLETED" in table
     _assert_no_canary(run_dir, env["state"])
 
 
