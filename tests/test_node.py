@@ -11,12 +11,12 @@ import pytest
 np = pytest.importorskip("numpy")
 torch = pytest.importorskip("torch")
 
-from hpctrain.node import checkpoint as ckpt  # noqa: E402
-from hpctrain.node import dist  # noqa: E402
-from hpctrain.node.data import IGNORE, DataSource, iter_epoch, tokenize_docs  # noqa: E402
-from hpctrain.node.runconf import NodeInputError  # noqa: E402
-from hpctrain.node.testing import make_run  # noqa: E402
-from hpctrain.node.tokenize import ByteTokenizer  # noqa: E402
+from hpctrain.node import checkpoint as ckpt
+from hpctrain.node import dist
+from hpctrain.node.data import IGNORE, DataSource, iter_epoch, tokenize_docs
+from hpctrain.node.runconf import NodeInputError
+from hpctrain.node.testing import make_run
+from hpctrain.node.tokenize import ByteTokenizer
 
 
 def _docs(n: int = 300, seq_len: int = 64) -> list[np.ndarray]:
@@ -57,7 +57,7 @@ def test_dynamic_batching_same_tokens_less_padding(mode: str) -> None:
 
     assert token_multiset(padded) == token_multiset(other)
     assert sum(b.tokens for b in padded) == sum(b.tokens for b in other)
-    pad_frac = lambda bs: 1 - sum(b.tokens for b in bs) / sum(b.slots for b in bs)  # noqa: E731
+    pad_frac = lambda bs: 1 - sum(b.tokens for b in bs) / sum(b.slots for b in bs)
     assert pad_frac(other) < 0.5 * pad_frac(padded), (pad_frac(other), pad_frac(padded))
     assert max(b.slots for b in other) <= 4 * 64  # the token budget holds
 

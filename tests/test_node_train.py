@@ -7,7 +7,6 @@ several facts per run.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import pytest
 pytest.importorskip("deepspeed")
 torch = pytest.importorskip("torch")
 
-from hpctrain.node.testing import events, losses_by_step, make_run, metrics, node_env, torchrun  # noqa: E402
+from hpctrain.node.testing import events, losses_by_step, make_run, metrics, node_env, torchrun
 
 pytestmark = pytest.mark.deepspeed
 
@@ -32,7 +31,7 @@ def _ok(proc: subprocess.CompletedProcess[str]) -> None:
 def zero3_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """One uninterrupted 20-step run and one that crashes after step 12 and resumes from step-10."""
     base = tmp_path_factory.mktemp("zero3")
-    common = dict(train={"steps": 20}, checkpoint={"every_steps": 10, "keep": 2, "export_hf": True})
+    common: dict = {"train": {"steps": 20}, "checkpoint": {"every_steps": 10, "keep": 2, "export_hf": True}}
     full = make_run(base / "full", **common)
     _ok(torchrun(full, 2))
     crash = make_run(base / "crash", **common)
@@ -90,7 +89,7 @@ def test_partial_checkpoint_is_refused_on_every_rank(zero3_runs: dict[str, Path]
 
     run = tmp_path / "broken"
     shutil.copytree(zero3_runs["crash"], run)
-    victim = sorted((run / "checkpoints" / "step-20").glob("*optim_states.pt"))[0]
+    victim = min((run / "checkpoints" / "step-20").glob("*optim_states.pt"))
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
     proc = torchrun(run, 2, timeout=90)
     assert proc.returncode != 0

@@ -15,9 +15,10 @@ mask: with causal attention real tokens never see the pads after them, and pads 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch

@@ -11,7 +11,7 @@ import dataclasses
 import os
 import socket
 import subprocess
-from typing import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
 
 TORCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 

@@ -35,7 +35,7 @@ def export_hf(run_dir: str | Path, out: str | Path | None = None, tag: str | Non
         cfg.tie_word_embeddings = False  # the pipeline trains an untied head (see pipeline.py)
     sd = consolidated_state_dict(paths.checkpoints, point, cfg)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
+        model = AutoModelForCausalLM.from_config(cfg)  # type: ignore[no-untyped-call]
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:

@@ -60,7 +60,7 @@ def run(run_dir: str, mode: str = "train") -> int:
     except PreflightFailed as exc:
         code = EXIT_PREFLIGHT
         _report(d.rank, f"hpctrain: preflight failed: {exc}", str(exc))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - the entrypoint owns every failure: log it, exit non-zero
         name = type(exc).__name__
         if name == "StopRequested":
             code = EXIT_STOPPED
@@ -118,4 +118,4 @@ def _env_float(name: str, default: float) -> float:
         return default
 
 
-__all__ = ["run", "RunPaths", "read_spec"]
+__all__ = ["RunPaths", "read_spec", "run"]

@@ -77,7 +77,7 @@ def build_model(model_spec: Any, cfg: Any, precision: str, ds_config: dict[str, 
             model = AutoModelForCausalLM.from_pretrained(model_spec.path, config=cfg, dtype=dtype,
                                                          local_files_only=True)
         else:
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)  # type: ignore[no-untyped-call]
     if not model_spec.path:
         reinit_weights(model, zero3)
     return model
@@ -153,4 +153,4 @@ def flops_per_token(cfg: Any, n_params: int, seq_len: int) -> float:
     emb = cfg.vocab_size * cfg.hidden_size
     tied = getattr(cfg, "tie_word_embeddings", False)
     n = n_params - (0 if tied else emb)
-    return 6.0 * n + 12.0 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
+    return float(6.0 * n + 12.0 * cfg.num_hidden_layers * cfg.hidden_size * seq_len)

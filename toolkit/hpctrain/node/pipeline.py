@@ -120,7 +120,7 @@ def load_pretrained_into(module: Any, path: str, num_layers: int) -> None:
     with torch.no_grad():
         for f in files:
             with safe_open(f, framework="pt") as fh:
-                for key in fh.keys():
+                for key in fh.keys():  # noqa: SIM118 - safe_open is not a dict
                     for idx, local in sources.get(key, []):
                         dst = layers[idx].state_dict()[local]
                         dst.copy_(fh.get_tensor(key).to(dst.dtype))

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import tomllib
 import typing
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from hpctrain import spec as specmod
 from hpctrain.spec import Spec

@@ -74,7 +74,7 @@ def torchrun(run_dir: Path, nproc: int, *, timeout: float = 180, env: dict[str, 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "hpctrain.node", str(run_dir),
            "--mode", mode]
-    return subprocess.run(cmd, env=node_env(env), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, env=node_env(env), capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -90,12 +90,3 @@ def events(run_dir: Path) -> list[dict[str, Any]]:
 def losses_by_step(run_dir: Path) -> dict[int, float]:
     """Last logged loss per step (a resumed run logs the re-run steps again)."""
     return {int(r["step"]): float(r["loss"]) for r in metrics(run_dir)}
-
-
-class Timer:
-    def __enter__(self) -> "Timer":
-        self.t0 = time.time()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.s = time.time() - self.t0

@@ -6,14 +6,22 @@ import math
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from hpctrain.node import checkpoint as ckpt
 from hpctrain.node.dist import DistEnv
 from hpctrain.node.metrics import MetricsWriter, host_mem_gb, log, step_line
-from hpctrain.node.runconf import NodeInputError, RunPaths, build_ds_config, read_ds_config, read_spec, zero_stage
+from hpctrain.node.runconf import (
+    NodeInputError,
+    RunPaths,
+    build_ds_config,
+    read_ds_config,
+    read_spec,
+    zero_stage,
+)
 from hpctrain.spec import Spec
 
 
@@ -115,7 +123,7 @@ def _allow_cpu_fp16() -> None:
     if os.environ.get("HPCTRAIN_CPU_FP16") != "1":
         raise NodeInputError("[train] precision = \"fp16\": this CPU has no fp16 support and DeepSpeed refuses it. "
                              "Fix: use precision = \"bf16\" or \"fp32\" on CPU ranks.")
-    acc.is_fp16_supported = lambda: True  # type: ignore[method-assign]
+    acc.is_fp16_supported = lambda: True
 
 
 def normalize_ds_config(cfg: dict[str, Any], dp: int, use_gpu: bool) -> dict[str, Any]:
@@ -127,10 +135,10 @@ def normalize_ds_config(cfg: dict[str, Any], dp: int, use_gpu: bool) -> dict[str
     cfg["train_batch_size"] = micro * gas * dp  # the rendered value is wrong after a resume at another size
     cfg.setdefault("steps_per_print", 10**9)
     opt = cfg.get("optimizer")
-    if not use_gpu and isinstance(opt, dict) and str(opt.get("type", "")).lower() in ("adam", "adamw"):
-        # torch's AdamW needs no C++ build; FusedAdam / DeepSpeedCPUAdam cost a 40 s JIT compile on CPU.
-        if not os.environ.get("HPCTRAIN_CPU_ADAM"):
-            cfg["optimizer"] = {**opt, "params": {**opt.get("params", {}), "torch_adam": True}}
+    # torch's AdamW needs no C++ build; FusedAdam / DeepSpeedCPUAdam cost a 40 s JIT compile on CPU.
+    if isinstance(opt, dict) and str(opt.get("type", "")).lower() in ("adam", "adamw") \
+            and not use_gpu and not os.environ.get("HPCTRAIN_CPU_ADAM"):
+        cfg["optimizer"] = {**opt, "params": {**opt.get("params", {}), "torch_adam": True}}
     return cfg
 
 
@@ -178,7 +186,7 @@ def build_engine(p: Prepared) -> tuple[Any, int]:
     sched = None
     if "scheduler" not in p.ds_config:
         fn = lr_lambda(spec)
-        sched = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, fn)  # noqa: E731
+        sched = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, fn)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=p.ds_config,
                                            lr_scheduler=sched)
     return engine, n_params
@@ -210,7 +218,7 @@ def resume(p: Prepared, engine: Any) -> tuple[int, int, float]:
                      tag, p.resume.meta.get("dp"), p.dp)
             try:
                 tag = ckpt.convert_universal(p.paths.checkpoints, tag, p.zero)
-            except Exception as exc:  # reported below, after every rank knows
+            except Exception as exc:  # noqa: BLE001 - reported below, after every rank knows
                 error = exc
         if not agree(error is None):
             raise error or OtherRankFailed()
@@ -222,7 +230,7 @@ def resume(p: Prepared, engine: Any) -> tuple[int, int, float]:
             raise NodeInputError(f"{p.paths.checkpoints / tag}: DeepSpeed found no checkpoint to load there.")
     except NodeInputError as exc:
         error = exc
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any load failure becomes one message, on every rank
         error = NodeInputError(f"{p.paths.checkpoints / tag}: cannot load checkpoint ({type(exc).__name__}: {exc}). "
                                "Fix: delete that folder (and `latest`) to resume from an earlier checkpoint.")
     if not agree(error is None):
