@@ -251,3 +251,10 @@ def test_site_profile_from_config_dir_with_template_override(tmp_path: Path) -> 
 def test_secret_in_env_flag_refused_without_echoing_it() -> None:
     res = invoke("plan", *TINY, "--set", "env.HF_TOKEN=hf_abcdefghijklmnopqrstuvwxyz123456")
     assert res.exit_code != 0 and "secret_env" in res.output and "hf_abcdefghijklmnop" not in res.output
+
+
+def test_tensor_parallel_refused_at_submit_but_planned() -> None:
+    res = invoke("submit", *TINY, "--gpus-per-node", "2", "--tp", "2", "--dry-run")
+    assert res.exit_code != 0 and "parallel.tp = 2" in res.output and "--tp 1" in res.output
+    res = invoke("plan", *TINY, "--gpus-per-node", "2", "--tp", "2", "--json")
+    assert res.exit_code == 0 and json.loads(res.output)["tp"] == 2

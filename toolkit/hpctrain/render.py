@@ -330,6 +330,8 @@ def render_ds_config(spec: Spec, plan: Plan) -> dict[str, Any]:
     elif t.precision == "fp16":
         cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
                        "hysteresis": 2, "min_loss_scale": 1}
+    if plan.tp > 1:  # DeepSpeed AutoTP: shards Linear layers inside a node
+        cfg["tensor_parallel"] = {"autotp_size": plan.tp}
     if plan.pp > 1:
         cfg["pipeline"] = {"stages": plan.pp, "partition": "parameters", "seed_layers": False,
                            "activation_checkpoint_interval": 1 if t.activation_checkpointing else 0}
