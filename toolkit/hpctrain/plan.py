@@ -312,7 +312,8 @@ def _choose(spec: Spec, options: list[Estimate], reasons: list[str]) -> Estimate
                     f"no ZeRO/offload choice fits: the smallest needs {best.device_gb:.1f} GiB per rank and "
                     f"{best.host_gb:.1f} GiB per host",
                     "add nodes (--nodes), turn on --activation-checkpointing, lower --micro-batch, "
-                    "or offload to NVMe (--offload all --offload-device nvme --nvme-path DIR)")
+                    "offload everything (--offload all), or offload to NVMe (--offload all --offload-device nvme "
+                    "--nvme-path DIR)")
 
 
 def make_plan(spec: Spec) -> Plan:
