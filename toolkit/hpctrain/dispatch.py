@@ -16,6 +16,7 @@ they travel in the environment (sbatch's default --export=ALL; the local executo
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -114,13 +115,13 @@ def _record(subs: list[Submitted], spec: Spec, plan: Plan, mode: str) -> None:
     reg, now = Registry(), time.time()
     summary = spec_summary(spec, plan, mode)
     items = []
-    for s in subs:
-        summary = _point_summary(s, spec, plan, mode) if s.array_index else summary
+    for i, s in enumerate(subs):
+        point = _point_summary(s, spec, plan, mode) if i else summary
         rec = {"attempt": 0, "job_id": s.job_id, "state": "PENDING", "submitted": now,
                "executor": s.executor, "mode": mode}
         runs_mod.append_attempt(runs_mod.RunFolder(s.run_dir).attempts_jsonl, rec)
         items.append(({"run_id": s.run_id, "name": spec.name, "folder": str(s.run_dir), "executor": s.executor,
-                       "created": now, "spec": {**summary, "array_index": s.array_index}},
+                       "created": now, "spec": {**point, "array_index": s.array_index}},
                       Attempt(run_id=s.run_id, attempt=0, job_id=s.job_id, state="PENDING", submitted=now)))
     try:
         reg.add_submitted_many(items)  # one transaction for a whole sweep
@@ -136,9 +137,17 @@ def _point_summary(sub: Submitted, spec: Spec, plan: Plan, mode: str) -> dict[st
     try:
         from hpctrain.spec import read_resolved
 
-        return spec_summary(read_resolved(sub.run_dir), plan, mode)
+        out = spec_summary(read_resolved(sub.run_dir), plan, mode)
     except Exception:  # noqa: BLE001 - a summary is informative only; never fail a queued job over it
         return spec_summary(spec, plan, mode)
+    try:  # batch sizes may be swept too: take them from this point's own plan.json
+        facts = json.loads(runs_mod.RunFolder(sub.run_dir).plan_json.read_text())
+        out.update({k: facts[k] for k in ("micro_batch", "global_batch") if k in facts})
+        if "zero_stage" in facts:
+            out["zero"] = facts["zero_stage"]
+    except (OSError, ValueError, TypeError):
+        pass
+    return out
 
 
 # -- SLURM ----------------------------------------------------------------------------------------
