@@ -192,6 +192,17 @@ def test_truncated_traceback() -> None:
     assert f.exception == "(traceback truncated)"
 
 
+def test_earliest_exception_wins_and_node_line_comm_errors_are_comm() -> None:
+    """Rank 0 failed later because rank 1 vanished; its stderr line names the gloo error."""
+    late = USER_EXC.replace("rank1", "rank0").replace("10:00:08", "10:00:20").replace("ValueError: HPC", "KeyError: HPC")
+    early = USER_EXC.replace("10:00:08", "10:00:05")
+    f = cc.classify("FAILED", [src(late, "logs/attempt-0.rank-0.log", 0), src(early, "logs/attempt-0.rank-1.log", 1),
+                               src("hpctrain: rank 0 failed: RuntimeError: [pair.cc:553] Connection closed by peer "
+                                   "[10.77.0.2]:17603 (traceback in /r/logs)\n", "submitit/10_0_log.err", 0)],
+                    exit_code="1:0")
+    assert f.failure_class == cc.PYTHON_EXCEPTION and f.rank == 1 and f.exception.startswith("ValueError")
+
+
 def test_node_stderr_line_without_traceback() -> None:
     f = cc.classify("FAILED", [src("hpctrain: rank 3 failed: RuntimeError: loss is NaN (traceback in /r/logs)\n",
                                    "submitit/9_3_log.err", None, "node2")], exit_code="1:0")

@@ -173,10 +173,39 @@ class _Evidence:
     src: LogSource
     exception: str | None = None
     last_lines: list[str] = field(default_factory=list)
+    time: float | None = None  # timestamp of the evidence (or of the nearest timed line before it)
+
+
+def _kind_of_exception(exc: str) -> str:
+    """An exception that reports a lost peer or an OOM is that, not a user bug."""
+    if _GPU_OOM.search(exc):
+        return GPU_OOM
+    if _COMM.search(exc):
+        return COMM_TIMEOUT
+    if _PREFLIGHT.search(exc):
+        return PREFLIGHT
+    return PYTHON_EXCEPTION
+
+
+def _time_at(lines: list[str], index: int) -> float | None:
+    from hpctrain.collect_logs import parse_time  # local: collect_logs imports this module
+
+    for ln in reversed(lines[max(0, index - 400):index + 1]):
+        t = parse_time(ln)
+        if t is not None:
+            return t
+    return None
+
+
+def _index(lines: list[str], line: str) -> int:
+    try:
+        return lines.index(line)
+    except ValueError:
+        return len(lines) - 1
 
 
 def _scan(src: LogSource) -> list[_Evidence]:
-    """Every kind of evidence in one log, strongest kinds first."""
+    """Every kind of evidence in one log."""
     lines = clean_text(src.text).split("\n")
     out: list[_Evidence] = []
     tb = find_traceback(lines)
@@ -184,24 +213,19 @@ def _scan(src: LogSource) -> list[_Evidence]:
                          (CONTAINER_ERROR, _CONTAINER), (COMM_TIMEOUT, _COMM)):
         hit = _first(pattern, lines)
         if hit is not None:
-            out.append(_Evidence(cls, hit.strip(), src, tb[0] if tb else None, tb[1] if tb else []))
+            out.append(_Evidence(cls, hit.strip(), src, tb[0] if tb else None, tb[1] if tb else [],
+                                 _time_at(lines, _index(lines, hit))))
     if tb is not None:
         exc, block = tb
-        kind = PYTHON_EXCEPTION
-        if _GPU_OOM.search(exc):
-            kind = GPU_OOM
-        elif _COMM.search(exc):
-            kind = COMM_TIMEOUT
-        elif _PREFLIGHT.search(exc):
-            kind = PREFLIGHT
-        out.append(_Evidence(kind, exc, src, exc, block))
+        head = max(i for i, ln in enumerate(lines) if _TB_HEAD in ln)
+        out.append(_Evidence(_kind_of_exception(exc), exc, src, exc, block, _time_at(lines, head)))
     else:
         node = _exception_from_node_line(lines)
         if node is not None:
             rank, exc = node
             if src.rank is None:
                 src.rank = rank
-            out.append(_Evidence(PYTHON_EXCEPTION, exc, src, exc, [exc]))
+            out.append(_Evidence(_kind_of_exception(exc), exc, src, exc, [exc]))
     stop = _first(_SIGNAL_STOP, lines)
     if stop is not None:
         out.append(_Evidence("signal_stop", stop.strip(), src))
@@ -273,9 +297,14 @@ def _is_kill_exit(exit_code: str | None, state: str) -> bool:
 
 
 def _culprit(evidence: list[_Evidence]) -> _Evidence:
-    """The lowest rank with this evidence (rank logs before submitit's, which repeat them)."""
-    return min(evidence, key=lambda e: (e.src.rank if e.src.rank is not None else 1 << 30,
-                                        not e.src.name.endswith(".log")))
+    """The rank that showed this evidence FIRST (its peers fail after it: "another rank failed"),
+    then the lowest rank; rank logs before submitit's, which repeat them without timestamps."""
+    timed = [e.time for e in evidence if e.time is not None]
+    first = min(timed) if timed else None
+    # Lines carry whole seconds: evidence within the same second counts as simultaneous.
+    pool = [e for e in evidence if first is None or (e.time is not None and e.time < first + 1.0)] or evidence
+    return min(pool, key=lambda e: (e.src.rank if e.src.rank is not None else 1 << 30,
+                                    not e.src.name.endswith(".log")))
 
 
 def _failure(cls: str, ev: _Evidence | None, default: str = "") -> Failure:
