@@ -253,7 +253,7 @@ class Registry:
         """Newest first; `limit=None` lists every run."""
 
         def q(c: sqlite3.Connection) -> list[Run]:
-            sql = "SELECT * FROM runs ORDER BY created DESC, run_id DESC"
+            sql = "SELECT * FROM runs ORDER BY created DESC, rowid DESC"  # a sweep: highest index first
             rows = c.execute(sql + (" LIMIT ?" if limit else ""), (limit,) if limit else ()).fetchall()
             return _with_attempts(c, [_run(r) for r in rows])
 
