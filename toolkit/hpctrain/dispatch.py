@@ -116,7 +116,7 @@ def _record(subs: list[Submitted], spec: Spec, plan: Plan, mode: str) -> None:
     summary = spec_summary(spec, plan, mode)
     items = []
     for i, s in enumerate(subs):
-        point = _point_summary(s, spec, plan, mode) if i else summary
+        point = _point_summary(s, summary) if i else summary
         rec = {"attempt": 0, "job_id": s.job_id, "state": "PENDING", "submitted": now,
                "executor": s.executor, "mode": mode}
         runs_mod.append_attempt(runs_mod.RunFolder(s.run_dir).attempts_jsonl, rec)
@@ -132,21 +132,27 @@ def _record(subs: list[Submitted], spec: Spec, plan: Plan, mode: str) -> None:
                            f"({exc}); cancel it with `scancel {' '.join(ids)}` or retry") from exc
 
 
-def _point_summary(sub: Submitted, spec: Spec, plan: Plan, mode: str) -> dict[str, Any]:
-    """A sweep point differs from the first in train/parallel/... keys: summarise its own spec.toml."""
-    try:
-        from hpctrain.spec import read_resolved
+def _point_summary(sub: Submitted, first: dict[str, Any]) -> dict[str, Any]:
+    """A sweep point differs from the first only in train/parallel/data/model keys (an array has one
+    allocation shape): patch the first summary from this point's spec.toml and plan.json.
 
-        out = spec_summary(read_resolved(sub.run_dir), plan, mode)
-    except Exception:  # noqa: BLE001 - a summary is informative only; never fail a queued job over it
-        return spec_summary(spec, plan, mode)
-    try:  # batch sizes may be swept too: take them from this point's own plan.json
-        facts = json.loads(runs_mod.RunFolder(sub.run_dir).plan_json.read_text())
-        out.update({k: facts[k] for k in ("micro_batch", "global_batch") if k in facts})
-        if "zero_stage" in facts:
-            out["zero"] = facts["zero_stage"]
-    except (OSError, ValueError, TypeError):
-        pass
+    Plain tomllib/json reads, not a re-validation: this runs 100 times for a 100-point sweep.
+    """
+    import tomllib
+
+    out = dict(first)
+    folder = runs_mod.RunFolder(sub.run_dir)
+    try:
+        doc = tomllib.loads(folder.spec_toml.read_text(encoding="utf-8"))
+        facts = json.loads(folder.plan_json.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return out  # informative only: never fail a queued job over a summary
+    train, par, model = doc.get("train", {}), doc.get("parallel", {}), doc.get("model", {})
+    picks = {"steps": train.get("steps"), "lr": train.get("lr"), "offload": par.get("offload"),
+             "pp": par.get("pp"), "tp": par.get("tp"), "data": doc.get("data", {}).get("source"),
+             "model": model.get("path") or model.get("config"), "micro_batch": facts.get("micro_batch"),
+             "global_batch": facts.get("global_batch"), "zero": facts.get("zero_stage")}
+    out.update({k: v for k, v in picks.items() if v is not None})
     return out
 
 
