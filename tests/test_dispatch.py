@@ -376,3 +376,27 @@ def test_unsplit_array_state_applies_to_every_task(fake_slurm: Path) -> None:
     recs = _slurm.sacct_states(["5_0", "5_1"])
     assert {k: r.state for k, r in recs.items()} == {"5_0": "CANCELLED", "5_1": "CANCELLED"}
     assert (fake_slurm / "sacct.args").read_text().split()[-1] == "5"  # asked about the parent
+
+
+def test_cancel_local_run_stops_its_controller(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    from click.testing import CliRunner
+
+    from hpctrain.registry import Attempt
+
+    monkeypatch.setenv("HPCTRAIN_STATE_DIR", str(tmp_path / "state"))
+    proc = subprocess.Popen(["sleep", "30"])  # stands in for submitit's local controller
+    try:
+        (d,) = _folders(tmp_path, 1)
+        Registry().add_submitted({"run_id": d.name, "name": "tiny", "folder": str(d), "executor": "local"},
+                                 Attempt(run_id=d.name, attempt=0, job_id=str(proc.pid)))
+        r = CliRunner().invoke(_cli(), ["status", d.name, "--json"])
+        assert json.loads(r.output)["state"] == "RUNNING"
+        r = CliRunner().invoke(_cli(), ["cancel", d.name])
+        assert r.exit_code == 0 and "cancelled" in r.output
+        assert proc.wait(timeout=5) != 0
+        assert Registry().get_run(d.name).state == "CANCELLED"
+    finally:
+        proc.kill()
+        proc.wait()
