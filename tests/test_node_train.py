@@ -190,3 +190,25 @@ def test_sigusr2_checkpoints_at_step_boundary_and_stops(tmp_path: Path) -> None:
     last = metrics(run)[-1]["step"]
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{last}"
     assert json.loads((run / "metrics" / "heartbeat").read_text())["state"] == "stopped-on-signal"
+
+
+def test_deepspeed_launcher_path(tmp_path: Path) -> None:
+    """`python -m hpctrain.node RUN --launcher deepspeed`: DeepSpeed's runner (no ssh) starts the ranks."""
+    run = make_run(tmp_path / "run", train={"steps": 3})
+    (run / "hostfile").write_text("localhost slots=2\n")
+    from hpctrain.node.dist import free_port
+
+    env = node_env({"MASTER_PORT": str(free_port())})
+    proc = subprocess.run([sys.executable, "-m", "hpctrain.node", str(run), "--launcher", "deepspeed"], env=env,
+                          capture_output=True, text=True, timeout=180, check=False)
+    _ok(proc)
+    assert "--no_ssh" in proc.stdout or "launch.py" in proc.stdout
+    assert sorted(losses_by_step(run)) == [1, 2, 3]
+    assert {p.name for p in (run / "logs").iterdir()} == {"attempt-0.rank-0.log", "attempt-0.rank-1.log"}
+
+
+def test_deepspeed_launcher_refuses_missing_hostfile(tmp_path: Path) -> None:
+    run = make_run(tmp_path / "run")
+    proc = subprocess.run([sys.executable, "-m", "hpctrain.node", str(run), "--launcher", "deepspeed"],
+                          env=node_env(), capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode != 0 and "hostfile is missing or empty" in proc.stderr
