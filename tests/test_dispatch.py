@@ -400,3 +400,16 @@ def test_cancel_local_run_stops_its_controller(tmp_path: Path, monkeypatch: pyte
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_unusable_registry_fails_before_sbatch(fake_slurm: Path, stand_in_render: None, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpctrain import dispatch
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("HPCTRAIN_STATE_DIR", str(blocker / "state"))  # a folder below a file
+    (d,) = _folders(tmp_path, 1)
+    with pytest.raises(click.ClickException, match="HPCTRAIN_STATE_DIR"):
+        dispatch.submit([d], _spec(), _plan(), "slurm")  # type: ignore[arg-type]
+    assert not (fake_slurm / "counter").exists()  # sbatch never ran

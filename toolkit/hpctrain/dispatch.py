@@ -73,6 +73,9 @@ def submit(run_dirs: Sequence[Path], spec: Spec, plan: Plan, executor: str = "au
         raise HpcUsageError(f"mode = {mode!r}: unknown mode. Fix: use train or preflight")
     which = resolve_executor(executor)
     dirs = [Path(d).absolute() for d in run_dirs]
+    from hpctrain.registry import Registry
+
+    Registry().check()  # fail before sbatch, not after: never a queued job nobody recorded
     if which == "local":
         subs = _submit_local(dirs, spec, plan, mode)
     else:

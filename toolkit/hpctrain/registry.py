@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import click
+
 T = TypeVar("T")
 
 # States after which SLURM will not change its mind: never re-queried (the "cache" of finished states).
@@ -60,6 +62,14 @@ CREATE TABLE IF NOT EXISTS attempts (
 );
 CREATE INDEX IF NOT EXISTS runs_created ON runs(created);
 """
+
+
+class RegistryUnavailable(click.ClickException):
+    """The registry file cannot be opened or stays locked: say where it is and how to move it."""
+
+    def __init__(self, path: Path, exc: BaseException) -> None:
+        super().__init__(f"cannot use the run registry {path}: {exc}. Fix: make its folder writable, or set "
+                         "HPCTRAIN_STATE_DIR to a writable local folder (not NFS: SQLite locking needs it)")
 
 
 class RunNotFound(LookupError):
@@ -165,6 +175,15 @@ class Registry:
         _retry_locked(init)
         self._ready = True
 
+    def _guard(self, fn: Callable[[], T]) -> T:
+        """Lock retries, then one clear error instead of a sqlite3 traceback."""
+        try:
+            return _retry_locked(fn)
+        except sqlite3.IntegrityError:
+            raise  # a duplicate run id is a caller bug, not an unusable registry
+        except (sqlite3.DatabaseError, OSError) as exc:
+            raise RegistryUnavailable(self.path, exc) from exc
+
     def _write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """Run `fn` in one BEGIN IMMEDIATE transaction, retried whole if the db stays locked."""
 
@@ -180,14 +199,14 @@ class Registry:
                         conn.execute("ROLLBACK")
                     raise
 
-        return _retry_locked(once)
+        return self._guard(once)
 
     def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         def once() -> T:
             with self._connect() as conn:
                 return fn(conn)
 
-        return _retry_locked(once)
+        return self._guard(once)
 
     # -- writes -------------------------------------------------------------------------------
     def add_run(self, run_id: str, name: str, folder: str, executor: str, spec: dict[str, Any],
@@ -278,6 +297,11 @@ class Registry:
             return _with_attempts(c, [_run(row)])[0]
 
         return self._read(q)
+
+    def check(self) -> None:
+        """Open (and create) the registry now: submit calls this BEFORE sbatch, so an unusable
+        registry fails the submission instead of leaving a queued job nobody recorded."""
+        self._read(lambda c: c.execute("SELECT 1 FROM runs LIMIT 1").fetchall())
 
     def integrity_check(self) -> str:
         return str(self._read(lambda c: c.execute("PRAGMA integrity_check").fetchone()[0]))
