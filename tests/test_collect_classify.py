@@ -174,6 +174,18 @@ def test_stopped_on_signal_after_checkpoint(signum: int, state: str, cls: str) -
     assert f.failure_class == cls and "resumable" in f.message and f.host == "node1"
 
 
+def test_submitit_refusing_requeue_is_time_limit() -> None:
+    """Rank 0 chained into submitit's USR2 handler, which raised; rank 1 stopped cleanly."""
+    r0 = HEAD.format(r=0) + ("2026-11-29T17:03:47 rank0 ERROR training failed:\nTraceback (most recent call last):\n"
+                             '  File "/x/job_environment.py", line 227, in checkpoint_and_try_requeue\n'
+                             "    raise utils.UncompletedJobError(message)\nsubmitit.core.utils.UncompletedJobError: "
+                             "Job not requeued because: timed-out and not checkpointable.\n")
+    r1 = HEAD.format(r=1) + "2026-11-29T17:03:47 rank1 INFO signal 12: checkpointed at step 35, stopping for requeue\n"
+    f = cc.classify("FAILED", [src(r0, rank=0, host="node1"), src(r1, "logs/attempt-0.rank-1.log", 1, "node2")],
+                    exit_code="3:0")
+    assert f.failure_class == cc.TIME_LIMIT and "step 35" in f.message
+
+
 def test_interleaved_traceback_with_binary_junk() -> None:
     """Another rank's lines and NUL/binary bytes inside the traceback; the exception is still found."""
     raw = (b"2026-11-29T10:00:08 rank1 ERROR training failed:\nTraceback (most recent call last):\n"

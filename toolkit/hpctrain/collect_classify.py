@@ -67,6 +67,8 @@ _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Fail
 _NODE_FAILED = re.compile(r"hpctrain: rank (\d+) failed: ([\w.]+): (.*?)(?: \(traceback in .*\))?$")
 # The node checkpointed on SLURM's pre-timeout signal (USR2) or a preemption (TERM) and exited 3.
 _SIGNAL_STOP = re.compile(r"signal (\d+): checkpointed at step (\d+), stopping for requeue")
+# submitit's own handler for that signal, when chained, refuses to requeue a non-Checkpointable job.
+_SUBMITIT_STOP = re.compile(r"UncompletedJobError: Job not requeued because: (timed-out|preempted)")
 _CTRL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 # Tags that identify who wrote a line: the node's "rank3", submitit's JobEnvironment line.
 _RANK_TAG = re.compile(r"\brank ?(\d+)\b")
@@ -177,7 +179,9 @@ class _Evidence:
 
 
 def _kind_of_exception(exc: str) -> str:
-    """An exception that reports a lost peer or an OOM is that, not a user bug."""
+    """An exception that reports a lost peer, an OOM or the stop signal is that, not a user bug."""
+    if _SUBMITIT_STOP.search(exc):
+        return "signal_stop"
     if _GPU_OOM.search(exc):
         return GPU_OOM
     if _COMM.search(exc):
@@ -267,12 +271,7 @@ def classify(state: str | None, sources: Iterable[LogSource], *, exit_code: str 
         return _failure(HOST_OOM, ev, default=f"SLURM state {state or '?'}, exit {exit_code or '?'}: "
                                                 "killed (host memory exhausted?)")
     if "signal_stop" in by_cls and state not in ("CANCELLED", "NODE_FAIL"):
-        ev = by_cls["signal_stop"][0]
-        m = _SIGNAL_STOP.search(ev.line)
-        signum = int(m.group(1)) if m else 0
-        cls = TIME_LIMIT if signum in (10, 12) or state == "TIMEOUT" else PREEMPTED  # USR1/USR2: pre-timeout
-        return Failure(cls, f"{_tidy(ev.line)} (checkpointed: resumable)", rank=ev.src.rank, host=ev.src.host,
-                       source=ev.src.name)
+        return _signal_stop(by_cls["signal_stop"], state)
     if hang and state not in ("COMPLETED",):
         return Failure(HANG, hang_message or "heartbeat stopped long before the job ended")
     if state in _STATE_CLASS:
@@ -286,6 +285,17 @@ def classify(state: str | None, sources: Iterable[LogSource], *, exit_code: str 
             return _failure(COMM_TIMEOUT, _culprit(by_cls[COMM_TIMEOUT]))
         return Failure(UNKNOWN, f"SLURM state {state or '?'}, exit {exit_code or '?'}; no error found in the logs")
     return Failure(None)
+
+
+def _signal_stop(evidence: list[_Evidence], state: str) -> Failure:
+    """The job stopped on SLURM's pre-timeout signal (USR1/USR2) or a preemption (TERM)."""
+    ev = next((e for e in evidence if _SIGNAL_STOP.search(e.line)), evidence[0])
+    m = _SIGNAL_STOP.search(ev.line)
+    words = " ".join(e.line for e in evidence)
+    timed_out = state in ("TIMEOUT", "DEADLINE") or "timed-out" in words or (m is not None and m.group(1) in ("10", "12"))
+    cls = PREEMPTED if state == "PREEMPTED" or (not timed_out) else TIME_LIMIT
+    note = " (checkpointed: resumable)" if m else ""
+    return Failure(cls, _tidy(ev.line) + note, rank=ev.src.rank, host=ev.src.host, source=ev.src.name)
 
 
 def _is_kill_exit(exit_code: str | None, state: str) -> bool:
