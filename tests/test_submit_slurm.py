@@ -261,3 +261,21 @@ def test_local_executor_preflight_two_tasks(env: dict[str, Path]) -> None:
     assert run.state == "COMPLETED", (run.to_dict(), list((run_dir / "submitit").iterdir()))
     assert len(list((run_dir / "submitit").glob(f"{sub.job_id}_*_result.pkl"))) == 2
     _assert_no_canary(run_dir, env["state"])
+
+
+def test_hostile_runs_dir_single_and_sweep(cluster: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Quotes, spaces, $(), backticks and ; in the runs path stay data, for one job and for an array."""
+    from hpctrain import dispatch
+
+    runs_dir = tmp_path / "we ird'$(touch PWNED);`touch PWNED2`" / "runs"
+    monkeypatch.setenv("HPCTRAIN_STATE_DIR", str(tmp_path / "state"))
+    try:
+        sp, pl = _spec_plan(**{"resources.nodes": 1, "resources.tasks_per_node": 2})
+        single = dispatch.submit(_make_runs(sp, pl, runs_dir), sp, pl, "slurm", mode="preflight")
+        sweep = dispatch.submit(_make_runs(sp, pl, runs_dir, n=2), sp, pl, "slurm", mode="preflight")
+        for s in single + sweep:
+            assert _wait_final(s.run_id)["state"] == "COMPLETED"
+            assert len(list((s.run_dir / "submitit").glob(f"{s.job_id}_*_result.pkl"))) == 2
+        assert not list(tmp_path.rglob("PWNED*")) and not list(Path.cwd().glob("PWNED*"))
+    finally:
+        _cancel_all(tmp_path / "state")
