@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import sys
 import time
@@ -90,6 +91,13 @@ cp "$script" "$dir/submitted-$n.sh"
 env > "$dir/env-$n"
 echo "Submitted batch job $n"
 """
+# `sinfo -h -o %P` (partition list) or `-o %P|%D|%c|%m` (sizes), as the real one answers.
+FAKE_SINFO = r"""#!/bin/bash
+case "$*" in
+  *"%P|%D"*) printf 'debug*|3|2|8000\ndebug*|1|2|8000\ngpu|2|8+|64000\n' ;;
+  *) printf 'debug*\ngpu\n' ;;
+esac
+"""
 FAKE_FLAKY = r"""#!/bin/bash
 dir=$(dirname "$0")
 n=$(( $(cat "$dir/flaky" 2>/dev/null || echo 0) + 1 )); echo $n > "$dir/flaky"
@@ -113,7 +121,7 @@ def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     _exe(bin_dir / "sbatch", FAKE_SBATCH)
     _exe(bin_dir / "srun", "#!/bin/sh\nexit 0\n")
     _exe(bin_dir / "sacct", FAKE_FLAKY)
-    _exe(bin_dir / "sinfo", "#!/bin/sh\necho 'debug*'\necho gpu\n")
+    _exe(bin_dir / "sinfo", FAKE_SINFO)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.setenv("HPCTRAIN_STATE_DIR", str(tmp_path / "state"))
     monkeypatch.setenv("HPCTRAIN_SLURM_BACKOFF_S", "0.01")
@@ -164,7 +172,7 @@ def _spec(partition: str = "debug", nodes: int = 1) -> SimpleNamespace:
     return SimpleNamespace(
         name="tiny", site="", env={"A": "1"}, secret_env=("MY_SECRET",),
         resources=SimpleNamespace(partition=partition, time="00:05:00", gpus_per_node=0, signal_seconds=30,
-                                  nodes=nodes, mem="", account="", qos=""),
+                                  nodes=nodes, mem="", account="", qos="", cpus_per_task=1, tasks_per_node=2),
         parallel=SimpleNamespace(zero=3, offload="none", pp=1, tp=1),
         model=SimpleNamespace(path="", config="llama-tiny"), data=SimpleNamespace(source="synthetic"),
         train=SimpleNamespace(steps=2, lr=1e-3), launch=SimpleNamespace(launcher="srun"))
@@ -413,3 +421,27 @@ def test_unusable_registry_fails_before_sbatch(fake_slurm: Path, stand_in_render
     with pytest.raises(click.ClickException, match="HPCTRAIN_STATE_DIR"):
         dispatch.submit([d], _spec(), _plan(), "slurm")  # type: ignore[arg-type]
     assert not (fake_slurm / "counter").exists()  # sbatch never ran
+
+
+@pytest.mark.parametrize(("nodes", "res", "match"), [
+    (5, {}, "resources.nodes = 5: partition debug has 4 node"),
+    (1, {"cpus_per_task": 2}, "= 4 CPUs per node, but nodes of partition debug have 2"),
+    (1, {"mem": "9G"}, "resources.mem = '9G': nodes of partition debug have 8000 MB"),
+])
+def test_shape_the_partition_can_never_run_is_refused(fake_slurm: Path, stand_in_render: None, tmp_path: Path,
+                                                      nodes: int, res: dict[str, object], match: str) -> None:
+    from hpctrain import dispatch
+
+    spec = _spec(partition="")  # the default partition (debug*)
+    spec.resources.__dict__.update(res)
+    (d,) = _folders(tmp_path, 1)
+    with pytest.raises(click.UsageError, match=re.escape(match)):
+        dispatch.submit([d], spec, _plan(nodes=nodes), "slurm")  # type: ignore[arg-type]
+    assert not (fake_slurm / "counter").exists()
+
+
+def test_partition_info_parses(fake_slurm: Path) -> None:
+    info = _slurm.partition_info("gpu")
+    assert info is not None and (info.nodes, info.cpus, info.mem_mb) == (2, 8, 64000)
+    assert _slurm.partition_info("") == _slurm.PartitionInfo("debug", 4, 2, 8000)
+    assert _slurm.partition_info("nope") is None

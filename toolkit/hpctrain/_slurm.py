@@ -245,6 +245,40 @@ def partitions() -> list[str]:
     return sorted({p.strip().rstrip("*") for p in out.split() if p.strip()})
 
 
+@dataclass(frozen=True)
+class PartitionInfo:
+    name: str
+    nodes: int  # all nodes, whatever their state: a job bigger than this can never start
+    cpus: int  # most CPUs on one node
+    mem_mb: int  # most memory on one node (MB)
+
+
+def partition_info(name: str = "") -> PartitionInfo | None:
+    """Size of a partition (the default one when `name` is ""), or None if sinfo does not know it."""
+    out = _run(["sinfo", "-h", "-o", "%P|%D|%c|%m"]).stdout
+    found: dict[str, list[int]] = {}
+    default = ""
+    for line in out.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) != 4:
+            continue
+        part = parts[0]
+        if part.endswith("*"):
+            part = default = part[:-1]
+        try:
+            n, c, m = (int(x.rstrip("+")) for x in parts[1:])
+        except ValueError:
+            continue
+        acc = found.setdefault(part, [0, 0, 0])
+        acc[0] += n
+        acc[1], acc[2] = max(acc[1], c), max(acc[2], m)
+    key = name or default
+    if key not in found:
+        return None
+    n, c, m = found[key]
+    return PartitionInfo(key, n, c, m)
+
+
 def test_only(script_text: str) -> str:
     """`sbatch --test-only` on a script given as text; returns sbatch's verdict, or raises
     SbatchRejected naming the spec field to change."""

@@ -29,6 +29,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import click
+
 from hpctrain import runs as runs_mod
 from hpctrain.errors import HpcUsageError
 
@@ -178,6 +180,7 @@ def _submit_slurm(dirs: list[Path], spec: Spec, plan: Plan, mode: str) -> list[S
     from hpctrain import _slurm
     from hpctrain.node.entry import NodeJob
 
+    _check_fits(spec, plan)
     cls = _executor_class()
     if len(dirs) == 1:
         folder, links = dirs[0] / "submitit", None
@@ -217,6 +220,43 @@ def _make_sweep_links(dirs: list[Path]) -> Path:
     return base
 
 
+def _mem_mb(text: str) -> int | None:
+    """SLURM --mem ("4000", "64G", "512M") -> MB; None when empty or not understood."""
+    m = re.fullmatch(r"(\d+)([KMGT]?)B?", text.strip().upper())
+    if not m:
+        return None
+    scale = {"K": 1 / 1024, "": 1, "M": 1, "G": 1024, "T": 1024**2}[m.group(2)]
+    return int(int(m.group(1)) * scale)
+
+
+def _check_fits(spec: Spec, plan: Plan) -> None:
+    """Refuse shapes the partition can never run. sbatch *accepts* a job asking for more nodes
+    than the partition has (it then pends forever, reason PartitionConfig), so ask sinfo first."""
+    from hpctrain import _slurm
+
+    try:
+        info = _slurm.partition_info(spec.resources.partition)
+    except click.ClickException:
+        return  # sinfo trouble is not the user's fault: let sbatch decide
+    if info is None:
+        return  # unknown partition: sbatch rejects it and _explain_rejection lists the real ones
+    r = spec.resources
+    where = f"partition {info.name}"
+    if plan.nodes > info.nodes:
+        raise HpcUsageError(f"resources.nodes = {plan.nodes}: {where} has {info.nodes} node(s), so the job "
+                            f"could never start. Fix: pass --nodes {info.nodes} or fewer, or a larger --partition")
+    cpus = plan.ranks_per_node * r.cpus_per_task
+    if info.cpus and cpus > info.cpus:
+        raise HpcUsageError(
+            f"resources.cpus_per_task = {r.cpus_per_task}: {plan.ranks_per_node} rank(s) per node x "
+            f"{r.cpus_per_task} CPU(s) = {cpus} CPUs per node, but nodes of {where} have {info.cpus}. "
+            f"Fix: lower --cpus-per-task or the ranks per node, or use a larger --partition")
+    mem = _mem_mb(r.mem)
+    if mem is not None and info.mem_mb and mem > info.mem_mb:
+        raise HpcUsageError(f"resources.mem = {r.mem!r}: nodes of {where} have {info.mem_mb} MB. "
+                            f"Fix: pass --mem {info.mem_mb}M or less")
+
+
 def _explain_rejection(exc: Any, spec: Spec) -> HpcUsageError:
     """Name the field, its value and a fix; list the real partitions when that is what's wrong."""
     field = exc.field
@@ -226,6 +266,10 @@ def _explain_rejection(exc: Any, spec: Spec) -> HpcUsageError:
         value = getattr(spec.resources, key, "")
     fix = f"change {field} (pass the matching --{key.replace('_', '-')} flag or edit the run file)" if key \
         else "lower the resources request (nodes, cpus, mem, gpus) to what the partition offers"
+    if not key:  # a generic refusal: show what was asked for
+        r = spec.resources
+        value = (f"nodes={r.nodes} tasks_per_node={r.tasks_per_node} cpus_per_task={r.cpus_per_task} "
+                 f"mem={r.mem or '-'} gpus_per_node={r.gpus_per_node}")
     if field == "resources.partition":
         try:
             from hpctrain import _slurm
@@ -233,7 +277,7 @@ def _explain_rejection(exc: Any, spec: Spec) -> HpcUsageError:
             fix = f"use one of the partitions `sinfo` lists: {', '.join(_slurm.partitions())} (--partition)"
         except Exception:  # noqa: BLE001,S110 - the partition list is a hint; a failure here must not hide the rejection
             pass
-    shown = f"{value!r}" if key else "(resources)"
+    shown = f"{value!r}" if key else f"({value})"
     return HpcUsageError(f"{field} = {shown}: sbatch rejected the job: {exc.reason}. Fix: {fix}")
 
 
