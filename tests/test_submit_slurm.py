@@ -279,3 +279,22 @@ def test_hostile_runs_dir_single_and_sweep(cluster: Any, tmp_path: Path, monkeyp
         assert not list(tmp_path.rglob("PWNED*")) and not list(Path.cwd().glob("PWNED*"))
     finally:
         _cancel_all(tmp_path / "state")
+
+
+@pytest.mark.parametrize(("flags", "expect"), [
+    (["--nodes", "9"], "resources.nodes = 9: partition debug has 4 node"),
+    (["--mem", "999999M"], "resources.mem = '999999M'"),
+    (["--set", "resources.constraint=bigmem"], "resources.constraint = 'bigmem'"),
+    (["--gpus-per-node", "1", "--set", "resources.tasks_per_node=1"], "resources.gpus_per_node = 1"),
+])
+def test_impossible_shapes_refused_cleanly(cluster: Any, env: dict[str, Path], flags: list[str], expect: str) -> None:
+    """One message naming field and value, exit 2, no run folder, no registry record, no job left."""
+    from hpctrain.registry import Registry
+
+    if not _cli_has("submit"):
+        pytest.skip("hpctrain submit not available")
+    proc = _hpctrain("submit", TINY, "--preflight", "--executor", "slurm", *flags)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert expect in proc.stderr and "Fix:" in proc.stderr and "Traceback" not in proc.stderr
+    assert not env["runs"].exists() or not [p for p in env["runs"].iterdir() if not p.name.startswith(".")]
+    assert Registry().list_runs(limit=None) == []
