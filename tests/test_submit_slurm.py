@@ -298,3 +298,20 @@ def test_impossible_shapes_refused_cleanly(cluster: Any, env: dict[str, Path], f
     assert expect in proc.stderr and "Fix:" in proc.stderr and "Traceback" not in proc.stderr
     assert not env["runs"].exists() or not [p for p in env["runs"].iterdir() if not p.name.startswith(".")]
     assert Registry().list_runs(limit=None) == []
+
+
+def test_preflight_names_the_node_that_did_not_join(cluster: Any) -> None:
+    """3 real nodes, node3's task dies before the rendezvous: ranks on node1/node2 exit non-zero
+    within the timeout, naming rank 2 and node3 -- instead of hanging in a collective."""
+    code = ("import sys\nfrom hpctrain.preflight import run_from_env, PreflightError\n"
+            "try:\n    run_from_env(8)\nexcept PreflightError as e:\n    print('PREFLIGHT', e)\n    sys.exit(4)\n")
+    task = ('if [ "$SLURM_PROCID" = 2 ]; then exit 0; fi; '
+            'export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000)); exec "$0" -c "$1"')
+    t0 = time.monotonic()
+    proc = subprocess.run(["srun", "-p", "debug", "-N3", "-n3", "--time=1", "bash", "-c", task, sys.executable, code],
+                          capture_output=True, text=True, timeout=90, check=False)
+    elapsed = time.monotonic() - t0
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PREFLIGHT")]
+    assert proc.returncode == 4, (proc.stdout, proc.stderr)
+    assert len(lines) == 2 and all("rank(s) 2" in ln and "node3" in ln for ln in lines), lines
+    assert elapsed < 60, elapsed  # 8 s timeout + srun start-up, never a hang
