@@ -116,3 +116,10 @@ def test_tasks_per_node_and_hostfile(tmp_path: Path) -> None:
 def test_single_rank_is_instant() -> None:
     res = run(Layout(rank=0, world_size=1, master="127.0.0.1", port=1, expected_hosts=[]), timeout_s=1)
     assert res.total == 1
+
+
+def test_deepspeed_launcher_layout_splits_nodelist_evenly() -> None:
+    """One srun task per node (SLURM_TASKS_PER_NODE=1(x2)) but 4 ranks from DeepSpeed's runner."""
+    lay = layout_from_env({"RANK": "3", "WORLD_SIZE": "4", "SLURM_JOB_NODELIST": "node[1-2]",
+                           "SLURM_TASKS_PER_NODE": "1(x2)", "MASTER_PORT": "29500"})
+    assert lay.expected_hosts == ["node1", "node1", "node2", "node2"]

@@ -101,14 +101,23 @@ def read_hostfile(path: Path) -> list[str]:
     return hosts
 
 
-def _expected_hosts(env: Mapping[str, str]) -> list[str]:
+def _expected_hosts(env: Mapping[str, str], world: int) -> list[str]:
+    """Host of each rank: from SLURM's task layout, else a hostfile, else an even split of the
+    nodelist (DeepSpeed's launcher: one srun task per node, then WORLD_SIZE ranks from its runner)."""
     nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+    hosts = _expand_nodelist(nodelist) if nodelist else []
     tpn = env.get("SLURM_TASKS_PER_NODE") or env.get("SLURM_STEP_TASKS_PER_NODE") or ""
-    if nodelist and tpn:
-        return hosts_by_rank(_expand_nodelist(nodelist), expand_tasks_per_node(tpn))
+    if hosts and tpn:
+        placed = hosts_by_rank(hosts, expand_tasks_per_node(tpn))
+        if len(placed) == world:
+            return placed
     hostfile = env.get("HPCTRAIN_HOSTFILE", "")
     if hostfile and Path(hostfile).is_file():
-        return read_hostfile(Path(hostfile))
+        placed = read_hostfile(Path(hostfile))
+        if len(placed) == world:
+            return placed
+    if hosts and world % len(hosts) == 0:
+        return hosts_by_rank(hosts, [world // len(hosts)] * len(hosts))
     return []
 
 
@@ -128,7 +137,7 @@ def layout_from_env(env: Mapping[str, str] | None = None) -> Layout:
                              "srun (SLURM_PROCID/SLURM_NTASKS)")
     if not 0 <= rank < world:
         raise PreflightError(f"rank {rank} is outside world size {world}")
-    expected = _expected_hosts(env)
+    expected = _expected_hosts(env, world)
     master = env.get("MASTER_ADDR", "").strip()
     if not master:
         nodelist = env.get("SLURM_JOB_NODELIST", "")
@@ -141,8 +150,7 @@ def layout_from_env(env: Mapping[str, str] | None = None) -> Layout:
         port = master_port + 1  # MASTER_PORT itself belongs to torch.distributed, next
     else:
         port = default_port(env.get("SLURM_JOB_ID") or env.get("SUBMITIT_LOCAL_JOB_ID")) + 1
-    return Layout(rank=rank, world_size=world, master=master, port=port,
-                  expected_hosts=expected if len(expected) == world else [])
+    return Layout(rank=rank, world_size=world, master=master, port=port, expected_hosts=expected)
 
 
 # -- the rendezvous ---------------------------------------------------------------------------
