@@ -445,3 +445,35 @@ def test_partition_info_parses(fake_slurm: Path) -> None:
     assert info is not None and (info.nodes, info.cpus, info.mem_mb) == (2, 8, 64000)
     assert _slurm.partition_info("") == _slurm.PartitionInfo("debug", 4, 2, 8000)
     assert _slurm.partition_info("nope") is None
+
+
+def test_local_executor_preflight_two_tasks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real local-executor submit (no cluster): 2 ranks run the pre-flight through submitit."""
+    from hpctrain import dispatch
+    from hpctrain import plan as P
+    from hpctrain import spec as S
+    from hpctrain.cli_runs import refresh
+
+    monkeypatch.setenv("HPCTRAIN_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("HF_TOKEN", "hf_canary_local_0123456789")
+    env = {"runs": tmp_path / "runs", "state": tmp_path / "state"}
+
+    sp = S.resolve(None, {"resources.tasks_per_node": 2, "model.config": "llama-tiny",
+                          "launch.preflight_timeout_s": 30}, None)
+    pl = P.make_plan(sp)
+    run_dir = runs.create_run_folder_atomically(env["runs"], runs.new_run_id("local"),
+                                                {"spec.toml": S.to_toml(sp), "plan.json": pl.to_json()})
+    (sub,) = dispatch.submit([run_dir], sp, pl, "local", mode="preflight")
+    assert sub.executor == "local"
+    end = time.monotonic() + 90
+    while True:
+        reg = Registry()
+        run = reg.get_run(sub.run_id)
+        refresh(reg, [run])
+        if run.state != "RUNNING" and run.state != "PENDING":
+            break
+        assert time.monotonic() < end, "local preflight did not finish in 90 s"
+        time.sleep(0.5)
+    assert run.state == "COMPLETED", (run.to_dict(), list((run_dir / "submitit").iterdir()))
+    assert len(list((run_dir / "submitit").glob(f"{sub.job_id}_*_result.pkl"))) == 2
+    _assert_no_canary(run_dir, env["state"])

@@ -240,28 +240,6 @@ def test_sweep_is_one_array_and_cancel(cluster: Any, env: dict[str, Path]) -> No
     assert Registry().get_run(subs[0].run_id).spec["array_index"] == 0
 
 
-def test_local_executor_preflight_two_tasks(env: dict[str, Path]) -> None:
-    from hpctrain import dispatch
-    from hpctrain.cli_runs import refresh
-    from hpctrain.registry import Registry
-
-    sp, pl = _spec_plan(**{"resources.nodes": 1, "resources.tasks_per_node": 2, "launch.executor": "local"})
-    (run_dir,) = _make_runs(sp, pl, env["runs"])
-    (sub,) = dispatch.submit([run_dir], sp, pl, "local", mode="preflight")
-    assert sub.executor == "local"
-    end = time.monotonic() + 90
-    while True:
-        reg = Registry()
-        run = reg.get_run(sub.run_id)
-        refresh(reg, [run])
-        if run.state != "RUNNING" and run.state != "PENDING":
-            break
-        assert time.monotonic() < end, "local preflight did not finish in 90 s"
-        time.sleep(0.5)
-    assert run.state == "COMPLETED", (run.to_dict(), list((run_dir / "submitit").iterdir()))
-    assert len(list((run_dir / "submitit").glob(f"{sub.job_id}_*_result.pkl"))) == 2
-    _assert_no_canary(run_dir, env["state"])
-
 
 def test_hostile_runs_dir_single_and_sweep(cluster: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Quotes, spaces, $(), backticks and ; in the runs path stay data, for one job and for an array."""
