@@ -242,3 +242,28 @@ def test_garbage_never_raises() -> None:
     for text in ["", "\x00" * 100, "Traceback (most recent call last):", "rank\n" * 3, "é\ud800"]:
         cc.classify("FAILED", [src(text)], exit_code="garbage")
         cc.classify(None, [src(text, rank=None)])
+
+
+def test_text_since_cuts_appended_runs() -> None:
+    from hpctrain.collect_logs import parse_time, text_since
+
+    start = parse_time("2026-11-29T10:00:10 x")
+    assert start is not None
+    text = ("submitit INFO (2026-11-29 10:00:01,000) - Starting\nold traceback\n"
+            "[W1129 10:00:11.5 socket.cpp:1] new\nsubmitit INFO (2026-11-29 10:00:12,000) - done\n")
+    assert text_since(text, start).startswith("[W1129 10:00:11")
+    assert text_since("no stamps at all\n", start) == "no stamps at all\n"
+    assert text_since("submitit INFO (2026-11-29 09:00:00,000) - old\n", start) == ""
+
+
+def test_lost_host_from_peer_and_silence() -> None:
+    peer = "RuntimeError: [pair.cc:553] Connection closed by peer [node4]:30955\n"
+    alive = src("2026-11-29T10:00:01 rank0 INFO step 1\n2026-11-29T10:00:01 rank0 ERROR training failed:\n" + peer,
+                rank=0, host="node3")
+    dead = src("2026-11-29T10:00:01 rank1 INFO step 1\n", "logs/attempt-0.rank-1.log", 1, "node4")
+    assert cc.lost_host([alive, dead], resolve=False) == "node4"
+    quiet_alive = src("2026-11-29T10:00:01 rank0 ERROR x\n", rank=0, host="node3")
+    assert cc.lost_host([quiet_alive, dead], resolve=False) == "node4"  # the only host whose log just stops
+    assert cc.lost_host([dead], resolve=False) is None
+    f = cc.classify("REQUEUED", [alive, dead])
+    assert (f.failure_class, f.host) == (cc.NODE_FAIL, "node4")

@@ -314,3 +314,33 @@ def test_cli_import_stays_light() -> None:
             "print([m for m in ('rich','matplotlib','torch','submitit') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_requeued_job_gets_one_row_per_run(env: dict[str, Any]) -> None:
+    """SLURM requeued job 77 after node4 died: logs/attempt-1.* appear under the same job id. The
+    first run is REQUEUED (node_fail, node4), judged by its own rank logs only; the shared submitit
+    log is cut at the second run's start."""
+    peer = ("RuntimeError: [pair.cc:553] Connection closed by peer [node4]:30955. This is typically caused by a "
+            "remote worker crashing.")
+    logs = {
+        "logs/attempt-0.rank-0.log": rank_log(0, [(1, "hpctrain node: rank 0/2"), (5, "step 1"),
+                                                  (40, "training failed:")]) + "Traceback (most recent call last):\n"
+                                                  "  File \"/x.py\", line 1, in f\n" + peer + "\n",
+        "logs/attempt-0.rank-2.log": rank_log(2, [(1, "hpctrain node: rank 2/2"), (5, "step 1")]),
+        "logs/attempt-1.rank-0.log": rank_log(0, [(100, "resumed"), (110, "done")]),
+        "logs/attempt-1.rank-2.log": rank_log(2, [(100, "resumed"), (110, "done")]),
+        "submitit/77_0_log.err": f"[W{time.strftime('%m%d %H:%M:%S', time.localtime(T0 + 2))}.1 socket.cpp:207] x\n"
+                                 + peer + "\n"
+                                 f"[W{time.strftime('%m%d %H:%M:%S', time.localtime(T0 + 101))}.1 socket.cpp:207] y\n",
+    }
+    make_run(env, "requeued", [{"attempt": 0, "job_id": "77", "state": "COMPLETED", "nodes": "node[3-4]",
+                                "started": T0 + 99, "ended": T0 + 111, "exit_code": "0:0"}], logs=logs)
+    doc = json.loads(invoke("summary", "requeued", "--json").stdout)
+    assert collect_schema.validate(doc) == []
+    a0, a1 = doc["runs"][0]["attempts"]
+    assert (a0["attempt"], a0["job_id"], a0["state"], a0["failure_class"]) == (0, "77", "REQUEUED", "node_fail")
+    assert a0["failure"]["host"] == "node4" and a0["start"] == T0 + 1 and a0["end"] == T0 + 40
+    assert (a1["attempt"], a1["job_id"], a1["state"], a1["failure_class"]) == (1, "77", "COMPLETED", None)
+    assert not any(lg.startswith("submitit/") for lg in a0["logs"])
+    # the registry's attempt 0 is the job's LAST run (COMPLETED): the REQUEUED row must not overwrite it
+    assert Registry().get_run("requeued").attempts[0].failure_class is None

@@ -158,7 +158,7 @@ def summary(runs: tuple[str, ...], all_runs: bool, as_json: bool, plot: str | No
     reg = _registry()
     inputs, errors, warnings = co.resolve_refs(reg, list(runs), all_runs)
     records = co.summarize(inputs)
-    co.store_failure_classes(reg, [r for r, i in zip(records, inputs) if _class_changed(r, i)])
+    co.store_failure_classes(reg, [{**r, "_registry_attempts": i.attempts} for r, i in zip(records, inputs)])
     if as_json:
         doc = {"schema_version": co.SCHEMA_VERSION, "generated": time.time(), "runs": records,
                "errors": errors, "warnings": warnings}
@@ -171,11 +171,6 @@ def summary(runs: tuple[str, ...], all_runs: bool, as_json: bool, plot: str | No
         click.echo(f"error: {e}", err=True)
     if errors:
         sys.exit(1 if records else 2)
-
-
-def _class_changed(record: dict[str, Any], inp: RunInput) -> bool:
-    old = {int(a["attempt"]): a.get("failure_class") for a in inp.attempts}
-    return any(r["failure_class"] and old.get(r["attempt"]) != r["failure_class"] for r in record["attempts"])
 
 
 def _plot(records: list[dict[str, Any]], out: Path) -> None:

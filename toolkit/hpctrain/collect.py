@@ -26,8 +26,25 @@ if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.registry import Attempt, Registry, Run
 
 SCHEMA_VERSION = 1
+
+
+def _collector_version() -> str:
+    """A hash of the collector's own source: a cached summary.json built by other code (an older
+    classifier, other metrics rules) is rebuilt rather than trusted."""
+    import hashlib
+
+    h = hashlib.sha1()
+    for name in ("collect.py", "collect_classify.py", "collect_metrics.py", "collect_logs.py"):
+        try:
+            h.update((Path(__file__).parent / name).read_bytes())
+        except OSError:
+            h.update(name.encode())
+    return f"collect-{h.hexdigest()[:12]}"
+
+
+COLLECTOR = _collector_version()
 FINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY",
-                   "BOOT_FAIL", "DEADLINE"})
+                   "BOOT_FAIL", "DEADLINE", "REQUEUED"})  # REQUEUED: a finished earlier run of a requeued job
 
 
 @dataclass
@@ -144,6 +161,58 @@ def attempt_files(folder: Path, attempts: list[dict[str, Any]]) -> list[cl.LogFi
     return cl.rank_log_files(folder / "logs") + cl.submitit_log_files(folder / "submitit", jobs)
 
 
+def expand_requeues(atts: list[dict[str, Any]], files: list[cl.LogFile]) -> list[dict[str, Any]]:
+    """SLURM requeued the latest job (NODE_FAIL, preemption): the node numbers its logs by
+    SLURM_RESTART_COUNT, so logs/attempt-K+1.* appear with no registry attempt of their own. Each
+    becomes a row with the same job id; every run but the last is REQUEUED, timed by its own logs
+    (sacct's record of the job describes its latest run only)."""
+    if not atts:
+        return atts
+    last = atts[-1]
+    k0 = int(last["attempt"])
+    extra = sorted({f.attempt for f in files if f.kind == "rank" and f.attempt > k0})
+    if not extra:
+        return atts
+    out = atts[:-1]
+    for k in [k0, *extra]:
+        row = dict(last, attempt=k, _requeued=True)
+        if k != extra[-1]:
+            first, end = _log_span([f for f in files if f.attempt == k and f.kind == "rank"])
+            row.update(state="REQUEUED", started=first, ended=end, exit_code=None, failure_class=None)
+        out.append(row)
+    return out
+
+
+def _submitit_to_last_run(files: list[cl.LogFile], atts: list[dict[str, Any]]) -> list[cl.LogFile]:
+    """submitit's %j_%t logs are appended by every run of a requeued job: give them to its last row,
+    so an earlier run is judged by its own rank logs, not by what a later run printed."""
+    last_of: dict[str, int] = {}
+    first_of: dict[str, int] = {}
+    for a in atts:
+        job = str(a.get("job_id"))
+        last_of[job] = int(a["attempt"])
+        first_of.setdefault(job, int(a["attempt"]))
+    moved = {first_of[j]: last_of[j] for j in last_of if last_of[j] != first_of[j]}
+    if not moved:
+        return files
+    return [cl.LogFile(f.path, moved.get(f.attempt, f.attempt), f.rank, f.kind) if f.kind == "submitit" else f
+            for f in files]
+
+
+def _log_span(files: list[cl.LogFile]) -> tuple[float | None, float | None]:
+    times = [t for f in files for t in (_first_time(f.path), cl.last_timestamp(cl.read_text(f.path, 1 << 20)))
+             if t is not None]
+    return (min(times), max(times)) if times else (None, None)
+
+
+def _first_time(path: Path) -> float | None:
+    for line in cl.read_text(path, limit=1 << 30)[:65536].splitlines():
+        t = cl.parse_time(line)
+        if t is not None:
+            return t
+    return None
+
+
 def _attempt_row(inp: RunInput, a: dict[str, Any], files: list[cl.LogFile], recs: list[dict[str, Any]],
                  earlier: list[dict[str, Any]], ckpts: list[int], shape: Shape, is_last: bool,
                  heartbeat: dict[str, Any] | None, now: float) -> dict[str, Any]:
@@ -162,8 +231,9 @@ def _attempt_row(inp: RunInput, a: dict[str, Any], files: list[cl.LogFile], recs
     gpu_h, cpu_h = cm.resource_hours(elapsed_s, nodes, shape.gpus_per_node, shape.ranks_per_node * shape.cpus_per_task)
     mine = [f for f in files if f.attempt == k]
     host_of = rank_hosts(mine, str(a.get("nodes") or ""), shape.ranks_per_node)
-    sources = [cc.LogSource(str(f.path.relative_to(inp.folder)) if inp.folder in f.path.parents else f.path.name,
-                            cl.read_text(f.path, limit=4 << 20), f.rank, host_of.get(f.rank) if f.rank is not None else None, str(a.get("job_id") or "")) for f in mine]
+    sources = [cc.LogSource(_rel(f.path, inp.folder), _text_of(f, a, start), f.rank,
+                            host_of.get(f.rank) if f.rank is not None else None, str(a.get("job_id") or ""))
+               for f in mine]
     beat = m.last_time
     if is_last and heartbeat and _float(heartbeat.get("time")):
         beat = max(beat or 0.0, float(heartbeat["time"]))
@@ -180,6 +250,17 @@ def _attempt_row(inp: RunInput, a: dict[str, Any], files: list[cl.LogFile], recs
         "elapsed_s": elapsed_s, "gpu_hours": round(gpu_h, 6), "cpu_hours": round(cpu_h, 6),
         **m.to_dict(), "logs": [s.name for s in sources],
     }
+
+
+def _rel(path: Path, folder: Path) -> str:
+    return str(path.relative_to(folder)) if folder in path.parents else path.name
+
+
+def _text_of(f: cl.LogFile, a: dict[str, Any], start: float | None) -> str:
+    text = cl.read_text(f.path, limit=4 << 20)
+    if f.kind == "submitit" and a.get("_requeued") and start is not None:
+        text = cl.text_since(text, start)  # only this run's part of the job's shared submitit log
+    return text
 
 
 def _float(v: Any) -> float | None:
@@ -204,17 +285,20 @@ def build_run(inp: RunInput, now: float | None = None) -> dict[str, Any]:
         warnings.append(f"skipped {bad} unreadable line(s) in metrics/metrics.jsonl (cut mid-write?)")
     ckpts = cm.complete_checkpoints(inp.folder / "checkpoints") if folder_ok else []
     atts = sorted(inp.attempts, key=lambda a: int(a["attempt"]))
-    per = cm.split_by_attempt(records, [_float(a.get("started")) for a in atts]) if atts else []
     files = attempt_files(inp.folder, atts) if folder_ok else []
+    atts = expand_requeues(atts, files)
+    files = _submitit_to_last_run(files, atts)
+    per = cm.split_by_attempt(records, [_float(a.get("started")) for a in atts]) if atts else []
     heartbeat = _read_json(inp.folder / "metrics" / "heartbeat") if folder_ok else None
-    rows, earlier = [], []
+    rows: list[dict[str, Any]] = []
+    earlier: list[dict[str, Any]] = []
     for i, a in enumerate(atts):
         recs = per[i] if i < len(per) else []
         rows.append(_attempt_row(inp, a, files, recs, earlier, ckpts, shape, i == len(atts) - 1, heartbeat, now))
         earlier = earlier + recs
     state = rows[-1]["state"] if rows else inp.state
     return {
-        "schema_version": SCHEMA_VERSION, "run_id": inp.run_id, "name": inp.name, "folder": str(inp.folder),
+        "schema_version": SCHEMA_VERSION, "collector": COLLECTOR, "run_id": inp.run_id, "name": inp.name, "folder": str(inp.folder),
         "folder_exists": folder_ok, "executor": inp.executor, "state": state,
         "failure_class": rows[-1]["failure_class"] if rows else None,
         "gpus_per_node": shape.gpus_per_node, "ranks_per_node": shape.ranks_per_node,
@@ -267,10 +351,11 @@ def cached(inp: RunInput) -> dict[str, Any] | None:
     if not inp.attempts or any(str(a.get("state")) not in FINAL for a in inp.attempts):
         return None
     old = _read_json(inp.folder / "summary.json")
-    if not old or not old.get("complete") or old.get("schema_version") != SCHEMA_VERSION:
+    if not old or not old.get("complete") or old.get("collector") != COLLECTOR:
         return None
-    want = [(int(a["attempt"]), str(a.get("job_id")), str(a.get("state"))) for a in inp.attempts]
-    have = [(r.get("attempt"), r.get("job_id"), r.get("state")) for r in old.get("attempts", [])]
+    # Per job id, its final state (a requeued job has extra REQUEUED rows before its last one).
+    want = {str(a.get("job_id")): str(a.get("state")) for a in inp.attempts}
+    have = {str(r.get("job_id")): str(r.get("state")) for r in old.get("attempts", [])}
     return old if want == have else None
 
 
@@ -345,8 +430,12 @@ def store_failure_classes(reg: Registry, records: list[dict[str, Any]]) -> None:
     """Put the failure class of finished attempts into the registry (for `status` and resubmit)."""
     updates = []
     for rec in records:
+        known = {int(a["attempt"]): (str(a.get("state")), a.get("failure_class"))
+                 for a in rec.pop("_registry_attempts", [])}
         for row in rec["attempts"]:
-            if row["state"] in FINAL and row.get("failure_class"):
+            state, old = known.get(row["attempt"], (None, None))
+            # Only rows that ARE the registry's attempt (not a REQUEUED run of it), and only changes.
+            if row["state"] == state and row["state"] in FINAL and row.get("failure_class") not in (None, old):
                 updates.append((rec["run_id"], row["attempt"], {"failure_class": row["failure_class"]}))
     if updates:
         try:

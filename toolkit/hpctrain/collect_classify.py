@@ -37,7 +37,7 @@ _STATE_CLASS = {"TIMEOUT": TIME_LIMIT, "PREEMPTED": PREEMPTED, "NODE_FAIL": NODE
                 "DEADLINE": TIME_LIMIT}
 # States where the job was stopped from outside: what the ranks logged while dying (peers gone,
 # SIGKILL) is a consequence, not the cause, so comm errors and a bare "Killed" do not win here.
-_EXTERNAL_STOP = frozenset({"CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "DEADLINE", "BOOT_FAIL"})
+_EXTERNAL_STOP = frozenset({"CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "DEADLINE", "BOOT_FAIL", "REQUEUED"})
 
 _GPU_OOM = re.compile(r"OutOfMemoryError|CUDA out of memory|CUDA error: out of memory|"
                       r"HIP out of memory|NCCL.*\bout of memory|cudaErrorMemoryAllocation")
@@ -274,6 +274,11 @@ def classify(state: str | None, sources: Iterable[LogSource], *, exit_code: str 
         return _signal_stop(by_cls["signal_stop"], state)
     if hang and state not in ("COMPLETED",):
         return Failure(HANG, hang_message or "heartbeat stopped long before the job ended")
+    if state == "REQUEUED":  # an earlier run of a requeued job: SLURM lost a node or preempted it
+        host = lost_host(srcs)
+        if host:
+            return Failure(NODE_FAIL, f"SLURM requeued the job; {host} went away", host=host)
+        return Failure(PREEMPTED, "SLURM requeued the job (preemption or a node failure)")
     if state in _STATE_CLASS:
         cls = _STATE_CLASS[state]
         if cls == NODE_FAIL:
@@ -289,7 +294,9 @@ def classify(state: str | None, sources: Iterable[LogSource], *, exit_code: str 
 
 def _signal_stop(evidence: list[_Evidence], state: str) -> Failure:
     """The job stopped on SLURM's pre-timeout signal (USR1/USR2) or a preemption (TERM)."""
-    ev = next((e for e in evidence if _SIGNAL_STOP.search(e.line)), evidence[0])
+    stops = [e for e in evidence if _SIGNAL_STOP.search(e.line)]
+    # "signal 0" is a rank that only learned of the stop from its peers: prefer the one that got it.
+    ev = next((e for e in stops if not re.search(r"signal 0:", e.line)), stops[0] if stops else evidence[0])
     m = _SIGNAL_STOP.search(ev.line)
     words = " ".join(e.line for e in evidence)
     timed_out = state in ("TIMEOUT", "DEADLINE") or "timed-out" in words or (m is not None and m.group(1) in ("10", "12"))
@@ -336,21 +343,59 @@ def _tidy(msg: str, limit: int = 300) -> str:
     return msg if len(msg) <= limit else msg[: limit - 3] + "..."
 
 
-def lost_host(sources: list[LogSource]) -> str | None:
-    """After NODE_FAIL: the host whose ranks stopped logging first (the others wrote on until
-    their collectives timed out). None when there is nothing to compare."""
+_PEER = re.compile(r"(?:closed by peer|reset by peer|from|to) \[?([0-9]{1,3}(?:\.[0-9]{1,3}){3}|[A-Za-z][\w.-]*)\]?:\d+")
+_ENDED = re.compile(r"\b(?:ERROR|Traceback|done$|finished at step|stopping for requeue)")
+
+
+def lost_host(sources: list[LogSource], resolve: bool = True) -> str | None:
+    """After NODE_FAIL or a requeue: the host that went away. In order of trust:
+    the peer the survivors' "connection closed by peer [addr]:port" errors name (an address resolved
+    through the hosts database); else the only host(s) whose logs just stop (no error, no end line)
+    while others' logs end in errors; else the host that stopped logging first, by a second or more."""
     from hpctrain.collect_logs import last_timestamp  # local: collect_logs imports this module
 
+    hosts = {s.host for s in sources if s.host}
+    if len(hosts) < 2:
+        return None
+    named = _peer_hosts(sources, hosts, resolve)
+    if len(named) == 1:
+        return named.pop()
+    silent = {s.host for s in sources if s.host and not _ENDED.search(s.text)}
+    loud = hosts - silent
+    if loud and len(silent) == 1:
+        return silent.pop()
     last: dict[str, float] = {}
     for s in sources:
-        if s.host is None:
-            continue
-        t = last_timestamp(s.text)
-        if t is not None:
+        t = last_timestamp(s.text) if s.host else None
+        if s.host and t is not None:
             last[s.host] = max(last.get(s.host, t), t)
     if len(last) < 2:
         return None
-    return min(last, key=lambda h: last[h])
+    ordered = sorted(last, key=lambda h: last[h])
+    return ordered[0] if last[ordered[1]] - last[ordered[0]] >= 1.0 else None
+
+
+def _peer_hosts(sources: list[LogSource], hosts: set[str], resolve: bool) -> set[str]:
+    out: set[str] = set()
+    for s in sources:
+        for m in _PEER.finditer(s.text):
+            name = m.group(1)
+            if name[0].isdigit() and resolve:
+                name = _resolve(name)
+            short = name.split(".")[0]
+            if short in hosts and short != s.host:
+                out.add(short)
+    return out
+
+
+def _resolve(addr: str) -> str:
+    """Address -> host name via the hosts database; the address itself when unknown."""
+    import socket
+
+    try:
+        return socket.gethostbyaddr(addr)[0]
+    except (OSError, UnicodeError):
+        return addr
 
 
 def rank_of_line(line: str) -> int | None:

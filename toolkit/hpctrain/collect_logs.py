@@ -61,6 +61,41 @@ def parse_time(line: str) -> float | None:
     return t + (int(frac) / 10 ** len(frac) if frac else 0.0)
 
 
+# torch/glog lines: "[W1129 17:06:47.629292543 socket.cpp:207] ..." (no year: taken from `year_of`).
+_GLOG = re.compile(r"^(?:\[rank\d+\]:)?\[[IWEF](\d\d)(\d\d) (\d\d:\d\d:\d\d)")
+
+
+def parse_any_time(line: str, year: int) -> float | None:
+    """parse_time, plus glog-style stamps (torch's C++ warnings) in the given year."""
+    t = parse_time(line)
+    if t is not None:
+        return t
+    m = _GLOG.match(line)
+    if not m:
+        return None
+    try:
+        return datetime.strptime(f"{year}-{m.group(1)}-{m.group(2)} {m.group(3)}", "%Y-%m-%d %H:%M:%S").timestamp()
+    except ValueError:
+        return None
+
+
+def text_since(text: str, start: float, slack_s: float = 2.0) -> str:
+    """The part of an appended-to log written from `start` on (a requeued job's submitit logs hold
+    every run of the job): from the first line stamped at or after start - slack. A file with stamps
+    but none that late is all older output (""); a file with no stamps at all is kept whole."""
+    year = datetime.fromtimestamp(start).year
+    lines = text.split("\n")
+    seen = False
+    for i, line in enumerate(lines):
+        t = parse_any_time(line, year)
+        if t is None:
+            continue
+        seen = True
+        if t >= start - slack_s:
+            return "\n".join(lines[i:])
+    return "" if seen else text
+
+
 def last_timestamp(text: str) -> float | None:
     for line in reversed(text.splitlines()):
         t = parse_time(line)
