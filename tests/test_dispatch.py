@@ -26,7 +26,15 @@ def test_new_run_id_sanitised_and_unique() -> None:
     rid = runs.new_run_id("my run; $(rm -rf /)", now=0)
     assert rid.startswith("my_run_rm_-rf-19700101-000000-")
     assert all(c.isalnum() or c in "_.-" for c in rid)
-    assert len({runs.new_run_id("x") for _ in range(50)}) > 40
+    assert len({runs.new_run_id("x", now=0) for _ in range(2000)}) == 2000  # a big sweep in one second
+
+
+def test_run_id_clash_with_another_process_redraws_suffix(tmp_path: Path) -> None:
+    rid = "tiny-20261129-120000-abcd"
+    first = runs.create_run_folder_atomically(tmp_path, rid, {"spec.toml": "a\n"})
+    second = runs.create_run_folder_atomically(tmp_path, rid, {"spec.toml": "b\n"})
+    assert first.name == rid and second.name != rid and second.name.startswith("tiny-20261129-120000-")
+    assert (first / "spec.toml").read_text() == "a\n" and (second / "spec.toml").read_text() == "b\n"
 
 
 def test_create_run_folder_atomic_and_private(tmp_path: Path) -> None:

@@ -39,10 +39,22 @@ def sanitize_name(name: str) -> str:
     return cleaned[:64] or "run"
 
 
+_ISSUED: set[str] = set()  # ids handed out by this process: a 100-point sweep shares one second
+_ID_SUFFIX = re.compile(r"^(.*-\d{8}-\d{6}-)[0-9a-f]{4}$")
+
+
 def new_run_id(name: str, now: float | None = None) -> str:
-    """`<name>-YYYYmmdd-HHMMSS-<4hex>`; the random suffix keeps ids unique within a second."""
+    """`<name>-YYYYmmdd-HHMMSS-<4hex>`, never the same twice in one process.
+
+    16 random bits alone collide within a second (7% for a 100-point sweep), so ids already
+    issued here are redrawn; `create_run_folder_atomically` redraws on a clash with other processes.
+    """
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(time.time() if now is None else now))
-    return f"{sanitize_name(name)}-{stamp}-{secrets.token_hex(2)}"
+    while True:
+        run_id = f"{sanitize_name(name)}-{stamp}-{secrets.token_hex(2)}"
+        if run_id not in _ISSUED:
+            _ISSUED.add(run_id)
+            return run_id
 
 
 @dataclass(frozen=True)
@@ -125,10 +137,24 @@ def create_run_folder_atomically(runs_dir: Path | str, run_id: str, files: dict[
 
     Everything is written into a hidden sibling first and renamed into place, so a crash or a
     rejected submission never leaves a half-written run folder that `list` could trip over.
-    Raises FileExistsError if the run folder already exists.
+    Returns the folder created: when another process took the same id, a `new_run_id`-style id
+    gets a fresh random suffix (so use the returned path); any other existing id raises
+    FileExistsError.
     """
     runs = Path(runs_dir)
     runs.mkdir(parents=True, exist_ok=True)
+    for _ in range(64):
+        try:
+            return _create_once(runs, run_id, files)
+        except FileExistsError:
+            m = _ID_SUFFIX.match(run_id)
+            if not m:
+                raise
+            run_id = f"{m.group(1)}{secrets.token_hex(2)}"
+    raise FileExistsError(f"no free run id like {run_id} in {runs}")
+
+
+def _create_once(runs: Path, run_id: str, files: dict[str, str]) -> Path:
     final = runs / run_id
     if final.exists():
         raise FileExistsError(f"run folder already exists: {final}")
@@ -140,7 +166,12 @@ def create_run_folder_atomically(runs_dir: Path | str, run_id: str, files: dict[
             (tmp / sub).mkdir(mode=0o700)
         for rel, text in files.items():
             _write_inside(tmp, rel, text)
-        os.rename(tmp, final)  # atomic on one filesystem; fails if `final` appeared meanwhile
+        try:
+            os.rename(tmp, final)  # atomic on one filesystem
+        except OSError as exc:  # `final` appeared meanwhile (ENOTEMPTY/EEXIST): another process won
+            if final.exists():
+                raise FileExistsError(f"run folder already exists: {final}") from exc
+            raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
