@@ -38,10 +38,12 @@ class Batch:
     tokens: int  # real (non-pad) tokens
     slots: int  # rows * padded length
 
-    def model_inputs(self) -> dict[str, torch.Tensor]:
+    def model_inputs(self, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
         out = {"input_ids": self.input_ids, "labels": self.labels}
         if self.position_ids is not None:
             out["position_ids"] = self.position_ids
+        if device is not None and str(device) != "cpu":
+            out = {k: v.to(device, non_blocking=True) for k, v in out.items()}
         return out
 
 

@@ -192,12 +192,20 @@ def build_engine(p: Prepared) -> tuple[Any, int]:
     return engine, n_params
 
 
+def comm_device() -> Any:
+    """Where collective tensors must live: the GPU for NCCL, the host for gloo."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().current_device_name())
+
+
 def agree(ok: bool) -> bool:
     """All ranks learn whether every rank succeeded (one all_reduce), so none waits in a collective."""
     import torch
     import torch.distributed as dist
 
-    flag = torch.tensor([0.0 if ok else 1.0])
+    flag = torch.tensor([0.0 if ok else 1.0], device=comm_device())
     dist.all_reduce(flag)
     return flag.item() == 0
 
@@ -287,17 +295,18 @@ def run_training(p: Prepared, stop: StopFlag) -> tuple[Any, LoopState]:
         ckpt_due = p.d.rank == 0 and p.spec.checkpoint.every_minutes > 0 and \
             time.time() - st.last_ckpt_time >= 60 * p.spec.checkpoint.every_minutes
         red = torch.tensor([loss_sum, float(tokens), float(slots), float(stop.signum > 0), float(ckpt_due)],
-                           dtype=torch.float64)
+                           dtype=torch.float64, device=comm_device())
         dist.all_reduce(red)
+        vals: list[float] = red.tolist()  # the one device sync of the step
         st.step += 1
-        loss = red[0].item() / (p.gas * p.d.world_size) if not pipe else loss_sum
+        loss = vals[0] / (p.gas * p.d.world_size) if not pipe else loss_sum
         dt = time.time() - t0
-        st.tokens_seen += red[1].item()
-        signalled = red[3].item() > 0
+        st.tokens_seen += vals[1]
+        signalled = vals[3] > 0
         ckpt_s = 0.0
-        if signalled or red[4].item() > 0 or _due(p, st.step) or st.step == t.steps:
+        if signalled or vals[4] > 0 or _due(p, st.step) or st.step == t.steps:
             ckpt_s = save_now(p, engine, st)
-        rec = _record(p, st, loss, lr, red, dt, fpt, ckpt_s, engine)
+        rec = _record(p, st, loss, lr, vals, dt, fpt, ckpt_s, engine)
         metrics.step(rec)
         log.info(step_line(rec))
         if signalled:
@@ -317,13 +326,14 @@ def _train_step(engine: Any, batches: list[Any], pipe: bool) -> float:
     if pipe:
         it = iter([(b.input_ids, b.labels) for b in batches])
         return float(engine.train_batch(data_iter=it).item())
-    total = 0.0
+    total = None
     for b in batches:
-        out = engine(**b.model_inputs())
+        out = engine(**b.model_inputs(engine.device))
         engine.backward(out.loss)
         engine.step()
-        total += float(out.loss.detach().float().item())
-    return total
+        loss = out.loss.detach().float()
+        total = loss if total is None else total + loss
+    return float(total.item()) if total is not None else 0.0  # the step's only host sync
 
 
 def _due(p: Prepared, step: int) -> bool:
@@ -346,11 +356,11 @@ def save_now(p: Prepared, engine: Any, st: LoopState) -> float:
     return secs
 
 
-def _record(p: Prepared, st: LoopState, loss: float, lr: float, red: Any, dt: float, fpt: float, ckpt_s: float,
+def _record(p: Prepared, st: LoopState, loss: float, lr: float, red: list[float], dt: float, fpt: float, ckpt_s: float,
             engine: Any) -> dict[str, Any]:
     import torch
 
-    tokens, slots = red[1].item(), red[2].item()
+    tokens, slots = red[1], red[2]
     tps = tokens / dt if dt > 0 else 0.0
     tflops = fpt * tps / p.d.world_size / 1e12
     peak = p.spec.train.peak_tflops
@@ -390,7 +400,7 @@ def finish(p: Prepared, engine: Any, st: LoopState) -> None:
         g = cursor + p.d.rank  # the first micro-batch a next step would train on
         engine.eval()
         with torch.no_grad():
-            eval_loss = float(engine(**p.source.batch(g).model_inputs()).loss.float().item())
+            eval_loss = float(engine(**p.source.batch(g).model_inputs(engine.device)).loss.float().item())
         engine.train()
     record = {"event": "finished", "step": st.step, "eval_loss": eval_loss, "eval_batch": cursor,
               "tokens_seen": st.tokens_seen}
