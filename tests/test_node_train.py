@@ -98,7 +98,7 @@ def test_partial_checkpoint_is_refused_on_every_rank(zero3_runs: dict[str, Path]
 
 
 def test_resume_two_to_four_ranks_through_universal(tmp_path: Path) -> None:
-    run = make_run(tmp_path / "run", train={"steps": 8}, checkpoint={"every_steps": 0, "keep": 2})
+    run = make_run(tmp_path / "run", train={"steps": 8}, checkpoint={"every_steps": 8, "keep": 2})
     _ok(torchrun(run, 2))
     before = losses_by_step(run)
     make_run(run, train={"steps": 11})  # same run, longer, now on 4 ranks

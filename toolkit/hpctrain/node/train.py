@@ -304,7 +304,7 @@ def run_training(p: Prepared, stop: StopFlag) -> tuple[Any, LoopState]:
         st.tokens_seen += vals[1]
         signalled = vals[3] > 0
         ckpt_s = 0.0
-        if signalled or vals[4] > 0 or _due(p, st.step) or st.step == t.steps:
+        if signalled or vals[4] > 0 or _due(p, st.step) or (st.step == t.steps and _final_wanted(p)):
             ckpt_s = save_now(p, engine, st)
         rec = _record(p, st, loss, lr, vals, dt, fpt, ckpt_s, engine)
         metrics.step(rec)
@@ -334,6 +334,12 @@ def _train_step(engine: Any, batches: list[Any], pipe: bool) -> float:
         loss = out.loss.detach().float()
         total = loss if total is None else total + loss
     return float(total.item()) if total is not None else 0.0  # the step's only host sync
+
+
+def _final_wanted(p: Prepared) -> bool:
+    """A checkpoint at the end unless the run asked for none at all (benchmarks: 15-50 GB saved)."""
+    c = p.spec.checkpoint
+    return c.every_steps > 0 or c.every_minutes > 0 or c.export_hf
 
 
 def _due(p: Prepared, step: int) -> bool:
@@ -404,7 +410,7 @@ def finish(p: Prepared, engine: Any, st: LoopState) -> None:
         engine.train()
     record = {"event": "finished", "step": st.step, "eval_loss": eval_loss, "eval_batch": cursor,
               "tokens_seen": st.tokens_seen}
-    if p.d.rank == 0 and p.spec.checkpoint.export_hf:
+    if p.d.rank == 0 and p.spec.checkpoint.export_hf and st.last_saved == st.step:
         from hpctrain.node.export import export_hf
 
         t0 = time.time()

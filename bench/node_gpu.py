@@ -1,0 +1,128 @@
+"""Side by side on one GPU: hpctrain's node entrypoint vs the plain DeepSpeed loop (bench/gpu/plain_ds.py).
+
+Same model (random-init Llama preset), sequence length, micro-batch, ZeRO stage, activation
+checkpointing and offload. The entrypoint runs exactly as in production: a run folder with spec.toml and
+the ds_config.json that `hpctrain.render` writes, started as one rank (`python -m hpctrain.node RUN`).
+Both report the median step over the steps after a warm-up; tokens/s per GPU and model TFLOPS use the
+same FLOP formula (6·N + 12·L·H·S per token).
+
+    source bench/gpu/setup.sh      # on the H200 machine
+    python bench/node_gpu.py --model llama-1b --zero 3 --mb 4 --seq 4096 --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "toolkit"))
+
+from hpctrain.node.dist import free_port  # noqa: E402
+from hpctrain.node.testing import spec_toml  # noqa: E402
+
+
+def run_plain(a: argparse.Namespace, log: Path) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
+           str(free_port()), str(ROOT / "bench" / "gpu" / "plain_ds.py"), "--model", a.model, "--zero", str(a.zero),
+           "--mb", str(a.mb), "--seq", str(a.seq), "--steps", str(a.steps), "--warmup", str(a.warmup),
+           "--offload", a.offload]
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, check=False)
+    log.write_text(proc.stdout + proc.stderr)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise SystemExit(f"plain loop failed (rc {proc.returncode}); see {log}")
+    res = dict(json.loads(lines[-1][7:]))
+    res["wall_s"] = round(time.time() - t0, 1)
+    return res
+
+
+def make_run_folder(a: argparse.Namespace, run: Path) -> None:
+    """spec.toml + plan.json + ds_config.json, rendered by hpctrain itself."""
+    from hpctrain.plan import make_plan
+    from hpctrain.render import render_ds_config
+    from hpctrain.spec import from_toml_text
+
+    tables = {
+        "name": "bench",
+        "resources": {"nodes": 1, "gpus_per_node": 1, "tasks_per_node": 1},
+        "model": {"config": a.model},
+        "data": {"source": "synthetic", "seq_len": a.seq},
+        "train": {"steps": a.warmup + a.steps, "micro_batch": a.mb, "grad_accum": 1, "lr": 1e-4, "min_lr": 1e-5,
+                  "warmup_steps": 0, "precision": "bf16", "activation_checkpointing": True,
+                  "peak_tflops": a.peak_tflops},
+        "parallel": {"zero": a.zero, "offload": a.offload},
+        "checkpoint": {"every_steps": 0, "export_hf": False},
+    }
+    run.mkdir(parents=True, exist_ok=True)
+    text = spec_toml(tables)
+    (run / "spec.toml").write_text(text)
+    spec = from_toml_text(text)
+    plan = make_plan(spec)
+    (run / "plan.json").write_text(plan.to_json())
+    (run / "ds_config.json").write_text(json.dumps(render_ds_config(spec, plan), indent=2))
+
+
+def run_entry(a: argparse.Namespace, run: Path, log: Path) -> dict[str, Any]:
+    make_run_folder(a, run)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
+           str(free_port()), "-m", "hpctrain.node", str(run)]
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, check=False)
+    log.write_text(proc.stdout + proc.stderr)
+    recs = [json.loads(x) for x in (run / "metrics" / "metrics.jsonl").read_text().splitlines()] \
+        if (run / "metrics" / "metrics.jsonl").exists() else []
+    if proc.returncode or len(recs) <= a.warmup:
+        raise SystemExit(f"entrypoint failed (rc {proc.returncode}); see {log}")
+    steady = recs[a.warmup:]
+    tps = statistics.median(r["tokens_per_s"] for r in steady)
+    return {"impl": "hpctrain-node", "model": a.model, "tokens_per_s_per_gpu": round(tps, 1),
+            "model_tflops_per_gpu": round(statistics.median(r["tflops"] for r in steady), 1),
+            "mfu": round(statistics.median(r["mfu"] for r in steady), 3) if steady[0]["mfu"] is not None else None,
+            "gpu_peak_gb": round(max(r["gpu_mem_gb"] for r in recs), 1),
+            "host_rss_gb": round(max(r["host_mem_gb"] for r in recs), 1),
+            "first_loss": round(recs[0]["loss"], 3), "last_loss": round(recs[-1]["loss"], 3),
+            "wall_s": round(time.time() - t0, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama-1b")
+    ap.add_argument("--zero", type=int, default=3)
+    ap.add_argument("--mb", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--offload", default="none", choices=["none", "optimizer"])
+    ap.add_argument("--peak-tflops", type=float, default=788.0, help="measured bf16 matmul peak (H200: 788)")
+    ap.add_argument("--only", choices=["plain", "entry", "both"], default="both")
+    ap.add_argument("--timeout", type=float, default=280)
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench-node"))
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = f"{a.model}-z{a.zero}-{a.offload}-mb{a.mb}-s{a.seq}"
+    rows = []
+    if a.only in ("entry", "both"):
+        rows.append(run_entry(a, out / f"run-{tag}", out / f"entry-{tag}.log"))
+        print("RESULT " + json.dumps(rows[-1]), flush=True)
+    if a.only in ("plain", "both"):
+        rows.append(run_plain(a, out / f"plain-{tag}.log"))
+        print("RESULT " + json.dumps(rows[-1]), flush=True)
+    if len(rows) == 2:
+        ratio = rows[0]["tokens_per_s_per_gpu"] / rows[1]["tokens_per_s_per_gpu"]
+        print(f"| {tag} | entry {rows[0]['tokens_per_s_per_gpu']:.0f} tok/s | plain "
+              f"{rows[1]['tokens_per_s_per_gpu']:.0f} tok/s | ratio {ratio:.3f} |", flush=True)
+    (out / f"bench-{tag}.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
