@@ -39,5 +39,14 @@ if [ ! -s "$HPCTRAIN_RUN_DIR/hostfile.tmp" ]; then
 fi
 mv -f "$HPCTRAIN_RUN_DIR/hostfile.tmp" "$HPCTRAIN_RUN_DIR/hostfile"
 
+# Container (apptainer): the runtime and the image must be on this node before any rank starts.
+HPCTRAIN_GUARD='"$0" -c "import hpctrain, submitit" 2>/dev/null || { echo "hpctrain: apptainer container check failed on $(uname -n): the image has no $0 with hpctrain inside. Fix: build the image from hpctrain'"'"'s Dockerfile (hpctrain image build) and pass --container apptainer:IMAGE" >&2; exit 97; }; exec "$0" "$@"'  # run inside the image by each rank (exit 97)
+hpctrain_container_error() {
+  echo "hpctrain: apptainer container check failed on $(uname -n): $1. Fix: $2" >&2
+  exit 2
+}
+command -v apptainer >/dev/null || hpctrain_container_error "apptainer is not on PATH" "install apptainer on the nodes or load its module (launch.modules in the site profile)"
+[ -e /images/train.sif ] || hpctrain_container_error "image $(printf %q /images/train.sif) does not exist" "build the SIF (containers/README.md) on the shared filesystem"
+
 # Launch: one task per node; the node entry starts DeepSpeed's runner with the hostfile.
-srun --unbuffered --kill-on-bad-exit=1 --output /runs/r1/submitit/%j_%t_log.out --error /runs/r1/submitit/%j_%t_log.err --ntasks-per-node=1 apptainer exec --nv --bind /runs/r1:/runs/r1 --bind /shared/data/sft.jsonl:/shared/data/sft.jsonl --bind /scratch:/scratch --pwd /runs/r1 /images/train.sif /opt/venv/bin/python -u -m hpctrain.node "$HPCTRAIN_RUN_DIR" --launcher deepspeed --mode train
+srun --unbuffered --kill-on-bad-exit=1 --output /runs/r1/submitit/%j_%t_log.out --error /runs/r1/submitit/%j_%t_log.err --ntasks-per-node=1 apptainer exec --nv --bind /runs/r1:/runs/r1 --bind /shared/data/sft.jsonl:/shared/data/sft.jsonl --bind /scratch:/scratch --pwd /runs/r1 /images/train.sif sh -c "$HPCTRAIN_GUARD" python3 -u -m hpctrain.node "$HPCTRAIN_RUN_DIR" --launcher deepspeed --mode train

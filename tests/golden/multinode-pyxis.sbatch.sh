@@ -49,5 +49,13 @@ if [ ! -s "$HPCTRAIN_RUN_DIR/hostfile.tmp" ]; then
 fi
 mv -f "$HPCTRAIN_RUN_DIR/hostfile.tmp" "$HPCTRAIN_RUN_DIR/hostfile"
 
+# Container (pyxis): the runtime and the image must be on this node before any rank starts.
+HPCTRAIN_GUARD='"$0" -c "import hpctrain, submitit" 2>/dev/null || { echo "hpctrain: pyxis container check failed on $(uname -n): the image has no $0 with hpctrain inside. Fix: build the image from hpctrain'"'"'s Dockerfile (hpctrain image build) and pass --container pyxis:IMAGE" >&2; exit 97; }; exec "$0" "$@"'  # run inside the image by each rank (exit 97)
+hpctrain_container_error() {
+  echo "hpctrain: pyxis container check failed on $(uname -n): $1. Fix: $2" >&2
+  exit 2
+}
+case "$(srun --help 2>&1)" in *--container-image*) ;; *) hpctrain_container_error "srun has no --container-image (the pyxis plugin is not loaded)" "ask the admins for pyxis/enroot, or use --container apptainer:IMAGE" ;; esac
+
 # Launch: srun starts 8 task(s) per node, one per rank, each running submitit's job.
-srun --unbuffered --kill-on-bad-exit=1 --output /runs/r1/submitit/%j_%t_log.out --error /runs/r1/submitit/%j_%t_log.err '--container-image=nvcr.io#nvidia/pytorch:24.05-py3' --container-mounts=/runs/r1:/runs/r1,/shared/data/pretrain:/shared/data/pretrain --container-workdir=/runs/r1 /opt/venv/bin/python -u -m submitit.core._submit /runs/r1/submitit
+srun --unbuffered --kill-on-bad-exit=1 --output /runs/r1/submitit/%j_%t_log.out --error /runs/r1/submitit/%j_%t_log.err '--container-image=nvcr.io#nvidia/pytorch:24.05-py3' --container-mounts=/runs/r1:/runs/r1,/shared/data/pretrain:/shared/data/pretrain --container-workdir=/runs/r1 --container-env=NCCL_DEBUG,NCCL_SOCKET_IFNAME sh -c "$HPCTRAIN_GUARD" python3 -u -m submitit.core._submit /runs/r1/submitit

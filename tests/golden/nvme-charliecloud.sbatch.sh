@@ -38,5 +38,16 @@ if [ ! -s "$HPCTRAIN_RUN_DIR/hostfile.tmp" ]; then
 fi
 mv -f "$HPCTRAIN_RUN_DIR/hostfile.tmp" "$HPCTRAIN_RUN_DIR/hostfile"
 
+# Container (charliecloud): the runtime and the image must be on this node before any rank starts.
+HPCTRAIN_GUARD='"$0" -c "import hpctrain, submitit" 2>/dev/null || { echo "hpctrain: charliecloud container check failed on $(uname -n): the image has no $0 with hpctrain inside. Fix: build the image from hpctrain'"'"'s Dockerfile (hpctrain image build) and pass --container charliecloud:IMAGE" >&2; exit 97; }; exec "$0" "$@"'  # run inside the image by each rank (exit 97)
+hpctrain_container_error() {
+  echo "hpctrain: charliecloud container check failed on $(uname -n): $1. Fix: $2" >&2
+  exit 2
+}
+command -v ch-run >/dev/null || hpctrain_container_error "ch-run is not on PATH" "install charliecloud on the nodes or load its module (launch.modules in the site profile)"
+export USER="${USER:-$(id -un)}"  # ch-run refuses to start without $USER
+[ -d /var/tmp/train.img/bin ] || hpctrain_container_error "$(printf %q /var/tmp/train.img) is not a directory image" "convert one with containers/build.sh charliecloud TAG DIR (or ch-convert)"
+for d in /runs/r1 /local/nvme; do [ -e /var/tmp/train.img"$d" ] || mkdir -p /var/tmp/train.img"$d" || hpctrain_container_error "bind target $d is missing in the image and cannot be created" "create it in the image folder, or make the image writable"; done
+
 # Launch: srun starts 2 task(s) per node, one per rank, each running submitit's job.
-srun --unbuffered --kill-on-bad-exit=1 --output /runs/r1/submitit/%j_%t_log.out --error /runs/r1/submitit/%j_%t_log.err ch-run -b /runs/r1:/runs/r1 -b /local/nvme:/local/nvme -c /runs/r1 /var/tmp/train.img -- /opt/venv/bin/python -u -m submitit.core._submit /runs/r1/submitit
+srun --unbuffered --kill-on-bad-exit=1 --output /runs/r1/submitit/%j_%t_log.out --error /runs/r1/submitit/%j_%t_log.err ch-run --set-env -b /runs/r1:/runs/r1 -b /local/nvme:/local/nvme -c /runs/r1 /var/tmp/train.img -- sh -c "$HPCTRAIN_GUARD" python3 -u -m submitit.core._submit /runs/r1/submitit

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpctrain import __version__
+from hpctrain import __version__, containers
 from hpctrain.errors import HpcUsageError, bad_value
 from hpctrain.spec import Spec
 from hpctrain.spec_rules import secret_names
@@ -27,8 +27,7 @@ if TYPE_CHECKING:
     from hpctrain.plan import Plan
 
 NODE_MODULE = "hpctrain.node"
-PODMAN_PASSTHROUGH = ("SLURM_*", "HPCTRAIN_*", "SUBMITIT_*", "MASTER_ADDR", "MASTER_PORT", "HF_HUB_OFFLINE",
-                      "TRANSFORMERS_OFFLINE", "DS_ACCELERATOR")
+PODMAN_PASSTHROUGH = containers.PODMAN_PASSTHROUGH
 
 
 def shipped_templates() -> Path:
@@ -144,39 +143,9 @@ def container_wrap(spec: Spec, run_dirs: Sequence[Path], workdir: str) -> tuple[
     """(extra srun flags, command prefix) for the container runtime; both are shell-safe words.
 
     none: nothing. pyxis: srun flags. apptainer/podman/charliecloud: a prefix before the command.
+    The runtimes themselves live in hpctrain.containers.
     """
-    c = spec.container
-    if c.runtime == "none":
-        return [], []
-    q = shlex.quote
-    binds = container_binds(spec, run_dirs)
-    gpu = spec.resources.gpus_per_node > 0
-    if c.runtime == "pyxis":
-        mounts = ",".join(f"{s}:{d}" for s, d in binds)
-        return [q(f"--container-image={c.image}"), q(f"--container-mounts={mounts}"),
-                q(f"--container-workdir={workdir}")], []
-    if c.runtime == "apptainer":
-        words = ["apptainer", "exec"] + (["--nv"] if gpu else [])
-        for s, d in binds:
-            words += ["--bind", q(f"{s}:{d}")]
-        return [], words + ["--pwd", q(workdir), q(c.image)]
-    if c.runtime == "podman":
-        words = ["podman", "run", "--rm", "--runtime", "runc", "--network", "host", "--ipc", "host",
-                 "--shm-size=1g", '--ulimit "nofile=$(ulimit -Hn):$(ulimit -Hn)"', "--ulimit", "nproc=32768:32768"]
-        if gpu:
-            words += ["--device", "nvidia.com/gpu=all"]
-        for s, d in binds:
-            words += ["-v", q(f"{s}:{d}")]
-        names = [*PODMAN_PASSTHROUGH, *sorted(spec.env), *secret_names(spec)]
-        for name in dict.fromkeys(names):
-            words += ["--env", q(name)]  # by name only: podman copies the value from the srun task
-        return [], words + ["-w", q(workdir), q(c.image)]
-    if c.runtime == "charliecloud":
-        words = ["ch-run"]
-        for s, d in binds:
-            words += ["-b", q(f"{s}:{d}")]
-        return [], words + ["-c", q(workdir), q(c.image), "--"]
-    raise bad_value("container.runtime", c.runtime, "unknown runtime", "use apptainer, pyxis, podman or charliecloud")
+    return containers.wrap(spec, container_binds(spec, run_dirs), workdir)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -239,6 +208,8 @@ def _launch_line(spec: Spec, plan: Plan, folder: Path, array: str | None, comman
     else:
         cmd = command
         note = f"srun starts {plan.ranks_per_node} task(s) per node, one per rank, each running submitit's job."
+    # In a container the login node's python means nothing: the image's python runs, behind a guard.
+    cmd = containers.rank_command(spec, cmd)
     return " ".join([*srun, *flags, *prefix, cmd]), note
 
 
@@ -272,6 +243,8 @@ def render_sbatch(spec: Spec, plan: Plan, run_dir: Path, command: str, *, array:
         modules=list(spec.launch.modules), env=env, secret_names=list(secrets), run_dir_expr=_shell_path(run_dir),
         run_dirs=[str(d) for d in dirs] if run_dirs else [], cpu=plan.device == "cpu",
         slots=plan.ranks_per_node, launch_line=launch_line, launcher_note=note,
+        runtime=spec.container.runtime,
+        container_check=containers.prelaunch_lines(spec, container_binds(spec, dirs)),
     )
 
 
