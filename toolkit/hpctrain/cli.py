@@ -340,3 +340,7 @@ except ImportError:  # pragma: no cover - only before cli_runs exists
     cli_runs = None  # type: ignore[assignment]
 if cli_runs is not None:
     cli_runs.register(cli)
+
+from hpctrain import cli_image  # CONTAINERS: `hpctrain image build` (click-only module)
+
+cli_image.register(cli)
