@@ -208,6 +208,7 @@ def test_unknown_run_and_vanished_folder(env: dict[str, Any]) -> None:
     assert run["folder_exists"] is False and any("missing" in w for w in run["warnings"])
     assert [a["state"] for a in run["attempts"]] == ["FAILED", "COMPLETED"]
     assert "nosuchrun" in doc["errors"][0] and "hpctrain list" in doc["errors"][0]
+    assert "empty run id" in CliRunner().invoke(cli(), ["summary", ""]).output
     res = CliRunner().invoke(cli(), ["summary", "nosuchrun"])
     assert res.exit_code == 2 and "no such run" in res.output
     res = CliRunner().invoke(cli(), ["logs", "nosuchrun"])

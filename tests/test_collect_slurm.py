@@ -204,3 +204,19 @@ def test_node_lost_then_requeued(lab: dict[str, Any]) -> None:
     assert (first["state"], first["failure_class"], first["failure"]["host"]) == ("REQUEUED", "node_fail", "node4")
     assert first["job_id"] == last["job_id"] == sub["job_id"] and last["attempt"] == 1
     assert last["state"] == "CANCELLED" and last["failure_class"] == "cancelled", last
+
+
+def test_logs_follow_until_job_end(lab: dict[str, Any]) -> None:
+    """`hpctrain logs --follow` on a job that is still queued/running returns by itself once it ends."""
+    sub = submit(lab, "--steps", "5")
+    entry = ("from hpctrain.cli import cli\n"
+             "if 'logs' not in cli.commands:\n"
+             "    from hpctrain import cli_collect; cli_collect.register(cli)\n"
+             "cli()")
+    proc = subprocess.run([sys.executable, "-c", entry, "logs", sub["run_id"], "--follow"], capture_output=True,
+                          text=True, timeout=600, check=False, env=os.environ.copy())
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert any(ln.startswith("a0 r0 ") and "finished at step 5" in ln for ln in lines), proc.stdout[-2000:]
+    assert any(ln.startswith("a0 r1 ") for ln in lines)
+    assert sacct_state(sub["job_id"]) in FINAL

@@ -162,7 +162,8 @@ def summary(runs: tuple[str, ...], all_runs: bool, as_json: bool, plot: str | No
     if as_json:
         doc = {"schema_version": co.SCHEMA_VERSION, "generated": time.time(), "runs": records,
                "errors": errors, "warnings": warnings}
-        click.echo(json.dumps(doc, indent=2, sort_keys=True))
+        # Indented for people reading a few runs; compact past 100 (json's fast C encoder ignores indent).
+        click.echo(json.dumps(doc, indent=2 if len(records) <= 100 else None, sort_keys=True))
     else:
         _print_table(records, warnings)
     if plot:

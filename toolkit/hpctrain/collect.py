@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,20 +101,38 @@ def from_folder(folder: Path) -> RunInput:
 
 
 def _shape(inp: RunInput) -> Shape:
+    """From the registry's spec summary; spec.toml's [resources] fills what it lacks (cpus_per_task)."""
     s = inp.spec
-    shape = Shape()
-    res: dict[str, Any] = {}
+    res = _resources(inp.folder / "spec.toml", need_all=not all(k in s for k in ("nodes", "gpus_per_node",
+                                                                                   "ranks_per_node")))
+    return Shape(nodes=_int(s.get("nodes"), res.get("nodes"), default=1),
+                 gpus_per_node=_int(s.get("gpus_per_node"), res.get("gpus_per_node"), default=0),
+                 ranks_per_node=_int(s.get("ranks_per_node"), res.get("tasks_per_node"), default=1),
+                 cpus_per_task=_int(res.get("cpus_per_task"), default=1))
+
+
+_RESOURCES = re.compile(r"^\[resources\]\s*$(.*?)(?=^\[|\Z)", re.M | re.S)
+_INT_KEY = re.compile(r"^(nodes|gpus_per_node|tasks_per_node|cpus_per_task)\s*=\s*(\d+)\s*(?:#.*)?$", re.M)
+
+
+def _resources(path: Path, need_all: bool) -> dict[str, Any]:
+    """The integer keys of spec.toml's [resources]. A plain scan of the section (spec.toml is written
+    by hpctrain in one layout) keeps `summary --all` cheap; full TOML parsing only when the scan
+    finds nothing."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return {}
+    m = _RESOURCES.search(text)
+    found = {k: int(v) for k, v in _INT_KEY.findall(m.group(1))} if m else {}
+    if found and (not need_all or len(found) == 4):
+        return found
     try:
         import tomllib
 
-        res = tomllib.loads((inp.folder / "spec.toml").read_text(encoding="utf-8")).get("resources", {})
-    except Exception:  # missing/unreadable spec.toml: the registry's summary or defaults will do
-        pass
-    shape.nodes = _int(s.get("nodes"), res.get("nodes"), default=1)
-    shape.gpus_per_node = _int(s.get("gpus_per_node"), res.get("gpus_per_node"), default=0)
-    shape.ranks_per_node = _int(s.get("ranks_per_node"), res.get("tasks_per_node"), default=1)
-    shape.cpus_per_task = _int(res.get("cpus_per_task"), default=1)
-    return shape
+        return dict(tomllib.loads(text).get("resources", {}))
+    except Exception:  # unreadable spec.toml: the registry's summary or defaults will do
+        return found
 
 
 def _int(*vals: Any, default: int) -> int:
@@ -337,7 +356,8 @@ def write_summary(record: dict[str, Any]) -> str | None:
         return None
     tmp = folder / f".summary.json.tmp-{os.getpid()}"
     try:
-        tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        # Compact: json's C encoder is used only without indent, and --all writes a thousand of these.
+        tmp.write_text(json.dumps(record, sort_keys=True, separators=(",", ":")) + "\n", encoding="utf-8")
         os.replace(tmp, folder / "summary.json")
     except OSError as exc:
         tmp.unlink(missing_ok=True)
@@ -379,6 +399,9 @@ def resolve_refs(reg: Registry, refs: list[str], all_runs: bool) -> tuple[list[R
     found: list[Run] = []
     loose: list[RunInput] = []
     for ref in refs:
+        if not ref.strip():
+            errors.append("RUN = '': empty run id. Pick a run id from `hpctrain list --all`.")
+            continue
         try:
             found.append(reg.get_run(ref))
         except RunNotFound as exc:

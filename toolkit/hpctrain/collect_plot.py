@@ -52,6 +52,9 @@ def plot_runs(runs: list[dict[str, Any]], out: Path) -> int:
     ax_loss.set_ylabel("loss")
     ax_tps.set_ylabel("tokens/s")
     ax_tps.set_xlabel("step (dashed: attempt start)")
+    from matplotlib.ticker import MaxNLocator
+
+    ax_tps.xaxis.set_major_locator(MaxNLocator(integer=True))
     if drawn:
         ax_loss.legend(fontsize="small")
     else:
