@@ -77,7 +77,7 @@ def test_srun_spans_four_distinct_hosts(slurm_cluster: SlurmCluster) -> None:
     proc = run_cmd(
         ["srun", "-N4", "--ntasks-per-node=1", "-t", "2", "-p", slurm_cluster.partition,
          "sh", "-c", 'echo "$(hostname) $SLURMD_NODENAME"'],
-        timeout=90,
+        timeout=240,  # waits for 4 free nodes: other users may hold them
     )
     lines = sorted(proc.stdout.split("\n")[:-1])
     assert [ln.split()[0] for ln in lines] == slurm_cluster.nodes, proc.stdout
@@ -120,7 +120,7 @@ srun -N1 -n1 -w node2 {sys.executable} {tmp_path}/connector.py 29517 {got}
 wait
 """
     job = sbatch("-N2", "-w", "node[1-2]", "-t", "2", script=script)
-    wait_job_state(job, "COMPLETED", timeout=90)
+    wait_job_state(job, "COMPLETED", timeout=240)
     assert got.read_text() == "node1 got 'hello from node2' from 10.77.0.2\n"
     assert "ack from node1" in (tmp_path / f"slurm-{job}.out").read_text()
 
@@ -130,9 +130,9 @@ def test_sacct_completed_failed_cancelled(sbatch: Callable[..., str], wait_job_s
     ok = sbatch("-t", "1", wrap="true")
     bad = sbatch("-t", "1", wrap="exit 3")
     long = sbatch("-t", "2", wrap="sleep 120")
-    assert wait_job_state(ok, "COMPLETED", timeout=60) == "COMPLETED"
-    assert wait_job_state(bad, "FAILED", timeout=60) == "FAILED"
-    wait_job_state(long, "RUNNING", timeout=60)
+    assert wait_job_state(ok, "COMPLETED", timeout=180) == "COMPLETED"
+    assert wait_job_state(bad, "FAILED", timeout=180) == "FAILED"
+    wait_job_state(long, "RUNNING", timeout=180)
     run_cmd(["scancel", long], timeout=30)
     assert wait_job_state(long, "CANCELLED", timeout=60) == "CANCELLED"
 
