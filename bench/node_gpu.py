@@ -25,8 +25,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "toolkit"))
 
-from hpctrain.node.dist import free_port  # noqa: E402
-from hpctrain.node.testing import spec_toml  # noqa: E402
+from hpctrain.node.dist import free_port
+from hpctrain.node.testing import spec_toml
 
 
 def run_plain(a: argparse.Namespace, log: Path) -> dict[str, Any]:
@@ -82,6 +82,7 @@ def run_entry(a: argparse.Namespace, run: Path, log: Path) -> dict[str, Any]:
         if (run / "metrics" / "metrics.jsonl").exists() else []
     if proc.returncode or len(recs) <= a.warmup:
         raise SystemExit(f"entrypoint failed (rc {proc.returncode}); see {log}")
+    (log.with_suffix(".metrics.jsonl")).write_text((run / "metrics" / "metrics.jsonl").read_text())
     steady = recs[a.warmup:]
     tps = statistics.median(r["tokens_per_s"] for r in steady)
     return {"impl": "hpctrain-node", "model": a.model, "tokens_per_s_per_gpu": round(tps, 1),
