@@ -119,11 +119,12 @@ def _podman(spec: Spec, binds: Sequence[tuple[str, str]], workdir: str, gpu: boo
     from hpctrain.spec_rules import secret_names
 
     q = shlex.quote
-    # runc (a global option: `podman run` has no --runtime): crun fails on hybrid cgroup hosts. Limits podman may set without CAP_SYS_RESOURCE (its defaults
-    # fail with "error setting rlimit"). Host network and IPC: NCCL/gloo talk to the other nodes and share
-    # memory between ranks. /dev/shm of 63 MB (the default) is too small for DataLoader workers and NCCL.
+    # runc, a global option (`podman run` has none): crun fails on hybrid cgroup hosts. Limits podman may set
+    # without CAP_SYS_RESOURCE (its defaults fail with "error setting rlimit"). Host network: NCCL/gloo talk to
+    # the other nodes. Host IPC: ranks in separate containers on one node share memory (NCCL, CUDA IPC) and get
+    # the node's /dev/shm (podman's own is 63 MB; --shm-size is refused together with --ipc host).
     words = ["podman", "--runtime", "runc", "run", "--rm", "--network", "host", "--ipc", "host",
-             "--shm-size=1g", '--ulimit "nofile=$(ulimit -Hn):$(ulimit -Hn)"', "--ulimit", "nproc=32768:32768"]
+             '--ulimit "nofile=$(ulimit -Hn):$(ulimit -Hn)"', "--ulimit", "nproc=32768:32768"]
     if gpu:
         words += ["--device", "nvidia.com/gpu=all"]
     for s, d in binds:
