@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -67,6 +69,45 @@ def test_status_healthy_and_up_idempotent(slurm_cluster: SlurmCluster) -> None:
     # "already up" unless a concurrent user had just killed a node, which `up` brings back
     assert "already up" in up.stderr or "cluster ready" in up.stderr, up.stderr
     run_cmd(["bash", str(SLURM_SH), "status"], timeout=60)
+
+
+def _exclusive(cluster: SlurmCluster) -> None:
+    if not cluster.started_here and os.environ.get("HPCTRAIN_DISRUPTIVE") != "1":
+        pytest.skip("would kill daemons of a cluster other sessions may be using; runs when this session "
+                    "started the cluster (CI) or with HPCTRAIN_DISRUPTIVE=1")
+
+
+def _wait_healthy(timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        proc = run_cmd(["bash", str(SLURM_SH), "status"], timeout=60, check=False)
+        if proc.returncode == 0 or time.monotonic() > deadline:
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            return proc.stdout
+        time.sleep(0.5)
+
+
+@pytest.mark.slurm
+def test_kill_node_then_restart_node(slurm_cluster: SlurmCluster) -> None:
+    _exclusive(slurm_cluster)
+    run_cmd(["bash", str(SLURM_SH), "kill-node", "4"], timeout=60)
+    status = run_cmd(["bash", str(SLURM_SH), "status"], timeout=60, check=False)
+    assert status.returncode == 1 and "slurmd.node4   STOPPED" in status.stdout, status.stdout
+    run_cmd(["bash", str(SLURM_SH), "restart-node", "4"], timeout=60)
+    assert "node4 idle" in _wait_healthy(60)
+
+
+@pytest.mark.slurm
+def test_up_recovers_from_killed_daemons(slurm_cluster: SlurmCluster) -> None:
+    _exclusive(slurm_cluster)
+    # kill -9 leaves stale PID files behind, as when a machine's processes are all ended between sessions
+    for name in ("slurmctld", "slurmdbd", "slurmd.node2"):
+        pid = int((slurm_cluster.lab / "run" / f"{name}.pid").read_text())
+        os.kill(pid, signal.SIGKILL)
+    run_cmd(["bash", str(SLURM_SH), "up"], timeout=180)
+    _wait_healthy(30)
+    proc = run_cmd(["srun", "-N4", "-t", "1", "hostname"], timeout=120)
+    assert sorted(proc.stdout.split()) == slurm_cluster.nodes
 
 
 # -- the cluster -----------------------------------------------------------------------------------------
