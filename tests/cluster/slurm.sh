@@ -407,7 +407,8 @@ up_failed() {
   trap - ERR EXIT
   [ $rc = 0 ] && return 0
   if [ ${#STARTED[@]} -gt 0 ] || [ "${NET_CREATED:-0}" = 1 ]; then
-    echo "slurm.sh: 'up' failed; tearing down what it started (${STARTED[*]:-network})" >&2
+    # it had to start something, so the cluster was not whole before: stop all of it, never leave half
+    echo "slurm.sh: 'up' failed; tearing the lab down (this run had started: ${STARTED[*]:-the network})" >&2
     tail -n 15 "$LOG/slurmctld.log" "$LOG/slurmdbd.log" "$LOG/mariadb.err" 2>/dev/null >&2 || true
     down_all >/dev/null 2>&1 || true
   else
