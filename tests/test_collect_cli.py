@@ -345,3 +345,12 @@ def test_requeued_job_gets_one_row_per_run(env: dict[str, Any]) -> None:
     assert not any(lg.startswith("submitit/") for lg in a0["logs"])
     # the registry's attempt 0 is the job's LAST run (COMPLETED): the REQUEUED row must not overwrite it
     assert Registry().get_run("requeued").attempts[0].failure_class is None
+
+
+def test_update_folder_summary_from_the_node(env: dict[str, Any]) -> None:
+    folder = make_run(env, "onnode", [{"attempt": 0, "job_id": "5", "state": "PENDING", "nodes": "node1"}],
+                      register=False, metrics=metrics(range(1, 4), 0))
+    collect.update_folder_summary(folder, running=True)
+    rec = json.loads((folder / "summary.json").read_text())
+    assert rec["state"] == "RUNNING" and rec["attempts"][0]["last_step"] == 3 and not rec["complete"]
+    collect.update_folder_summary(env["tmp"] / "gone")  # never raises

@@ -217,6 +217,7 @@ def test_logs_follow_until_job_end(lab: dict[str, Any]) -> None:
                           text=True, timeout=600, check=False, env=os.environ.copy())
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert any(ln.startswith("a0 r0 ") and "finished at step 5" in ln for ln in lines), proc.stdout[-2000:]
+    assert any(ln.startswith("a0 r0 ") and "finished at step 5" in ln for ln in lines), \
+        f"state {sacct_state(sub['job_id'])}\n{proc.stdout[-2000:]}\n{proc.stderr[-1000:]}"
     assert any(ln.startswith("a0 r1 ") for ln in lines)
     assert sacct_state(sub["job_id"]) in FINAL

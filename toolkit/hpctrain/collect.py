@@ -465,3 +465,17 @@ def store_failure_classes(reg: Registry, records: list[dict[str, Any]]) -> None:
             reg.update_attempts(updates)
         except Exception:  # a locked or read-only registry must not cost the user the summary
             pass
+
+
+def update_folder_summary(run_dir: Path | str, running: bool = False) -> None:
+    """Rebuild RUN_DIR/summary.json from the folder alone (no registry, no sacct), for callers on the
+    allocation that want the file to follow the run, e.g. the node's rank 0 after each checkpoint
+    (`running=True` marks the latest unfinished attempt RUNNING). Never raises: a summary must not
+    cost a training step."""
+    try:
+        inp = from_folder(Path(run_dir))
+        if running and inp.attempts and str(inp.attempts[-1].get("state")) not in FINAL:
+            inp.attempts[-1]["state"] = "RUNNING"
+        write_summary(build_run(inp))
+    except Exception:  # noqa: BLE001 - best effort by contract
+        pass
