@@ -47,7 +47,7 @@ HOSTS_BEGIN="# hpctrain-slurm-begin"
 HOSTS_END="# hpctrain-slurm-end"
 CONF_FILES=(slurm.conf slurmdbd.conf cgroup.conf gres.conf)
 BINARIES=(slurmctld slurmd slurmdbd sbatch srun sacct sacctmgr scontrol sinfo squeue scancel munged munge
-  unmunge mariadbd mariadb mariadb-install-db ip nsenter unshare runuser ss flock)
+  unmunge mariadbd mariadb mariadb-install-db ip nsenter unshare runuser ss flock hostname)
 
 say() { printf '[%s] %s\n' "$(date +%T)" "$*" >&2; }
 die() {
@@ -153,7 +153,7 @@ install_pkgs() {
     apt-get -o Acquire::Retries=3 update -qq &&
       apt-get -o Acquire::Retries=3 install -y -qq --no-install-recommends -o Dpkg::Options::=--force-confdef \
         -o Dpkg::Options::=--force-confold slurm-wlm slurmctld slurmd slurm-client slurmdbd munge \
-        mariadb-server iproute2 util-linux </dev/null >"/tmp/hpctrain-slurm-apt.log" 2>&1
+        mariadb-server iproute2 util-linux hostname </dev/null >"/tmp/hpctrain-slurm-apt.log" 2>&1
   } || rc=$?
   if [ $made = 1 ]; then rm -f /usr/sbin/policy-rc.d; fi
   if [ $rc != 0 ]; then
