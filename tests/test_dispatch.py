@@ -485,3 +485,19 @@ def test_local_executor_preflight_two_tasks(tmp_path: Path, monkeypatch: pytest.
     assert run.state == "COMPLETED", (run.to_dict(), list((run_dir / "submitit").iterdir()))
     assert len(list((run_dir / "submitit").glob(f"{sub.job_id}_*_result.pkl"))) == 2
     _assert_no_canary(run_dir, env["state"])
+
+
+def test_just_finished_job_is_read_again_until_settled(fake_slurm: Path, stand_in_render: None,
+                                                       tmp_path: Path) -> None:
+    """slurmdbd may list a just-finished 4-node job on one node for a moment: re-read it for a while."""
+    from hpctrain import dispatch
+    from hpctrain.cli_runs import refresh
+
+    (d,) = _folders(tmp_path, 1)
+    (sub,) = dispatch.submit([d], _spec(), _plan(), "slurm")  # type: ignore[arg-type]
+    end = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 5))
+    for nodes in ("node1", "node[1-4]"):
+        _exe(fake_slurm / "sacct", f"#!/bin/sh\necho '{sub.job_id}|COMPLETED|0:0|{nodes}|{end}|{end}'\n")
+        reg = Registry()
+        refresh(reg, [reg.get_run(sub.run_id)])
+    assert Registry().get_run(sub.run_id).latest.nodes == "node[1-4]"  # type: ignore[union-attr]

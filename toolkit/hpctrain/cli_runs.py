@@ -47,13 +47,15 @@ def _find(reg: Registry, ref: str) -> Run:
 def refresh(reg: Registry, runs: list[Run]) -> list[str]:
     """Bring non-final attempts up to date: ONE sacct call for all SLURM jobs, /proc for local ones.
 
-    Finished attempts are never asked about again (their state is cached in the registry).
+    Finished attempts are not asked about again once settled (SETTLE_S after their end): their
+    state is cached in the registry.
     Returns warnings (e.g. sacct unavailable) instead of failing: cached states are still useful.
     """
     from hpctrain import runs as runs_mod
     from hpctrain.registry import FINAL_STATES
 
-    pending = [(r, a) for r in runs for a in r.attempts if not a.final]
+    now = time.time()
+    pending = [(r, a) for r in runs for a in r.attempts if _unsettled(r.executor, a, now)]
     if not pending:
         return []
     warnings: list[str] = []
@@ -101,6 +103,17 @@ def refresh(reg: Registry, runs: list[Run]) -> list[str]:
                 pass  # the run folder may be gone; the registry still has it
     reg.update_attempts(updates)
     return warnings
+
+
+# slurmdbd can report a just-finished job as COMPLETED before its record is whole (seen: a 4-node
+# job listed on "node1" for a moment), so a SLURM attempt is re-read for this long after it ends.
+SETTLE_S = 60.0
+
+
+def _unsettled(executor: str, att: Any, now: float) -> bool:
+    if not att.final:
+        return True
+    return executor == "slurm" and (att.ended is None or now - att.ended < SETTLE_S)
 
 
 def _age(ts: float | None) -> str:
