@@ -136,7 +136,12 @@ def test_four_node_preflight_completes_and_lists(cluster: Any, env: dict[str, Pa
         run_id, job_id = s.run_id, s.job_id
     rec = _wait_final(run_id)
     assert rec["state"] == "COMPLETED", rec
-    assert rec["attempts"][0]["nodes"] == "node[1-4]"
+    for _ in range(20):  # slurmdbd may need a moment to record the whole nodelist (see cli_runs.SETTLE_S)
+        if rec["attempts"][0]["nodes"] == "node[1-4]":
+            break
+        time.sleep(1)
+        rec = _wait_final(run_id)
+    assert rec["attempts"][0]["nodes"] == "node[1-4]", rec
     # Every one of the 8 ranks on node1..node4 passed the rendezvous.
     outs = sorted((run_dir / "submitit").glob(f"{job_id}_*_result.pkl"))
     assert len(outs) == 8
