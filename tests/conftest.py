@@ -162,11 +162,17 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
             print(f"warning: `slurm.sh down` failed (rc {down.returncode}):\n{down.stdout}{down.stderr}")
 
 
-@pytest.fixture(autouse=True)
-def _slurm_marker(request: pytest.FixtureRequest) -> None:
-    """Tests marked ``slurm`` use the cluster fixture without naming it."""
-    if request.node.get_closest_marker("slurm") is not None:
-        request.getfixturevalue("slurm_cluster")
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``slurm`` use the cluster fixture without naming it.
+
+    Added to the item's fixture closure (not requested from an autouse fixture) so that, being
+    session-scoped, it is set up before any module- or class-scoped fixture of the test that may already
+    talk to the cluster.
+    """
+    for item in items:
+        names = getattr(item, "fixturenames", None)
+        if item.get_closest_marker("slurm") is not None and names is not None and "slurm_cluster" not in names:
+            names.insert(0, "slurm_cluster")
 
 
 @pytest.fixture(name="run_cmd")
