@@ -68,7 +68,8 @@ def make_run_folder(a: argparse.Namespace, run: Path) -> None:
     spec = from_toml_text(text)
     plan = make_plan(spec)
     (run / "plan.json").write_text(plan.to_json())
-    (run / "ds_config.json").write_text(json.dumps(render_ds_config(spec, plan), indent=2))
+    if not a.node_config:  # else the node builds its own (DeepSpeed's default bucket sizes)
+        (run / "ds_config.json").write_text(json.dumps(render_ds_config(spec, plan), indent=2))
 
 
 def run_entry(a: argparse.Namespace, run: Path, log: Path) -> dict[str, Any]:
@@ -104,13 +105,14 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--offload", default="none", choices=["none", "optimizer"])
     ap.add_argument("--peak-tflops", type=float, default=788.0, help="measured bf16 matmul peak (H200: 788)")
+    ap.add_argument("--node-config", action="store_true", help="no rendered ds_config.json: the node's own")
     ap.add_argument("--only", choices=["plain", "entry", "both"], default="both")
     ap.add_argument("--timeout", type=float, default=280)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench-node"))
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = f"{a.model}-z{a.zero}-{a.offload}-mb{a.mb}-s{a.seq}"
+    tag = f"{a.model}-z{a.zero}-{a.offload}-mb{a.mb}-s{a.seq}" + ("-nodecfg" if a.node_config else "")
     rows = []
     if a.only in ("entry", "both"):
         rows.append(run_entry(a, out / f"run-{tag}", out / f"entry-{tag}.log"))

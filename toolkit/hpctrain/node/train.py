@@ -177,7 +177,9 @@ def build_engine(p: Prepared) -> tuple[Any, int]:
     else:
         model = build_model(spec.model, p.hf_cfg, spec.train.precision, p.ds_config, zero3=p.zero == 3)
         if spec.train.activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            # The library's default flavour (transformers renamed the method in 5.2x; both exist there).
+            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            enable()
         n_params = param_count(model)
     frozen = apply_freeze(model, spec.model.freeze)
     if frozen:
