@@ -43,7 +43,7 @@ install-system:
 # The local 4-node cluster (tests/cluster/slurm.sh; LAB=/tmp/hpctrain-slurm, nodes node1..node4, partition debug).
 .PHONY: cluster-status cluster-wipe
 cluster-up: install-system
-	bash $(CLUSTER) up
+	bash $(CLUSTER) up --keep
 
 cluster-down:
 	bash $(CLUSTER) down

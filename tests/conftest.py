@@ -4,7 +4,8 @@ Tests marked ``@pytest.mark.slurm`` get the session fixture ``slurm_cluster`` au
 cluster up once per session (``slurm.sh up``, bounded), reuses a cluster that is already healthy, and tears
 it down at the end only if this session started it (others may be using a running one). When the cluster
 cannot be started the slurm tests fail loudly; set ``HPCTRAIN_SKIP_SLURM=1`` to skip them instead.
-``HPCTRAIN_KEEP_SLURM=1`` keeps a cluster this session started running after the session.
+``HPCTRAIN_KEEP_SLURM=1``, or the flag file ``$LAB/keep`` (``slurm.sh up --keep``, ``make cluster-up``),
+keeps a cluster this session started running after the session.
 
 Helper fixtures:
   run_cmd(args, timeout=60, check=True, ...)      subprocess.run with a deadline, no stdin, text output
@@ -156,7 +157,8 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
         # another session may have started it while we waited on slurm.sh's lock: then it is not ours
         started_here = "cluster already up" not in up.stderr
     yield SlurmCluster(lab=LAB, started_here=started_here)
-    if started_here and os.environ.get("HPCTRAIN_KEEP_SLURM") != "1":
+    # LAB/keep (`slurm.sh up --keep`, `make cluster-up`): someone wants the cluster kept for others
+    if started_here and os.environ.get("HPCTRAIN_KEEP_SLURM") != "1" and not (LAB / "keep").exists():
         down = _slurm_sh("down", timeout=120)
         if down.returncode != 0:
             print(f"warning: `slurm.sh down` failed (rc {down.returncode}):\n{down.stdout}{down.stderr}")

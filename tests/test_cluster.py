@@ -31,6 +31,8 @@ def test_script_is_shellcheck_clean() -> None:
 def test_usage_and_bad_node_number_refused() -> None:
     proc = run_cmd(["bash", str(SLURM_SH), "frobnicate"], timeout=30, check=False)
     assert proc.returncode == 2 and "usage:" in proc.stderr
+    proc = run_cmd(["bash", str(SLURM_SH), "up", "--bogus"], timeout=30, check=False)
+    assert proc.returncode == 2 and "usage:" in proc.stderr
     for bad in ("0", "9", "x", ""):
         proc = run_cmd(["bash", str(SLURM_SH), "restart-node", bad], timeout=30, check=False)
         assert proc.returncode == 1 and "node number" in proc.stderr, proc.stderr

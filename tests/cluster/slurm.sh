@@ -10,7 +10,8 @@
 # usage: slurm.sh install | up | down | wipe | status | kill-node N | restart-node N
 #
 #   install        apt-get the packages (skipped when every binary is already present)
-#   up             start everything (idempotent; recovers a broken or half-started lab)
+#   up [--keep]    start everything (idempotent; recovers a broken or half-started lab). --keep marks the
+#                  cluster as kept: a pytest session that (re)starts it then leaves it running at its end
 #   down           stop the daemons this script started, kill job processes left in the node namespaces,
 #                  remove namespaces, bridge and the /etc/hosts block. Keeps DB + state (job ids continue).
 #   wipe           down, then delete state, DB, logs and configs
@@ -43,6 +44,7 @@ LOG=$LAB/logs
 ST=$LAB/state
 ETC=$LAB/etc
 LOCK=${LAB%/}.lock
+KEEP_FLAG=$LAB/keep
 HOSTS_BEGIN="# hpctrain-slurm-begin"
 HOSTS_END="# hpctrain-slurm-end"
 CONF_FILES=(slurm.conf slurmdbd.conf cgroup.conf gres.conf)
@@ -55,7 +57,7 @@ die() {
   exit 1
 }
 usage() {
-  echo "usage: $0 install|up|down|wipe|status|kill-node N|restart-node N" >&2
+  echo "usage: $0 install|up [--keep]|down|wipe|status|kill-node N|restart-node N" >&2
   exit 2
 }
 
@@ -418,6 +420,7 @@ up_failed() {
 }
 cmd_up() {
   local t0=$SECONDS
+  case "${1:-}" in '' | --keep) ;; *) usage ;; esac
   need_root
   need_bins
   need_netns
@@ -441,6 +444,7 @@ cmd_up() {
   for i in $(seq "$NNODES"); do start_node "$i"; done
   wait_nodes "$UP_TIMEOUT" || die "not all $NNODES nodes became idle within ${UP_TIMEOUT}s: $(node_states | tr '\n' ' ')"
   trap - EXIT
+  if [ "${1:-}" = --keep ]; then touch "$KEEP_FLAG"; fi
   if [ ${#STARTED[@]} = 0 ]; then
     say "cluster already up ($NNODES nodes, LAB=$LAB)"
   else
@@ -463,6 +467,7 @@ cmd_down() {
   mkdir -p "$(dirname "$LOCK")"
   lock
   down_all
+  rm -f "$KEEP_FLAG"
   say "cluster down (state and DB kept under $LAB)"
 }
 cmd_wipe() {
@@ -504,6 +509,7 @@ cmd_status() {
   else
     bad=1
   fi
+  if [ -e "$KEEP_FLAG" ]; then echo "kept up: yes ($KEEP_FLAG; test sessions leave it running)"; fi
   if [ $bad = 0 ]; then
     echo "cluster: healthy (LAB=$LAB, partition debug, nodes node1..node$NNODES)"
   else
@@ -535,7 +541,7 @@ cmd_restart_node() {
 CMD=${1:-}
 case "$CMD" in
   install) install_pkgs ;;
-  up) cmd_up ;;
+  up) cmd_up "${2:-}" ;;
   down) cmd_down ;;
   wipe) cmd_wipe ;;
   status) cmd_status ;;
