@@ -76,7 +76,9 @@ def run_cmd(
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-        raise AssertionError(f"command timed out after {timeout}s: {argv}\nstdout:\n{out}\nstderr:\n{err}") from e
+        raise AssertionError(
+            f"command timed out after {timeout}s: {argv}\nstdout:\n{out}\nstderr:\n{err}"
+        ) from e
     if check and proc.returncode != 0:
         raise AssertionError(
             f"command failed (rc {proc.returncode}): {argv}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
@@ -94,7 +96,9 @@ def sacct_state(job_id: str | int) -> str:
     return lines[-1].split()[0] if lines else ""
 
 
-def wait_job_state(job_id: str | int, states: str | Iterable[str], timeout: float = 60, poll_s: float = 0.5) -> str:
+def wait_job_state(
+    job_id: str | int, states: str | Iterable[str], timeout: float = 60, poll_s: float = 0.5
+) -> str:
     """Poll sacct until the job is in one of ``states``; return that state.
 
     Fails at once when the job reaches a different terminal state, and after ``timeout`` seconds with the
@@ -173,7 +177,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """
     for item in items:
         names = getattr(item, "fixturenames", None)
-        if item.get_closest_marker("slurm") is not None and names is not None and "slurm_cluster" not in names:
+        if item.get_closest_marker("slurm") is None or names is None:
+            continue
+        if "slurm_cluster" not in names:
             names.insert(0, "slurm_cluster")
 
 
@@ -191,7 +197,10 @@ def wait_job_state_fixture() -> Callable[..., str]:
 
 @pytest.fixture()
 def sbatch(tmp_path: Path) -> Iterator[Callable[..., str]]:
-    """``sbatch(*args, wrap=None, script=None)`` -> job id; output goes to tmp_path; jobs are scancel'd after."""
+    """``sbatch(*args, wrap=None, script=None)`` -> job id.
+
+    Output goes to tmp_path; the jobs are scancel'd after the test.
+    """
     jobs: list[str] = []
 
     def submit(*args: str, wrap: str | None = None, script: str | None = None, timeout: float = 60) -> str:

@@ -38,7 +38,8 @@ def test_usage_and_bad_node_number_refused() -> None:
         assert proc.returncode == 1 and "node number" in proc.stderr, proc.stderr
 
 
-@pytest.mark.skipif(not ROOT or shutil.which("runuser") is None, reason="needs root to switch to an unprivileged user")
+@pytest.mark.skipif(not ROOT or shutil.which("runuser") is None,
+                    reason="needs root to switch to an unprivileged user")
 def test_non_root_refused_without_touching_anything() -> None:
     proc = run_cmd(["runuser", "-u", "nobody", "--", "bash", str(SLURM_SH), "up"], timeout=30, check=False)
     assert proc.returncode == 1
@@ -169,7 +170,8 @@ wait
 
 
 @pytest.mark.slurm
-def test_sacct_completed_failed_cancelled(sbatch: Callable[..., str], wait_job_state: Callable[..., str]) -> None:
+def test_sacct_completed_failed_cancelled(sbatch: Callable[..., str],
+                                          wait_job_state: Callable[..., str]) -> None:
     ok = sbatch("-t", "1", wrap="true")
     bad = sbatch("-t", "1", wrap="exit 3")
     long = sbatch("-t", "2", wrap="sleep 120")
@@ -179,7 +181,8 @@ def test_sacct_completed_failed_cancelled(sbatch: Callable[..., str], wait_job_s
     run_cmd(["scancel", long], timeout=30)
     assert wait_job_state(long, "CANCELLED", timeout=60) == "CANCELLED"
 
-    proc = run_cmd(["sacct", "-X", "-n", "-P", "-j", f"{ok},{bad},{long}", "-o", "JobID,State,ExitCode"], timeout=30)
+    proc = run_cmd(["sacct", "-X", "-n", "-P", "-j", f"{ok},{bad},{long}", "-o", "JobID,State,ExitCode"],
+                   timeout=30)
     rows = {r.split("|")[0]: r.split("|")[1:] for r in proc.stdout.splitlines() if r.strip()}
     assert rows[ok] == ["COMPLETED", "0:0"]
     assert rows[bad] == ["FAILED", "3:0"]
