@@ -160,6 +160,15 @@ def test_not_installed_is_clear(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
         _slurm.scancel(["1"])
 
 
+def test_daemon_trouble_is_transient_user_errors_are_not() -> None:
+    for msg in ("sbatch: error: Batch job submission failed: Unable to contact slurm controller (connect failure)",
+                "sacct: error: Problem talking to the database: Connection refused",
+                "scancel: error: Munge encode failed: Failed to access \"/run/munge/munge.socket.2\"",
+                "squeue: error: Socket timed out on send/recv operation"):
+        assert _slurm._TRANSIENT.search(msg), msg
+    assert not _slurm._TRANSIENT.search("sbatch: error: Batch job submission failed: Invalid partition name specified")
+
+
 def test_rejection_maps_to_field() -> None:
     e = _slurm.rejection("sbatch: error: Batch job submission failed: Invalid partition name specified")
     assert e.field == "resources.partition" and "Invalid partition" in e.reason

@@ -298,3 +298,46 @@ def test_preflight_names_the_node_that_did_not_join(cluster: Any) -> None:
     assert proc.returncode == 4, (proc.stdout, proc.stderr)
     assert len(lines) == 2 and all("rank(s) 2" in ln and "node3" in ln for ln in lines), lines
     assert elapsed < 60, elapsed  # 8 s timeout + srun start-up, never a hang
+
+
+def _unreachable_conf(tmp_path: Path) -> Path:
+    """The lab's slurm.conf with slurmctld/slurmdbd ports nobody listens on: the real clients then
+    fail exactly as with the daemons down, without touching the shared cluster."""
+    import re
+
+    text = Path("/etc/slurm/slurm.conf").read_text()
+    for key, port in (("SlurmctldPort", 1), ("AccountingStoragePort", 2)):
+        text, n = re.subn(rf"(?m)^{key}=.*$", f"{key}={port}", text)
+        text += "" if n else f"\n{key}={port}\n"
+    conf = tmp_path / "down" / "slurm.conf"
+    conf.parent.mkdir()
+    conf.write_text(text)
+    return conf
+
+
+def test_controller_and_dbd_down(cluster: Any, env: dict[str, Path], tmp_path: Path,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """slurmctld/slurmdbd not answering: submit fails with a clear message and records nothing;
+    list shows cached states with a warning; cancel fails without recording CANCELLED."""
+    from hpctrain import dispatch
+    from hpctrain.registry import Registry
+
+    if not _cli_has("submit"):
+        pytest.skip("hpctrain submit not available")
+    sp, pl = _spec_plan(**{"resources.nodes": 1})
+    (run_dir,) = _make_runs(sp, pl, env["runs"] / "ok")
+    (sub,) = dispatch.submit([run_dir], sp, pl, "slurm", mode="preflight")  # one real, recorded run
+    monkeypatch.setenv("SLURM_CONF", str(_unreachable_conf(tmp_path)))
+    monkeypatch.setenv("HPCTRAIN_SLURM_RETRIES", "2")
+    t0 = time.monotonic()
+    proc = _hpctrain("submit", TINY, "--preflight", "--executor", "slurm", timeout=120)
+    assert time.monotonic() - t0 < 60
+    assert proc.returncode == 1 and "slurmctld" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert [r.run_id for r in Registry().list_runs(limit=None)] == [sub.run_id]
+    assert not [p for p in env["runs"].iterdir() if p.name not in ("ok",)]
+    listed = _hpctrain("list", "--json")
+    assert listed.returncode == 0 and "stale" in listed.stderr and "slurmdbd" in listed.stderr
+    assert json.loads(listed.stdout)[0]["run_id"] == sub.run_id
+    cancelled = _hpctrain("cancel", sub.run_id, timeout=120)
+    assert cancelled.returncode == 1 and "slurmctld" in cancelled.stderr, cancelled.stderr
+    assert Registry().get_run(sub.run_id).state != "CANCELLED"

@@ -23,7 +23,7 @@ _TRANSIENT = re.compile(
     r"socket timed out|unable to contact slurm controller|connection refused|"
     r"slurmdbd|problem talking to the database|persistent connection|"
     r"zero bytes were transmitted|resource temporarily unavailable|backup controller|"
-    r"communications connection failure|slurm_receive_msg|transient",
+    r"communications connection failure|slurm_receive_msg|transient|munge",
     re.IGNORECASE,
 )
 # For sbatch only "not connected at all" is safe to retry: after a send timeout the job may exist.
@@ -85,7 +85,8 @@ class SacctRecord:
 
 
 def _retries() -> int:
-    return max(1, int(os.environ.get("HPCTRAIN_SLURM_RETRIES", "5")))
+    # Each attempt against a dead slurmctld already takes ~9 s (the client's own retries).
+    return max(1, int(os.environ.get("HPCTRAIN_SLURM_RETRIES", "3")))
 
 
 def _backoff() -> float:
@@ -94,16 +95,16 @@ def _backoff() -> float:
 
 def _budget() -> float:
     """Total seconds one call may spend retrying: a dead controller must not hang a CLI for minutes."""
-    return float(os.environ.get("HPCTRAIN_SLURM_BUDGET_S", "90"))
+    return float(os.environ.get("HPCTRAIN_SLURM_BUDGET_S", "60"))
 
 
 def _run(argv: Sequence[str], *, input_text: str | None = None, timeout_s: float = 30.0,
          retryable: re.Pattern[str] = _TRANSIENT, env: dict[str, str] | None = None,
-         retry_timeouts: bool = True) -> subprocess.CompletedProcess[str]:
+         retry_timeouts: bool = True, tries: int | None = None) -> subprocess.CompletedProcess[str]:
     """Run a SLURM command; retry transient failures with exponential backoff, then raise."""
     argv = list(argv)
     delay, last = _backoff(), ""
-    tries = _retries()
+    tries = tries or _retries()
     started = time.monotonic()
     deadline = started + _budget()
     for attempt in range(tries):
@@ -135,9 +136,9 @@ def _run(argv: Sequence[str], *, input_text: str | None = None, timeout_s: float
     waited = time.monotonic() - started
     what = "slurmdbd (accounting)" if argv[0] in ("sacct", "sacctmgr") else "slurmctld"
     raise SlurmUnavailable(
-        f"`{' '.join(argv[:3])}{' ...' if len(argv) > 3 else ''}` failed {tries} times over "
+        f"`{' '.join(argv[:3])}{' ...' if len(argv) > 3 else ''}` failed {tries} time{'s' * (tries != 1)} over "
         f"{waited:.0f}s: {_last_lines(last)}\n"
-        f"Check that {what} is running and reachable (`scontrol ping`"
+        f"Check that {what} and munged are running and reachable (`scontrol ping`"
         f"{', `sacctmgr show cluster`' if what.startswith('slurmdbd') else ''}); "
         "hpctrain recorded nothing from this call.")
 
@@ -253,9 +254,9 @@ class PartitionInfo:
     mem_mb: int  # most memory on one node (MB)
 
 
-def partition_info(name: str = "") -> PartitionInfo | None:
+def partition_info(name: str = "", tries: int | None = None) -> PartitionInfo | None:
     """Size of a partition (the default one when `name` is ""), or None if sinfo does not know it."""
-    out = _run(["sinfo", "-h", "-o", "%P|%D|%c|%m"]).stdout
+    out = _run(["sinfo", "-h", "-o", "%P|%D|%c|%m"], tries=tries).stdout
     found: dict[str, list[int]] = {}
     default = ""
     for line in out.splitlines():
