@@ -267,3 +267,20 @@ def test_lost_host_from_peer_and_silence() -> None:
     assert cc.lost_host([dead], resolve=False) is None
     f = cc.classify("REQUEUED", [alive, dead])
     assert (f.failure_class, f.host) == (cc.NODE_FAIL, "node4")
+
+
+def test_peer_lost_before_slurm_noticed() -> None:
+    """node4 died; rank 0 got 'connection reset by peer' and srun aborted the step before slurmctld's
+    node timeout: state FAILED, but the class is node_fail on node4 (srun names node index 1)."""
+    r0 = HEAD.format(r=0) + ("2026-11-29T17:20:20 rank0 ERROR training failed:\nTraceback (most recent call last):\n"
+                             "  File \"/x.py\", line 1, in f\nRuntimeError: [pair.cc:537] Read error [node4]:12010: "
+                             "Connection reset by peer.\n")
+    r1 = HEAD.format(r=1) + "2026-11-29T17:19:52 rank1 INFO step 2 | loss 5.75\n"
+    err = ("srun: error: node3: task 0: Exited with exit code 1\nsrun: error: Aborting, io error and missing step on "
+           "node 1\nsrun: error: Timed out waiting for job step to complete\n")
+    logs = [src(r0, rank=0, host="node3"), src(r1, "logs/attempt-0.rank-1.log", 1, "node4")]
+    f = cc.classify("FAILED", [*logs, src(err, "submitit/1651_0_log.err", 0, "node3")], exit_code="1:0",
+                    hosts=["node3", "node4"])
+    assert (f.failure_class, f.host) == (cc.NODE_FAIL, "node4")
+    f = cc.classify("FAILED", logs, exit_code="1:0")  # without srun's line: the silent named peer
+    assert (f.failure_class, f.host) == (cc.NODE_FAIL, "node4") and "lost its peer" in f.message

@@ -181,29 +181,36 @@ def _wait(cond: Any, what: str, timeout: float) -> None:
     raise AssertionError(f"{what}: not within {timeout}s")
 
 
-def test_node_lost_then_requeued(lab: dict[str, Any]) -> None:
-    """Kill node4's slurmd and every process on it mid-training: SLURM records NODE_FAIL and requeues
-    the job (same id); node4 comes back, the job runs again (logs/attempt-1.*), then we cancel it."""
+def test_node_lost(lab: dict[str, Any]) -> None:
+    """Kill node4 (slurmd and every process on it) mid-training. Two real outcomes, both checked:
+    slurmctld declares NODE_FAIL first and requeues the job (same id; node4 comes back, the job runs
+    again as logs/attempt-1.*, then we cancel it), or the surviving rank's gloo error makes srun end
+    the job FAILED first. Either way the summary says node_fail and names node4."""
     busy = subprocess.run(["squeue", "-h", "-w", "node3,node4"], capture_output=True, text=True, timeout=30,
                           check=False).stdout.strip()
     if busy:
         pytest.skip(f"node3/node4 run other jobs; killing node4 would take them down:\n{busy}")
     script = Path(__file__).resolve().parent / "cluster" / "slurm.sh"
     sub = submit(lab, "--steps", "100000", "--set", "resources.exclude=node[1-2]")
-    run_dir = Path(sub["run_dir"])
+    run_dir, job = Path(sub["run_dir"]), sub["job_id"]
     wait_file(run_dir / "metrics" / "metrics.jsonl")
     try:
         subprocess.run(["bash", str(script), "kill-node", "4"], check=True, timeout=60, capture_output=True)
-        _wait(lambda: "NODE_FAIL" in _sacct_history(sub["job_id"]), "NODE_FAIL recorded", 180)
+        _wait(lambda: "NODE_FAIL" in _sacct_history(job) or sacct_state(job) in FINAL, "job noticed the loss", 180)
     finally:
         subprocess.run(["bash", str(script), "restart-node", "4"], check=False, timeout=120, capture_output=True)
-    _wait(lambda: (run_dir / "logs" / "attempt-1.rank-0.log").exists(), "requeued run started", 300)
-    subprocess.run(["scancel", sub["job_id"]], check=True, timeout=30)
-    run = final_summary(sub["run_id"], sub["job_id"])
+    requeued = "NODE_FAIL" in _sacct_history(job)
+    if requeued:
+        _wait(lambda: (run_dir / "logs" / "attempt-1.rank-0.log").exists(), "requeued run started", 300)
+        subprocess.run(["scancel", job], check=True, timeout=30)
+    run = final_summary(sub["run_id"], job)
     first, last = run["attempts"][0], run["attempts"][-1]
-    assert (first["state"], first["failure_class"], first["failure"]["host"]) == ("REQUEUED", "node_fail", "node4")
-    assert first["job_id"] == last["job_id"] == sub["job_id"] and last["attempt"] == 1
-    assert last["state"] == "CANCELLED" and last["failure_class"] == "cancelled", last
+    assert first["failure_class"] == "node_fail" and first["failure"]["host"] == "node4", first
+    if requeued:
+        assert first["state"] == "REQUEUED" and first["job_id"] == last["job_id"] == job and last["attempt"] == 1
+        assert last["state"] == "CANCELLED" and last["failure_class"] == "cancelled", last
+    else:
+        assert first["state"] == "FAILED" and len(run["attempts"]) == 1
 
 
 def test_logs_follow_until_job_end(lab: dict[str, Any]) -> None:

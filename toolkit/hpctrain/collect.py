@@ -261,7 +261,7 @@ def _attempt_row(inp: RunInput, a: dict[str, Any], files: list[cl.LogFile], recs
     hang_msg = (f"no step for {((hang_end or 0) - (beat or 0)) / 60:.0f} min before "
                 f"{'the job ended' if state in FINAL else 'now'} (last step {m.last_step})") if hang else ""
     failure = cc.classify(state if state in FINAL or hang else None, sources, exit_code=a.get("exit_code"),
-                          hang=hang, hang_message=hang_msg)
+                          hang=hang, hang_message=hang_msg, hosts=hosts)
     return {
         "attempt": k, "job_id": str(a.get("job_id") or ""), "state": state, "exit_code": a.get("exit_code"),
         "failure_class": failure.failure_class, "failure": failure.to_dict() if failure.failure_class else None,

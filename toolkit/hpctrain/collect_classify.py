@@ -46,7 +46,7 @@ _HOST_OOM = re.compile(r"oom[-_ ]kill|Out of memory: Kill|OUT_OF_MEMORY|Memory c
 _KILLED = re.compile(r"^\s*(?:\S+: line \d+: \d+ )?Killed\b|\bexit(?:ed)?(?: with)?(?: code| status)? 137\b|"
                      r"\bsignal 9\b|SIGKILL", re.IGNORECASE)
 _COMM = re.compile(r"Watchdog caught collective operation timeout|Connection closed by peer|"
-                   r"Timed out waiting .*(?:for|to)|gloo.*timed? ?out|NCCL (?:error|WARN).*(?:timeout|timed out)|"
+                   r"Timed out waiting \d+ ?ms|gloo.*timed? ?out|NCCL (?:error|WARN).*(?:timeout|timed out)|"
                    r"ProcessGroupNCCL.*[Tt]imeout|DistBackendError|Connection reset by peer|"
                    r"ncclRemoteError|ncclSystemError|Socket Timeout|collective operation timeout")
 _CONTAINER = re.compile(
@@ -56,6 +56,9 @@ _CONTAINER = re.compile(
     r"FATAL: +(?:container|could not|while|image|failed)|"
     r"OCI runtime (?:error|create failed)|Error: (?:short-name|image not known)|"
     r"ch-run\[\d+\]: error")
+# srun/slurmstepd noticing that a node of the step went away (before slurmctld calls it NODE_FAIL).
+_NODE_LOST = re.compile(r"missing step on node (\d+)|Node failure on ([\w.-]+)|"
+                        r"(?:node|host) ([\w.-]+) (?:is )?not responding|NODE_FAIL")
 _PREFLIGHT = re.compile(r"PreflightError|pre-flight: .*(?:did not join|could not reach|did not answer|lost rank 0)|"
                         r"preflight failed")
 _HOSTS_IN_PREFLIGHT = re.compile(r"expected on host\(s\) ([^;()\n]+)|rank 0's host (\S+)")
@@ -214,7 +217,7 @@ def _scan(src: LogSource) -> list[_Evidence]:
     out: list[_Evidence] = []
     tb = find_traceback(lines)
     for cls, pattern in ((PREFLIGHT, _PREFLIGHT), (GPU_OOM, _GPU_OOM), (HOST_OOM, _HOST_OOM),
-                         (CONTAINER_ERROR, _CONTAINER), (COMM_TIMEOUT, _COMM)):
+                         (CONTAINER_ERROR, _CONTAINER), (NODE_FAIL, _NODE_LOST), (COMM_TIMEOUT, _COMM)):
         hit = _first(pattern, lines)
         if hit is not None:
             out.append(_Evidence(cls, hit.strip(), src, tb[0] if tb else None, tb[1] if tb else [],
@@ -241,11 +244,11 @@ def _scan(src: LogSource) -> list[_Evidence]:
 
 # Root causes first: a failed pre-flight explains everything after it; OOMs explain the exception
 # they raise; a real exception on one rank explains its peers' "connection closed" errors.
-_PRIORITY = (PREFLIGHT, GPU_OOM, HOST_OOM, CONTAINER_ERROR, PYTHON_EXCEPTION, COMM_TIMEOUT)
+_PRIORITY = (PREFLIGHT, GPU_OOM, HOST_OOM, CONTAINER_ERROR, NODE_FAIL, PYTHON_EXCEPTION, COMM_TIMEOUT)
 
 
 def classify(state: str | None, sources: Iterable[LogSource], *, exit_code: str | None = None,
-             hang: bool = False, hang_message: str = "") -> Failure:
+             hang: bool = False, hang_message: str = "", hosts: list[str] | None = None) -> Failure:
     """One failure class for one attempt from its SLURM state, logs and heartbeat verdict.
 
     `state` is SLURM's (or the local executor's) final state; None/RUNNING/PENDING mean still going.
@@ -263,8 +266,17 @@ def classify(state: str | None, sources: Iterable[LogSource], *, exit_code: str 
             continue
         if external and cls == COMM_TIMEOUT:
             break  # survivors' complaints about a peer that was cancelled / lost / timed out
-        if state == "COMPLETED" and cls in (COMM_TIMEOUT, CONTAINER_ERROR):
+        if state == "COMPLETED" and cls in (COMM_TIMEOUT, CONTAINER_ERROR, NODE_FAIL):
             continue  # a warning the job survived
+        if cls == NODE_FAIL:
+            return _node_lost(by_cls[cls], srcs, hosts or [])
+        if cls == COMM_TIMEOUT:
+            dead = _silent_peer(srcs)
+            if dead:  # the peer the survivors lost logged nothing more: its node or process died
+                ev = _culprit(by_cls[cls])
+                return Failure(NODE_FAIL, f"rank {ev.src.rank} on {ev.src.host} lost its peer on {dead}, whose ranks "
+                               "stopped without an error (node or process died)", rank=ev.src.rank, host=dead,
+                               source=ev.src.name, exception=ev.exception, last_lines=ev.last_lines)
         return _failure(cls, _culprit(by_cls[cls]))
     if state == "OUT_OF_MEMORY" or ("killed" in by_cls and not external and _is_kill_exit(exit_code, state)):
         ev = by_cls.get("killed", [None])[0]
@@ -290,6 +302,30 @@ def classify(state: str | None, sources: Iterable[LogSource], *, exit_code: str 
             return _failure(COMM_TIMEOUT, _culprit(by_cls[COMM_TIMEOUT]))
         return Failure(UNKNOWN, f"SLURM state {state or '?'}, exit {exit_code or '?'}; no error found in the logs")
     return Failure(None)
+
+
+def _node_lost(evidence: list[_Evidence], srcs: list[LogSource], hosts: list[str]) -> Failure:
+    """srun saw a node of the step vanish: name it (srun gives a node index into the job's hosts)."""
+    ev = evidence[0]
+    m = _NODE_LOST.search(ev.line)
+    host = None
+    if m and m.group(1) is not None and hosts and int(m.group(1)) < len(hosts):
+        host = hosts[int(m.group(1))]
+    elif m and (m.group(2) or m.group(3)):
+        host = m.group(2) or m.group(3)
+    host = host or lost_host(srcs)
+    return Failure(NODE_FAIL, f"{_tidy(ev.line)}" + (f" ({host})" if host else ""), host=host, source=ev.src.name)
+
+
+def _silent_peer(srcs: list[LogSource]) -> str | None:
+    """A host named as the lost peer in the survivors' errors whose own logs just stop."""
+    hosts = {s.host for s in srcs if s.host}
+    named = _peer_hosts(srcs, hosts, resolve=True)
+    for host in named:
+        mine = [s for s in srcs if s.host == host and s.name.endswith(".log")]
+        if mine and not any(_ENDED.search(s.text) for s in mine):
+            return host
+    return None
 
 
 def _signal_stop(evidence: list[_Evidence], state: str) -> Failure:
@@ -343,8 +379,8 @@ def _tidy(msg: str, limit: int = 300) -> str:
     return msg if len(msg) <= limit else msg[: limit - 3] + "..."
 
 
-_PEER = re.compile(r"(?:closed by peer|reset by peer|from|to) \[?([0-9]{1,3}(?:\.[0-9]{1,3}){3}|[A-Za-z][\w.-]*)\]?:\d+")
-_ENDED = re.compile(r"\b(?:ERROR|Traceback|done$|finished at step|stopping for requeue)")
+_PEER = re.compile(r"(?:closed by peer|reset by peer|Read error|Write error|from|to) \[?([0-9]{1,3}(?:\.[0-9]{1,3}){3}|[A-Za-z][\w.-]*)\]?:\d+")
+_ENDED = re.compile(r"\b(?:ERROR|Traceback|done$|finished at step|stopping for requeue)", re.M)
 
 
 def lost_host(sources: list[LogSource], resolve: bool = True) -> str | None:
