@@ -90,6 +90,7 @@ def main() -> None:
                 for side, fn in (("raw", run_raw), ("hpc", run_hpctrain)):
                     sub_s, _, job = fn(args.n, tmp, False)
                     subprocess.run(["scancel", job], capture_output=True, check=False)
+                    _wait_gone(job, 120)  # let slurmctld clear it before the next measurement
                     subs[side].append(sub_s)
             raw = run_raw(args.n, tmp, args.wait) if args.wait else None
             if raw:
