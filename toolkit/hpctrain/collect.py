@@ -111,8 +111,8 @@ def _shape(inp: RunInput) -> Shape:
                  cpus_per_task=_int(res.get("cpus_per_task"), default=1))
 
 
-_RESOURCES = re.compile(r"^\[resources\]\s*$(.*?)(?=^\[|\Z)", re.M | re.S)
-_INT_KEY = re.compile(r"^(nodes|gpus_per_node|tasks_per_node|cpus_per_task)\s*=\s*(\d+)\s*(?:#.*)?$", re.M)
+_RESOURCES = re.compile(r"^\[resources\]\s*$(.*?)(?=^\[|\Z)", re.MULTILINE | re.DOTALL)
+_INT_KEY = re.compile(r"^(nodes|gpus_per_node|tasks_per_node|cpus_per_task)\s*=\s*(\d+)\s*(?:#.*)?$", re.MULTILINE)
 
 
 def _resources(path: Path, need_all: bool) -> dict[str, Any]:

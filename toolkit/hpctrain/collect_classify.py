@@ -279,8 +279,8 @@ def classify(state: str | None, sources: Iterable[LogSource], *, exit_code: str 
                                source=ev.src.name, exception=ev.exception, last_lines=ev.last_lines)
         return _failure(cls, _culprit(by_cls[cls]))
     if state == "OUT_OF_MEMORY" or ("killed" in by_cls and not external and _is_kill_exit(exit_code, state)):
-        ev = by_cls.get("killed", [None])[0]
-        return _failure(HOST_OOM, ev, default=f"SLURM state {state or '?'}, exit {exit_code or '?'}: "
+        killed = by_cls.get("killed")
+        return _failure(HOST_OOM, killed[0] if killed else None, default=f"SLURM state {state or '?'}, exit {exit_code or '?'}: "
                                                 "killed (host memory exhausted?)")
     if "signal_stop" in by_cls and state not in ("CANCELLED", "NODE_FAIL"):
         return _signal_stop(by_cls["signal_stop"], state)
@@ -380,7 +380,7 @@ def _tidy(msg: str, limit: int = 300) -> str:
 
 
 _PEER = re.compile(r"(?:closed by peer|reset by peer|Read error|Write error|from|to) \[?([0-9]{1,3}(?:\.[0-9]{1,3}){3}|[A-Za-z][\w.-]*)\]?:\d+")
-_ENDED = re.compile(r"\b(?:ERROR|Traceback|done$|finished at step|stopping for requeue)", re.M)
+_ENDED = re.compile(r"\b(?:ERROR|Traceback|done$|finished at step|stopping for requeue)", re.MULTILINE)
 
 
 def lost_host(sources: list[LogSource], resolve: bool = True) -> str | None:
