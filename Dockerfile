@@ -31,17 +31,23 @@ ARG DEEPSPEED_SPEC=deepspeed==0.19.8
 # (8.0 A100, 9.0 H100/H200). The CPU test image passes DS_ACCELERATOR=cpu.
 ARG DS_ACCELERATOR=cuda
 ARG TORCH_CUDA_ARCH_LIST="8.0 9.0"
-RUN bash /opt/hpctrain/install.sh compiler "${DS_BUILD_OPS_SET}"
+RUN bash /opt/hpctrain/install.sh compiler "${DS_BUILD_OPS_SET}" \
+ && DS_ACCELERATOR="${DS_ACCELERATOR}" TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}" \
+    bash /opt/hpctrain/install.sh deepspeed "${DS_BUILD_OPS_SET}" "${DEEPSPEED_SPEC}"
 COPY pyproject.toml README.md /src/hpctrain/
+RUN bash /opt/hpctrain/install.sh requirements /src/hpctrain/pyproject.toml
 COPY toolkit /src/hpctrain/toolkit
 COPY templates /src/hpctrain/templates
-RUN DS_ACCELERATOR="${DS_ACCELERATOR}" TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}" \
-    bash /opt/hpctrain/install.sh wheels "${DS_BUILD_OPS_SET}" "${DEEPSPEED_SPEC}" /src/hpctrain
+RUN bash /opt/hpctrain/install.sh hpctrain-wheel /src/hpctrain
 
 # ---- runtime: no compiler added; what every rank runs ----------------------------------------------------
 FROM base AS runtime
-COPY --from=build /wheelhouse /tmp/wheelhouse
-RUN bash /opt/hpctrain/install.sh hpctrain /tmp/wheelhouse \
+# Dependencies first (cached while pyproject.toml and DeepSpeed are unchanged), then hpctrain itself.
+COPY --from=build /wheelhouse/deps /tmp/wheelhouse/deps
+RUN bash /opt/hpctrain/install.sh deps /tmp/wheelhouse/deps \
+ && rm -rf /tmp/wheelhouse/deps
+COPY --from=build /wheelhouse/hpctrain /tmp/wheelhouse/hpctrain
+RUN bash /opt/hpctrain/install.sh hpctrain /tmp/wheelhouse/hpctrain \
  && rm -rf /tmp/wheelhouse
 COPY containers/entrypoint.sh /usr/local/bin/hpctrain-entrypoint
 # Compute nodes are often offline: models and data come from the shared filesystem.

@@ -1,13 +1,18 @@
 #!/bin/bash
 # install.sh — the Python side of the hpctrain image, one step per call (run by the Dockerfile's RUN lines).
 #
-#   install.sh python                 a python3 with venv (apt-get only when the base has none: Debian/Ubuntu)
-#   install.sh torch SPEC             /opt/venv (sees the base's site-packages), then torch: SPEC such as
-#                                     torch==2.13.0, or "base" to keep the base image's own torch (NGC)
-#   install.sh compiler OPS           g++ and Python headers, only when OPS (DeepSpeed ops to prebuild) is not empty
-#   install.sh wheels OPS DS_SPEC SRC build wheels into /wheelhouse: DeepSpeed (ops in OPS prebuilt, e.g.
-#                                     "CPU_ADAM FUSED_ADAM"; empty = pure-python, JIT on first use) and hpctrain
-#   install.sh hpctrain WHEELHOUSE    install both wheels and hpctrain's [node] extra, never touching torch
+#   install.sh python                   a python3 with venv (apt-get only when the base has none: Debian/Ubuntu)
+#   install.sh torch SPEC               /opt/venv (sees the base's site-packages), then torch: SPEC such as
+#                                       torch==2.13.0, or "base" to keep the base image's own torch (NGC)
+#   install.sh compiler OPS             g++ and Python headers, only when OPS (DeepSpeed ops to prebuild) is not empty
+#   install.sh deepspeed OPS SPEC       the DeepSpeed wheel into /wheelhouse/deps, with the ops in OPS prebuilt
+#                                       (e.g. "CPU_ADAM FUSED_ADAM"; empty = pure python, ops JIT on first use)
+#   install.sh requirements PYPROJECT   hpctrain's + its [node] extra's requirements -> /wheelhouse/deps/requirements.txt
+#   install.sh hpctrain-wheel SRC       the hpctrain wheel into /wheelhouse/hpctrain
+#   install.sh deps DIR                 install DIR's deepspeed wheel and requirements.txt, never touching torch
+#   install.sh hpctrain DIR             install DIR's hpctrain wheel (--no-deps) and check the imports
+#
+# The steps are split so that a change to hpctrain's sources rebuilds only the last, small layers.
 #
 # pip reads wheels from /wheels when that folder exists (a build-time mount of a local wheel folder, e.g.
 # `podman build -v /opt/wheels:/wheels:ro`); otherwise it uses the configured index.
@@ -62,8 +67,8 @@ step_compiler() {
   apt_install g++ python3-dev
 }
 
-step_wheels() {
-  local ops=${1:-} ds_spec=${2:?deepspeed spec} src=${3:?hpctrain source folder} op
+step_deepspeed() {
+  local ops=${1:-} ds_spec=${2:?deepspeed spec} op
   "${PIP[@]}" install ninja "setuptools>=68" wheel
   # DS_BUILD_OPS=0 then one DS_BUILD_<OP>=1 per requested op: only those are compiled into the wheel.
   local -a env=(DS_BUILD_OPS=0 "MAX_JOBS=$(nproc)")
@@ -71,31 +76,50 @@ step_wheels() {
     [[ $op =~ ^[A-Z0-9_]+$ ]] || die "DS_BUILD_OPS_SET entry '$op' is not an op name such as CPU_ADAM"
     env+=("DS_BUILD_$op=1")
   done
-  env "${env[@]}" PATH="$VENV/bin:$PATH" "${PIP[@]}" wheel --no-build-isolation --no-deps -w /wheelhouse "$ds_spec"
-  "${PIP[@]}" wheel --no-build-isolation --no-deps -w /wheelhouse "$src"
+  env "${env[@]}" PATH="$VENV/bin:$PATH" "${PIP[@]}" wheel --no-build-isolation --no-deps -w /wheelhouse/deps "$ds_spec"
 }
 
-step_hpctrain() {
-  local house=${1:?wheelhouse folder} hp ds
-  hp=$(compgen -G "$house/hpctrain-*.whl") || die "no hpctrain wheel in $house"
-  ds=$(compgen -G "$house/deepspeed-*.whl") || die "no deepspeed wheel in $house"
-  # torch is pinned to what is installed, so nothing below can replace it (a base image's CUDA build stays).
-  "$VENV/bin/python" -c 'import torch; print("torch==" + torch.__version__)' >/tmp/torch-pin.txt
-  "${PIP[@]}" install --no-deps "$hp"
-  # hpctrain's own requirements plus its [node] extra, except torch (already there; see above).
-  "$VENV/bin/python" - >/tmp/hpctrain-reqs.txt <<'PY'
-from importlib.metadata import requires
+step_requirements() {
+  local pyproject=${1:?pyproject.toml}
+  mkdir -p /wheelhouse/deps
+  # hpctrain's requirements plus its [node] extra, read from pyproject.toml alone (so this layer, and the
+  # runtime layer that installs them, stay cached while only hpctrain's sources change). Not torch (already
+  # installed) nor deepspeed (the wheel built above).
+  "$VENV/bin/python" - "$pyproject" >/wheelhouse/deps/requirements.txt <<'PY'
+import sys
 
-from pip._vendor.packaging.requirements import Requirement  # pip's own copy: no extra package needed
+from pip._vendor import tomli  # pip's own copies: nothing to install, any python version
+from pip._vendor.packaging.requirements import Requirement
 
-for text in requires("hpctrain") or []:
+with open(sys.argv[1], "rb") as f:
+    project = tomli.load(f)["project"]
+for text in project["dependencies"] + project["optional-dependencies"]["node"]:
     req = Requirement(text)
-    if req.name in ("torch", "deepspeed") or (req.marker and not req.marker.evaluate({"extra": "node"})):
+    if req.name in ("torch", "deepspeed") or (req.marker and not req.marker.evaluate()):
         continue
     print(str(req).split(";")[0])
 PY
-  "${PIP[@]}" install -c /tmp/torch-pin.txt "$ds" -r /tmp/hpctrain-reqs.txt
-  rm -f /tmp/torch-pin.txt /tmp/hpctrain-reqs.txt
+  cat /wheelhouse/deps/requirements.txt
+}
+
+step_hpctrain_wheel() {
+  local src=${1:?hpctrain source folder}
+  "${PIP[@]}" wheel --no-build-isolation --no-deps -w /wheelhouse/hpctrain "$src"
+}
+
+step_deps() {
+  local house=${1:?folder with the deepspeed wheel and requirements.txt} ds
+  ds=$(compgen -G "$house/deepspeed-*.whl") || die "no deepspeed wheel in $house"
+  # torch is pinned to what is installed, so nothing here can replace it (a base image's CUDA build stays).
+  "$VENV/bin/python" -c 'import torch; print("torch==" + torch.__version__)' >/tmp/torch-pin.txt
+  "${PIP[@]}" install -c /tmp/torch-pin.txt "$ds" -r "$house/requirements.txt"
+  rm -f /tmp/torch-pin.txt
+}
+
+step_hpctrain() {
+  local house=${1:?folder with the hpctrain wheel} hp
+  hp=$(compgen -G "$house/hpctrain-*.whl") || die "no hpctrain wheel in $house"
+  "${PIP[@]}" install --no-deps "$hp"
   "$VENV/bin/python" -c 'import hpctrain.node, deepspeed, transformers, submitit; print("install.sh: hpctrain", hpctrain.__version__, "deepspeed", deepspeed.__version__)'
 }
 
@@ -105,7 +129,10 @@ case $cmd in
 python) step_python ;;
 torch) step_torch "$@" ;;
 compiler) step_compiler "$@" ;;
-wheels) step_wheels "$@" ;;
+deepspeed) step_deepspeed "$@" ;;
+requirements) step_requirements "$@" ;;
+hpctrain-wheel) step_hpctrain_wheel "$@" ;;
+deps) step_deps "$@" ;;
 hpctrain) step_hpctrain "$@" ;;
-*) die "usage: install.sh python | torch SPEC | compiler OPS | wheels OPS DS_SPEC SRC | hpctrain WHEELHOUSE" ;;
+*) die "usage: install.sh python|torch SPEC|compiler OPS|deepspeed OPS SPEC|requirements PYPROJECT|hpctrain-wheel SRC|deps DIR|hpctrain DIR" ;;
 esac
