@@ -10,8 +10,9 @@
 # usage: slurm.sh install | up | down | wipe | status | kill-node N | restart-node N
 #
 #   install        apt-get the packages (skipped when every binary is already present)
-#   up [--keep]    start everything (idempotent; recovers a broken or half-started lab). --keep marks the
-#                  cluster as kept: a pytest session that (re)starts it then leaves it running at its end
+#   up [--keep|--no-keep]  start everything (idempotent; recovers a broken or half-started lab). --keep
+#                  marks the lab as shared ($LAB/keep, survives down; wipe or --no-keep clear it): a pytest
+#                  session that (re)starts the cluster then leaves it running at its end
 #   down           stop the daemons this script started, kill job processes left in the node namespaces,
 #                  remove namespaces, bridge and the /etc/hosts block. Keeps DB + state (job ids continue).
 #   wipe           down, then delete state, DB, logs and configs
@@ -57,7 +58,7 @@ die() {
   exit 1
 }
 usage() {
-  echo "usage: $0 install|up [--keep]|down|wipe|status|kill-node N|restart-node N" >&2
+  echo "usage: $0 install|up [--keep|--no-keep]|down|wipe|status|kill-node N|restart-node N" >&2
   exit 2
 }
 
@@ -420,7 +421,7 @@ up_failed() {
 }
 cmd_up() {
   local t0=$SECONDS
-  case "${1:-}" in '' | --keep) ;; *) usage ;; esac
+  case "${1:-}" in '' | --keep | --no-keep) ;; *) usage ;; esac
   need_root
   need_bins
   need_netns
@@ -444,7 +445,7 @@ cmd_up() {
   for i in $(seq "$NNODES"); do start_node "$i"; done
   wait_nodes "$UP_TIMEOUT" || die "not all $NNODES nodes became idle within ${UP_TIMEOUT}s: $(node_states | tr '\n' ' ')"
   trap - EXIT
-  if [ "${1:-}" = --keep ]; then touch "$KEEP_FLAG"; fi
+  case "${1:-}" in --keep) touch "$KEEP_FLAG" ;; --no-keep) rm -f "$KEEP_FLAG" ;; esac
   if [ ${#STARTED[@]} = 0 ]; then
     say "cluster already up ($NNODES nodes, LAB=$LAB)"
   else
@@ -467,12 +468,11 @@ cmd_down() {
   mkdir -p "$(dirname "$LOCK")"
   lock
   down_all
-  rm -f "$KEEP_FLAG"
   say "cluster down (state and DB kept under $LAB)"
 }
 cmd_wipe() {
   cmd_down
-  rm -rf "$ST" "$DB" "$LOG" "$RUN" "$ETC"
+  rm -rf "$ST" "$DB" "$LOG" "$RUN" "$ETC" "$KEEP_FLAG"
   local f
   for f in "${CONF_FILES[@]}"; do
     if [ "$(readlink "/etc/slurm/$f" 2>/dev/null)" = "$ETC/$f" ]; then rm -f "/etc/slurm/$f"; fi
