@@ -83,16 +83,18 @@ cmd_base() {
   fi
   [ "$(id -u)" = 0 ] || die "debootstrap needs root"
   root=$(mktemp -d /var/tmp/hpctrain-rootfs.XXXXXX)
-  trap 'rm -rf "$root"' RETURN
   say "debootstrap bookworm → $root"
   # ca-certificates: pip's TLS; the libraries are what Debian's python3 links to.
-  /usr/sbin/debootstrap --variant=minbase --include=ca-certificates,libssl3,libsqlite3-0 bookworm "$root" \
-    "${DEBIAN_MIRROR:-http://deb.debian.org/debian}" >/tmp/hpctrain-debootstrap.log 2>&1 ||
+  if ! /usr/sbin/debootstrap --variant=minbase --include=ca-certificates,libssl3,libsqlite3-0 bookworm "$root" \
+    "${DEBIAN_MIRROR:-http://deb.debian.org/debian}" >/tmp/hpctrain-debootstrap.log 2>&1; then
+    rm -rf "$root"
     die "debootstrap failed; log: /tmp/hpctrain-debootstrap.log"
+  fi
   chroot "$root" apt-get clean
   rm -rf "$root"/var/lib/apt/lists/*
   printf '127.0.0.1 localhost\n' >"$root/etc/hosts" # debootstrap leaves none
   tar -C "$root" -c . | "$eng" import - "$BASE_TAG" >/dev/null
+  rm -rf "$root"
   say "$BASE_TAG imported"
 }
 
