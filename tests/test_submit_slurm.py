@@ -341,3 +341,20 @@ def test_controller_and_dbd_down(cluster: Any, env: dict[str, Path], tmp_path: P
     cancelled = _hpctrain("cancel", sub.run_id, timeout=120)
     assert cancelled.returncode == 1 and "slurmctld" in cancelled.stderr, cancelled.stderr
     assert Registry().get_run(sub.run_id).state != "CANCELLED"
+
+
+def test_failed_job_shows_failed_with_exit_code(cluster: Any, env: dict[str, Path]) -> None:
+    """A run whose spec.toml the ranks cannot read fails on every rank: status says FAILED, exit code kept."""
+    from hpctrain import dispatch, runs
+
+    sp, pl = _spec_plan(**{"resources.nodes": 2, "resources.tasks_per_node": 1})
+    run_dir = runs.create_run_folder_atomically(env["runs"], runs.new_run_id("broken"),
+                                                {"spec.toml": "this is = = not toml\n", "plan.json": pl.to_json()})
+    (sub,) = dispatch.submit([run_dir], sp, pl, "slurm", mode="preflight")
+    rec = _wait_final(sub.run_id)
+    assert rec["state"] == "FAILED", rec
+    code = rec["attempts"][0]["exit_code"]
+    assert code and code != "0:0", rec  # srun reports the step's code (1 or the rank's), never success
+    if _cli_has("status"):
+        out = _hpctrain("status", sub.run_id)
+        assert out.returncode == 0 and "FAILED" in out.stdout and code in out.stdout
