@@ -240,6 +240,20 @@ def scancel(job_ids: Iterable[str]) -> None:
         _run(["scancel", *ids])
 
 
+def node_states(nodelist: str) -> dict[str, str]:
+    """State of each node of a hostlist as sinfo reports it ("idle", "down*", "drained", "mixed"...).
+
+    Used by the supervisor (hpctrain.supervise) to name the dead node of a NODE_FAIL.
+    """
+    out = _run(["sinfo", "-h", "-N", "-n", nodelist, "-o", "%N|%T"]).stdout
+    states: dict[str, str] = {}
+    for line in out.splitlines():
+        name, _, state = line.strip().partition("|")
+        if name and state:
+            states[name] = state
+    return states
+
+
 def partitions() -> list[str]:
     """Partition names as sinfo lists them (default partition without its '*')."""
     out = _run(["sinfo", "-h", "-o", "%P"]).stdout

@@ -84,6 +84,28 @@ def submit(run_dirs: Sequence[Path], spec: Spec, plan: Plan, executor: str = "au
     return subs
 
 
+def submit_attempt(run_dir: Path, spec: Spec, plan: Plan, attempt: int, mode: str = "train",
+                   record: dict[str, Any] | None = None) -> Submitted:
+    """A new attempt of an existing run (`hpctrain resubmit`, the supervisor): same run folder, a new
+    SLURM job, recorded as attempt `attempt` in attempts.jsonl (with `record`'s extra keys) and in the
+    registry. A run this registry does not know (another state dir) is still submitted and recorded
+    in its folder."""
+    from hpctrain.registry import Attempt, Registry
+
+    d = Path(run_dir).absolute()
+    sub = _submit_slurm([d], spec, plan, mode)[0]
+    now = time.time()
+    runs_mod.append_attempt(runs_mod.RunFolder(d).attempts_jsonl,
+                            {**(record or {}), "attempt": attempt, "job_id": sub.job_id, "state": "PENDING",
+                             "submitted": now, "executor": "slurm", "mode": mode})
+    try:
+        Registry().add_attempt(Attempt(run_id=d.name, attempt=attempt, job_id=sub.job_id, state="PENDING",
+                                       submitted=now))
+    except Exception:  # noqa: BLE001,S110 - the job IS queued; attempts.jsonl holds the record
+        pass
+    return sub
+
+
 # -- recording ----------------------------------------------------------------------------------
 def secret_names(spec: Spec) -> tuple[str, ...]:
     names = getattr(spec, "secret_env", ()) or ()
