@@ -339,6 +339,8 @@ def test_check_submit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     containers.check_submit(_spec("apptainer", image="docker://x/y:1"))
     containers.check_submit(_spec("pyxis"))
     containers.check_submit(_spec("podman"), which=lambda _: None)  # no podman here: the node checks
+    with pytest.raises(HpcUsageError, match="local executor runs the ranks on this machine without a container"):
+        containers.check_submit(_spec("pyxis"), executor="local")
     monkeypatch.setenv("HPCTRAIN_SKIP_IMAGE_CHECK", "1")
     containers.check_submit(_spec("charliecloud", image=str(tmp_path / "nope")))
 

@@ -186,8 +186,10 @@ def prelaunch_lines(spec: Spec, binds: Sequence[tuple[str, str]]) -> list[str]:
     return lines
 
 
-def check_submit(spec: Spec, which: Callable[[str], str | None] = shutil.which) -> None:
-    """What can be checked before submitting: the runtime is known, and a path-like image exists.
+def check_submit(spec: Spec, executor: str | None = None,
+                 which: Callable[[str], str | None] = shutil.which) -> None:
+    """What can be checked before submitting: the runtime is known, the executor runs containers, and a
+    path-like image exists. `executor` is the resolved one ("slurm"/"local"; default spec.launch.executor).
 
     The runtime binary lives on the compute nodes, which the submitting machine may not match, so its
     absence is checked there (prelaunch_lines). Set HPCTRAIN_SKIP_IMAGE_CHECK=1 to skip the image checks
@@ -195,7 +197,12 @@ def check_submit(spec: Spec, which: Callable[[str], str | None] = shutil.which) 
     c = spec.container
     if c.runtime not in RUNTIMES:
         raise unknown_runtime(c.runtime)
-    if c.runtime == "none" or os.environ.get("HPCTRAIN_SKIP_IMAGE_CHECK") == "1":
+    if c.runtime == "none":
+        return
+    if (executor or spec.launch.executor) == "local":  # it runs NodeJob in-process: the image would be ignored
+        raise bad_value("--container", f"{c.runtime}:{c.image}", "the local executor runs the ranks on this "
+                        "machine without a container", "use --executor slurm, or drop --container")
+    if os.environ.get("HPCTRAIN_SKIP_IMAGE_CHECK") == "1":
         return
     skip = " (or set HPCTRAIN_SKIP_IMAGE_CHECK=1 if it exists only on the compute nodes)"
     if c.runtime == "charliecloud" and not Path(c.image, "bin").is_dir():
