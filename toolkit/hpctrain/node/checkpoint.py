@@ -120,8 +120,9 @@ def needs_universal(meta: dict[str, Any], dp: int, pp: int, tp: int) -> bool:
 
 # ------------------------------------------------------------------------------------------- saving
 def save(engine: Any, ckpt_dir: Path, step: int, client_state: dict[str, Any], meta: dict[str, Any],
-         keep: int) -> float:
-    """Collective: every rank calls it. Returns the seconds it took."""
+         keep: int, midway: Any = None) -> float:
+    """Collective: every rank calls it. Returns the seconds it took. `midway()` (fault-injection tests)
+    runs once the shards are written and before the checkpoint counts as complete."""
     import torch.distributed as dist
 
     t0 = time.time()
@@ -133,6 +134,8 @@ def save(engine: Any, ckpt_dir: Path, step: int, client_state: dict[str, Any], m
     dist.barrier()
     engine.save_checkpoint(str(ckpt_dir), tag=tmp_tag, client_state=client_state, save_latest=False)
     _save_rng(ckpt_dir / tmp_tag / f"rng-rank-{rank}.pt")
+    if midway is not None:
+        midway()
     dist.barrier()  # every rank's shards are on disk before the folder counts as complete
     if rank == 0:
         _finish(ckpt_dir, tmp_tag, step, meta)

@@ -20,3 +20,11 @@ class NodeJob:
         from hpctrain.node.main import run  # heavy imports happen on the node only
 
         return run(self.run_dir, self.mode)
+
+    def checkpoint(self, *args: object, **kwargs: object) -> object:
+        """submitit calls this on SLURM's pre-timeout USR2 (after the ranks saved their checkpoint): the same
+        call again, so submitit requeues the job instead of refusing a timed-out non-checkpointable one.
+        The requeued ranks resume from the latest complete checkpoint by themselves."""
+        from submitit.helpers import DelayedSubmission
+
+        return DelayedSubmission(NodeJob(self.run_dir, self.mode))

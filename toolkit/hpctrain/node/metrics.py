@@ -15,12 +15,10 @@ log = logging.getLogger("hpctrain.node")
 
 
 def attempt_number(env: dict[str, str] | None = None) -> int:
-    """K in logs/attempt-K.rank-R.log: HPCTRAIN_ATTEMPT (set by dispatch), else SLURM's restart count."""
+    """K in logs/attempt-K.rank-R.log: HPCTRAIN_ATTEMPT (the attempt a resubmission starts at, set by
+    hpctrain.supervise) plus SLURM's restart count (each requeue of that job is one more)."""
     env = dict(os.environ) if env is None else env
-    for key in ("HPCTRAIN_ATTEMPT", "SLURM_RESTART_COUNT"):
-        if env.get(key, "").isdigit():
-            return int(env[key])
-    return 0
+    return sum(int(env[k]) for k in ("HPCTRAIN_ATTEMPT", "SLURM_RESTART_COUNT") if env.get(k, "").isdigit())
 
 
 def setup_logging(logs_dir: Path, rank: int, attempt: int) -> Path:

@@ -263,6 +263,7 @@ class LoopState:
     tokens_seen: float
     last_ckpt_time: float
     last_saved: int = -1
+    beat: Any = None  # hpctrain.supervise.RankBeat
 
 
 def run_training(p: Prepared, stop: StopFlag) -> tuple[Any, LoopState]:
@@ -270,12 +271,17 @@ def run_training(p: Prepared, stop: StopFlag) -> tuple[Any, LoopState]:
     import torch
     import torch.distributed as dist
 
+    from hpctrain import supervise
     from hpctrain.node.model import flops_per_token
 
+    # Per-rank beats for the hang watchdog (hpctrain.supervise): they name the rank that stops advancing.
+    hang_s = float(getattr(p.spec.launch, "hang_timeout_s", 300) or 300)
+    beat = supervise.RankBeat(p.paths.metrics, p.d.rank, interval_s=min(10.0, max(1.0, hang_s / 5))).start()
     engine, n_params = build_engine(p)
     metrics = MetricsWriter(p.paths.metrics, p.d.rank)
     step0, cursor0, tokens_seen = resume(p, engine)
-    st = LoopState(step0, cursor0, step0, tokens_seen, time.time())
+    st = LoopState(step0, cursor0, step0, tokens_seen, time.time(), beat=beat)
+    beat.set(step0, "compute")
     t = p.spec.train
     pipe = p.spec.parallel.pp > 1
     dp_rank = engine.grid.get_data_parallel_rank() if pipe else p.d.rank
@@ -291,7 +297,10 @@ def run_training(p: Prepared, stop: StopFlag) -> tuple[Any, LoopState]:
         lr = float(engine.get_lr()[0])
         batches = [p.source.batch(st.cursor0 + ((st.step - st.step0) * p.gas + m) * p.dp + dp_rank)
                    for m in range(p.gas)]
+        beat.set(st.step + 1, "compute")
         loss_sum = _train_step(engine, batches, pipe)
+        supervise.inject("step", st.step + 1, st.step0, p.d.rank, log)  # test hook: HPCTRAIN_FAULT_INJECT
+        beat.set(st.step + 1, "reduce")
         tokens = sum(b.tokens for b in batches) if first_stage else 0
         slots = sum(b.slots for b in batches) if first_stage else 0
         ckpt_due = p.d.rank == 0 and p.spec.checkpoint.every_minutes > 0 and \
@@ -320,6 +329,7 @@ def run_training(p: Prepared, stop: StopFlag) -> tuple[Any, LoopState]:
             raise StopRequested(f"stopped on signal at step {st.step}")
         _fail_hook(st.step, st.step0)
     metrics.heartbeat(st.step, "finished")
+    beat.stop("done")
     return engine, st
 
 
@@ -358,7 +368,15 @@ def save_now(p: Prepared, engine: Any, st: LoopState) -> float:
               "world_size": p.d.world_size}
     meta = {"world_size": p.d.world_size, "dp": p.dp, "pp": p.spec.parallel.pp, "tp": p.spec.parallel.tp,
             "zero": p.zero, "precision": p.spec.train.precision, "cursor": cursor}
-    secs = ckpt.save(engine, p.paths.checkpoints, st.step, client, meta, p.spec.checkpoint.keep)
+    if st.beat is not None:
+        st.beat.set(st.step, "checkpoint")
+    from hpctrain import supervise
+
+    # Test hook: HPCTRAIN_FAULT_INJECT="ckpt-crash:step=N" kills every rank with the checkpoint half written.
+    midway = lambda: supervise.inject("checkpoint", st.step, st.step0, p.d.rank, log)
+    secs = ckpt.save(engine, p.paths.checkpoints, st.step, client, meta, p.spec.checkpoint.keep, midway=midway)
+    if st.beat is not None:
+        st.beat.set(st.step, "reduce")
     st.last_saved, st.last_ckpt_time = st.step, time.time()
     log.info("checkpoint step-%d written in %.2f s", st.step, secs)
     return secs
