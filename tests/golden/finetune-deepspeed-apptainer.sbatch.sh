@@ -48,5 +48,12 @@ hpctrain_container_error() {
 command -v apptainer >/dev/null || hpctrain_container_error "apptainer is not on PATH" "install apptainer on the nodes or load its module (launch.modules in the site profile)"
 [ -e /images/train.sif ] || hpctrain_container_error "image $(printf %q /images/train.sif) does not exist" "build the SIF (containers/README.md) on the shared filesystem"
 
+# Hang watchdog (hpctrain.supervise), outside the ranks so a hung Python cannot stop it: when no rank
+# advances for 300 s it names the silent ranks in metrics/watchdog.jsonl and cancels the job;
+# the supervisor job then retries the run from its latest complete checkpoint.
+/opt/venv/bin/python -m hpctrain.supervise watch "$HPCTRAIN_RUN_DIR" --timeout 300 --world 1 &
+HPCTRAIN_WATCHDOG_PID=$!
+trap 'kill "$HPCTRAIN_WATCHDOG_PID" 2>/dev/null || true' EXIT
+
 # Launch: one task per node; the node entry starts DeepSpeed's runner with the hostfile.
 srun --unbuffered --kill-on-bad-exit=1 --output /runs/r1/submitit/%j_%t_log.out --error /runs/r1/submitit/%j_%t_log.err --ntasks-per-node=1 apptainer exec --nv --bind /runs/r1:/runs/r1 --bind /shared/data/sft.jsonl:/shared/data/sft.jsonl --bind /scratch:/scratch --pwd /runs/r1 /images/train.sif sh -c "$HPCTRAIN_GUARD" python3 -u -m hpctrain.node "$HPCTRAIN_RUN_DIR" --launcher deepspeed --mode train

@@ -57,5 +57,12 @@ hpctrain_container_error() {
 }
 case "$(srun --help 2>&1)" in *--container-image*) ;; *) hpctrain_container_error "srun has no --container-image (the pyxis plugin is not loaded)" "ask the admins for pyxis/enroot, or use --container apptainer:IMAGE" ;; esac
 
+# Hang watchdog (hpctrain.supervise), outside the ranks so a hung Python cannot stop it: when no rank
+# advances for 300 s it names the silent ranks in metrics/watchdog.jsonl and cancels the job;
+# the supervisor job then retries the run from its latest complete checkpoint.
+/opt/venv/bin/python -m hpctrain.supervise watch "$HPCTRAIN_RUN_DIR" --timeout 300 --world 32 &
+HPCTRAIN_WATCHDOG_PID=$!
+trap 'kill "$HPCTRAIN_WATCHDOG_PID" 2>/dev/null || true' EXIT
+
 # Launch: srun starts 8 task(s) per node, one per rank, each running submitit's job.
 srun --unbuffered --kill-on-bad-exit=1 --output /runs/r1/submitit/%j_%t_log.out --error /runs/r1/submitit/%j_%t_log.err '--container-image=nvcr.io#nvidia/pytorch:24.05-py3' --container-mounts=/runs/r1:/runs/r1,/shared/data/pretrain:/shared/data/pretrain --container-workdir=/runs/r1 --container-env=NCCL_DEBUG,NCCL_SOCKET_IFNAME sh -c "$HPCTRAIN_GUARD" python3 -u -m submitit.core._submit /runs/r1/submitit

@@ -49,5 +49,12 @@ export USER="${USER:-$(id -un)}"  # ch-run refuses to start without $USER
 [ -d /var/tmp/train.img/bin ] || hpctrain_container_error "$(printf %q /var/tmp/train.img) is not a directory image" "convert one with containers/build.sh charliecloud TAG DIR (or ch-convert)"
 for d in /runs/r1 /local/nvme; do [ -e /var/tmp/train.img"$d" ] || mkdir -p /var/tmp/train.img"$d" || hpctrain_container_error "bind target $d is missing in the image and cannot be created" "create it in the image folder, or make the image writable"; done
 
+# Hang watchdog (hpctrain.supervise), outside the ranks so a hung Python cannot stop it: when no rank
+# advances for 300 s it names the silent ranks in metrics/watchdog.jsonl and cancels the job;
+# the supervisor job then retries the run from its latest complete checkpoint.
+/opt/venv/bin/python -m hpctrain.supervise watch "$HPCTRAIN_RUN_DIR" --timeout 300 --world 2 &
+HPCTRAIN_WATCHDOG_PID=$!
+trap 'kill "$HPCTRAIN_WATCHDOG_PID" 2>/dev/null || true' EXIT
+
 # Launch: srun starts 2 task(s) per node, one per rank, each running submitit's job.
 srun --unbuffered --kill-on-bad-exit=1 --output /runs/r1/submitit/%j_%t_log.out --error /runs/r1/submitit/%j_%t_log.err ch-run --set-env -b /runs/r1:/runs/r1 -b /local/nvme:/local/nvme -c /runs/r1 /var/tmp/train.img -- sh -c "$HPCTRAIN_GUARD" python3 -u -m submitit.core._submit /runs/r1/submitit

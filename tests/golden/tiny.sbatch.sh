@@ -38,5 +38,12 @@ if [ ! -s "$HPCTRAIN_RUN_DIR/hostfile.tmp" ]; then
 fi
 mv -f "$HPCTRAIN_RUN_DIR/hostfile.tmp" "$HPCTRAIN_RUN_DIR/hostfile"
 
+# Hang watchdog (hpctrain.supervise), outside the ranks so a hung Python cannot stop it: when no rank
+# advances for 300 s it names the silent ranks in metrics/watchdog.jsonl and cancels the job;
+# the supervisor job then retries the run from its latest complete checkpoint.
+/opt/venv/bin/python -m hpctrain.supervise watch "$HPCTRAIN_RUN_DIR" --timeout 300 --world 2 &
+HPCTRAIN_WATCHDOG_PID=$!
+trap 'kill "$HPCTRAIN_WATCHDOG_PID" 2>/dev/null || true' EXIT
+
 # Launch: srun starts 2 task(s) per node, one per rank, each running submitit's job.
 srun --unbuffered --kill-on-bad-exit=1 --output /runs/r1/submitit/%j_%t_log.out --error /runs/r1/submitit/%j_%t_log.err /opt/venv/bin/python -u -m submitit.core._submit /runs/r1/submitit

@@ -245,7 +245,18 @@ def render_sbatch(spec: Spec, plan: Plan, run_dir: Path, command: str, *, array:
         slots=plan.ranks_per_node, launch_line=launch_line, launcher_note=note,
         runtime=spec.container.runtime,
         container_check=containers.prelaunch_lines(spec, container_binds(spec, dirs)),
+        watchdog=_watchdog_line(spec, plan, command, python), hang_timeout=spec.launch.hang_timeout_s,
     )
+
+
+def _watchdog_line(spec: Spec, plan: Plan, command: str, python: str | None) -> str:
+    """The hang watchdog the batch script runs in the background (hpctrain.supervise; stdlib only, on the
+    host, with the submitting python). Empty when launch.hang_timeout_s is 0."""
+    if not spec.launch.hang_timeout_s or not (python or command.strip()):
+        return ""
+    py = shlex.quote(shlex.split(command)[0]) if command.strip() else str(python)
+    return (f'{py} -m hpctrain.supervise watch "$HPCTRAIN_RUN_DIR" --timeout {spec.launch.hang_timeout_s} '
+            f"--world {plan.world_size}")
 
 
 # --------------------------------------------------------------------------------------------------

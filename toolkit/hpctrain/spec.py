@@ -62,6 +62,7 @@ class Launch:
     executor: ExecutorName = "auto"  # auto = slurm if `sbatch` is on PATH, else local
     launcher: Launcher = "srun"  # srun: one task per rank; deepspeed: its runner with our hostfile
     retries: int = 3  # automatic resubmissions (capped in resubmit policy)
+    hang_timeout_s: int = 300  # hang watchdog: no rank advances this long -> cancel + retry (0 = off)
     preflight_timeout_s: int = 60  # rendezvous + all-reduce must finish within this
     modules: tuple[str, ...] = ()  # `module load` lines (site profiles set these)
     template_dir: str = ""  # folder whose *.j2 override the shipped templates ("" = config dir's templates/)

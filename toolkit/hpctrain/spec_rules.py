@@ -185,6 +185,8 @@ def _rules_resources(r: Resources) -> None:
 
 def _rules_launch(x: Launch) -> None:
     need(x.retries >= 0, "launch.retries", x.retries, "cannot be negative", "set [launch] retries = 3")
+    need(x.hang_timeout_s == 0 or x.hang_timeout_s >= 10, "launch.hang_timeout_s", x.hang_timeout_s,
+         "must be 0 (watchdog off) or at least 10 seconds", "set [launch] hang_timeout_s = 300")
     need(x.preflight_timeout_s >= 1, "launch.preflight_timeout_s", x.preflight_timeout_s,
           "must be at least 1 second", "set [launch] preflight_timeout_s = 60")
     for m in x.modules:
