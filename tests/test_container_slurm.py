@@ -156,6 +156,20 @@ def test_charliecloud_two_node_zero3_trains_and_checkpoints(image: str, tmp_path
     assert all(info["root"] == (image_root.st_dev, image_root.st_ino) for info in ranks.values())
 
 
+def test_image_check_runs_the_image_like_a_rank(image: str) -> None:
+    """`hpctrain image check` starts the image through the same wrapping and guard as a rank."""
+    for target in (f"podman:{image}", f"charliecloud:{CH_IMAGE}"):
+        res = subprocess.run([str(HPCTRAIN), "image", "check", target], capture_output=True, text=True, timeout=120,
+                             check=False)
+        assert res.returncode == 0 and "hpctrain 0." in res.stdout and "/opt/venv/bin/python3" in res.stdout, \
+            res.stdout + res.stderr
+    # The Debian base has no python, let alone hpctrain: the in-image guard names the runtime and the fix.
+    res = subprocess.run([str(HPCTRAIN), "image", "check", "podman:localhost/bookworm-min"], capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert res.returncode == 1 and "exit 97" in res.stderr, res.stderr
+    assert "hpctrain: podman container check failed" in res.stderr and "hpctrain image build" in res.stderr
+
+
 def test_missing_podman_image_fails_before_any_rank(image: str, tmp_path: Path) -> None:
     """An image absent on the node: the batch script stops before srun, naming the runtime and the fix."""
     env = {**os.environ, "HPCTRAIN_RUNS_DIR": str(tmp_path / "runs"), "HPCTRAIN_STATE_DIR": str(tmp_path / "state"),

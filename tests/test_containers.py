@@ -457,3 +457,20 @@ def test_image_cli_dry_run(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     res = CliRunner().invoke(cli, ["image", "build", "--context", str(tmp_path)])
     assert res.exit_code == 2 and "no Dockerfile" in res.output and "--context" in res.output
+
+
+def test_image_check_print_only(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from hpctrain.cli import cli
+
+    (tmp_path / "ch" / "bin").mkdir(parents=True)
+    runner = CliRunner()
+    res = runner.invoke(cli, ["image", "check", f"charliecloud:{tmp_path / 'ch'}", "--print-only"])
+    assert res.exit_code == 0, res.output
+    line = shlex.split(res.output)[-1]
+    assert f"ch-run --set-env -c / {tmp_path / 'ch'} -- sh -c" in line and 'export USER="${USER:-$(id -un)}"' in line
+    res = runner.invoke(cli, ["image", "check", "pyxis:reg#org/img:1", "--print-only", "--gpu"])
+    assert res.exit_code == 0 and "srun --nodes=1 --ntasks=1 '--container-image=reg#org/img:1'" in shlex.split(res.output)[-1]
+    res = runner.invoke(cli, ["image", "check", "docker:img"])
+    assert res.exit_code == 2 and "runtimes: apptainer, pyxis, podman, charliecloud" in res.output

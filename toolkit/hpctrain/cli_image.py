@@ -21,6 +21,45 @@ def register(group: click.Group) -> None:
     group.add_command(image)
 
 
+@click.command("check", short_help="Start an image the way a rank would; print what it holds.")
+@click.argument("container", metavar="RUNTIME:IMAGE")
+@click.option("--gpu", is_flag=True, help="Add the runtime's GPU flags (--nv, CDI devices), as for a GPU job.")
+@click.option("--print-only", is_flag=True, help="Print the command instead of running it.")
+def check(container: str, gpu: bool, print_only: bool) -> None:
+    """Run the image's python through the runtime (same wrapping and in-image guard as the rendered
+    launch line) and print the hpctrain, DeepSpeed and torch versions inside. pyxis needs srun: the probe
+    then runs as a one-task job step.
+
+    \b
+    hpctrain image check podman:localhost/hpctrain:cpu
+    hpctrain image check charliecloud:/shared/images/hpctrain
+    """
+    from hpctrain import containers
+    from hpctrain.errors import bad_value
+    from hpctrain.spec import Container, Launch, Resources, Spec
+
+    runtime, _, name = container.partition(":")
+    if runtime not in containers.RUNTIMES[1:] or not name:
+        raise bad_value("RUNTIME:IMAGE", container, "not a runtime and an image",
+                        "write e.g. podman:localhost/hpctrain:cpu (runtimes: " + ", ".join(containers.RUNTIMES[1:]) + ")")
+    spec = Spec(container=Container(runtime=runtime, image=name),  # type: ignore[arg-type]
+                resources=Resources(gpus_per_node=1 if gpu else 0), launch=Launch(executor="slurm"))
+    containers.check_submit(spec, executor="slurm")
+    line = containers.probe_line(spec)
+    if runtime == "charliecloud":
+        line = 'export USER="${USER:-$(id -un)}"; ' + line
+    if print_only:
+        click.echo(f"HPCTRAIN_GUARD={shlex.quote(containers.guard(spec))} bash -c {shlex.quote(line)}")
+        return
+    env = {**os.environ, "HPCTRAIN_GUARD": containers.guard(spec)}
+    proc = subprocess.run(["bash", "-c", line], env=env, check=False, capture_output=True, text=True)
+    out = [ln for ln in proc.stdout.splitlines() if ln.startswith("hpctrain ")]
+    if proc.returncode != 0 or not out:
+        raise click.ClickException(f"{runtime} image {name} failed the check (exit {proc.returncode}):\n"
+                                   + (proc.stderr.strip() or proc.stdout.strip())[-2000:])
+    click.echo(f"{runtime}:{name}: {out[-1]}")
+
+
 def _context(given: str | None) -> Path:
     """The build context: --context, else the source checkout this package runs from, else the cwd."""
     candidates = [Path(given)] if given else [Path(__file__).resolve().parents[2], Path.cwd()]
@@ -35,6 +74,9 @@ def _context(given: str | None) -> Path:
 @click.group("image", short_help="Build the node container image.")
 def image() -> None:
     """Build and convert the container image every rank runs in (see containers/README.md)."""
+
+
+image.add_command(check)
 
 
 @image.command("build", short_help="Build the image with docker or podman; convert it if asked.")

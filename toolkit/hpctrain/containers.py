@@ -219,3 +219,24 @@ def check_submit(spec: Spec, executor: str | None = None,
         if proc.returncode == 1:
             raise bad_value("container.image", c.image, "podman has no such image on this machine",
                             "build it with `hpctrain image build` (or podman pull/load it on every node)" + skip)
+
+
+PROBE = ("import sys, hpctrain, deepspeed, torch; "
+         "print(f'hpctrain {hpctrain.__version__}, deepspeed {deepspeed.__version__}, torch {torch.__version__}, "
+         "{sys.executable}')")
+
+
+def probe_line(spec: Spec) -> str:
+    """A bash line that starts the image the way a rank would (same wrapping, same guard; no binds) and
+    prints what it holds. Needs $HPCTRAIN_GUARD set to `guard(spec)` in its environment."""
+    flags, prefix = wrap(spec, [], "/")
+    cmd = " ".join(["sh", "-c", '"$HPCTRAIN_GUARD"', shlex.quote(container_python(spec)), "-c", shlex.quote(PROBE)])
+    if spec.container.runtime == "pyxis":
+        return " ".join(["srun", "--nodes=1", "--ntasks=1", *flags, cmd])
+    return " ".join([*prefix, cmd])
+
+
+def guard(spec: Spec) -> str:
+    """The in-container check that every rank runs (see _guard)."""
+    return _guard(spec)
+
