@@ -56,6 +56,7 @@ _SIMPLE_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--launcher", "launch.launcher", click.Choice(["srun", "deepspeed"]), "How ranks start."),
     ("--executor", "launch.executor", click.Choice(["slurm", "local", "auto"]), "Where the job runs."),
     ("--steps", "train.steps", int, "Optimizer steps."),
+    ("--retries", "launch.retries", int, "Automatic resubmissions after a failure (0 = off; capped at 10)."),
     ("--data", "data.source", str, "Data: 'synthetic', a .jsonl/.txt file or a folder."),
 ]
 
@@ -265,6 +266,9 @@ def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry
         from hpctrain import dispatch
 
         subs = dispatch.submit(run_dirs, spec, plan, spec.launch.executor, mode=mode)
+        from hpctrain.supervise import arm_submitted  # FAULT: the supervisor job (automatic retries)
+
+        arm_submitted(subs, spec, mode)
     except click.ClickException:  # refused or SLURM unreachable: nothing was submitted, leave nothing
         for d in run_dirs:
             runs.remove_run_folder(d)
@@ -344,3 +348,7 @@ if cli_runs is not None:
 from hpctrain import cli_image  # CONTAINERS: `hpctrain image build` (click-only module)
 
 cli_image.register(cli)
+
+from hpctrain import cli_fault  # FAULT: `hpctrain resubmit`, `hpctrain supervise` (click-only module)
+
+cli_fault.register(cli)

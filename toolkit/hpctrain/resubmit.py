@@ -140,7 +140,7 @@ def decide(history: Sequence[AttemptRecord], policy: Policy, fit: Fit) -> Decisi
         return Decision("stop", f"{what}: retry budget spent ({used} of {policy.max_retries} retries used)", **base)
     if cls not in RETRY_CLASSES:
         return Decision("stop", f"{what}: no retry rule for failure class {cls!r}", **base)
-    exclude, added, kept, notes = _exclusions(last, policy, fit)
+    exclude, added, kept, notes = exclusions(last, policy, fit)
     resume = "the start" if last.checkpoint_step is None else f"checkpoint step {last.checkpoint_step}"
     reason = f"{what}: retry {used + 1} of {policy.max_retries}, resuming from {resume}"
     if added:
@@ -181,7 +181,7 @@ def _attempts_without_progress(history: Sequence[AttemptRecord]) -> int:
     return n
 
 
-def _exclusions(last: AttemptRecord, policy: Policy, fit: Fit
+def exclusions(last: AttemptRecord, policy: Policy, fit: Fit
                 ) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], list[str]]:
     """(new --exclude, hosts added, implicated hosts kept in, notes): grow by the implicated hosts up
     to the cap, where cap = min(policy.max_excluded, partition nodes - nodes needed)."""

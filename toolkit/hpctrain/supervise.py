@@ -361,6 +361,22 @@ def supervisor_script(run_dir: Path, job_id: str, spec: Spec, python: str | None
     return "\n".join(lines)
 
 
+def arm_submitted(subs: list[Any], spec: Spec, mode: str) -> list[str]:
+    """After `hpctrain submit`: one supervisor per single SLURM training run when launch.retries > 0.
+    Sweeps (job arrays) and the local executor get none (`hpctrain resubmit` each point by hand).
+    Returns the supervisor job ids; a failure to arm is a warning on stderr, never a failed submit
+    (the training job is queued already)."""
+    if mode != "train" or spec.launch.retries <= 0 or len(subs) != 1 or subs[0].executor != "slurm":
+        return []
+    try:
+        return [arm(Path(subs[0].run_dir), str(subs[0].job_id), spec)]
+    except Exception as exc:  # noqa: BLE001 - the job is queued: say so and carry on
+        print(f"warning: job {subs[0].job_id} is queued, but its supervisor (automatic retries) could not be "
+              f"submitted: {exc}. Resubmit by hand after a failure: hpctrain resubmit {subs[0].run_id}",
+              file=sys.stderr)
+        return []
+
+
 def _name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.+\-]", "_", text)[:100] or "hpctrain"
 
@@ -513,7 +529,7 @@ def supervise(run_dir: Path, job_id: str) -> dict[str, Any]:
         if not hist or hist[-1].job_id != str(job_id):
             decision = policy_mod.Decision("stop", f"job {job_id} is not the run's latest attempt; nothing to do")
         else:
-            decision = policy_mod.decide(hist, policy_mod.Policy(max_retries=spec.launch.retries), _fit(spec))
+            decision = policy_mod.decide(hist, policy_mod.Policy(max_retries=spec.launch.retries), fit_of(spec))
         last = hist[-1] if hist else None
         note: dict[str, Any] = {"attempt": last.attempt if last else None, "job_id": str(job_id),
                                 "state": last.state if last else None,
@@ -537,7 +553,7 @@ def supervise(run_dir: Path, job_id: str) -> dict[str, Any]:
     return dict(note["decision"])
 
 
-def _fit(spec: Spec) -> policy_mod.Fit:
+def fit_of(spec: Spec) -> policy_mod.Fit:
     from hpctrain import _slurm
 
     try:
