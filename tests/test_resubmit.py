@@ -1,0 +1,167 @@
+"""The retry policy (hpctrain.resubmit) and the supervisor's pure helpers (hpctrain.supervise): no cluster."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from hpctrain import supervise
+from hpctrain.resubmit import MAX_RETRIES_CAP, AttemptRecord, Fit, Policy, decide
+
+
+def rec(attempt: int, state: str = "FAILED", cls: str | None = "unknown", **kw: object) -> AttemptRecord:
+    return AttemptRecord(attempt=attempt, job_id=str(100 + attempt), state=state, failure_class=cls, **kw)  # type: ignore[arg-type]
+
+
+FIT = Fit(nodes_needed=2, partition_nodes=4)
+
+
+def test_completed_is_done() -> None:
+    d = decide([rec(0, "COMPLETED", None)], Policy(), FIT)
+    assert d.action == "done"
+
+
+@pytest.mark.parametrize("cls", ["node_fail", "preempted", "time_limit", "hang", "comm_timeout", "unknown"])
+def test_transient_failures_are_retried(cls: str) -> None:
+    d = decide([rec(0, "FAILED", cls, checkpoint_step=10)], Policy(), FIT)
+    assert d.action == "retry" and "checkpoint step 10" in d.reason
+
+
+@pytest.mark.parametrize("cls", ["python_exception", "gpu_oom", "host_oom", "container_error"])
+def test_user_errors_stop_with_the_evidence(cls: str) -> None:
+    r = rec(0, "FAILED", cls, exception="ValueError: bad lr", evidence="logs/attempt-0.rank-1.log")
+    d = decide([r], Policy(), FIT)
+    assert d.action == "stop"
+    assert "user error" in d.reason and "ValueError: bad lr" in d.reason and "attempt-0.rank-1.log" in d.reason
+
+
+def test_bad_input_exit_code_is_a_user_error() -> None:
+    d = decide([rec(0, "FAILED", "unknown", exit_code="2:0")], Policy(), FIT)
+    assert d.action == "stop" and d.failure_class == "input_error"
+
+
+def test_cancel_by_a_person_is_not_fought() -> None:
+    assert decide([rec(0, "CANCELLED", "cancelled")], Policy(), FIT).action == "stop"
+
+
+def test_identical_repeat_stops() -> None:
+    a = rec(0, "FAILED", "comm_timeout", message="gloo timed out", last_step=7, checkpoint_step=5)
+    b = rec(1, "FAILED", "comm_timeout", message="gloo timed out", last_step=7, checkpoint_step=5)
+    d = decide([a, b], Policy(no_progress_attempts=0), FIT)
+    assert d.action == "stop" and "same failure" in d.reason
+
+
+def test_node_fail_twice_is_bad_luck_not_a_repeat() -> None:
+    a = rec(0, "NODE_FAIL", "node_fail", message="SLURM lost a node", last_step=7, checkpoint_step=5)
+    b = rec(1, "NODE_FAIL", "node_fail", message="SLURM lost a node", last_step=12, checkpoint_step=10)
+    assert decide([a, b], Policy(), FIT).action == "retry"
+
+
+def test_no_progress_stops_early() -> None:
+    h = [rec(0, checkpoint_step=5), rec(1, checkpoint_step=5), rec(2, checkpoint_step=5)]
+    d = decide(h, Policy(max_retries=10, no_progress_attempts=2), FIT)
+    assert d.action == "stop" and "no progress" in d.reason and "step 5" in d.reason
+    # progress in between resets the count
+    h = [rec(0, checkpoint_step=5), rec(1, checkpoint_step=5), rec(2, checkpoint_step=10)]
+    assert decide(h, Policy(max_retries=10, no_progress_attempts=2), FIT).action == "retry"
+
+
+def test_budget_and_cap() -> None:
+    h = [rec(i, checkpoint_step=5 * (i + 1)) for i in range(4)]
+    d = decide(h, Policy(max_retries=3), FIT)
+    assert d.action == "stop" and "budget" in d.reason
+    assert Policy(max_retries=99).max_retries == MAX_RETRIES_CAP
+
+
+def test_exclusion_grows_and_is_capped_by_the_partition() -> None:
+    r = rec(0, "NODE_FAIL", "node_fail", implicated=("node3",), excluded=("node1",))
+    d = decide([r], Policy(), Fit(nodes_needed=2, partition_nodes=4))
+    assert d.exclude == ("node1", "node3") and d.added == ("node3",)
+    # a 4-node run on a 4-node partition: excluding would leave it unable to start -> say so, keep the shape
+    d = decide([rec(0, "NODE_FAIL", "node_fail", implicated=("node3",))], Policy(), Fit(4, 4))
+    assert d.action == "retry" and d.exclude == () and d.not_excluded == ("node3",)
+    assert "unable to start" in d.notes[0]
+    # policy cap
+    d = decide([rec(0, "FAILED", "hang", implicated=("a", "b", "c"))], Policy(max_excluded=2), Fit(1, None))
+    assert d.exclude == ("a", "b")
+    # off
+    d = decide([r], Policy(exclude_failed_nodes=False), FIT)
+    assert d.exclude == ("node1",) and d.added == ()
+
+
+# -- supervise helpers -------------------------------------------------------------------------------
+def test_parse_faults() -> None:
+    fs = supervise.parse_faults("hang:rank=1,step=5; ckpt-crash:step=10;raise:step=3")
+    assert [(f.kind, f.step, f.rank, f.every_attempt) for f in fs] == [
+        ("hang", 5, 1, False), ("ckpt-crash", 10, None, False), ("raise", 3, None, True)]
+    with pytest.raises(ValueError, match="HPCTRAIN_FAULT_INJECT"):
+        supervise.parse_faults("hang:rank=1")
+
+
+def test_inject_raise_fires_every_attempt_others_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HPCTRAIN_FAULT_INJECT", "raise:step=3;crash:step=4,rank=1")
+    with pytest.raises(ValueError, match="injected"):
+        supervise.inject("step", 3, 5, 0)  # resumed past step 3: a user bug still fails
+    supervise.inject("step", 4, 0, 0)  # crash is for rank 1 only
+    supervise.inject("step", 4, 4, 1)  # attempt started at step 4: the crash already happened once
+    supervise.inject("checkpoint", 3, 0, 0)  # raise is not a checkpoint fault
+
+
+def _beat(d: Path, rank: int, step: int, phase: str, t: float, job: str = "7") -> None:
+    (d / "metrics" / "ranks").mkdir(parents=True, exist_ok=True)
+    (d / "metrics" / "ranks" / f"rank-{rank}.json").write_text(json.dumps(
+        {"rank": rank, "host": f"node{rank + 1}", "step": step, "phase": phase, "time": t, "job": job}))
+
+
+def test_watchdog_names_the_rank_behind(tmp_path: Path) -> None:
+    now = time.time()
+    w = supervise.Watchdog(tmp_path, "7", timeout_s=20, world=3, started=now, last_change=now)
+    for r in range(3):
+        _beat(tmp_path, r, 4, "reduce", now)
+    assert w.check(now) is None
+    _beat(tmp_path, 0, 5, "reduce", now + 5)
+    _beat(tmp_path, 1, 5, "compute", now + 5)  # stuck computing step 5
+    _beat(tmp_path, 2, 5, "reduce", now + 5)
+    assert w.check(now + 5) is None  # progress: step 5
+    for r, ph in ((0, "reduce"), (1, "compute"), (2, "reduce")):
+        _beat(tmp_path, r, 5, ph, now + 30)  # beats keep coming, the step does not move
+    hang = w.check(now + 30)
+    assert hang is not None and hang["silent_ranks"] == [1] and hang["silent_hosts"] == ["node2"]
+    assert hang["last_step"] == 5 and "rank 1 on node2" in hang["message"]
+
+
+def test_watchdog_stale_and_missing_ranks_and_grace(tmp_path: Path) -> None:
+    now = time.time()
+    w = supervise.Watchdog(tmp_path, "7", timeout_s=20, world=3, grace_s=100, started=now, last_change=now)
+    _beat(tmp_path, 0, 3, "start", now)
+    assert w.check(now + 50) is None  # still starting: the grace period applies
+    _beat(tmp_path, 0, 4, "reduce", now + 60)
+    _beat(tmp_path, 1, 4, "reduce", now + 20, job="6")  # an old attempt's file: ignored
+    assert w.check(now + 60) is None
+    _beat(tmp_path, 0, 4, "reduce", now + 85)  # rank 0 alive, waiting for the others
+    hang = w.check(now + 90)
+    assert hang is not None and hang["silent_ranks"] == [1, 2]
+    _beat(tmp_path, 0, 4, "done", now + 95)
+    assert w.check(now + 200) is None  # finished: nothing to watch
+
+
+def test_log_attempt_and_next_attempt(tmp_path: Path) -> None:
+    assert supervise.log_attempt({"HPCTRAIN_ATTEMPT": "2", "SLURM_RESTART_COUNT": "1"}) == 3
+    assert supervise.log_attempt({}) == 0
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "attempt-3.rank-0.log").write_text("")
+    (tmp_path / "attempts.jsonl").write_text(json.dumps({"attempt": 1, "job_id": "5"}) + "\n")
+    assert supervise.next_attempt_number(tmp_path, [0]) == 4
+
+
+def test_supervisor_script(tmp_path: Path) -> None:
+    from hpctrain.spec import resolve
+
+    spec = resolve(None, {"model.config": "llama-tiny", "resources.partition": "debug"}, check=False)
+    text = supervise.supervisor_script(tmp_path / "r 1", "42", spec, python="/py")
+    assert "#SBATCH --dependency=afterany:42" in text and "#SBATCH --kill-on-invalid-dep=yes" in text
+    assert "#SBATCH --partition=debug" in text and "--ntasks=1" in text
+    assert text.rstrip().endswith(f"exec /py -m hpctrain supervise '{tmp_path}/r 1' --job 42")
