@@ -356,5 +356,7 @@ def test_failed_job_shows_failed_with_exit_code(cluster: Any, env: dict[str, Pat
     code = rec["attempts"][0]["exit_code"]
     assert code and code != "0:0", rec  # srun reports the step's code (1 or the rank's), never success
     if _cli_has("status"):
-        out = _hpctrain("status", sub.run_id)
-        assert out.returncode == 0 and "FAILED" in out.stdout and code in out.stdout
+        out = _hpctrain("status", sub.run_id, "--json")
+        assert out.returncode == 0, out.stderr
+        shown = json.loads(out.stdout)
+        assert shown["state"] == "FAILED" and shown["attempts"][0]["exit_code"] not in (None, "0:0"), shown
