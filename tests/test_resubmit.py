@@ -101,13 +101,20 @@ def test_parse_faults() -> None:
         supervise.parse_faults("hang:rank=1")
 
 
-def test_inject_raise_fires_every_attempt_others_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_inject_raise_fires_every_attempt_others_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("HPCTRAIN_FAULT_INJECT", "raise:step=3;crash:step=4,rank=1")
+    monkeypatch.delenv("HPCTRAIN_RUN_DIR", raising=False)
     with pytest.raises(ValueError, match="injected"):
         supervise.inject("step", 3, 5, 0)  # resumed past step 3: a user bug still fails
     supervise.inject("step", 4, 0, 0)  # crash is for rank 1 only
     supervise.inject("step", 4, 4, 1)  # attempt started at step 4: the crash already happened once
     supervise.inject("checkpoint", 3, 0, 0)  # raise is not a checkpoint fault
+    # with a run folder: once per run and rank, whatever the resume step
+    monkeypatch.setenv("HPCTRAIN_RUN_DIR", str(tmp_path))
+    monkeypatch.setenv("HPCTRAIN_FAULT_INJECT", "hang:step=4,rank=1")
+    (tmp_path / "metrics" / "faults").mkdir(parents=True)
+    (tmp_path / "metrics" / "faults" / "hang-step4-rank1").write_text("fired\n")
+    supervise.inject("step", 4, 0, 1)  # already fired: returns instead of hanging
 
 
 def _beat(d: Path, rank: int, step: int, phase: str, t: float, job: str = "7") -> None:
@@ -130,7 +137,7 @@ def test_watchdog_names_the_rank_behind(tmp_path: Path) -> None:
         _beat(tmp_path, r, 5, ph, now + 30)  # beats keep coming, the step does not move
     hang = w.check(now + 30)
     assert hang is not None and hang["silent_ranks"] == [1] and hang["silent_hosts"] == ["node2"]
-    assert hang["last_step"] == 5 and "rank 1 on node2" in hang["message"]
+    assert hang["last_step"] == 4 and "rank 1 on node2" in hang["message"]
 
 
 def test_watchdog_stale_and_missing_ranks_and_grace(tmp_path: Path) -> None:

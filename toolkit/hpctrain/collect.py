@@ -260,15 +260,41 @@ def _attempt_row(inp: RunInput, a: dict[str, Any], files: list[cl.LogFile], recs
     hang = cc.is_hang(beat, hang_end, m.step_interval_s) if state not in ("COMPLETED", "PENDING") else False
     hang_msg = (f"no step for {((hang_end or 0) - (beat or 0)) / 60:.0f} min before "
                 f"{'the job ended' if state in FINAL else 'now'} (last step {m.last_step})") if hang else ""
+    watch = a.get("hang") if isinstance(a.get("hang"), dict) else None  # the hang watchdog's verdict
+    if watch and state in FINAL and state != "COMPLETED":
+        hang, hang_msg = True, str(watch.get("message") or hang_msg)
     failure = cc.classify(state if state in FINAL or hang else None, sources, exit_code=a.get("exit_code"),
                           hang=hang, hang_message=hang_msg, hosts=hosts)
+    if watch and failure.failure_class == cc.HANG:
+        silent, silent_hosts = watch.get("silent_ranks") or [], watch.get("silent_hosts") or []
+        failure.rank = silent[0] if len(silent) == 1 else failure.rank
+        failure.host = silent_hosts[0] if len(silent_hosts) == 1 else failure.host
     return {
         "attempt": k, "job_id": str(a.get("job_id") or ""), "state": state, "exit_code": a.get("exit_code"),
         "failure_class": failure.failure_class, "failure": failure.to_dict() if failure.failure_class else None,
         "nodes": nodes, "hosts": hosts, "submitted": _float(a.get("submitted")), "start": start, "end": end,
         "elapsed_s": elapsed_s, "gpu_hours": round(gpu_h, 6), "cpu_hours": round(cpu_h, 6),
         **m.to_dict(), "logs": [s.name for s in sources],
+        "excluded": [str(h) for h in a.get("excluded") or []],
+        "resubmit": a.get("decision") if isinstance(a.get("decision"), dict) else None,
     }
+
+
+def _with_fault_notes(folder: Path, atts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What hpctrain.supervise wrote to attempts.jsonl about each job (the --exclude it ran with, the
+    watchdog's hang verdict, the retry decision), onto the job's last row (not a REQUEUED run of it)."""
+    from hpctrain.runs import read_attempts
+
+    notes: dict[str, dict[str, Any]] = {}
+    for rec in read_attempts(folder / "attempts.jsonl"):
+        if rec.get("job_id") is not None:
+            notes.setdefault(str(rec["job_id"]), {}).update(
+                {k: rec[k] for k in ("excluded", "hang", "decision") if rec.get(k) is not None})
+    if not notes:
+        return atts
+    last_row = {str(a.get("job_id")): i for i, a in enumerate(atts)}
+    return [dict(a, **notes.get(str(a.get("job_id")), {})) if last_row.get(str(a.get("job_id"))) == i else a
+            for i, a in enumerate(atts)]
 
 
 def _rel(path: Path, folder: Path) -> str:
@@ -306,6 +332,7 @@ def build_run(inp: RunInput, now: float | None = None) -> dict[str, Any]:
     atts = sorted(inp.attempts, key=lambda a: int(a["attempt"]))
     files = attempt_files(inp.folder, atts) if folder_ok else []
     atts = expand_requeues(atts, files)
+    atts = _with_fault_notes(inp.folder, atts) if folder_ok else atts
     files = _submitit_to_last_run(files, atts)
     per = cm.split_by_attempt(records, [_float(a.get("started")) for a in atts]) if atts else []
     heartbeat = _read_json(inp.folder / "metrics" / "heartbeat") if folder_ok else None

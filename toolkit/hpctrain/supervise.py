@@ -128,19 +128,29 @@ def parse_faults(text: str) -> list[Fault]:
 
 
 def inject(where: str, step: int, step0: int, rank: int, log: Any = None) -> None:
-    """Test hook the node calls at `where` ("step": after step N's collective, "checkpoint": while step N's
-    checkpoint is half written). Fires only in an attempt that started before N (so the retry passes),
-    except `raise`, which is a user bug and fires every time."""
+    """Test hook the node calls at `where` ("step": step N computed, before its collective; "checkpoint":
+    step N's checkpoint half written). Each fault fires once per run and rank (a marker in
+    $HPCTRAIN_RUN_DIR/metrics/faults/; without a run dir: only in an attempt that started before N), so
+    the retry passes; `raise` is a user bug and fires every time."""
     text = os.environ.get("HPCTRAIN_FAULT_INJECT", "")
     if not text:
         return
+    run_dir = os.environ.get("HPCTRAIN_RUN_DIR", "")
     for f in parse_faults(text):
         if f.step != step or (f.rank is not None and f.rank != rank):
             continue
-        if not f.every_attempt and step0 >= step:
-            continue
         if (where == "checkpoint") != (f.kind == "ckpt-crash"):
             continue
+        if not f.every_attempt:
+            if not run_dir:
+                if step0 >= step:
+                    continue
+            else:
+                marker = Path(run_dir) / "metrics" / "faults" / f"{f.kind}-step{step}-rank{rank}"
+                if marker.exists():
+                    continue
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.write_text(f"{time.time()}\n")
         if log is not None:
             log.info("fault injection: %s at step %d on rank %d", f.kind, step, rank)
             for h in getattr(log, "handlers", []):
@@ -154,15 +164,17 @@ def inject(where: str, step: int, step0: int, rank: int, log: Any = None) -> Non
 
 
 # ============================================================================ watchdog (batch script)
-def read_beats(run_dir: Path, job: str | None = None) -> list[dict[str, Any]]:
-    """Per-rank beats (of `job` only, when given: files left by an earlier attempt are ignored)."""
+def read_beats(run_dir: Path, job: str | None = None, restart: str | None = None) -> list[dict[str, Any]]:
+    """Per-rank beats (of `job` and its run `restart` only, when given: files left by an earlier attempt
+    or an earlier run of a requeued job are ignored)."""
     out = []
     for p in sorted((Path(run_dir) / "metrics" / RANKS_DIR).glob("rank-*.json")):
         try:
             rec = json.loads(p.read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(rec, dict) and (job is None or str(rec.get("job")) == str(job)):
+        if isinstance(rec, dict) and (job is None or str(rec.get("job")) == str(job)) and (
+                restart is None or str(rec.get("restart", "0")) == str(restart)):
             out.append(rec)
     return out
 
@@ -203,6 +215,7 @@ class Watchdog:
     world: int = 1
     grace_s: float = 0.0  # before the first step and while a checkpoint is written
     attempt: int = 0
+    restart: str | None = None  # SLURM_RESTART_COUNT of this run of the job (None: any)
     started: float = dataclasses.field(default_factory=time.time)
     last_progress: int | None = None
     last_change: float = dataclasses.field(default_factory=time.time)
@@ -213,7 +226,7 @@ class Watchdog:
     def check(self, now: float | None = None) -> dict[str, Any] | None:
         """None while fine; the hang record when the run has made no progress for too long."""
         now = time.time() if now is None else now
-        beats = read_beats(self.run_dir, self.job)
+        beats = read_beats(self.run_dir, self.job, self.restart)
         progress = max((int(b.get("step", 0)) for b in beats), default=None)
         if progress != self.last_progress:
             self.last_progress, self.last_change = progress, now
@@ -229,9 +242,10 @@ class Watchdog:
         silent = silent_ranks(beats, self.world, now, stale_s=max(3 * self.poll_s(), 15.0))
         hosts = sorted({str(s["host"]) for s in silent if s.get("host")})
         who = ", ".join(f"rank {s['rank']}" + (f" on {s['host']}" if s.get("host") else "") for s in silent)
-        msg = (f"no rank advanced past step {progress} for {stale:.0f} s (limit {limit:.0f} s); "
+        done = progress - 1 if progress is not None and phases & {"compute", "reduce"} else progress
+        msg = (f"no step completed after step {done} for {stale:.0f} s (limit {limit:.0f} s); "
                + (f"silent: {who}" if silent else "every rank is waiting in the same collective"))
-        return {"event": "hang", "job_id": self.job, "attempt": self.attempt, "last_step": progress,
+        return {"event": "hang", "job_id": self.job, "attempt": self.attempt, "last_step": done,
                 "silent_ranks": [s["rank"] for s in silent], "silent_hosts": hosts, "details": silent,
                 "stale_s": round(stale, 1), "timeout_s": self.timeout_s, "time": now, "message": msg}
 
@@ -589,7 +603,8 @@ def _main(argv: list[str] | None = None) -> int:
     if not a.job:
         print("hpctrain watchdog: no SLURM_JOB_ID; nothing to watch", file=sys.stderr)
         return 2
-    Watchdog(Path(a.run_dir), a.job, a.timeout, world=a.world, attempt=log_attempt()).run()
+    Watchdog(Path(a.run_dir), a.job, a.timeout, world=a.world, attempt=log_attempt(),
+             restart=os.environ.get("SLURM_RESTART_COUNT") or "0").run()
     return 0
 
 
