@@ -1,0 +1,191 @@
+#!/usr/bin/env python
+"""Goodput under failures: one training run on the local SLURM cluster, hit by injected faults.
+
+    .venv/bin/python bench/goodput.py [--nodes 2] [--train-s 240] [--every-s 60] [--ckpt-steps 40]
+
+The run (tiny Llama, CPU ranks, 1 rank per node) is submitted with `hpctrain submit`; while it trains, a
+fault is injected every --every-s seconds of training, cycling through
+  preempt      `scancel --signal=USR2 JOB`  (what SLURM sends before a time limit or a preemption:
+               every rank checkpoints, rank 0 requeues the job)
+  node-kill    `slurm.sh kill-node N` on one of the job's nodes (power-off: SLURM declares NODE_FAIL after
+               SlurmdTimeout and requeues the job elsewhere; the node is restarted once that happened)
+  requeue      `scontrol requeue JOB` (a hard preemption: no checkpoint, the work since the last one is lost)
+and the run finishes by itself. Reported, from metrics.jsonl and sacct:
+  useful s     time of the steps on the final trajectory (each step's duration, last run of it)
+  allocated s  the wall time of every run of the job (sacct -D: start..end of each record)
+  goodput      useful / allocated
+  per failure  lost steps, and the overhead (allocated - useful) it cost
+plus a projection to one failure per 10 minutes of training: 600 / (600 + startup + overhead per failure).
+Leaves nothing running: the job is cancelled and every killed node restarted in `finally`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+SLURM_SH = REPO / "tests" / "cluster" / "slurm.sh"
+FAULTS = ("preempt", "node-kill", "requeue")
+
+
+def sh(*argv: str, timeout: float = 60, check: bool = True) -> str:
+    proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, check=False,
+                          stdin=subprocess.DEVNULL)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)}: rc {proc.returncode}: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def metrics(run: Path) -> list[dict[str, Any]]:
+    path = run / "metrics" / "metrics.jsonl"
+    out = []
+    for line in (path.read_text().splitlines() if path.exists() else []):
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def sacct_runs(job: str) -> list[dict[str, Any]]:
+    """Every run of the job (sacct -D): state, start, end (epoch s)."""
+    out = []
+    text = sh("sacct", "-X", "-D", "-n", "-P", "-j", job, "-o", "State,Start,End,NodeList", timeout=30)
+    for line in text.splitlines():
+        state, start, end, nodes = (line.split("|") + ["", "", "", ""])[:4]
+
+        def ts(x: str) -> float | None:
+            try:
+                return datetime.strptime(x, "%Y-%m-%dT%H:%M:%S").timestamp()
+            except ValueError:
+                return None
+
+        out.append({"state": state.split()[0], "start": ts(start), "end": ts(end), "nodes": nodes})
+    return out
+
+
+def squeue_state(job: str) -> tuple[str, str]:
+    out = sh("squeue", "-h", "-j", job, "-o", "%T|%N", check=False).strip()
+    state, _, nodes = out.partition("|")
+    return state, nodes
+
+
+def useful_time(recs: list[dict[str, Any]]) -> tuple[float, list[int]]:
+    """(seconds of the steps that survived, steps lost at each resume). A step's duration is its time
+    minus the previous record's in the same run; the first step of a run counts the median instead."""
+    runs: list[list[dict[str, Any]]] = []
+    for r in recs:
+        if not runs or r["step"] <= runs[-1][-1]["step"]:
+            runs.append([])
+        runs[-1].append(r)
+    dur: dict[int, float] = {}
+    all_d = [b["time"] - a["time"] for run in runs for a, b in itertools.pairwise(run)]
+    med = statistics.median(all_d) if all_d else 0.0
+    for run in runs:
+        prev = None
+        for r in run:
+            dur[r["step"]] = (r["time"] - prev) if prev is not None else med  # last run of a step wins
+            prev = r["time"]
+    lost = [a[-1]["step"] - (b[0]["step"] - 1) for a, b in itertools.pairwise(runs)]
+    return sum(dur.values()), lost
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--train-s", type=float, default=240, help="fault-free training time to aim for")
+    ap.add_argument("--every-s", type=float, default=60, help="a fault every this many seconds of training")
+    ap.add_argument("--ckpt-steps", type=int, default=40)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--step-s", type=float, default=0.35, help="expected seconds per step (sizes --steps)")
+    ap.add_argument("--timeout", type=float, default=900)
+    a = ap.parse_args()
+    steps = int(a.train_s / a.step_s)
+    root = Path(tempfile.mkdtemp(prefix="hpctrain-goodput-"))
+    env = {**os.environ, "HPCTRAIN_RUNS_DIR": str(root / "runs"), "HPCTRAIN_STATE_DIR": str(root / "state")}
+    argv = [sys.executable, "-m", "hpctrain", "submit", str(REPO / "examples" / "tiny.toml"), "--executor", "slurm",
+            "--partition", "debug", "--nodes", str(a.nodes), "--steps", str(steps), "--job-name", "goodput",
+            "--set", "resources.tasks_per_node=1", "--set", f"data.seq_len={a.seq}",
+            "--set", f"checkpoint.every_steps={a.ckpt_steps}", "--set", "checkpoint.export_hf=false",
+            "--set", "train.min_lr=0.001", "--set", "train.warmup_steps=0", "--json"]
+    sub = json.loads(subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, check=True).stdout)[0]
+    job, run = str(sub["job_id"]), Path(sub["run_dir"])
+    print(f"run {run.name}: job {job}, {a.nodes} nodes, {steps} steps, checkpoint every {a.ckpt_steps} steps")
+    killed: set[str] = set()
+    injected: list[dict[str, Any]] = []
+    t0 = time.monotonic()
+    try:
+        trained = 0.0
+        last_tick, last_steps = None, 0
+        while time.monotonic() - t0 < a.timeout:
+            state, nodes = squeue_state(job)
+            recs = metrics(run)
+            if not state and recs and recs[-1]["step"] >= steps:
+                break
+            if recs and len(recs) != last_steps and state == "RUNNING":
+                now = time.monotonic()
+                if last_tick is not None:
+                    trained += now - last_tick
+                last_tick, last_steps = now, len(recs)
+            elif state != "RUNNING":
+                last_tick = None
+            for n in sorted(killed):  # bring a killed node back once SLURM has declared it failed
+                if "NODE_FAIL" in sh("sacct", "-X", "-D", "-n", "-P", "-j", job, "-o", "State", check=False):
+                    sh("bash", str(SLURM_SH), "restart-node", n[4:], timeout=120)
+                    killed.discard(n)
+            if state == "RUNNING" and trained >= a.every_s * (len(injected) + 1) and not killed:
+                kind = FAULTS[len(injected) % len(FAULTS)]
+                step = recs[-1]["step"] if recs else 0
+                if kind == "preempt":
+                    sh("scancel", "--signal=USR2", job)
+                elif kind == "requeue":
+                    sh("scontrol", "requeue", job)
+                else:
+                    host = sh("scontrol", "show", "hostnames", nodes).split()[-1]
+                    sh("bash", str(SLURM_SH), "kill-node", host[4:], timeout=60)
+                    killed.add(host)
+                injected.append({"kind": kind, "at_step": step, "t": round(time.monotonic() - t0, 1)})
+                print(f"  t={injected[-1]['t']:6.1f}s  {kind:9s} at step {step}", flush=True)
+                last_tick = None
+            time.sleep(1)
+        else:
+            print("timed out", file=sys.stderr)
+    finally:
+        for n in sorted(killed):
+            sh("bash", str(SLURM_SH), "restart-node", n[4:], timeout=120, check=False)
+        sh("scancel", job, check=False)
+        sup = [json.loads(x).get("supervisor_job") for x in (run / "attempts.jsonl").read_text().splitlines()]
+        sh("scancel", *[s for s in sup if s], check=False) if any(sup) else None
+    time.sleep(3)
+    recs = metrics(run)
+    useful, lost = useful_time(recs)
+    records = sacct_runs(job)
+    alloc = sum((r["end"] or time.time()) - r["start"] for r in records if r["start"])
+    first = min(r["start"] for r in records if r["start"])
+    startup = recs[0]["time"] - first if recs else 0.0
+    n_fail = len(injected)
+    overhead = (alloc - useful - startup) / n_fail if n_fail else 0.0
+    proj = 600 / (600 + startup + overhead)
+    print("\n| faults | final step | useful s | allocated s | goodput | startup s | overhead/fault s | lost steps |")
+    print("|---|---|---|---|---|---|---|---|")
+    print(f"| {', '.join(i['kind'] for i in injected)} | {recs[-1]['step'] if recs else '-'} of {steps} | "
+          f"{useful:.0f} | {alloc:.0f} | {100 * useful / alloc:.1f}% | {startup:.0f} | {overhead:.0f} | {lost} |")
+    print(f"\nsacct runs: {[r['state'] for r in records]}")
+    print(f"projection, 1 failure per 10 min of training: goodput = 600 / (600 + {startup:.0f} + {overhead:.0f}) "
+          f"= {100 * proj:.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
