@@ -165,10 +165,10 @@ def test_bad_data_path_fails_every_rank_with_one_message(tmp_path: Path) -> None
 
 def test_sigusr2_checkpoints_at_step_boundary_and_stops(tmp_path: Path) -> None:
     """Ranks started by hand (RANK/WORLD_SIZE env): SIGUSR2 to one rank -> all agree, save, exit 3."""
-    from hpctrain.node.dist import free_port
+    from hpctrain.node.testing import free_port_pair
 
     run = make_run(tmp_path / "run", train={"steps": 100000})
-    port = str(free_port())
+    port = str(free_port_pair())
     procs = []
     for r in range(2):
         env = node_env({"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
@@ -196,9 +196,9 @@ def test_deepspeed_launcher_path(tmp_path: Path) -> None:
     """`python -m hpctrain.node RUN --launcher deepspeed`: DeepSpeed's runner (no ssh) starts the ranks."""
     run = make_run(tmp_path / "run", train={"steps": 3})
     (run / "hostfile").write_text("localhost slots=2\n")
-    from hpctrain.node.dist import free_port
+    from hpctrain.node.testing import free_port_pair
 
-    env = node_env({"MASTER_PORT": str(free_port())})
+    env = node_env({"MASTER_PORT": str(free_port_pair())})
     proc = subprocess.run([sys.executable, "-m", "hpctrain.node", str(run), "--launcher", "deepspeed"], env=env,
                           capture_output=True, text=True, timeout=180, check=False)
     _ok(proc)

@@ -4,12 +4,28 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from hpctrain.node.dist import free_port
+
+
+def free_port_pair() -> int:
+    """A free port N with N+1 free too: torch takes MASTER_PORT, the preflight rendezvous MASTER_PORT+1."""
+    for _ in range(50):
+        port = free_port()
+        if port >= 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free pair of ports")
 
 
 def toml_value(v: Any) -> str:
@@ -71,7 +87,7 @@ def torchrun(run_dir: Path, nproc: int, *, timeout: float = 180, env: dict[str, 
              mode: str = "train") -> subprocess.CompletedProcess[str]:
     """`torchrun --standalone` the node entrypoint; bounded by a timeout, on a fresh port."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "hpctrain.node", str(run_dir),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port_pair()), "-m", "hpctrain.node", str(run_dir),
            "--mode", mode]
     return subprocess.run(cmd, env=node_env(env), capture_output=True, text=True, timeout=timeout, check=False)
 
