@@ -540,6 +540,9 @@ def supervise(run_dir: Path, job_id: str) -> dict[str, Any]:
         rec = wait_final(job_id)
         spec = read_resolved(run_dir)
         hist, _summary = history(run_dir, job_id, rec)
+        if hist:  # the latest job ran with spec.toml's exclude (rewritten at each resubmission)
+            ran_with = (*spec.resources.exclude, *hist[-1].excluded)
+            hist[-1] = dataclasses.replace(hist[-1], excluded=tuple(dict.fromkeys(ran_with)))
         if not hist or hist[-1].job_id != str(job_id):
             decision = policy_mod.Decision("stop", f"job {job_id} is not the run's latest attempt; nothing to do")
         else:
