@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make demo`: train examples/tiny.toml on this machine with the local executor (2 CPU ranks, ZeRO-3,
-# checkpoint every 5 steps), crash it on purpose after step 12, resume from checkpoint step-10, and
-# print the run's summary. No GPU, no cluster, no downloads; about 1-2 minutes on a laptop.
+# checkpoint every 5 steps), preempt it with SIGUSR2 the way SLURM does before a time limit (every rank
+# checkpoints at the next step boundary, submitit requeues the job, the ranks resume from that
+# checkpoint), then print the run's summary. No GPU, no cluster, no downloads; about a minute.
 #
 #   bash examples/demo.sh            # uses ./runs and a private state dir unless HPCTRAIN_* are set
 set -euo pipefail
@@ -24,24 +25,26 @@ wait_done() {  # poll the registry until the run leaves PENDING/RUNNING (bounded
 echo "== 1. plan"
 $HPC plan examples/tiny.toml
 
-echo "== 2. train on the local executor; this attempt crashes on purpose after step 12"
-run_json=$(HPCTRAIN_FAIL_AT_STEP=12 $HPC submit examples/tiny.toml --executor local --json)
+echo "== 2. train on the local executor (2 ranks, ZeRO-3, checkpoint every 5 steps)"
+run_json=$($HPC submit examples/tiny.toml --executor local --steps 40 --json)
 run=$(echo "$run_json" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)[0]["run_id"])')
 folder=$(echo "$run_json" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)[0]["run_dir"])')
-echo "run $run in $folder"
-echo "attempt 0: $(wait_done "$run")   latest checkpoint: $(cat "$folder/checkpoints/latest")"
+job=$(echo "$run_json" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)[0]["job_id"])')
+echo "run $run in $folder (local job $job)"
 
-echo "== 3. resume: the same run folder again; the node finds checkpoints/latest and continues"
-if $HPC resubmit --help >/dev/null 2>&1; then
-  $HPC resubmit "$run" --executor local
-  echo "attempt 1: $(wait_done "$run")"
-else
-  # No `hpctrain resubmit` in this checkout yet: relaunch the ranks directly (what resubmit does).
-  HPCTRAIN_ATTEMPT=1 OMP_NUM_THREADS=1 timeout 600 "$PY" -m torch.distributed.run --standalone \
-    --nproc-per-node 2 -m hpctrain.node "$folder" >/dev/null
-  echo "attempt 1 (torchrun): done"
-fi
-grep -h "resumed from" "$folder"/logs/attempt-1.rank-0.log || true
+echo "== 3. preempt it: SIGUSR2 (what SLURM sends before the time limit) -> checkpoint, requeue, resume"
+for _ in $(seq 1 600); do  # until 8 steps are done (bounded: 2 minutes)
+  n=0
+  [ -f "$folder/metrics/metrics.jsonl" ] && n=$(wc -l < "$folder/metrics/metrics.jsonl")
+  [ "$n" -ge 8 ] && break
+  sleep 0.2
+done
+# The local job id is the controller's pid; its children are the two ranks.
+mapfile -t ranks < <(ps -o pid= --ppid "$job" || true)
+[ "${#ranks[@]}" -gt 0 ] && kill -USR2 "${ranks[@]}"
+echo "attempt finished: $(wait_done "$run")"
+grep -h "signal 12\|resumed from" "$folder"/logs/attempt-0.rank-0.log || true
+echo "latest checkpoint: $(cat "$folder/checkpoints/latest")"
 
 echo "== 4. summary"
 if $HPC summary --help >/dev/null 2>&1; then
