@@ -92,18 +92,19 @@ def _log_sources(inp: RunInput) -> tuple[Callable[[], list[LogFile]], Callable[[
     """(list the files now, host of a file): rank logs, plus submitit's logs for attempts that
     have no rank log (the job died before the node started logging)."""
     from hpctrain import collect as co
+    from hpctrain.collect_files import attempt_files, rank_hosts
 
     hosts: dict[tuple[int, int], str] = {}
     nodelists = {int(a["attempt"]): str(a.get("nodes") or "") for a in inp.attempts}
     shape = co._shape(inp)
 
     def list_files() -> list[LogFile]:
-        files = co.attempt_files(inp.folder, inp.attempts)
+        files = attempt_files(inp.folder, inp.attempts)
         with_rank_logs = {f.attempt for f in files if f.kind == "rank"}
         chosen = [f for f in files if f.kind == "rank" or f.attempt not in with_rank_logs]
         for k in {f.attempt for f in chosen} - {a for a, _ in hosts}:
             mine = [f for f in files if f.attempt == k]
-            for r, h in co.rank_hosts(mine, nodelists.get(k, ""), shape.ranks_per_node).items():
+            for r, h in rank_hosts(mine, nodelists.get(k, ""), shape.ranks_per_node).items():
                 hosts[(k, r)] = h
         return chosen
 

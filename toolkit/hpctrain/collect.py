@@ -22,6 +22,15 @@ from typing import TYPE_CHECKING, Any
 from hpctrain import collect_classify as cc
 from hpctrain import collect_logs as cl
 from hpctrain import collect_metrics as cm
+from hpctrain.collect_files import (
+    attempt_files,
+    expand_requeues,
+    hosts_of,
+    rank_hosts,
+    rel,
+    submitit_to_last_run,
+    text_of,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.registry import Attempt, Registry, Run
@@ -35,7 +44,7 @@ def _collector_version() -> str:
     import hashlib
 
     h = hashlib.sha1()
-    for name in ("collect.py", "collect_classify.py", "collect_metrics.py", "collect_logs.py"):
+    for name in ("collect.py", "collect_classify.py", "collect_metrics.py", "collect_logs.py", "collect_files.py"):
         try:
             h.update((Path(__file__).parent / name).read_bytes())
         except OSError:
@@ -146,92 +155,6 @@ def _int(*vals: Any, default: int) -> int:
 
 
 # -- one attempt ------------------------------------------------------------------------------------
-def _hosts_of(nodelist: str) -> list[str]:
-    if not nodelist:
-        return []
-    try:
-        from hpctrain.nodelist import expand
-
-        return expand(nodelist)
-    except Exception:
-        return [h for h in nodelist.split(",") if h and "[" not in h]
-
-
-def rank_hosts(job_files: list[cl.LogFile], nodelist: str, ranks_per_node: int) -> dict[int, str]:
-    """rank -> host: submitit's JobEnvironment line is ground truth; SLURM's block distribution over
-    the job's nodelist (ranks_per_node per host, in order) fills the rest."""
-    out: dict[int, str] = {}
-    hosts = _hosts_of(nodelist)
-    for f in job_files:
-        if f.kind == "submitit" and f.rank is not None and f.rank not in out:
-            src = cc.identify(cc.LogSource(f.path.name, cl.read_text(f.path, limit=16384)))
-            if src.host:
-                out[src.rank if src.rank is not None else f.rank] = src.host
-    if hosts:
-        per = max(1, ranks_per_node)
-        for r in range(len(hosts) * per):
-            out.setdefault(r, hosts[r // per])
-    return out
-
-
-def attempt_files(folder: Path, attempts: list[dict[str, Any]]) -> list[cl.LogFile]:
-    """Every rank log and every submitit task log of the run's attempts."""
-    jobs = {str(a.get("job_id")): int(a["attempt"]) for a in attempts if a.get("job_id")}
-    return cl.rank_log_files(folder / "logs") + cl.submitit_log_files(folder / "submitit", jobs)
-
-
-def expand_requeues(atts: list[dict[str, Any]], files: list[cl.LogFile]) -> list[dict[str, Any]]:
-    """SLURM requeued the latest job (NODE_FAIL, preemption): the node numbers its logs by
-    SLURM_RESTART_COUNT, so logs/attempt-K+1.* appear with no registry attempt of their own. Each
-    becomes a row with the same job id; every run but the last is REQUEUED, timed by its own logs
-    (sacct's record of the job describes its latest run only)."""
-    if not atts:
-        return atts
-    last = atts[-1]
-    k0 = int(last["attempt"])
-    extra = sorted({f.attempt for f in files if f.kind == "rank" and f.attempt > k0})
-    if not extra:
-        return atts
-    out = atts[:-1]
-    for k in [k0, *extra]:
-        row = dict(last, attempt=k, _requeued=True)
-        if k != extra[-1]:
-            first, end = _log_span([f for f in files if f.attempt == k and f.kind == "rank"])
-            row.update(state="REQUEUED", started=first, ended=end, exit_code=None, failure_class=None)
-        out.append(row)
-    return out
-
-
-def _submitit_to_last_run(files: list[cl.LogFile], atts: list[dict[str, Any]]) -> list[cl.LogFile]:
-    """submitit's %j_%t logs are appended by every run of a requeued job: give them to its last row,
-    so an earlier run is judged by its own rank logs, not by what a later run printed."""
-    last_of: dict[str, int] = {}
-    first_of: dict[str, int] = {}
-    for a in atts:
-        job = str(a.get("job_id"))
-        last_of[job] = int(a["attempt"])
-        first_of.setdefault(job, int(a["attempt"]))
-    moved = {first_of[j]: last_of[j] for j in last_of if last_of[j] != first_of[j]}
-    if not moved:
-        return files
-    return [cl.LogFile(f.path, moved.get(f.attempt, f.attempt), f.rank, f.kind) if f.kind == "submitit" else f
-            for f in files]
-
-
-def _log_span(files: list[cl.LogFile]) -> tuple[float | None, float | None]:
-    times = [t for f in files for t in (_first_time(f.path), cl.last_timestamp(cl.read_text(f.path, 1 << 20)))
-             if t is not None]
-    return (min(times), max(times)) if times else (None, None)
-
-
-def _first_time(path: Path) -> float | None:
-    for line in cl.read_text(path, limit=1 << 30)[:65536].splitlines():
-        t = cl.parse_time(line)
-        if t is not None:
-            return t
-    return None
-
-
 def _attempt_row(inp: RunInput, a: dict[str, Any], files: list[cl.LogFile], recs: list[dict[str, Any]],
                  earlier: list[dict[str, Any]], ckpts: list[int], shape: Shape, is_last: bool,
                  heartbeat: dict[str, Any] | None, now: float) -> dict[str, Any]:
@@ -245,12 +168,12 @@ def _attempt_row(inp: RunInput, a: dict[str, Any], files: list[cl.LogFile], recs
         end = m.last_time
     elapsed = (end if end is not None else (now if state not in FINAL else None))
     elapsed_s = max(0.0, elapsed - start) if (elapsed is not None and start is not None) else None
-    hosts = _hosts_of(str(a.get("nodes") or ""))
+    hosts = hosts_of(str(a.get("nodes") or ""))
     nodes = len(hosts) or shape.nodes
     gpu_h, cpu_h = cm.resource_hours(elapsed_s, nodes, shape.gpus_per_node, shape.ranks_per_node * shape.cpus_per_task)
     mine = [f for f in files if f.attempt == k]
     host_of = rank_hosts(mine, str(a.get("nodes") or ""), shape.ranks_per_node)
-    sources = [cc.LogSource(_rel(f.path, inp.folder), _text_of(f, a, start), f.rank,
+    sources = [cc.LogSource(rel(f.path, inp.folder), text_of(f, a, start), f.rank,
                             host_of.get(f.rank) if f.rank is not None else None, str(a.get("job_id") or ""))
                for f in mine]
     beat = m.last_time
@@ -297,17 +220,6 @@ def _with_fault_notes(folder: Path, atts: list[dict[str, Any]]) -> list[dict[str
             for i, a in enumerate(atts)]
 
 
-def _rel(path: Path, folder: Path) -> str:
-    return str(path.relative_to(folder)) if folder in path.parents else path.name
-
-
-def _text_of(f: cl.LogFile, a: dict[str, Any], start: float | None) -> str:
-    text = cl.read_text(f.path, limit=4 << 20)
-    if f.kind == "submitit" and a.get("_requeued") and start is not None:
-        text = cl.text_since(text, start)  # only this run's part of the job's shared submitit log
-    return text
-
-
 def _float(v: Any) -> float | None:
     try:
         return float(v) if v is not None and v != "" else None
@@ -333,7 +245,7 @@ def build_run(inp: RunInput, now: float | None = None) -> dict[str, Any]:
     files = attempt_files(inp.folder, atts) if folder_ok else []
     atts = expand_requeues(atts, files)
     atts = _with_fault_notes(inp.folder, atts) if folder_ok else atts
-    files = _submitit_to_last_run(files, atts)
+    files = submitit_to_last_run(files, atts)
     per = cm.split_by_attempt(records, [_float(a.get("started")) for a in atts]) if atts else []
     heartbeat = _read_json(inp.folder / "metrics" / "heartbeat") if folder_ok else None
     rows: list[dict[str, Any]] = []
