@@ -16,7 +16,8 @@
 #   down           stop the daemons this script started, kill job processes left in the node namespaces,
 #                  remove namespaces, bridge and the /etc/hosts block. Keeps DB + state (job ids continue).
 #   wipe           down, then delete state, DB, logs and configs
-#   status         print daemons and node states; exit 0 only if the cluster is healthy
+#   status         print daemons and node states; exit 0 if the cluster is healthy, 3 if the only fault is
+#                  nodes stopped on purpose with kill-node (a test is exercising node failure), else 1
 #   kill-node N    kill -9 every process in nodeN's namespace (a powered-off node)
 #   restart-node N start nodeN's slurmd again
 #
@@ -367,6 +368,7 @@ start_node() { # slurmd for node $1 in its netns, in its own UTS namespace so `h
   nsenter --net="/run/netns/$NS$i" -- unshare --uts -- sh -c "hostname node$i && exec /usr/sbin/slurmd -N node$i" \
     9>&- </dev/null >"$LOG/slurmd.node$i.start.log" 2>&1 || die "slurmd node$i did not start: $(cat "$LOG/slurmd.node$i.start.log")"
   STARTED+=("slurmd.node$i")
+  rm -f "$RUN/killed.node$i"
   for _ in $(seq 50); do [ -s "$pf" ] && break; sleep 0.1; done
   ours "$pf" slurmd || die "slurmd node$i exited (see $LOG/slurmd.node$i.log)"
 }
@@ -461,6 +463,7 @@ down_all() {
   stop_pid "$RUN/slurmdbd.pid" slurmdbd
   stop_pid "$RUN/mariadb.pid" mariadbd
   stop_pid "$RUN/munged.pid" munged
+  rm -f "$RUN"/killed.node*
   net_down
 }
 cmd_down() {
@@ -481,7 +484,7 @@ cmd_wipe() {
   say "lab wiped"
 }
 cmd_status() {
-  local bad=0 d i
+  local bad=0 killed=0 d i
   for d in munged:munged mariadb:mariadbd slurmdbd:slurmdbd slurmctld:slurmctld; do
     if ours "$RUN/${d%%:*}.pid" "${d#*:}"; then
       printf '%-14s running  pid %s\n' "${d%%:*}" "$(cat "$RUN/${d%%:*}.pid")"
@@ -493,6 +496,9 @@ cmd_status() {
   for i in $(seq "$NNODES"); do
     if ours "$RUN/slurmd.node$i.pid" slurmd; then
       printf '%-14s running  pid %s\n' "slurmd.node$i" "$(cat "$RUN/slurmd.node$i.pid")"
+    elif [ -e "$RUN/killed.node$i" ]; then
+      printf '%-14s STOPPED  on purpose (kill-node %s; back with restart-node %s)\n' "slurmd.node$i" "$i" "$i"
+      killed=$((killed + 1))
     else
       printf '%-14s STOPPED\n' "slurmd.node$i"
       bad=1
@@ -501,7 +507,7 @@ cmd_status() {
   if [ $bad = 0 ] && ctld_up; then
     echo "nodes:"
     node_states | sed 's/^/  /'
-    [ "$(healthy_count)" -ge "$NNODES" ] || bad=1
+    [ "$(healthy_count)" -ge $((NNODES - killed)) ] || bad=1
     timeout 5 sacctmgr -n show cluster >/dev/null 2>&1 || {
       echo "accounting: slurmdbd NOT answering"
       bad=1
@@ -510,12 +516,15 @@ cmd_status() {
     bad=1
   fi
   if [ -e "$KEEP_FLAG" ]; then echo "kept up: yes ($KEEP_FLAG; test sessions leave it running)"; fi
-  if [ $bad = 0 ]; then
+  if [ $bad = 0 ] && [ $killed = 0 ]; then
     echo "cluster: healthy (LAB=$LAB, partition debug, nodes node1..node$NNODES)"
-  else
-    echo "cluster: NOT healthy (LAB=$LAB); run: bash $0 up"
+    return 0
+  elif [ $bad = 0 ]; then
+    echo "cluster: degraded on purpose ($killed node(s) stopped with kill-node; LAB=$LAB)"
+    return 3
   fi
-  return $bad
+  echo "cluster: NOT healthy (LAB=$LAB); run: bash $0 up"
+  return 1
 }
 node_arg() {
   case "${1:-}" in '' | *[!0-9]*) die "need a node number 1..$NNODES, got '${1:-}'" ;; esac
@@ -527,6 +536,7 @@ cmd_kill_node() {
   lock
   kill_ns "$1"
   rm -f "$RUN/slurmd.node$1.pid"
+  touch "$RUN/killed.node$1" # status reports it as stopped on purpose; start_node clears it
   say "node$1 killed (every process in its namespace); bring it back with: bash $0 restart-node $1"
 }
 cmd_restart_node() {
