@@ -150,22 +150,35 @@ cmd_charliecloud() {
   mkdir -p "$(dirname "$dir")"
   tmp="$dir.tmp.$$"
   rm -rf "$tmp"
+  local mnt=""
   if command -v ch-convert >/dev/null; then
     run ch-convert -i "$eng" "$tag" "$tmp"
+  elif [ -d "$dir/bin" ] && [ "$eng" = podman ] && command -v rsync >/dev/null &&
+    mnt=$(podman image mount "$tag" 2>/dev/null) && [ -n "$mnt" ]; then
+    # An update: a hard-linked copy of the old directory, then rsync only what changed (rsync writes new
+    # files and renames them, so the old directory, maybe in use by running jobs, is never modified).
+    cp -al "$dir" "$tmp"
+    rsync -a --delete --exclude='/dev/*' --exclude=/ch "$mnt"/ "$tmp"/
+    podman image unmount "$tag" >/dev/null
   else
     mkdir -p "$tmp"
     cid=$("$eng" create "$tag")
     "$eng" export "$cid" | tar -x -C "$tmp" --exclude='dev/*'
     "$eng" rm "$cid" >/dev/null
-    # What ch-convert would write: the image's ENV, read by `ch-run --set-env`.
+  fi
+  if [ ! -f "$tmp/ch/environment" ] || [ -n "$mnt" ]; then
+    # What ch-convert writes: the image's ENV, read by `ch-run --set-env`.
     mkdir -p "$tmp/ch"
     "$eng" image inspect --format '{{range .Config.Env}}{{println .}}{{end}}' "$tag" | sed '/^$/d' >"$tmp/ch/environment"
   fi
   echo "$id" >"$tmp/ch/hpctrain-image-id"
   # ch-run binds the host's /etc/hosts and /etc/resolv.conf onto these; they must exist.
   touch "$tmp/etc/hosts" "$tmp/etc/resolv.conf"
-  rm -rf "$dir"
+  if [ -e "$dir" ]; then
+    mv "$dir" "$dir.old.$$"
+  fi
   mv "$tmp" "$dir"
+  rm -rf "$dir.old.$$"
   say "Charliecloud image: $dir ($(du -sh "$dir" | cut -f1))"
 }
 
