@@ -131,18 +131,28 @@ def assert_matches_reference(run: Path, ref: dict[int, float], steps: int) -> No
 
 
 @pytest.fixture(scope="module")
-def campaign(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Campaign]:
+def campaign(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Campaign]:
+    """Submits, all at once, the runs the selected tests need (so `-k hang` runs only the hang + reference)."""
     c = Campaign(tmp_path_factory.mktemp("fault"))
+    selected = " ".join(item.name for item in request.session.items)
     two = ["--nodes", "2", *NOT3]
-    c.submit("ref2", *two, "--steps", "120", "--retries", "0", "--set", "checkpoint.every_steps=0")
-    c.submit("hang", *two, "--steps", "24", "--set", f"checkpoint.every_steps={INTERVAL}",
-             "--set", "launch.hang_timeout_s=20", fault="hang:rank=1,step=10")
-    c.submit("ckptcrash", *two, "--steps", "24", "--set", f"checkpoint.every_steps={INTERVAL}",
-             fault="ckpt-crash:step=12")
-    c.submit("usererr", "--nodes", "1", *NOT3, "--steps", "24", fault="raise:step=3")
-    c.submit("timelimit", *two, "--steps", "120", "--set", "resources.time=00:02:00",
-             "--set", "resources.signal_seconds=75", "--set", "checkpoint.every_steps=0")
-    c.submit("ref4", "--nodes", "4", "--steps", "60", "--retries", "0", "--set", "checkpoint.every_steps=0")
+    wanted = {
+        "ref2": ("hang" in selected or "checkpointing" in selected or "time_limit" in selected,
+                 (*two, "--steps", "120", "--retries", "0", "--set", "checkpoint.every_steps=0"), ""),
+        "hang": ("hang" in selected, (*two, "--steps", "24", "--set", f"checkpoint.every_steps={INTERVAL}",
+                                      "--set", "launch.hang_timeout_s=20"), "hang:rank=1,step=10"),
+        "ckptcrash": ("checkpointing" in selected, (*two, "--steps", "24", "--set",
+                                                    f"checkpoint.every_steps={INTERVAL}"), "ckpt-crash:step=12"),
+        "usererr": ("user_error" in selected, ("--nodes", "1", *NOT3, "--steps", "24"), "raise:step=3"),
+        "timelimit": ("time_limit" in selected, (*two, "--steps", "120", "--set", "resources.time=00:02:00",
+                                                 "--set", "resources.signal_seconds=75",
+                                                 "--set", "checkpoint.every_steps=0"), ""),
+        "ref4": ("node_failure" in selected, ("--nodes", "4", "--steps", "60", "--retries", "0",
+                                              "--set", "checkpoint.every_steps=0"), ""),
+    }
+    for name, (needed, flags, fault) in wanted.items():
+        if needed:
+            c.submit(name, *flags, fault=fault)
     try:
         yield c
     finally:
@@ -170,6 +180,18 @@ def test_user_error_is_not_retried(campaign: Campaign) -> None:
     row = summary["attempts"][-1]
     assert row["failure_class"] == "python_exception" and "user code failed" in row["failure"]["exception"]
     assert row["resubmit"]["action"] == "stop"
+    # The user "fixes the bug" (no fault injected any more) and resubmits by hand: attempt 1, a new job,
+    # the same run folder; it runs through.
+    proc = subprocess.run([sys.executable, "-m", "hpctrain", "resubmit", run.name, "--max-retries", "0", "--json"],
+                          capture_output=True, text=True, timeout=120, check=False, env=campaign.env,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["attempt"] == 1 and out["supervisor"] is None and out["job_id"] != notes(run)[0]["job_id"]
+    wait_until(lambda: max(losses(run), default=0) >= 24, 400, "the resubmitted attempt to finish")
+    status = subprocess.run([sys.executable, "-m", "hpctrain", "status", run.name, "--json"], capture_output=True,
+                            text=True, timeout=60, check=True, env=campaign.env, stdin=subprocess.DEVNULL)
+    assert [a["job_id"] for a in json.loads(status.stdout)["attempts"]] == [notes(run)[0]["job_id"], out["job_id"]]
 
 
 def test_hang_watchdog_cancels_and_retries_without_the_silent_host(campaign: Campaign,
@@ -239,9 +261,16 @@ def test_node_failure_requeues_and_finishes_with_the_same_losses(campaign: Campa
     last = wait_decided(run, timeout=480)
     assert last["decision"]["action"] == "done", last
     hist = run_cmd(["sacct", "-X", "-D", "-n", "-P", "-j", job, "-o", "State"], timeout=30).stdout.split()
-    assert "NODE_FAIL" in hist and hist[-1] == "COMPLETED", hist
-    log1 = (run / "logs" / "attempt-1.rank-0.log").read_text()
-    resumed = int(log1.split("resumed from step-")[1].split(" ")[0])
-    assert killed_at - resumed <= 5 and resumed >= 10, (killed_at, resumed)
+    assert hist[0] == "NODE_FAIL", hist  # SLURM requeued the job (same id) after losing node3
+    # Its rerun usually completes. When node3's slurmd re-registers just as the rerun starts, slurmctld
+    # may kill the rerun's step (it shares the step id 0 of the dead run): the job then ends FAILED and
+    # the supervisor retries it as a new job. Either way the run ends complete, from a checkpoint.
+    if hist[-1] != "COMPLETED":
+        first = decisions(run)[0]
+        assert first["job_id"] == job and first["decision"]["action"] == "retry", first
+    logs = sorted((run / "logs").glob("attempt-*.rank-0.log"))[1:]
+    resumed = [int(t.split("resumed from step-")[1].split(" ")[0]) for t in (p.read_text() for p in logs)
+               if "resumed from step-" in t]
+    assert resumed and killed_at - resumed[0] <= 5 and resumed[0] >= 10, (killed_at, resumed)
     assert all(s <= 5 for s in lost_steps(run)), lost_steps(run)
     assert_matches_reference(run, ref4, 60)

@@ -351,6 +351,16 @@ def _registry_attempts(run_id: str) -> list[int]:
         return []
 
 
+def _registry_failure(run_id: str, attempt: int, failure_class: str) -> None:
+    """The attempt's failure class into the registry (`hpctrain status` shows it); best effort."""
+    try:
+        from hpctrain.registry import Registry
+
+        Registry().update_attempt(run_id, attempt, failure_class=failure_class)
+    except Exception:  # noqa: BLE001,S110 - the run folder holds the record anyway
+        pass
+
+
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -565,6 +575,8 @@ def supervise(run_dir: Path, job_id: str) -> dict[str, Any]:
                 note["decision"] = {**decision.to_dict(), "action": "stop",
                                     "reason": f"{decision.reason}; resubmission failed: {exc}"}
         runs_mod.append_attempt(run_dir / "attempts.jsonl", note)
+        if last is not None and decision.failure_class:
+            _registry_failure(run_dir.name, last.attempt, decision.failure_class)
     _refresh_summary(run_dir)
     print(f"hpctrain supervise: {note['decision']['action']}: {note['decision']['reason']}", flush=True)
     return dict(note["decision"])
