@@ -119,27 +119,30 @@ def decide(history: Sequence[AttemptRecord], policy: Policy, fit: Fit) -> Decisi
     last = history[-1]
     cls = effective_class(last)
     used = len(history) - 1  # attempts after the first are retries
-    base = {"failure_class": cls, "retries_used": used, "exclude": last.excluded}
+
+    def end(action: Action, reason: str) -> Decision:
+        return Decision(action, reason, exclude=last.excluded, failure_class=cls, retries_used=used)
+
     if last.state == "COMPLETED" and cls is None:
-        return Decision("done", f"attempt {last.attempt} (job {last.job_id}) completed", **base)
+        return end("done", f"attempt {last.attempt} (job {last.job_id}) completed")
     what = _describe(last, cls)
     if cls in USER_CLASSES:
-        return Decision("stop", f"{what}: a user error (code, config or sizing); not retried, it would fail the "
-                        f"same way. Fix it, then `hpctrain resubmit` the run.", **base)
+        return end("stop", f"{what}: a user error (code, config or sizing); not retried, it would fail the "
+                        f"same way. Fix it, then `hpctrain resubmit` the run.")
     if cls == "cancelled":
-        return Decision("stop", f"{what}: cancelled from outside (not by hpctrain's watchdog); not retried", **base)
+        return end("stop", f"{what}: cancelled from outside (not by hpctrain's watchdog); not retried")
     if len(history) >= 2 and _same_failure(history[-2], last):
-        return Decision("stop", f"{what}: the same failure as attempt {history[-2].attempt} (same class, message "
-                        f"and last step); not retried again", **base)
+        return end("stop", f"{what}: the same failure as attempt {history[-2].attempt} (same class, message "
+                        f"and last step); not retried again")
     stuck = _attempts_without_progress(history)
     if policy.no_progress_attempts > 0 and stuck >= policy.no_progress_attempts:
         ck = last.checkpoint_step
-        return Decision("stop", f"{what}: {stuck} attempts in a row made no progress (last complete checkpoint "
-                        f"{'none' if ck is None else f'step {ck}'}); stopping early", **base)
+        return end("stop", f"{what}: {stuck} attempts in a row made no progress (last complete checkpoint "
+                        f"{'none' if ck is None else f'step {ck}'}); stopping early")
     if used >= policy.max_retries:
-        return Decision("stop", f"{what}: retry budget spent ({used} of {policy.max_retries} retries used)", **base)
+        return end("stop", f"{what}: retry budget spent ({used} of {policy.max_retries} retries used)")
     if cls not in RETRY_CLASSES:
-        return Decision("stop", f"{what}: no retry rule for failure class {cls!r}", **base)
+        return end("stop", f"{what}: no retry rule for failure class {cls!r}")
     exclude, added, kept, notes = exclusions(last, policy, fit)
     resume = "the start" if last.checkpoint_step is None else f"checkpoint step {last.checkpoint_step}"
     reason = f"{what}: retry {used + 1} of {policy.max_retries}, resuming from {resume}"
