@@ -212,3 +212,18 @@ def test_deepspeed_launcher_refuses_missing_hostfile(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "hpctrain.node", str(run), "--launcher", "deepspeed"],
                           env=node_env(), capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode != 0 and "hostfile is missing or empty" in proc.stderr
+
+
+@pytest.mark.parametrize("parallel", [{"zero": 3}, {"zero": 1, "pp": 2}], ids=["zero3", "pp2"])
+def test_finetune_from_exported_folder(zero3_runs: dict[str, Path], tmp_path: Path, parallel: dict) -> None:
+    """model.path = an exported HF folder: weights load (ZeRO-3 from_pretrained, or per pipeline stage)."""
+    src = zero3_runs["full"]
+    final_loss = losses_by_step(src)[20]
+    freeze = ["model.embed_tokens.*"] if "pp" not in parallel else []
+    run = make_run(tmp_path / "run", model={"config": "", "path": str(src / "hf"), "freeze": freeze},
+                   train={"steps": 3, "warmup_steps": 0, "lr": 1e-4, "min_lr": 1e-5}, parallel=parallel)
+    _ok(torchrun(run, 2))
+    first = losses_by_step(run)[1]
+    assert first < final_loss + 0.3 < 5.5, (first, final_loss)  # trained weights, not a random init (5.77)
+    if freeze:
+        assert "froze 1 parameter tensors" in (run / "logs" / "attempt-0.rank-0.log").read_text()

@@ -65,22 +65,54 @@ def hf_config(model_spec: Any) -> Any:
 
 
 def build_model(model_spec: Any, cfg: Any, precision: str, ds_config: dict[str, Any], zero3: bool) -> Any:
-    """from_pretrained or from_config; under zero.Init for ZeRO-3 so no rank ever holds the whole model."""
+    """from_pretrained or from_config, partitioned at construction for ZeRO-3 (no rank holds it whole)."""
     import deepspeed
     from transformers import AutoModelForCausalLM
 
     _import_model_code(cfg)
-    init = deepspeed.zero.Init(config_dict_or_path=ds_config) if zero3 else contextlib.nullcontext()
     dtype = DTYPES[precision]
+    if model_spec.path and not zero3:
+        return AutoModelForCausalLM.from_pretrained(model_spec.path, config=cfg, dtype=dtype, local_files_only=True)
+    init = deepspeed.zero.Init(config_dict_or_path=ds_config) if zero3 else contextlib.nullcontext()
     with init:
-        if model_spec.path:
-            model = AutoModelForCausalLM.from_pretrained(model_spec.path, config=cfg, dtype=dtype,
-                                                         local_files_only=True)
-        else:
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)  # type: ignore[no-untyped-call]
-    if not model_spec.path:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)  # type: ignore[no-untyped-call]
+    if model_spec.path:
+        # ZeRO-3: fill the partitioned model one tensor at a time (transformers' own ZeRO-3 loading
+        # path needs `accelerate`; this needs nothing and never holds more than one tensor whole).
+        load_partitioned(model, model_spec.path)
+    else:
         reinit_weights(model, zero3)
     return model
+
+
+def load_partitioned(model: Any, path: str) -> None:
+    """Copy a local folder's *.safetensors weights into a ZeRO-3 partitioned model (rank 0 reads)."""
+    import glob
+
+    import deepspeed
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(str(Path(path) / "*.safetensors")))
+    if not files:
+        raise NodeInputError(f"[model] path = {path!r}: no *.safetensors files; ZeRO-3 loads safetensors only. "
+                             "Fix: re-save the model with save_pretrained(..., safe_serialization=True).")
+    params = dict(model.named_parameters())  # tied weights appear once, under their first name
+    rank0 = torch.distributed.get_rank() == 0
+    loaded: set[str] = set()
+    for f in files:
+        with safe_open(f, framework="pt") as fh:
+            for key in fh.keys():  # noqa: SIM118 - safe_open is not a dict
+                param = params.get(key)
+                if param is None:
+                    continue
+                with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
+                    if rank0:
+                        param.copy_(fh.get_tensor(key).to(param.dtype))
+                loaded.add(key)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise NodeInputError(f"[model] path = {path!r}: the weights lack {', '.join(missing[:5])}"
+                             f"{' ...' if len(missing) > 5 else ''}; is config.json from the same model?")
 
 
 def _import_model_code(cfg: Any) -> None:

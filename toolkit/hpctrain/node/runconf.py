@@ -64,7 +64,13 @@ def read_spec(run_dir: Path) -> Spec:
         raise NodeInputError(f"{path}: no spec.toml in the run folder; create the run with `hpctrain submit`.")
     reader = getattr(specmod, "read_resolved", None)
     if reader is not None:
-        return typing.cast(Spec, reader(Path(run_dir)))
+        try:
+            return typing.cast(Spec, reader(Path(run_dir)))
+        except Exception as exc:
+            # CONTROL's validation errors (HpcUsageError, a click.UsageError) name the field and the fix.
+            if hasattr(exc, "format_message"):
+                raise NodeInputError(f"{path}: {exc.format_message()}") from exc
+            raise
     try:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
