@@ -112,6 +112,17 @@ def test_resume_two_to_four_ranks_through_universal(tmp_path: Path) -> None:
     assert (run / "checkpoints" / "universal-step-8").is_dir()
 
 
+def test_zero2_resume_on_fewer_ranks_injects_universal_state(tmp_path: Path) -> None:
+    """ZeRO-2 checkpoints lack universal_checkpoint_info: the conversion injects it (2 -> 1 rank)."""
+    run = make_run(tmp_path / "run", train={"steps": 4}, parallel={"zero": 2}, checkpoint={"every_steps": 4})
+    _ok(torchrun(run, 2))
+    make_run(run, train={"steps": 6}, parallel={"zero": 2}, checkpoint={"every_steps": 4})
+    _ok(torchrun(run, 1))
+    loss = losses_by_step(run)
+    assert sorted(loss) == [1, 2, 3, 4, 5, 6] and loss[5] < loss[1]
+    assert (run / "checkpoints" / "universal-step-4").is_dir()
+
+
 def test_pipeline_two_stages(tmp_path: Path) -> None:
     run = make_run(tmp_path / "run", train={"steps": 8, "precision": "bf16"}, parallel={"zero": 1, "pp": 2},
                    checkpoint={"export_hf": True})
