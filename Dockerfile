@@ -50,6 +50,8 @@ COPY --from=build /wheelhouse/hpctrain /tmp/wheelhouse/hpctrain
 RUN bash /opt/hpctrain/install.sh hpctrain /tmp/wheelhouse/hpctrain \
  && rm -rf /tmp/wheelhouse
 COPY containers/entrypoint.sh /usr/local/bin/hpctrain-entrypoint
+# No SLURM client in the image: submitit's `scontrol requeue` becomes a request the batch script carries out.
+COPY containers/scontrol-shim.sh /usr/local/bin/scontrol
 # Compute nodes are often offline: models and data come from the shared filesystem.
 ENV HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1

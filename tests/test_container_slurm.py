@@ -156,6 +156,47 @@ def test_charliecloud_two_node_zero3_trains_and_checkpoints(image: str, tmp_path
     assert all(info["root"] == (image_root.st_dev, image_root.st_ino) for info in ranks.values())
 
 
+def _state(job: str) -> str:
+    out = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job, "-o", "State"], capture_output=True, text=True,
+                         timeout=30, check=False).stdout.split()
+    return out[0] if out else ""
+
+
+def test_podman_time_limit_signal_checkpoints_requeues_and_resumes(image: str, tmp_path: Path) -> None:
+    """USR2 (what `--signal=USR2@90` sends before the time limit) reaches the ranks through podman; rank 0
+    checkpoints and asks to requeue (no scontrol in the image: the request goes through the run folder), the
+    batch script requeues the job, and the next attempt resumes from that checkpoint to the end."""
+    env = {**os.environ, "HPCTRAIN_RUNS_DIR": str(tmp_path / "runs"), "HPCTRAIN_STATE_DIR": str(tmp_path / "state")}
+    res = subprocess.run([str(HPCTRAIN), "submit", str(REPO / "examples" / "tiny.toml"), "--executor", "slurm",
+                          "--partition", "debug", "--nodes", "2", "--set", "resources.tasks_per_node=1", "--steps", "40",
+                          "--set", "checkpoint.every_steps=0", "--time", "00:10:00", "--container", f"podman:{image}",
+                          "--json"], capture_output=True, text=True, timeout=120, check=False, env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    sub = json.loads(res.stdout)[0]
+    run_dir, job = Path(sub["run_dir"]), str(sub["job_id"])
+    log0 = run_dir / "logs" / "attempt-0.rank-0.log"
+    try:
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        while time.monotonic() < deadline and " step 3 " not in (log0.read_text() if log0.exists() else ""):
+            assert _state(job) in ("", "PENDING", "RUNNING", "CONFIGURING"), _logs(run_dir)
+            time.sleep(0.5)
+        subprocess.run(["scancel", "--signal=USR2", job], capture_output=True, timeout=30, check=True)
+        while time.monotonic() < deadline and _state(job) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+            time.sleep(1)
+    finally:
+        if _state(job) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+            subprocess.run(["scancel", job], capture_output=True, timeout=30, check=False)
+    logs = _logs(run_dir)
+    assert _state(job) == "COMPLETED", logs
+    first = log0.read_text()
+    assert "signal 12: checkpointed at step" in first, logs
+    step = int(first.split("signal 12: checkpointed at step ")[1].split(",")[0])
+    resumed = (run_dir / "logs" / "attempt-1.rank-0.log").read_text()
+    assert f"resumed from step-{step} at step {step}" in resumed, logs
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-40"
+    assert "requeueing job" in logs and not (run_dir / "requeue-request").exists()
+
+
 def test_image_check_runs_the_image_like_a_rank(image: str) -> None:
     """`hpctrain image check` starts the image through the same wrapping and guard as a rank."""
     for target in (f"podman:{image}", f"charliecloud:{CH_IMAGE}"):

@@ -64,7 +64,9 @@ def _section(script: str) -> str:
 
 
 def _launch(script: str) -> list[str]:
-    return shlex.split([ln for ln in script.splitlines() if ln.startswith("srun ")][-1])
+    """The srun line's words (in a container it ends with `|| rc=$?`: the requeue hand-off follows)."""
+    words = shlex.split([ln for ln in script.splitlines() if ln.startswith("srun ")][-1])
+    return words[:-2] if words[-2:] == ["||", "rc=$?"] else words
 
 
 # --------------------------------------------------------------------------------------------------
@@ -474,3 +476,40 @@ def test_image_check_print_only(tmp_path: Path) -> None:
     assert res.exit_code == 0 and "srun --nodes=1 --ntasks=1 '--container-image=reg#org/img:1'" in shlex.split(res.output)[-1]
     res = runner.invoke(cli, ["image", "check", "docker:img"])
     assert res.exit_code == 2 and "runtimes: apptainer, pyxis, podman, charliecloud" in res.output
+
+
+def test_scontrol_shim_writes_a_requeue_request(tmp_path: Path) -> None:
+    shim = REPO / "containers" / "scontrol-shim.sh"
+    env = {"PATH": "/usr/bin:/bin", "HPCTRAIN_RUN_DIR": str(tmp_path)}
+    res = subprocess.run(["sh", str(shim), "requeue", "123_4"], check=False, capture_output=True, text=True,
+                         timeout=30, env=env)
+    assert res.returncode == 0 and (tmp_path / "requeue-request").read_text() == "123_4\n"
+    assert "batch script runs scontrol outside the container" in res.stderr
+    if not Path("/usr/bin/scontrol").exists():
+        res = subprocess.run(["sh", str(shim), "show", "hostnames"], check=False, capture_output=True, text=True,
+                             timeout=30, env=env)
+        assert res.returncode == 1 and "not available inside the container" in res.stderr
+
+
+@pytest.mark.parametrize("request_text,expected", [("2309\n", "requeue 2309"), ("7_3\n", "requeue 7_3"),
+                                                   ("1; touch pwned\n", None)])
+def test_batch_script_carries_out_a_requeue_request(tmp_path: Path, request_text: str, expected: str | None) -> None:
+    """The rendered script, run with fake SLURM commands: srun (the ranks) leaves a request behind, and the
+    script's exit runs the real scontrol requeue outside the container."""
+    run = tmp_path / "run"
+    run.mkdir()
+    spec = _spec("podman", gpus=0)
+    script = _script(spec, run)
+    fakes = ("scontrol() { if [ \"$1\" = requeue ]; then printf '%s\\n' \"$*\" > \"$CALLS\"; else printf 'node1\\n'; fi; }\n"
+             "podman() { :; }\n"
+             f"srun() {{ printf %s {shlex.quote(request_text)} > \"$HPCTRAIN_RUN_DIR/requeue-request\"; return 3; }}\n")
+    (tmp_path / "run.sh").write_text(script.replace("#!/bin/bash\n", "#!/bin/bash\n" + fakes, 1))
+    res = subprocess.run(["bash", str(tmp_path / "run.sh")], check=False, capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path, env={"PATH": os.environ["PATH"], "SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "node1",
+                                            "CALLS": str(tmp_path / "calls")})
+    assert res.returncode == 3, res.stderr  # srun's status is the job's
+    assert not (run / "requeue-request").exists() and not (tmp_path / "pwned").exists()
+    if expected:
+        assert (tmp_path / "calls").read_text().strip() == expected
+    else:
+        assert not (tmp_path / "calls").exists() and "malformed requeue request" in res.stderr

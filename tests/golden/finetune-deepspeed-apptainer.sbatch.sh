@@ -39,6 +39,13 @@ if [ ! -s "$HPCTRAIN_RUN_DIR/hostfile.tmp" ]; then
 fi
 mv -f "$HPCTRAIN_RUN_DIR/hostfile.tmp" "$HPCTRAIN_RUN_DIR/hostfile"
 
+# Hang watchdog (hpctrain.supervise), outside the ranks so a hung Python cannot stop it: when no rank
+# advances for 300 s it names the silent ranks in metrics/watchdog.jsonl and cancels the job;
+# the supervisor job then retries the run from its latest complete checkpoint.
+/opt/venv/bin/python -m hpctrain.supervise watch "$HPCTRAIN_RUN_DIR" --timeout 300 --world 1 &
+HPCTRAIN_WATCHDOG_PID=$!
+trap 'kill "$HPCTRAIN_WATCHDOG_PID" 2>/dev/null || true' EXIT
+
 # Container (apptainer): the runtime and the image must be on this node before any rank starts.
 HPCTRAIN_GUARD='"$0" -c "import hpctrain, submitit" 2>/dev/null || { echo "hpctrain: apptainer container check failed on $(uname -n): the image has no $0 with hpctrain inside. Fix: build the image from hpctrain'"'"'s Dockerfile (hpctrain image build) and pass --container apptainer:IMAGE" >&2; exit 97; }; exec "$0" "$@"'  # run inside the image by each rank (exit 97)
 hpctrain_container_error() {
@@ -47,13 +54,20 @@ hpctrain_container_error() {
 }
 command -v apptainer >/dev/null || hpctrain_container_error "apptainer is not on PATH" "install apptainer on the nodes or load its module (launch.modules in the site profile)"
 [ -e /images/train.sif ] || hpctrain_container_error "image $(printf %q /images/train.sif) does not exist" "build the SIF (containers/README.md) on the shared filesystem"
-
-# Hang watchdog (hpctrain.supervise), outside the ranks so a hung Python cannot stop it: when no rank
-# advances for 300 s it names the silent ranks in metrics/watchdog.jsonl and cancels the job;
-# the supervisor job then retries the run from its latest complete checkpoint.
-/opt/venv/bin/python -m hpctrain.supervise watch "$HPCTRAIN_RUN_DIR" --timeout 300 --world 1 &
-HPCTRAIN_WATCHDOG_PID=$!
-trap 'kill "$HPCTRAIN_WATCHDOG_PID" 2>/dev/null || true' EXIT
+# The image has no scontrol: a rank's `scontrol requeue` (submitit, after checkpointing on the time-limit
+# signal) is written to the run folder instead, and carried out here when this script exits.
+hpctrain_requeue_handoff() {
+  local job
+  [ -s "$HPCTRAIN_RUN_DIR/requeue-request" ] || return 0
+  read -r job < "$HPCTRAIN_RUN_DIR/requeue-request" || true
+  rm -f "$HPCTRAIN_RUN_DIR/requeue-request"
+  case $job in
+    *[!0-9_]* | "") echo "hpctrain: ignoring a malformed requeue request" >&2 ;;
+    *) echo "hpctrain: requeueing job $job (requested inside the container)" >&2
+       scontrol requeue "$job" || true ;;
+  esac
+}
+trap 'hpctrain_requeue_handoff; kill "$HPCTRAIN_WATCHDOG_PID" 2>/dev/null || true' EXIT
 
 # Launch: one task per node; the node entry starts DeepSpeed's runner with the hostfile.
 srun --unbuffered --kill-on-bad-exit=1 --output /runs/r1/submitit/%j_%t_log.out --error /runs/r1/submitit/%j_%t_log.err --ntasks-per-node=1 apptainer exec --nv --bind /runs/r1:/runs/r1 --bind /shared/data/sft.jsonl:/shared/data/sft.jsonl --bind /scratch:/scratch --pwd /runs/r1 /images/train.sif sh -c "$HPCTRAIN_GUARD" python3 -u -m hpctrain.node "$HPCTRAIN_RUN_DIR" --launcher deepspeed --mode train

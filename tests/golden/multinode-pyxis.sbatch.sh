@@ -49,6 +49,13 @@ if [ ! -s "$HPCTRAIN_RUN_DIR/hostfile.tmp" ]; then
 fi
 mv -f "$HPCTRAIN_RUN_DIR/hostfile.tmp" "$HPCTRAIN_RUN_DIR/hostfile"
 
+# Hang watchdog (hpctrain.supervise), outside the ranks so a hung Python cannot stop it: when no rank
+# advances for 300 s it names the silent ranks in metrics/watchdog.jsonl and cancels the job;
+# the supervisor job then retries the run from its latest complete checkpoint.
+/opt/venv/bin/python -m hpctrain.supervise watch "$HPCTRAIN_RUN_DIR" --timeout 300 --world 32 &
+HPCTRAIN_WATCHDOG_PID=$!
+trap 'kill "$HPCTRAIN_WATCHDOG_PID" 2>/dev/null || true' EXIT
+
 # Container (pyxis): the runtime and the image must be on this node before any rank starts.
 HPCTRAIN_GUARD='"$0" -c "import hpctrain, submitit" 2>/dev/null || { echo "hpctrain: pyxis container check failed on $(uname -n): the image has no $0 with hpctrain inside. Fix: build the image from hpctrain'"'"'s Dockerfile (hpctrain image build) and pass --container pyxis:IMAGE" >&2; exit 97; }; exec "$0" "$@"'  # run inside the image by each rank (exit 97)
 hpctrain_container_error() {
@@ -56,13 +63,20 @@ hpctrain_container_error() {
   exit 2
 }
 case "$(srun --help 2>&1)" in *--container-image*) ;; *) hpctrain_container_error "srun has no --container-image (the pyxis plugin is not loaded)" "ask the admins for pyxis/enroot, or use --container apptainer:IMAGE" ;; esac
-
-# Hang watchdog (hpctrain.supervise), outside the ranks so a hung Python cannot stop it: when no rank
-# advances for 300 s it names the silent ranks in metrics/watchdog.jsonl and cancels the job;
-# the supervisor job then retries the run from its latest complete checkpoint.
-/opt/venv/bin/python -m hpctrain.supervise watch "$HPCTRAIN_RUN_DIR" --timeout 300 --world 32 &
-HPCTRAIN_WATCHDOG_PID=$!
-trap 'kill "$HPCTRAIN_WATCHDOG_PID" 2>/dev/null || true' EXIT
+# The image has no scontrol: a rank's `scontrol requeue` (submitit, after checkpointing on the time-limit
+# signal) is written to the run folder instead, and carried out here when this script exits.
+hpctrain_requeue_handoff() {
+  local job
+  [ -s "$HPCTRAIN_RUN_DIR/requeue-request" ] || return 0
+  read -r job < "$HPCTRAIN_RUN_DIR/requeue-request" || true
+  rm -f "$HPCTRAIN_RUN_DIR/requeue-request"
+  case $job in
+    *[!0-9_]* | "") echo "hpctrain: ignoring a malformed requeue request" >&2 ;;
+    *) echo "hpctrain: requeueing job $job (requested inside the container)" >&2
+       scontrol requeue "$job" || true ;;
+  esac
+}
+trap 'hpctrain_requeue_handoff; kill "$HPCTRAIN_WATCHDOG_PID" 2>/dev/null || true' EXIT
 
 # Launch: srun starts 8 task(s) per node, one per rank, each running submitit's job.
 srun --unbuffered --kill-on-bad-exit=1 --output /runs/r1/submitit/%j_%t_log.out --error /runs/r1/submitit/%j_%t_log.err '--container-image=nvcr.io#nvidia/pytorch:24.05-py3' --container-mounts=/runs/r1:/runs/r1,/shared/data/pretrain:/shared/data/pretrain --container-workdir=/runs/r1 --container-env=NCCL_DEBUG,NCCL_SOCKET_IFNAME sh -c "$HPCTRAIN_GUARD" python3 -u -m submitit.core._submit /runs/r1/submitit

@@ -38,6 +38,13 @@ if [ ! -s "$HPCTRAIN_RUN_DIR/hostfile.tmp" ]; then
 fi
 mv -f "$HPCTRAIN_RUN_DIR/hostfile.tmp" "$HPCTRAIN_RUN_DIR/hostfile"
 
+# Hang watchdog (hpctrain.supervise), outside the ranks so a hung Python cannot stop it: when no rank
+# advances for 300 s it names the silent ranks in metrics/watchdog.jsonl and cancels the job;
+# the supervisor job then retries the run from its latest complete checkpoint.
+/opt/venv/bin/python -m hpctrain.supervise watch "$HPCTRAIN_RUN_DIR" --timeout 300 --world 2 &
+HPCTRAIN_WATCHDOG_PID=$!
+trap 'kill "$HPCTRAIN_WATCHDOG_PID" 2>/dev/null || true' EXIT
+
 # Container (charliecloud): the runtime and the image must be on this node before any rank starts.
 HPCTRAIN_GUARD='"$0" -c "import hpctrain, submitit" 2>/dev/null || { echo "hpctrain: charliecloud container check failed on $(uname -n): the image has no $0 with hpctrain inside. Fix: build the image from hpctrain'"'"'s Dockerfile (hpctrain image build) and pass --container charliecloud:IMAGE" >&2; exit 97; }; exec "$0" "$@"'  # run inside the image by each rank (exit 97)
 hpctrain_container_error() {
@@ -48,13 +55,20 @@ command -v ch-run >/dev/null || hpctrain_container_error "ch-run is not on PATH"
 export USER="${USER:-$(id -un)}"  # ch-run refuses to start without $USER
 [ -d /var/tmp/train.img/bin ] || hpctrain_container_error "$(printf %q /var/tmp/train.img) is not a directory image" "convert one with containers/build.sh charliecloud TAG DIR (or ch-convert)"
 for d in /runs/r1 /local/nvme; do [ -e /var/tmp/train.img"$d" ] || mkdir -p /var/tmp/train.img"$d" || hpctrain_container_error "bind target $d is missing in the image and cannot be created" "create it in the image folder, or make the image writable"; done
-
-# Hang watchdog (hpctrain.supervise), outside the ranks so a hung Python cannot stop it: when no rank
-# advances for 300 s it names the silent ranks in metrics/watchdog.jsonl and cancels the job;
-# the supervisor job then retries the run from its latest complete checkpoint.
-/opt/venv/bin/python -m hpctrain.supervise watch "$HPCTRAIN_RUN_DIR" --timeout 300 --world 2 &
-HPCTRAIN_WATCHDOG_PID=$!
-trap 'kill "$HPCTRAIN_WATCHDOG_PID" 2>/dev/null || true' EXIT
+# The image has no scontrol: a rank's `scontrol requeue` (submitit, after checkpointing on the time-limit
+# signal) is written to the run folder instead, and carried out here when this script exits.
+hpctrain_requeue_handoff() {
+  local job
+  [ -s "$HPCTRAIN_RUN_DIR/requeue-request" ] || return 0
+  read -r job < "$HPCTRAIN_RUN_DIR/requeue-request" || true
+  rm -f "$HPCTRAIN_RUN_DIR/requeue-request"
+  case $job in
+    *[!0-9_]* | "") echo "hpctrain: ignoring a malformed requeue request" >&2 ;;
+    *) echo "hpctrain: requeueing job $job (requested inside the container)" >&2
+       scontrol requeue "$job" || true ;;
+  esac
+}
+trap 'hpctrain_requeue_handoff; kill "$HPCTRAIN_WATCHDOG_PID" 2>/dev/null || true' EXIT
 
 # Launch: srun starts 2 task(s) per node, one per rank, each running submitit's job.
 srun --unbuffered --kill-on-bad-exit=1 --output /runs/r1/submitit/%j_%t_log.out --error /runs/r1/submitit/%j_%t_log.err ch-run --set-env -b /runs/r1:/runs/r1 -b /local/nvme:/local/nvme -c /runs/r1 /var/tmp/train.img -- sh -c "$HPCTRAIN_GUARD" python3 -u -m submitit.core._submit /runs/r1/submitit

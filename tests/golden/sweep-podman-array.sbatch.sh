@@ -40,6 +40,13 @@ if [ ! -s "$HPCTRAIN_RUN_DIR/hostfile.tmp" ]; then
 fi
 mv -f "$HPCTRAIN_RUN_DIR/hostfile.tmp" "$HPCTRAIN_RUN_DIR/hostfile"
 
+# Hang watchdog (hpctrain.supervise), outside the ranks so a hung Python cannot stop it: when no rank
+# advances for 300 s it names the silent ranks in metrics/watchdog.jsonl and cancels the job;
+# the supervisor job then retries the run from its latest complete checkpoint.
+/opt/venv/bin/python -m hpctrain.supervise watch "$HPCTRAIN_RUN_DIR" --timeout 300 --world 8 &
+HPCTRAIN_WATCHDOG_PID=$!
+trap 'kill "$HPCTRAIN_WATCHDOG_PID" 2>/dev/null || true' EXIT
+
 # Container (podman): the runtime and the image must be on this node before any rank starts.
 HPCTRAIN_GUARD='"$0" -c "import hpctrain, submitit" 2>/dev/null || { echo "hpctrain: podman container check failed on $(uname -n): the image has no $0 with hpctrain inside. Fix: build the image from hpctrain'"'"'s Dockerfile (hpctrain image build) and pass --container podman:IMAGE" >&2; exit 97; }; exec "$0" "$@"'  # run inside the image by each rank (exit 97)
 hpctrain_container_error() {
@@ -48,13 +55,20 @@ hpctrain_container_error() {
 }
 command -v podman >/dev/null || hpctrain_container_error "podman is not on PATH" "install podman on the nodes or load its module (launch.modules in the site profile)"
 podman image exists localhost/train:1 || hpctrain_container_error "image $(printf %q localhost/train:1) is not in podman's storage" "build it (containers/build.sh build) or podman pull/load it on every node"
-
-# Hang watchdog (hpctrain.supervise), outside the ranks so a hung Python cannot stop it: when no rank
-# advances for 300 s it names the silent ranks in metrics/watchdog.jsonl and cancels the job;
-# the supervisor job then retries the run from its latest complete checkpoint.
-/opt/venv/bin/python -m hpctrain.supervise watch "$HPCTRAIN_RUN_DIR" --timeout 300 --world 8 &
-HPCTRAIN_WATCHDOG_PID=$!
-trap 'kill "$HPCTRAIN_WATCHDOG_PID" 2>/dev/null || true' EXIT
+# The image has no scontrol: a rank's `scontrol requeue` (submitit, after checkpointing on the time-limit
+# signal) is written to the run folder instead, and carried out here when this script exits.
+hpctrain_requeue_handoff() {
+  local job
+  [ -s "$HPCTRAIN_RUN_DIR/requeue-request" ] || return 0
+  read -r job < "$HPCTRAIN_RUN_DIR/requeue-request" || true
+  rm -f "$HPCTRAIN_RUN_DIR/requeue-request"
+  case $job in
+    *[!0-9_]* | "") echo "hpctrain: ignoring a malformed requeue request" >&2 ;;
+    *) echo "hpctrain: requeueing job $job (requested inside the container)" >&2
+       scontrol requeue "$job" || true ;;
+  esac
+}
+trap 'hpctrain_requeue_handoff; kill "$HPCTRAIN_WATCHDOG_PID" 2>/dev/null || true' EXIT
 
 # Launch: srun starts 4 task(s) per node, one per rank, each running submitit's job.
 srun --unbuffered --kill-on-bad-exit=1 --output /runs/.sweeps/s1/%a/submitit/%A_%a_%t_log.out --error /runs/.sweeps/s1/%a/submitit/%A_%a_%t_log.err podman --runtime runc run --rm --network host --ipc host --ulimit "nofile=$(ulimit -Hn):$(ulimit -Hn)" --ulimit nproc=32768:32768 --device nvidia.com/gpu=all -v /runs:/runs --env 'SLURM_*' --env 'HPCTRAIN_*' --env 'SUBMITIT_*' --env MASTER_ADDR --env MASTER_PORT --env RANK --env LOCAL_RANK --env WORLD_SIZE --env LOCAL_WORLD_SIZE --env 'NCCL_*' --env 'HF_*' --env 'TRANSFORMERS_*' --env 'TORCH_*' --env 'DS_*' --env 'DEEPSPEED_*' --env CUDA_VISIBLE_DEVICES --env OMP_NUM_THREADS --env HF_TOKEN --env HUGGING_FACE_HUB_TOKEN --env WANDB_API_KEY -w /runs localhost/train:1 sh -c "$HPCTRAIN_GUARD" python3 -u -m submitit.core._submit /runs/.sweeps/s1/%a/submitit
