@@ -75,6 +75,16 @@ def sacct_runs(job: str) -> list[dict[str, Any]]:
     return out
 
 
+def run_jobs(run: Path) -> list[str]:
+    """Every training job of the run, oldest first (the supervisor may have resubmitted it)."""
+    jobs: list[str] = []
+    for line in (run / "attempts.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("state") == "PENDING" and rec.get("job_id") and str(rec["job_id"]) not in jobs:
+            jobs.append(str(rec["job_id"]))
+    return jobs
+
+
 def squeue_state(job: str) -> tuple[str, str]:
     out = sh("squeue", "-h", "-j", job, "-o", "%T|%N", check=False).strip()
     state, _, nodes = out.partition("|")
@@ -129,9 +139,14 @@ def main() -> int:
         trained = 0.0
         last_tick, last_steps = None, 0
         while time.monotonic() - t0 < a.timeout:
+            job = run_jobs(run)[-1]
             state, nodes = squeue_state(job)
             recs = metrics(run)
             if not state and recs and recs[-1]["step"] >= steps:
+                break
+            if not state and '"done"' not in (run / "attempts.jsonl").read_text() and any(
+                    '"stop"' in ln for ln in (run / "attempts.jsonl").read_text().splitlines()):
+                print("the supervisor stopped the run", file=sys.stderr)
                 break
             if recs and len(recs) != last_steps and state == "RUNNING":
                 now = time.monotonic()
@@ -141,7 +156,8 @@ def main() -> int:
             elif state != "RUNNING":
                 last_tick = None
             for n in sorted(killed):  # bring a killed node back once SLURM has declared it failed
-                if "NODE_FAIL" in sh("sacct", "-X", "-D", "-n", "-P", "-j", job, "-o", "State", check=False):
+                if "NODE_FAIL" in sh("sacct", "-X", "-D", "-n", "-P", "-j", ",".join(run_jobs(run)), "-o", "State",
+                                     check=False):
                     sh("bash", str(SLURM_SH), "restart-node", n[4:], timeout=120)
                     killed.discard(n)
             if state == "RUNNING" and trained >= a.every_s * (len(injected) + 1) and not killed:
@@ -164,13 +180,13 @@ def main() -> int:
     finally:
         for n in sorted(killed):
             sh("bash", str(SLURM_SH), "restart-node", n[4:], timeout=120, check=False)
-        sh("scancel", job, check=False)
+        sh("scancel", *run_jobs(run), check=False)
         sup = [json.loads(x).get("supervisor_job") for x in (run / "attempts.jsonl").read_text().splitlines()]
         sh("scancel", *[s for s in sup if s], check=False) if any(sup) else None
     time.sleep(3)
     recs = metrics(run)
     useful, lost = useful_time(recs)
-    records = sacct_runs(job)
+    records = [r for j in run_jobs(run) for r in sacct_runs(j)]
     alloc = sum((r["end"] or time.time()) - r["start"] for r in records if r["start"])
     first = min(r["start"] for r in records if r["start"])
     startup = recs[0]["time"] - first if recs else 0.0
