@@ -91,24 +91,63 @@ def squeue_state(job: str) -> tuple[str, str]:
     return state, nodes
 
 
-def useful_time(recs: list[dict[str, Any]]) -> tuple[float, list[int]]:
-    """(seconds of the steps that survived, steps lost at each resume). A step's duration is its time
-    minus the previous record's in the same run; the first step of a run counts the median instead."""
-    runs: list[list[dict[str, Any]]] = []
+def events(run: Path) -> list[dict[str, Any]]:
+    path = run / "metrics" / "events.jsonl"
+    out = []
+    for line in (path.read_text().splitlines() if path.exists() else []):
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def useful_time(recs: list[dict[str, Any]], starts: list[float]) -> tuple[float, list[int]]:
+    """(seconds of the steps on the final trajectory, steps lost at each restart).
+
+    Runs are split at the node's "start" events (a resume at the very step a checkpoint-on-signal
+    stopped at does not show in the step numbers). A step's duration is its time minus the previous
+    record's in the same run; the first step of a run counts the median step instead (its gap holds
+    the start-up). The last run of a step wins; lost = steps reached minus the step resumed from."""
+    runs: list[list[dict[str, Any]]] = [[] for _ in starts] or [[]]
     for r in recs:
-        if not runs or r["step"] <= runs[-1][-1]["step"]:
-            runs.append([])
-        runs[-1].append(r)
+        k = max([i for i, t in enumerate(starts) if t <= r["time"]], default=0)
+        runs[k].append(r)
+    runs = [x for x in runs if x]
+    gaps = [b["time"] - a["time"] for run in runs for a, b in itertools.pairwise(run)]
+    med = statistics.median(gaps) if gaps else 0.0
     dur: dict[int, float] = {}
-    all_d = [b["time"] - a["time"] for run in runs for a, b in itertools.pairwise(run)]
-    med = statistics.median(all_d) if all_d else 0.0
     for run in runs:
         prev = None
         for r in run:
-            dur[r["step"]] = (r["time"] - prev) if prev is not None else med  # last run of a step wins
+            dur[r["step"]] = (r["time"] - prev) if prev is not None else med
             prev = r["time"]
     lost = [a[-1]["step"] - (b[0]["step"] - 1) for a, b in itertools.pairwise(runs)]
     return sum(dur.values()), lost
+
+
+def analyze(run: Path, injected: list[dict[str, Any]]) -> None:
+    """Print the goodput table of a finished run folder."""
+    recs = metrics(run)
+    starts = [e["time"] for e in events(run) if e.get("event") == "start"]
+    useful, lost = useful_time(recs, starts)
+    records = [r for j in run_jobs(run) for r in sacct_runs(j)]
+    alloc = sum((r["end"] or time.time()) - r["start"] for r in records if r["start"])
+    first = min(r["start"] for r in records if r["start"])
+    startup = starts[0] - first if starts else 0.0
+    restarts = max(1, len(records) - 1)
+    overhead = (alloc - useful - startup) / restarts
+    proj = 600 / (600 + startup + overhead)
+    kinds = ", ".join(i["kind"] for i in injected) or f"{restarts} restarts"
+    print("\n| faults | final step | useful s | allocated s | goodput | startup s | overhead/restart s | lost steps |")
+    print("|---|---|---|---|---|---|---|---|")
+    print(f"| {kinds} | {recs[-1]['step'] if recs else '-'} | {useful:.0f} | {alloc:.0f} | "
+          f"{100 * useful / alloc:.1f}% | {startup:.0f} | {overhead:.0f} | {lost} |")
+    print("\nSLURM runs (job state start->end s):")
+    for r in records:
+        print(f"  {r['state']:10s} {r['nodes']:10s} {((r['end'] or time.time()) - r['start']):6.0f} s")
+    print(f"projection, 1 restart per 10 min of training: goodput = 600 / (600 + {startup:.0f} + {overhead:.0f}) "
+          f"= {100 * proj:.1f}%")
 
 
 def main() -> int:
@@ -120,7 +159,11 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--step-s", type=float, default=0.35, help="expected seconds per step (sizes --steps)")
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--analyze", type=Path, default=None, help="only print the table of this finished run folder")
     a = ap.parse_args()
+    if a.analyze:
+        analyze(a.analyze, [])
+        return 0
     steps = int(a.train_s / a.step_s)
     root = Path(tempfile.mkdtemp(prefix="hpctrain-goodput-"))
     env = {**os.environ, "HPCTRAIN_RUNS_DIR": str(root / "runs"), "HPCTRAIN_STATE_DIR": str(root / "state")}
@@ -184,22 +227,7 @@ def main() -> int:
         sup = [json.loads(x).get("supervisor_job") for x in (run / "attempts.jsonl").read_text().splitlines()]
         sh("scancel", *[s for s in sup if s], check=False) if any(sup) else None
     time.sleep(3)
-    recs = metrics(run)
-    useful, lost = useful_time(recs)
-    records = [r for j in run_jobs(run) for r in sacct_runs(j)]
-    alloc = sum((r["end"] or time.time()) - r["start"] for r in records if r["start"])
-    first = min(r["start"] for r in records if r["start"])
-    startup = recs[0]["time"] - first if recs else 0.0
-    n_fail = len(injected)
-    overhead = (alloc - useful - startup) / n_fail if n_fail else 0.0
-    proj = 600 / (600 + startup + overhead)
-    print("\n| faults | final step | useful s | allocated s | goodput | startup s | overhead/fault s | lost steps |")
-    print("|---|---|---|---|---|---|---|---|")
-    print(f"| {', '.join(i['kind'] for i in injected)} | {recs[-1]['step'] if recs else '-'} of {steps} | "
-          f"{useful:.0f} | {alloc:.0f} | {100 * useful / alloc:.1f}% | {startup:.0f} | {overhead:.0f} | {lost} |")
-    print(f"\nsacct runs: {[r['state'] for r in records]}")
-    print(f"projection, 1 failure per 10 min of training: goodput = 600 / (600 + {startup:.0f} + {overhead:.0f}) "
-          f"= {100 * proj:.1f}%")
+    analyze(run, injected)
     return 0
 
 
