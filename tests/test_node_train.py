@@ -238,3 +238,22 @@ def test_finetune_from_exported_folder(zero3_runs: dict[str, Path], tmp_path: Pa
     assert first < final_loss + 0.3 < 5.5, (first, final_loss)  # trained weights, not a random init (5.77)
     if freeze:
         assert "froze 1 parameter tensors" in (run / "logs" / "attempt-0.rank-0.log").read_text()
+
+
+def test_tensor_parallel_autotp_matches_one_rank(tmp_path: Path) -> None:
+    """tp=2 (DeepSpeed AutoTP, dp=1) trains the same numbers as one rank, and exports a whole model."""
+    common: dict = {"train": {"steps": 4}, "parallel": {"zero": 1}, "checkpoint": {"export_hf": True}}
+    one = make_run(tmp_path / "one", **common)
+    _ok(torchrun(one, 1))
+    tp = make_run(tmp_path / "tp", **{**common, "parallel": {"zero": 1, "tp": 2}})
+    _ok(torchrun(tp, 2))
+    a, b = losses_by_step(one), losses_by_step(tp)
+    assert all(a[s] == pytest.approx(b[s], abs=1e-5) for s in a), (a, b)
+    assert sorted(p.name for p in (tp / "checkpoints" / "step-4").glob("mp_rank_*")) == [
+        "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]  # sharded for real
+    from transformers import AutoModelForCausalLM
+
+    whole = AutoModelForCausalLM.from_pretrained(tp / "hf")
+    ref = AutoModelForCausalLM.from_pretrained(one / "hf")
+    for (n, x), (_, y) in zip(whole.named_parameters(), ref.named_parameters()):
+        assert x.shape == y.shape and torch.allclose(x, y, atol=1e-5), n

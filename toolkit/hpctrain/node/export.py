@@ -22,9 +22,6 @@ from hpctrain.node.runconf import NodeInputError, RunPaths, read_spec
 def export_hf(run_dir: str | Path, out: str | Path | None = None, tag: str | None = None) -> Path:
     """Write RUN/hf (or `out`) from checkpoint `tag` (default: the latest complete one); returns the folder."""
     os.environ.setdefault("TQDM_DISABLE", "1")  # zero_to_fp32 and transformers draw progress bars on stderr
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from hpctrain.node.model import hf_config
 
     paths = RunPaths(Path(run_dir))
@@ -34,13 +31,22 @@ def export_hf(run_dir: str | Path, out: str | Path | None = None, tag: str | Non
     if int(point.meta.get("pp", 1)) > 1:
         cfg.tie_word_embeddings = False  # the pipeline trains an untied head (see pipeline.py)
     sd = consolidated_state_dict(paths.checkpoints, point, cfg)
+    return write_hf(paths, spec, cfg, sd, point.tag, point.step, out)
+
+
+def write_hf(paths: RunPaths, spec: Any, cfg: Any, sd: dict[str, Any], tag: str, step: int,
+             out: str | Path | None = None) -> Path:
+    """save_pretrained of a full state dict (HF names) into RUN/hf or `out`, written aside then renamed."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)  # type: ignore[no-untyped-call]
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
-        raise NodeInputError(f"{point.path}: checkpoint does not match the model in spec.toml (missing {missing[:4]}, "
-                             f"unexpected {unexpected[:4]}).")
+        raise NodeInputError(f"{paths.checkpoints / tag}: checkpoint does not match the model in spec.toml "
+                             f"(missing {missing[:4]}, unexpected {unexpected[:4]}).")
     if cfg.tie_word_embeddings:
         model.tie_weights()
     final = Path(out) if out else paths.export
@@ -49,7 +55,7 @@ def export_hf(run_dir: str | Path, out: str | Path | None = None, tag: str | Non
     model.save_pretrained(str(tmp), safe_serialization=True)
     _save_tokenizer(spec, tmp)
     (tmp / "hpctrain_export.json").write_text(json.dumps(
-        {"run": str(paths.root), "checkpoint": point.tag, "step": point.step, "time": time.time()}, indent=1) + "\n")
+        {"run": str(paths.root), "checkpoint": tag, "step": step, "time": time.time()}, indent=1) + "\n")
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -73,6 +79,9 @@ def consolidated_state_dict(ckpt_dir: Path, point: ckpt.ResumePoint, cfg: Any) -
     """Full state dict with Hugging Face names, whatever the ZeRO stage or pipeline layout."""
     import torch
 
+    if int(point.meta.get("tp", 1)) > 1:
+        raise NodeInputError(f"{point.path}: a tensor-parallel (tp={point.meta['tp']}) checkpoint is exported at the "
+                             "end of training only (the node gathers the shards); offline merging is not implemented.")
     if int(point.meta.get("pp", 1)) > 1:
         from hpctrain.node.pipeline import hf_name
 

@@ -85,17 +85,19 @@ def prepare(run_dir: Path, d: DistEnv) -> Prepared:
     spec = read_spec(paths.root)
     use_gpu = spec.resources.gpus_per_node > 0 and os.environ.get("DS_ACCELERATOR", "") != "cpu"
     pp, tp = spec.parallel.pp, spec.parallel.tp
-    if tp > 1:
-        raise NodeInputError("[parallel] tp > 1: tensor parallel (AutoTP) is not implemented in the node trainer "
-                             "yet. Fix: set tp = 1 and use ZeRO-3 (or pp) to split the model.")
-    if d.world_size % pp:
-        raise NodeInputError(f"[parallel] pp = {pp} does not divide the world size {d.world_size}. Fix: choose pp "
-                             "dividing nodes * tasks_per_node.")
-    dp = d.world_size // pp
+    if tp > 1 and pp > 1:
+        raise NodeInputError("[parallel] tp > 1 with pp > 1: not supported by the node trainer. Fix: use one of them.")
+    if d.world_size % (pp * tp):
+        raise NodeInputError(f"[parallel] pp x tp = {pp * tp} does not divide the world size {d.world_size}. Fix: "
+                             "choose degrees dividing nodes * tasks_per_node.")
+    dp = d.world_size // (pp * tp)
     check_model_inputs(spec.model)
     cfg = read_ds_config(paths) or build_ds_config(spec, dp)
     zero = int(cfg.get("zero_optimization", {}).get("stage", zero_stage(spec)))
     cfg = normalize_ds_config(cfg, dp, use_gpu)
+    if tp > 1:  # DeepSpeed's AutoTP shards the HF model's linear layers inside deepspeed.initialize
+        cfg["tensor_parallel"] = {**cfg.get("tensor_parallel", {}), "autotp_size": tp}
+        cfg.pop("train_batch_size", None)  # DeepSpeed checks it before it knows the tp groups: let it derive
     micro, gas = int(cfg["train_micro_batch_size_per_gpu"]), int(cfg["gradient_accumulation_steps"])
     resume = ckpt.find_resume(paths.checkpoints)
     universal = bool(resume) and ckpt.needs_universal(resume.meta, dp, pp, tp)  # type: ignore[union-attr]
@@ -284,8 +286,11 @@ def run_training(p: Prepared, stop: StopFlag) -> tuple[Any, LoopState]:
     beat.set(step0, "compute")
     t = p.spec.train
     pipe = p.spec.parallel.pp > 1
-    dp_rank = engine.grid.get_data_parallel_rank() if pipe else p.d.rank
-    first_stage = (not pipe) or engine.is_first_stage()
+    tp = p.spec.parallel.tp
+    # AutoTP lays ranks out as (dp, tp): the tp peers of one data-parallel rank are contiguous and must
+    # all see the same batch; only the first of them counts its tokens.
+    dp_rank = engine.grid.get_data_parallel_rank() if pipe else p.d.rank // tp
+    first_stage = engine.is_first_stage() if pipe else p.d.rank % tp == 0
     fpt = flops_per_token(p.hf_cfg, n_params, p.spec.data.seq_len)
     if p.d.rank == 0:
         metrics.event({"event": "start", "step": step0, "world_size": p.d.world_size, "dp": p.dp, "zero": p.zero,
@@ -423,14 +428,23 @@ def finish(p: Prepared, engine: Any, st: LoopState) -> None:
     cursor = st.cursor0 + (st.step - st.step0) * p.gas * p.dp
     eval_loss = None
     if p.spec.parallel.pp == 1:
-        g = cursor + p.d.rank  # the first micro-batch a next step would train on
+        g = cursor + p.d.rank // p.spec.parallel.tp  # the first micro-batch a next step would train on
         engine.eval()
         with torch.no_grad():
             eval_loss = float(engine(**p.source.batch(g).model_inputs(engine.device)).loss.float().item())
         engine.train()
     record = {"event": "finished", "step": st.step, "eval_loss": eval_loss, "eval_batch": cursor,
               "tokens_seen": st.tokens_seen}
-    if p.d.rank == 0 and p.spec.checkpoint.export_hf and st.last_saved == st.step:
+    if p.spec.checkpoint.export_hf and p.spec.parallel.tp > 1:
+        from hpctrain.node.export import write_hf
+
+        t0 = time.time()
+        sd = engine._consolidated_16bit_state_dict()  # collective: gathers the AutoTP shards on rank 0
+        if p.d.rank == 0:
+            out = write_hf(p.paths, p.spec, p.hf_cfg, dict(sd), f"step-{st.step}", st.step)
+            record.update(export=str(out), export_s=time.time() - t0)
+            log.info("exported Hugging Face model to %s in %.1f s", out, record["export_s"])
+    elif p.d.rank == 0 and p.spec.checkpoint.export_hf and st.last_saved == st.step:
         from hpctrain.node.export import export_hf
 
         t0 = time.time()
