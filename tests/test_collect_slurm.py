@@ -191,7 +191,8 @@ def test_node_lost(lab: dict[str, Any]) -> None:
     if busy:
         pytest.skip(f"node3/node4 run other jobs; killing node4 would take them down:\n{busy}")
     script = Path(__file__).resolve().parent / "cluster" / "slurm.sh"
-    sub = submit(lab, "--steps", "100000", "--set", "resources.exclude=node[1-2]")
+    # Both CPUs of node3 and node4: no other job shares the nodes this test takes down.
+    sub = submit(lab, "--steps", "100000", "--set", "resources.exclude=node[1-2]", "--cpus-per-task", "2")
     run_dir, job = Path(sub["run_dir"]), sub["job_id"]
     wait_file(run_dir / "metrics" / "metrics.jsonl")
     try:
