@@ -330,7 +330,11 @@ def run_training(p: Prepared, stop: StopFlag) -> tuple[Any, LoopState]:
             metrics.event({"event": "stopped-on-signal", "step": st.step, "signal": stop.signum})
             log.info("signal %d: checkpointed at step %d, stopping for requeue", stop.signum, st.step)
             if p.d.rank == 0:
-                stop.chain()
+                stop.chain()  # under submitit: requeues the job (scontrol requeue) and exits
+            elif os.environ.get("SLURM_JOB_ID"):
+                # srun --kill-on-bad-exit would end the step on our non-zero exit, possibly before rank 0
+                # has requeued the job; the requeue ends us anyway.
+                time.sleep(float(os.environ.get("HPCTRAIN_REQUEUE_GRACE_S", "20")))
             raise StopRequested(f"stopped on signal at step {st.step}")
         _fail_hook(st.step, st.step0)
     metrics.heartbeat(st.step, "finished")
