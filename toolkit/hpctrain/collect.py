@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpctrain import collect_classify as cc
 from hpctrain import collect_logs as cl
 from hpctrain import collect_metrics as cm
 from hpctrain.collect_files import (
@@ -158,6 +157,9 @@ def _int(*vals: Any, default: int) -> int:
 def _attempt_row(inp: RunInput, a: dict[str, Any], files: list[cl.LogFile], recs: list[dict[str, Any]],
                  earlier: list[dict[str, Any]], ckpts: list[int], shape: Shape, is_last: bool,
                  heartbeat: dict[str, Any] | None, now: float) -> dict[str, Any]:
+    # Imported here: its ~40 regexes cost more than reading a cached summary, the common case.
+    from hpctrain import collect_classify as cc
+
     k = int(a["attempt"])
     state = str(a.get("state") or "UNKNOWN")
     start, end = _float(a.get("started")), _float(a.get("ended"))

@@ -15,6 +15,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from hpctrain.collect_logs import clean_text  # re-exported: callers and tests use cc.clean_text
+
 # Failure classes (the `failure_class` field of summary.json; docs/summary.md explains each).
 GPU_OOM = "gpu_oom"
 HOST_OOM = "host_oom"
@@ -72,7 +74,6 @@ _NODE_FAILED = re.compile(r"hpctrain: rank (\d+) failed: ([\w.]+): (.*?)(?: \(tr
 _SIGNAL_STOP = re.compile(r"signal (\d+): checkpointed at step (\d+), stopping for requeue")
 # submitit's own handler for that signal, when chained, refuses to requeue a non-Checkpointable job.
 _SUBMITIT_STOP = re.compile(r"UncompletedJobError: Job not requeued because: (timed-out|preempted)")
-_CTRL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 # Tags that identify who wrote a line: the node's "rank3", submitit's JobEnvironment line.
 _RANK_TAG = re.compile(r"\brank ?(\d+)\b")
 _JOBENV = re.compile(r"JobEnvironment\(job_id=([^,]+), hostname=([^,]+), local_rank=\d+\(\d+\), "
@@ -107,10 +108,6 @@ class Failure:
         return asdict(self)
 
 
-def clean_text(data: bytes | str) -> str:
-    """Decode bytes leniently and drop control characters (binary junk, NULs from a torn write)."""
-    text = data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data
-    return _CTRL.sub("", text.replace("\r\n", "\n").replace("\r", "\n"))
 
 
 def identify(source: LogSource) -> LogSource:

@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hpctrain import collect_classify as cc
 from hpctrain import collect_logs as cl
 
 
@@ -29,6 +28,8 @@ def hosts_of(nodelist: str) -> list[str]:
 def rank_hosts(job_files: list[cl.LogFile], nodelist: str, ranks_per_node: int) -> dict[int, str]:
     """rank -> host: submitit's JobEnvironment line is ground truth; SLURM's block distribution over
     the job's nodelist (ranks_per_node per host, in order) fills the rest."""
+    from hpctrain import collect_classify as cc  # here: its regexes are only needed when logs are read
+
     out: dict[int, str] = {}
     hosts = hosts_of(nodelist)
     for f in job_files:

@@ -19,12 +19,17 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from hpctrain.collect_classify import clean_text
-
 _TS = re.compile(r"^(?:submitit \w+ \(|\[)?(\d{4}-\d\d-\d\d)[T ](\d\d:\d\d:\d\d)(?:[.,](\d{1,6}))?")
 _RANK_LOG = re.compile(r"^attempt-(\d+)\.rank-(\d+)\.log$")
 _SUBMITIT_LOG = re.compile(r"^(\d+(?:_\d+)?)_(\d+)_log\.(out|err)$")
 _INF = float("inf")
+_CTRL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+def clean_text(data: bytes | str) -> str:
+    """Decode bytes leniently and drop control characters (binary junk, NULs from a torn write)."""
+    text = data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data
+    return _CTRL.sub("", text.replace("\r\n", "\n").replace("\r", "\n"))
 
 
 @dataclass(frozen=True)
