@@ -236,7 +236,7 @@ def test_missing_podman_image_fails_before_any_rank(image: str, tmp_path: Path) 
     err = "\n".join(p.read_text() for p in (run_dir / "submitit").glob("*_0_log.err"))
     assert state == "FAILED", state
     assert "hpctrain: podman container check failed" in err and "not in podman's storage" in err, err
-    assert not list((run_dir / "logs").glob("*.log")), "a rank started"
+    assert not list((run_dir / "logs").glob("attempt-*.rank-*.log")), "a rank started"
 
     # And at submit time, with the check on: refused before anything is queued.
     env["HPCTRAIN_SKIP_IMAGE_CHECK"] = "0"
