@@ -157,7 +157,9 @@ def test_cancelled(lab: dict[str, Any]) -> None:
 
 
 def test_time_limit(lab: dict[str, Any]) -> None:
-    sub = submit(lab, "--steps", "100000", "--time", "00:01:00", "--set", "resources.signal_seconds=20")
+    # --retries 0: no self-requeue on the signal and no supervisor (hpctrain.supervise), so this attempt ends.
+    sub = submit(lab, "--steps", "100000", "--time", "00:01:00", "--set", "resources.signal_seconds=20",
+                 "--retries", "0")
     run = final_summary(sub["run_id"], sub["job_id"])
     a = run["attempts"][0]
     # The node checkpoints on SLURM's pre-timeout USR2 and exits 3 (FAILED), or SLURM kills it (TIMEOUT).

@@ -24,7 +24,17 @@ class NodeJob:
     def checkpoint(self, *args: object, **kwargs: object) -> object:
         """submitit calls this on SLURM's pre-timeout USR2 (after the ranks saved their checkpoint): the same
         call again, so submitit requeues the job instead of refusing a timed-out non-checkpointable one.
-        The requeued ranks resume from the latest complete checkpoint by themselves."""
+        The requeued ranks resume from the latest complete checkpoint by themselves. A run submitted with
+        `--retries 0` asked for no automatic retries of any kind: None, and the job ends."""
+        from pathlib import Path
+
+        import tomllib
         from submitit.helpers import DelayedSubmission
 
+        try:
+            spec = tomllib.loads((Path(self.run_dir) / "spec.toml").read_text(encoding="utf-8"))
+            if int(spec.get("launch", {}).get("retries", 1)) <= 0:
+                return None
+        except (OSError, ValueError):
+            pass  # unreadable spec: requeue, the ranks will report it
         return DelayedSubmission(NodeJob(self.run_dir, self.mode))
