@@ -542,6 +542,8 @@ def supervise(run_dir: Path, job_id: str) -> dict[str, Any]:
 
     run_dir = Path(run_dir).absolute()
     _scrub_slurm_env()
+    if not (run_dir / "spec.toml").is_file():  # the run folder was deleted meanwhile: nothing to resume
+        return {"action": "stop", "reason": f"run folder {run_dir} is gone"}
     with open(run_dir / _LOCK, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a requeued supervisor must not act twice
         done = already_decided(run_dir, job_id)
