@@ -246,6 +246,11 @@ def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry
     _check_node_support(points)
     spec, plan = points[0]
     mode = "preflight" if preflight else "train"
+    if not dry_run:  # runtime known, executor runs containers, image exists: refuse before any folder
+        from hpctrain.containers import check_submit
+        from hpctrain.dispatch import resolve_executor
+
+        check_submit(spec, executor=resolve_executor(spec.launch.executor))
     if dry_run:
         if out:
             dirs = _write_dry_run(Path(out), points, lambda ds: _script(spec, plan, ds, mode))
