@@ -64,7 +64,7 @@ def test_metrics_heartbeat_and_logs(zero3_runs: dict[str, Path]) -> None:
     assert rec["tokens"] == 2 * 2 * 2 * 32 and rec["ckpt_s"] > 0
     beat = json.loads((run / "metrics" / "heartbeat").read_text())
     assert beat["step"] == 20 and beat["state"] == "finished"
-    assert sorted(p.name for p in (run / "logs").iterdir()) == ["attempt-0.rank-0.log", "attempt-0.rank-1.log"]
+    assert sorted(p.name for p in (run / "logs").glob("attempt-*")) == ["attempt-0.rank-0.log", "attempt-0.rank-1.log"]
     assert "step 20 | loss" in (run / "logs" / "attempt-0.rank-0.log").read_text()
 
 
@@ -215,7 +215,7 @@ def test_deepspeed_launcher_path(tmp_path: Path) -> None:
     _ok(proc)
     assert "--no_ssh" in proc.stdout or "launch.py" in proc.stdout
     assert sorted(losses_by_step(run)) == [1, 2, 3]
-    assert {p.name for p in (run / "logs").iterdir()} == {"attempt-0.rank-0.log", "attempt-0.rank-1.log"}
+    assert {p.name for p in (run / "logs").glob("attempt-*")} == {"attempt-0.rank-0.log", "attempt-0.rank-1.log"}
 
 
 def test_deepspeed_launcher_refuses_missing_hostfile(tmp_path: Path) -> None:
