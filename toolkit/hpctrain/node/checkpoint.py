@@ -226,7 +226,7 @@ def convert_universal(ckpt_dir: Path, tag: str, zero: int) -> str:
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
         raise NodeInputError(f"{ckpt_dir / tag}: cannot convert to a universal checkpoint for the new world size "
                              f"(ds_to_universal failed):\n{tail}\nFix: resume with the original number of ranks.")
-    # universal_checkpoint/load needs client state; copy the model-states files' client keys by reference
+    # The converter copies the model-states files (client state: step, data cursor) into the output.
     _write_atomic(tmp / MARKER, json.dumps({"source": tag, "time": time.time()}) + "\n")
     if final.exists():
         shutil.rmtree(final)

@@ -25,6 +25,13 @@ from hpctrain.node.runconf import (
 from hpctrain.spec import Spec
 
 
+def main(run_dir: str) -> int:
+    """The contract's `hpctrain.node.train.main(run_dir)`: preflight + training, as `main.run(run_dir, "train")`."""
+    from hpctrain.node.main import run
+
+    return run(run_dir, "train")
+
+
 class StopRequested(Exception):
     """Training stopped after a checkpoint because SLURM signalled (time limit near, or preemption)."""
 
