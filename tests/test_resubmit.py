@@ -172,3 +172,25 @@ def test_supervisor_script(tmp_path: Path) -> None:
     assert "#SBATCH --dependency=afterany:42" in text and "#SBATCH --kill-on-invalid-dep=yes" in text
     assert "#SBATCH --partition=debug" in text and "--ntasks=1" in text
     assert text.rstrip().endswith(f"exec /py -m hpctrain supervise '{tmp_path}/r 1' --job 42")
+
+
+def test_history_survives_a_broken_collector(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The supervisor imports the live collector; if that raises, SLURM's state + the watchdog still decide."""
+    from hpctrain import collect
+
+    (tmp_path / "attempts.jsonl").write_text(
+        json.dumps({"attempt": 0, "job_id": "7", "state": "PENDING"}) + "\n"
+        + json.dumps({"attempt": 0, "job_id": "7", "state": "CANCELLED"}) + "\n")
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "watchdog.jsonl").write_text(json.dumps(
+        {"event": "hang", "job_id": "7", "last_step": 9, "silent_ranks": [1], "silent_hosts": ["node2"],
+         "message": "no step completed after step 9"}) + "\n")
+    monkeypatch.setenv("HPCTRAIN_STATE_DIR", str(tmp_path / "state"))
+
+    def broken(*_a: object, **_k: object) -> None:
+        raise NameError("clean_text")
+
+    monkeypatch.setattr(collect, "build_run", broken)
+    hist, _ = supervise.history(tmp_path, "7")
+    assert [(h.state, h.failure_class, h.implicated) for h in hist] == [("CANCELLED", "hang", ("node2",))]
+    assert decide(hist, Policy(), FIT).action == "retry"

@@ -458,8 +458,10 @@ def history(run_dir: Path, job_id: str, sacct_rec: Any = None) -> tuple[list[pol
     from hpctrain import collect
 
     run_dir = Path(run_dir)
-    inp = _run_input(run_dir)
-    summary = collect.build_run(inp)
+    try:
+        summary = collect.build_run(_run_input(run_dir))
+    except Exception as err:  # noqa: BLE001 - a broken collector must not stop the recovery
+        summary = _plain_summary(run_dir, job_id, sacct_rec, err)
     rows: dict[str, dict[str, Any]] = {}
     for row in summary["attempts"]:
         rows[str(row["job_id"])] = row  # a requeued job: its last run decides
@@ -494,6 +496,25 @@ def history(run_dir: Path, job_id: str, sacct_rec: Any = None) -> tuple[list[pol
             checkpoint_step=ck, hosts=tuple(row.get("hosts") or ()), implicated=tuple(dict.fromkeys(implicated)),
             excluded=tuple(note.get("excluded") or ())))
     return out, summary
+
+
+_STATE_CLASS = {"NODE_FAIL": "node_fail", "BOOT_FAIL": "node_fail", "TIMEOUT": "time_limit", "DEADLINE": "time_limit",
+                "PREEMPTED": "preempted", "CANCELLED": "cancelled", "OUT_OF_MEMORY": "host_oom", "FAILED": "unknown"}
+
+
+def _plain_summary(run_dir: Path, job_id: str, sacct_rec: Any, exc: BaseException) -> dict[str, Any]:
+    """The collector failed: one row per job from attempts.jsonl and sacct's state alone."""
+    rows: dict[str, dict[str, Any]] = {}
+    for r in runs_mod.read_attempts(Path(run_dir) / "attempts.jsonl"):
+        if r.get("job_id") is not None and isinstance(r.get("attempt"), int):
+            rows.setdefault(str(r["job_id"]), {"job_id": str(r["job_id"]), "attempt": r["attempt"]}).update(
+                {k: r[k] for k in ("state", "exit_code") if r.get(k)})
+    if sacct_rec is not None and str(job_id) in rows:
+        rows[str(job_id)].update(state=sacct_rec.state, exit_code=sacct_rec.exit_code)
+    for row in rows.values():
+        row["failure_class"] = _STATE_CLASS.get(str(row.get("state")))
+        row["failure"] = {"message": f"SLURM state {row.get('state')} (collector unavailable: {exc})"}
+    return {"attempts": sorted(rows.values(), key=lambda x: int(x["attempt"]))}
 
 
 def _evidence(fail: dict[str, Any], run_dir: Path) -> str:
