@@ -184,6 +184,10 @@ def test_submitit_refusing_requeue_is_time_limit() -> None:
     f = cc.classify("FAILED", [src(r0, rank=0, host="node1"), src(r1, "logs/attempt-0.rank-1.log", 1, "node2")],
                     exit_code="3:0")
     assert f.failure_class == cc.TIME_LIMIT and "step 35" in f.message
+    r0 = r0.replace("timed-out and not checkpointable", "checkpoint function returned None")
+    f = cc.classify("FAILED", [src(r0, rank=0, host="node1"), src(r1, "logs/attempt-0.rank-1.log", 1, "node2")],
+                    exit_code="9:0")
+    assert f.failure_class == cc.TIME_LIMIT
 
 
 def test_interleaved_traceback_with_binary_junk() -> None:

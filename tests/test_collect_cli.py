@@ -354,3 +354,24 @@ def test_update_folder_summary_from_the_node(env: dict[str, Any]) -> None:
     rec = json.loads((folder / "summary.json").read_text())
     assert rec["state"] == "RUNNING" and rec["attempts"][0]["last_step"] == 3 and not rec["complete"]
     collect.update_folder_summary(env["tmp"] / "gone")  # never raises
+
+
+def test_requeues_of_an_earlier_job_and_a_resubmission(env: dict[str, Any]) -> None:
+    """Job 50 ran as attempts 0,1 (submitit requeued it on the time limit), then the supervisor
+    resubmitted as attempt 2 (job 51, HPCTRAIN_ATTEMPT=2) which is still running."""
+    stop = "signal 12: checkpointed at step {}, stopping for requeue"
+    logs = {f"logs/attempt-{k}.rank-0.log": rank_log(0, [(t, "hpctrain node: rank 0/2"), (t + 5, stop.format(s))])
+            for k, t, s in ((0, 1, 5), (1, 20, 9), (2, 40, 12))}
+    folder = make_run(env, "resub", [
+        {"attempt": 0, "job_id": "50", "state": "FAILED", "nodes": "node1", "started": T0 + 20, "ended": T0 + 26,
+         "exit_code": "3:0"},
+        {"attempt": 2, "job_id": "51", "state": "PENDING", "nodes": ""}], logs=logs,
+        metrics=metrics(range(1, 6), 0) + metrics(range(6, 10), 20) + metrics(range(10, 13), 40))
+    doc = json.loads(invoke("summary", "resub", "--json").stdout)
+    assert collect_schema.validate(doc) == []
+    rows = doc["runs"][0]["attempts"]
+    assert [(r["attempt"], r["job_id"], r["state"]) for r in rows] == \
+        [(0, "50", "REQUEUED"), (1, "50", "FAILED"), (2, "51", "PENDING")]
+    assert [r["failure_class"] for r in rows[:2]] == ["time_limit", "time_limit"]
+    assert [r["last_step"] for r in rows] == [5, 9, 12] and rows[2]["start"] == T0 + 40
+    assert folder.is_dir()

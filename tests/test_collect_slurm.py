@@ -157,15 +157,18 @@ def test_cancelled(lab: dict[str, Any]) -> None:
 
 
 def test_time_limit(lab: dict[str, Any]) -> None:
-    # --retries 0: no self-requeue on the signal and no supervisor (hpctrain.supervise), so this attempt ends.
+    """SLURM's pre-timeout USR2: every rank checkpoints and the job is requeued (same id, logs
+    attempt-1.*) or ends. The first run's row says time_limit with nothing lost."""
     sub = submit(lab, "--steps", "100000", "--time", "00:01:00", "--set", "resources.signal_seconds=20",
-                 "--retries", "0")
-    run = final_summary(sub["run_id"], sub["job_id"])
+                 "--set", "launch.retries=0")
+    run_dir, job = Path(sub["run_dir"]), sub["job_id"]
+    _wait(lambda: (run_dir / "logs" / "attempt-1.rank-0.log").exists() or sacct_state(job) in FINAL,
+          "first run's end", 400)
+    subprocess.run(["scancel", job], check=False, timeout=30)
+    run = final_summary(sub["run_id"], job)
     a = run["attempts"][0]
-    # The node checkpoints on SLURM's pre-timeout USR2 and exits 3 (FAILED), or SLURM kills it (TIMEOUT).
-    assert a["state"] in ("TIMEOUT", "FAILED") and a["failure_class"] == "time_limit", a
-    if a["state"] == "FAILED":
-        assert a["lost_steps"] == 0  # it checkpointed on the signal
+    assert a["state"] in ("REQUEUED", "TIMEOUT", "FAILED") and a["failure_class"] == "time_limit", a
+    assert a["lost_steps"] == 0 and "checkpointed at step" in a["failure"]["message"], a
 
 
 def _sacct_history(job: str) -> list[str]:

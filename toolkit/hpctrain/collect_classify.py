@@ -73,7 +73,8 @@ _NODE_FAILED = re.compile(r"hpctrain: rank (\d+) failed: ([\w.]+): (.*?)(?: \(tr
 # The node checkpointed on SLURM's pre-timeout signal (USR2) or a preemption (TERM) and exited 3.
 _SIGNAL_STOP = re.compile(r"signal (\d+): checkpointed at step (\d+), stopping for requeue")
 # submitit's own handler for that signal, when chained, refuses to requeue a non-Checkpointable job.
-_SUBMITIT_STOP = re.compile(r"UncompletedJobError: Job not requeued because: (timed-out|preempted)")
+# (timed-out / preempted / "checkpoint function returned None" when no retry is wanted): a stop, not a bug.
+_SUBMITIT_STOP = re.compile(r"UncompletedJobError: Job not requeued because")
 # Tags that identify who wrote a line: the node's "rank3", submitit's JobEnvironment line.
 _RANK_TAG = re.compile(r"\brank ?(\d+)\b")
 _JOBENV = re.compile(r"JobEnvironment\(job_id=([^,]+), hostname=([^,]+), local_rank=\d+\(\d+\), "

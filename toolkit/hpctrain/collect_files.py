@@ -51,24 +51,40 @@ def attempt_files(folder: Path, attempts: list[dict[str, Any]]) -> list[cl.LogFi
 
 
 def expand_requeues(atts: list[dict[str, Any]], files: list[cl.LogFile]) -> list[dict[str, Any]]:
-    """SLURM requeued the latest job (NODE_FAIL, preemption): the node numbers its logs by
-    SLURM_RESTART_COUNT, so logs/attempt-K+1.* appear with no registry attempt of their own. Each
-    becomes a row with the same job id; every run but the last is REQUEUED, timed by its own logs
-    (sacct's record of the job describes its latest run only)."""
+    """One row per RUN of each job. The node numbers its logs attempt-K with K = HPCTRAIN_ATTEMPT (the
+    attempt's base, set at resubmission) + SLURM_RESTART_COUNT, so a job that SLURM or submitit requeued
+    leaves logs/attempt-K+1.. with no registry attempt of their own. Each becomes a row with the job's
+    id; every run but the job's last is REQUEUED, timed by its own logs (sacct describes the latest
+    run only). A row without a start time (the registry not refreshed yet) takes its logs' first time."""
     if not atts:
         return atts
-    last = atts[-1]
-    k0 = int(last["attempt"])
-    extra = sorted({f.attempt for f in files if f.kind == "rank" and f.attempt > k0})
-    if not extra:
-        return atts
-    out = atts[:-1]
-    for k in [k0, *extra]:
-        row = dict(last, attempt=k, _requeued=True)
-        if k != extra[-1]:
-            first, end = _log_span([f for f in files if f.attempt == k and f.kind == "rank"])
-            row.update(state="REQUEUED", started=first, ended=end, exit_code=None, failure_class=None)
-        out.append(row)
+    logs = {f.attempt for f in files if f.kind == "rank"}
+    groups: list[tuple[str, list[dict[str, Any]]]] = []  # consecutive entries of one job id
+    for a in sorted(atts, key=lambda a: int(a["attempt"])):
+        jid = str(a.get("job_id"))
+        if groups and groups[-1][0] == jid:
+            groups[-1][1].append(a)
+        else:
+            groups.append((jid, [a]))
+    out: list[dict[str, Any]] = []
+    for i, (_, entries) in enumerate(groups):
+        k0 = int(entries[0]["attempt"])
+        k_next = int(groups[i + 1][1][0]["attempt"]) if i + 1 < len(groups) else 1 << 30
+        nums = sorted({int(e["attempt"]) for e in entries} | {k for k in logs if k0 < k < k_next})
+        job = dict(entries[0])
+        for e in entries[1:]:  # later notes on the same job (a supervisor's record) fill in
+            job.update({key: v for key, v in e.items() if v not in (None, "")})
+        for k in nums:
+            row = dict(job, attempt=k)
+            mine = [f for f in files if f.attempt == k and f.kind == "rank"]
+            if len(nums) > 1:
+                row["_requeued"] = True
+            if k != nums[-1]:
+                first, last = _log_span(mine)
+                row.update(state="REQUEUED", started=first, ended=last, exit_code=None, failure_class=None)
+            elif row.get("started") is None and mine:
+                row["started"] = _log_span(mine)[0]
+            out.append(row)
     return out
 
 
