@@ -4,28 +4,32 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from hpctrain.node.dist import free_port
-
 
 def free_port_pair() -> int:
-    """A free port N with N+1 free too: torch takes MASTER_PORT, the preflight rendezvous MASTER_PORT+1."""
-    for _ in range(50):
-        port = free_port()
-        if port >= 65535:
+    """A free port N with N+1 free too: torch takes MASTER_PORT, the preflight rendezvous MASTER_PORT+1.
+
+    Drawn below Linux's ephemeral range (32768+): a port from there is soon handed out again to some
+    outgoing connection (torchrun's own store clients included), so N+1 would be taken by the time the
+    preflight binds it.
+    """
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        try:
+            for p in (port, port + 1):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
             continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
         return port
-    raise RuntimeError("no free pair of ports")
+    raise RuntimeError("no free pair of ports in 20000-32000")
 
 
 def toml_value(v: Any) -> str:
