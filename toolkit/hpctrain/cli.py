@@ -342,18 +342,9 @@ def main() -> None:
     cli()
 
 
-# DISPATCH's commands (list, status, cancel) live in cli_runs; registered when present.
-try:
-    from hpctrain import cli_runs
-except ImportError:  # pragma: no cover - only before cli_runs exists
-    cli_runs = None  # type: ignore[assignment]
-if cli_runs is not None:
-    cli_runs.register(cli)
+# Command groups of their own modules, each importing only click at module level:
+# list/status/cancel, logs/summary, image, resubmit/supervise, export.
+from hpctrain import cli_collect, cli_export, cli_fault, cli_image, cli_runs  # noqa: E402
 
-from hpctrain import cli_image  # CONTAINERS: `hpctrain image build` (click-only module)
-
-cli_image.register(cli)
-
-from hpctrain import cli_fault  # FAULT: `hpctrain resubmit`, `hpctrain supervise` (click-only module)
-
-cli_fault.register(cli)
+for _module in (cli_runs, cli_collect, cli_image, cli_fault, cli_export):
+    _module.register(cli)
