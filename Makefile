@@ -55,7 +55,7 @@ cluster-wipe:
 	bash $(CLUSTER) wipe
 
 test: install install-system
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 test-fast: install-base
 	$(PY) -m pytest -q -m "not slurm and not deepspeed and not container" tests
