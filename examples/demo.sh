@@ -47,17 +47,6 @@ grep -h "signal 12\|resumed from" "$folder"/logs/attempt-0.rank-0.log || true
 echo "latest checkpoint: $(cat "$folder/checkpoints/latest")"
 
 echo "== 4. summary"
-if $HPC summary --help >/dev/null 2>&1; then
-  $HPC summary "$run"
-else
-  "$PY" - "$folder" <<'PY'
-import json, sys
-from pathlib import Path
-run = Path(sys.argv[1])
-recs = [json.loads(l) for l in (run / "metrics" / "metrics.jsonl").read_text().splitlines()]
-for r in recs[:: max(1, len(recs) // 10)] + recs[-1:]:
-    print(f"step {r['step']:3d}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  tok/s {r['tokens_per_s']:.0f}")
-print("exported model:", run / "hf")
-PY
-fi
+$HPC summary "$run"
+echo "exported model: $folder/hf"
 $HPC list

@@ -253,8 +253,10 @@ def test_secret_in_env_flag_refused_without_echoing_it() -> None:
     assert res.exit_code != 0 and "secret_env" in res.output and "hf_abcdefghijklmnop" not in res.output
 
 
-def test_tensor_parallel_refused_at_submit_but_planned() -> None:
-    res = invoke("submit", *TINY, "--gpus-per-node", "2", "--tp", "2", "--dry-run")
-    assert res.exit_code != 0 and "parallel.tp = 2" in res.output and "--tp 1" in res.output
+def test_tensor_parallel_renders_autotp_and_plans() -> None:
+    """The node trains tp > 1 through DeepSpeed AutoTP (tests/test_node_train.py), so submit renders it."""
+    res = invoke("submit", *TINY, "--gpus-per-node", "2", "--tp", "2", "--dry-run", "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["ds_configs"][0]["tensor_parallel"]["autotp_size"] == 2
     res = invoke("plan", *TINY, "--gpus-per-node", "2", "--tp", "2", "--json")
     assert res.exit_code == 0 and json.loads(res.output)["tp"] == 2

@@ -101,7 +101,7 @@ def test_rendered_script_runs_on_two_nodes(tmp_path: Path) -> None:
     assert len(hosts) == 2
     masters = {r[2] for r in rows}
     ports = {r[3] for r in rows}
-    assert len(masters) == 1 and masters <= hosts and ports == {str(20000 + int(job) % 20000)}
+    assert len(masters) == 1 and masters <= hosts and ports == {str(20000 + int(job) % 11999)}
     assert {r[4].rstrip("\n") for r in rows} == {"a'b $(touch pwned) `x`"}
     assert sorted(line.split()[0] for line in (run / "hostfile").read_text().splitlines()) == sorted(hosts)
     assert all(line.endswith(" slots=2") for line in (run / "hostfile").read_text().splitlines())

@@ -289,7 +289,7 @@ def test_preflight_names_the_node_that_did_not_join(cluster: Any) -> None:
     code = ("import sys\nfrom hpctrain.preflight import run_from_env, PreflightError\n"
             "try:\n    run_from_env(8)\nexcept PreflightError as e:\n    print('PREFLIGHT', e)\n    sys.exit(4)\n")
     task = ('if [ "$SLURM_PROCID" = 2 ]; then exit 0; fi; '
-            'export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000)); exec "$0" -c "$1"')
+            'export MASTER_PORT=$((20000 + SLURM_JOB_ID % 11999)); exec "$0" -c "$1"')
     t0 = time.monotonic()
     proc = subprocess.run(["srun", "-p", "debug", "-N3", "-n3", "--time=1", "bash", "-c", task, sys.executable, code],
                           capture_output=True, text=True, timeout=90, check=False)

@@ -39,7 +39,7 @@ export SUBMITIT_EXECUTOR=slurm
 # sharing a node do not collide.
 MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
 export MASTER_ADDR
-export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
+export MASTER_PORT=$((20000 + SLURM_JOB_ID % 11999))  # below the ephemeral range; +1 is the pre-flight's
 
 # DeepSpeed hostfile for this allocation, written aside then renamed; empty means a broken allocation.
 scontrol show hostnames "$SLURM_JOB_NODELIST" | awk '{ print $1 " slots=8" }' > "$HPCTRAIN_RUN_DIR/hostfile.tmp"

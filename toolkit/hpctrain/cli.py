@@ -243,7 +243,6 @@ def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry
     grid = parse_sweep(list(sweep)) if sweep else [{}]
     points = [_resolve(runfile, opts, p) for p in grid]
     _check_sweep_binds(points)
-    _check_node_support(points)
     spec, plan = points[0]
     mode = "preflight" if preflight else "train"
     if not dry_run:  # runtime known, executor runs containers, image exists: refuse before any folder
@@ -279,17 +278,6 @@ def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry
             runs.remove_run_folder(d)
         raise
     _report(subs, as_json)
-
-
-def _check_node_support(points: list[tuple[Spec, Plan]]) -> None:
-    """Refuse at submit what the node trainer would refuse after queueing (fail in seconds, not hours)."""
-    from hpctrain.errors import bad_value
-
-    for spec, _ in points:
-        if spec.parallel.tp > 1:
-            raise bad_value("parallel.tp", spec.parallel.tp,
-                            "the node trainer does not run tensor parallelism (DeepSpeed AutoTP) yet, so the job "
-                            "would fail on the nodes", "pass --tp 1 and split the model with --zero 3 (or --pp)")
 
 
 def _check_sweep_binds(points: list[tuple[Spec, Plan]]) -> None:

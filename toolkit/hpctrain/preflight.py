@@ -122,9 +122,10 @@ def _expected_hosts(env: Mapping[str, str], world: int) -> list[str]:
 
 
 def default_port(job_id: str | None) -> int:
-    """A port derived from the job id, so two jobs sharing a node do not collide: 20000..39999."""
+    """A port derived from the job id, so two jobs sharing a node do not collide: 20000..31998
+    (below the ephemeral range; the same formula as node/dist.py and sbatch.sh.j2)."""
     digits = re.sub(r"\D", "", job_id or "")
-    return 20000 + (int(digits[-6:]) % 20000 if digits else 0)
+    return 20000 + (int(digits[-8:]) % 11999 if digits else 0)
 
 
 def layout_from_env(env: Mapping[str, str] | None = None) -> Layout:

@@ -33,9 +33,13 @@ class DistEnv:
 
 
 def port_from_job_id(job_id: str) -> int:
-    """A port every rank of one job derives alike (no communication needed), 20000-39999."""
+    """A port every rank of one job derives alike (no communication needed), 20000-31998.
+
+    Kept below Linux's ephemeral range (32768+), whose ports outgoing connections take again soon;
+    the pre-flight binds MASTER_PORT+1, so both stay under 32000.
+    """
     digits = "".join(ch for ch in job_id if ch.isdigit()) or "0"
-    return 20000 + int(digits[-8:]) % 20000
+    return 20000 + int(digits[-8:]) % 11999
 
 
 def first_host(nodelist: str) -> str:
