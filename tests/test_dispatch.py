@@ -495,6 +495,16 @@ def test_local_executor_preflight_two_tasks(tmp_path: Path, monkeypatch: pytest.
     assert len(list((run_dir / "submitit").glob(f"{sub.job_id}_*_result.pkl"))) == 2
     _assert_no_canary(run_dir, env["state"])
 
+    # A new attempt of a local run (hpctrain resubmit, the supervisor) stays on the local executor.
+    again = dispatch.submit_attempt(run_dir, sp, pl, 1, mode="preflight")
+    assert again.executor == "local" and again.job_id != sub.job_id
+    assert runs.RunFolder(run_dir).read_attempts()[-1]["executor"] == "local"
+    assert [a.attempt for a in Registry().get_run(sub.run_id).attempts] == [0, 1]
+    end = time.monotonic() + 90
+    while len(list((run_dir / "submitit").glob(f"{again.job_id}_*_result.pkl"))) < 2:
+        assert time.monotonic() < end, "the local attempt 1 did not finish in 90 s"
+        time.sleep(0.5)
+
 
 def test_just_finished_job_is_read_again_until_settled(fake_slurm: Path, stand_in_render: None,
                                                        tmp_path: Path) -> None:

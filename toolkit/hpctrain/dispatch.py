@@ -87,17 +87,21 @@ def submit(run_dirs: Sequence[Path], spec: Spec, plan: Plan, executor: str = "au
 def submit_attempt(run_dir: Path, spec: Spec, plan: Plan, attempt: int, mode: str = "train",
                    record: dict[str, Any] | None = None) -> Submitted:
     """A new attempt of an existing run (`hpctrain resubmit`, the supervisor): same run folder, a new
-    SLURM job, recorded as attempt `attempt` in attempts.jsonl (with `record`'s extra keys) and in the
-    registry. A run this registry does not know (another state dir) is still submitted and recorded
-    in its folder."""
+    job on the executor the run was first submitted to (a local run stays local), recorded as attempt
+    `attempt` in attempts.jsonl (with `record`'s extra keys) and in the registry. A run this registry
+    does not know (another state dir) is still submitted and recorded in its folder."""
     from hpctrain.registry import Attempt, Registry
 
     d = Path(run_dir).absolute()
-    sub = _submit_slurm([d], spec, plan, mode)[0]
+    folder = runs_mod.RunFolder(d)
+    first = folder.read_attempts()[:1]
+    executor = str(first[0].get("executor", "slurm")) if first else resolve_executor(spec.launch.executor)
+    submit_one = _submit_local if executor == "local" else _submit_slurm
+    sub = submit_one([d], spec, plan, mode)[0]
     now = time.time()
-    runs_mod.append_attempt(runs_mod.RunFolder(d).attempts_jsonl,
+    runs_mod.append_attempt(folder.attempts_jsonl,
                             {**(record or {}), "attempt": attempt, "job_id": sub.job_id, "state": "PENDING",
-                             "submitted": now, "executor": "slurm", "mode": mode})
+                             "submitted": now, "executor": executor, "mode": mode})
     try:
         Registry().add_attempt(Attempt(run_id=d.name, attempt=attempt, job_id=sub.job_id, state="PENDING",
                                        submitted=now))
