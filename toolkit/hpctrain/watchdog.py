@@ -1,0 +1,278 @@
+"""The hang watchdog and what the ranks write for it, plus the fault-injection hooks the tests use.
+
+* `RankBeat`: a thread in every rank writing metrics/ranks/rank-R.json (step reached, phase, time).
+* `Watchdog`: the batch script's background loop (`python -m hpctrain.supervise watch ...`): no step for
+  launch.hang_timeout_s -> the silent ranks go to metrics/watchdog.jsonl and the job is cancelled; the
+  supervisor (hpctrain.supervise) then retries the run without the silent host.
+* `inject`: HPCTRAIN_FAULT_INJECT="hang:rank=1,step=10;ckpt-crash:step=12;crash:step=7;raise:step=3".
+
+Stdlib only: the ranks, the batch script and the CLI import it. Design: docs/fault-tolerance.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from hpctrain import runs as runs_mod
+
+RANKS_DIR = "ranks"
+WATCHDOG_FILE = "watchdog.jsonl"
+PHASES = ("start", "compute", "reduce", "checkpoint", "done")  # order matters: later = further along
+
+
+class RankBeat:
+    """A daemon thread writing this rank's progress to metrics/ranks/rank-R.json every `interval_s`.
+
+    The training loop only sets attributes (`step`, `phase`); the thread does the I/O, so the cost
+    does not depend on the step rate. A rank hung in Python code still beats, but its step stays
+    behind its peers' (they wait in the next collective): that names it. A dead or GIL-stuck rank
+    stops beating: its file goes stale.
+    """
+
+    def __init__(self, metrics_dir: Path, rank: int, interval_s: float = 5.0) -> None:
+        self.dir = Path(metrics_dir) / RANKS_DIR
+        self.rank, self.interval_s = rank, max(0.2, interval_s)
+        self.step, self.phase = 0, "start"
+        self.host = socket.gethostname()
+        self.job = os.environ.get("SLURM_JOB_ID", "")
+        self.restart = os.environ.get("SLURM_RESTART_COUNT", "0") or "0"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"hpctrain-beat-{rank}", daemon=True)
+
+    def start(self) -> RankBeat:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._thread.start()
+        return self
+
+    def set(self, step: int, phase: str) -> None:
+        self.step, self.phase = step, phase
+
+    def stop(self, phase: str = "done") -> None:
+        self.phase = phase
+        self._stop.set()
+        self.write()
+
+    def write(self) -> None:
+        rec = {"rank": self.rank, "host": self.host, "step": self.step, "phase": self.phase, "time": time.time(),
+               "job": self.job, "restart": self.restart, "pid": os.getpid()}
+        tmp = self.dir / f".rank-{self.rank}.json.tmp"
+        try:
+            tmp.write_text(json.dumps(rec) + "\n")
+            os.replace(tmp, self.dir / f"rank-{self.rank}.json")
+        except OSError:
+            pass  # a full or flaky filesystem must not cost a training step
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.write()
+            self._stop.wait(self.interval_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """One injected fault: HPCTRAIN_FAULT_INJECT="hang:rank=1,step=5;ckpt-crash:step=10;raise:step=3"."""
+
+    kind: str  # hang | crash | ckpt-crash | raise
+    step: int
+    rank: int | None = None  # None: every rank
+    every_attempt: bool = False  # raise: a user bug fails every attempt; the others fire once
+
+
+FAULT_KINDS = ("hang", "crash", "ckpt-crash", "raise")
+
+
+def parse_faults(text: str) -> list[Fault]:
+    """Parse HPCTRAIN_FAULT_INJECT; a malformed entry is an error naming it (a test typo must not pass)."""
+    out = []
+    for item in filter(None, (p.strip() for p in text.split(";"))):
+        kind, _, args = item.partition(":")
+        kw = dict(a.split("=", 1) for a in args.split(",") if "=" in a)
+        if kind not in FAULT_KINDS or "step" not in kw:
+            raise ValueError(f"HPCTRAIN_FAULT_INJECT entry {item!r}: expected KIND:step=N[,rank=R] with KIND one of "
+                             f"{', '.join(FAULT_KINDS)}")
+        out.append(Fault(kind, int(kw["step"]), int(kw["rank"]) if "rank" in kw else None, kind == "raise"))
+    return out
+
+
+def inject(where: str, step: int, step0: int, rank: int, log: Any = None) -> None:
+    """Test hook the node calls at `where` ("step": step N computed, before its collective; "checkpoint":
+    step N's checkpoint half written). Each fault fires once per run and rank (a marker in
+    $HPCTRAIN_RUN_DIR/metrics/faults/; without a run dir: only in an attempt that started before N), so
+    the retry passes; `raise` is a user bug and fires every time."""
+    text = os.environ.get("HPCTRAIN_FAULT_INJECT", "")
+    if not text:
+        return
+    run_dir = os.environ.get("HPCTRAIN_RUN_DIR", "")
+    for f in parse_faults(text):
+        if f.step != step or (f.rank is not None and f.rank != rank):
+            continue
+        if (where == "checkpoint") != (f.kind == "ckpt-crash"):
+            continue
+        if not f.every_attempt:
+            if not run_dir:
+                if step0 >= step:
+                    continue
+            else:
+                marker = Path(run_dir) / "metrics" / "faults" / f"{f.kind}-step{step}-rank{rank}"
+                if marker.exists():
+                    continue
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.write_text(f"{time.time()}\n")
+        if log is not None:
+            log.info("fault injection: %s at step %d on rank %d", f.kind, step, rank)
+            for h in getattr(log, "handlers", []):
+                h.flush()
+        if f.kind == "raise":
+            raise ValueError(f"user code failed at step {step} (injected by HPCTRAIN_FAULT_INJECT)")
+        if f.kind == "hang":
+            while True:  # a rank that stops making progress without dying
+                time.sleep(3600)
+        os._exit(17)  # crash / ckpt-crash: die now, no cleanup
+
+
+def read_beats(run_dir: Path, job: str | None = None, restart: str | None = None) -> list[dict[str, Any]]:
+    """Per-rank beats (of `job` and its run `restart` only, when given: files left by an earlier attempt
+    or an earlier run of a requeued job are ignored)."""
+    out = []
+    for p in sorted((Path(run_dir) / "metrics" / RANKS_DIR).glob("rank-*.json")):
+        try:
+            rec = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(rec, dict) and (job is None or str(rec.get("job")) == str(job)) and (
+                restart is None or str(rec.get("restart", "0")) == str(restart)):
+            out.append(rec)
+    return out
+
+
+def _order(beat: dict[str, Any]) -> tuple[int, int]:
+    phase = str(beat.get("phase", "start"))
+    return int(beat.get("step", 0)), PHASES.index(phase) if phase in PHASES else 0
+
+
+def silent_ranks(beats: list[dict[str, Any]], world: int, now: float, stale_s: float) -> list[dict[str, Any]]:
+    """Ranks to blame for a hang: missing (never beat), stale (stopped beating), or behind the others
+    (still computing a step the rest are waiting to reduce). Empty when all are equal and alive:
+    then every rank waits in one collective and none can be named."""
+    by_rank = {int(b["rank"]): b for b in beats if "rank" in b}
+    out = [{"rank": r, "host": None, "why": "no beat from this rank"} for r in range(world) if r not in by_rank]
+    alive = {r: b for r, b in by_rank.items() if now - float(b.get("time", 0)) <= stale_s}
+    for r, b in sorted(by_rank.items()):
+        if r not in alive:
+            out.append({"rank": r, "host": b.get("host"), "step": b.get("step"),
+                        "why": f"stopped beating {now - float(b.get('time', 0)):.0f} s ago (process dead or stuck)"})
+    if len(alive) > 1:
+        top = max(_order(b) for b in alive.values())
+        for r, b in sorted(alive.items()):
+            if _order(b) < top:
+                out.append({"rank": r, "host": b.get("host"), "step": b.get("step"),
+                            "why": f"at step {b.get('step')} ({b.get('phase')}) while others reached step {top[0]} "
+                                   f"({PHASES[top[1]]})"})
+    return sorted(out, key=lambda x: x["rank"])
+
+
+@dataclasses.dataclass
+class Watchdog:
+    """The batch script's background loop (see module docstring). `check()` is one poll (tested alone)."""
+
+    run_dir: Path
+    job: str
+    timeout_s: float
+    world: int = 1
+    grace_s: float = 0.0  # before the first step and while a checkpoint is written
+    attempt: int = 0
+    restart: str | None = None  # SLURM_RESTART_COUNT of this run of the job (None: any)
+    started: float = dataclasses.field(default_factory=time.time)
+    last_progress: int | None = None
+    last_change: float = dataclasses.field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        self.grace_s = self.grace_s or max(3 * self.timeout_s, 600.0)
+
+    def check(self, now: float | None = None) -> dict[str, Any] | None:
+        """None while fine; the hang record when the run has made no progress for too long."""
+        now = time.time() if now is None else now
+        beats = read_beats(self.run_dir, self.job, self.restart)
+        progress = max((int(b.get("step", 0)) for b in beats), default=None)
+        if progress != self.last_progress:
+            self.last_progress, self.last_change = progress, now
+        phases = {str(b.get("phase")) for b in beats}
+        if beats and phases <= {"done"}:
+            return None
+        # Before the first step (imports, checkpoint load) and while a checkpoint is written, steps take long.
+        slow = progress is None or bool(phases & {"start", "checkpoint"})
+        limit = self.grace_s if slow else self.timeout_s
+        stale = now - self.last_change
+        if stale <= limit:
+            return None
+        silent = silent_ranks(beats, self.world, now, stale_s=max(3 * self.poll_s(), 15.0))
+        hosts = sorted({str(s["host"]) for s in silent if s.get("host")})
+        who = ", ".join(f"rank {s['rank']}" + (f" on {s['host']}" if s.get("host") else "") for s in silent)
+        done = progress - 1 if progress is not None and phases & {"compute", "reduce"} else progress
+        msg = (f"no step completed after step {done} for {stale:.0f} s (limit {limit:.0f} s); "
+               + (f"silent: {who}" if silent else "every rank is waiting in the same collective"))
+        return {"event": "hang", "job_id": self.job, "attempt": self.attempt, "last_step": done,
+                "silent_ranks": [s["rank"] for s in silent], "silent_hosts": hosts, "details": silent,
+                "stale_s": round(stale, 1), "timeout_s": self.timeout_s, "time": now, "message": msg}
+
+    def poll_s(self) -> float:
+        return min(10.0, max(1.0, self.timeout_s / 5))
+
+    def run(self, cancel: bool = True) -> dict[str, Any] | None:
+        """Poll until a hang (record it, cancel the job, return the record); the batch script kills this
+        process when the job ends normally."""
+        while True:
+            time.sleep(self.poll_s())
+            rec = self.check()
+            if rec is None:
+                continue
+            path = Path(self.run_dir) / "metrics" / WATCHDOG_FILE
+            runs_mod.append_attempt(path, rec)
+            print(f"hpctrain watchdog: {rec['message']}; cancelling job {self.job}", file=sys.stderr, flush=True)
+            if cancel:
+                from hpctrain import _slurm
+
+                _slurm.scancel([self.job])
+            return rec
+
+
+def watchdog_records(run_dir: Path, job: str) -> list[dict[str, Any]]:
+    return [r for r in runs_mod.read_attempts(Path(run_dir) / "metrics" / WATCHDOG_FILE)
+            if str(r.get("job_id")) == str(job)]
+
+
+def log_attempt(env: dict[str, str] | None = None) -> int:
+    """The K of logs/attempt-K.*: HPCTRAIN_ATTEMPT (the attempt's base, set at resubmission) plus SLURM's
+    restart count (each requeue of that job)."""
+    env = dict(os.environ) if env is None else env
+    base = env.get("HPCTRAIN_ATTEMPT", "")
+    restarts = env.get("SLURM_RESTART_COUNT", "")
+    return (int(base) if base.isdigit() else 0) + (int(restarts) if restarts.isdigit() else 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`watch RUN_DIR --timeout S [--world N]`: the batch script's watchdog (no click: starts fast)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m hpctrain.supervise")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("watch")
+    w.add_argument("run_dir")
+    w.add_argument("--timeout", type=float, required=True)
+    w.add_argument("--world", type=int, default=1)
+    w.add_argument("--job", default=os.environ.get("SLURM_JOB_ID", ""))
+    a = p.parse_args(argv)
+    if not a.job:
+        print("hpctrain watchdog: no SLURM_JOB_ID; nothing to watch", file=sys.stderr)
+        return 2
+    Watchdog(Path(a.run_dir), a.job, a.timeout, world=a.world, attempt=log_attempt(),
+             restart=os.environ.get("SLURM_RESTART_COUNT") or "0").run()
+    return 0
