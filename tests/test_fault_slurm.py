@@ -108,6 +108,15 @@ def wait_decided(run: Path, timeout: float = 540) -> dict[str, Any]:
     return wait_until(lambda: final_decision(run), timeout, f"the supervisor's last word on {run.name}")  # type: ignore[no-any-return]
 
 
+def _last_row_with_decision(run: Path) -> dict[str, Any] | None:
+    """summary.json's last attempt once the supervisor has rebuilt it with its decision."""
+    try:
+        rows = json.loads((run / "summary.json").read_text())["attempts"]
+    except (OSError, ValueError, KeyError):
+        return None
+    return rows[-1] if rows and rows[-1].get("resubmit") else None
+
+
 def losses(run: Path) -> dict[int, float]:
     return {int(r["step"]): float(r["loss"]) for r in metrics(run)}
 
@@ -176,8 +185,7 @@ def test_user_error_is_not_retried(campaign: Campaign) -> None:
     assert "user code failed at step 3" in d["reason"] and "not retried" in d["reason"]
     assert "attempt-0.rank-0.log" in d["reason"] or "rank 0" in d["reason"]
     assert [n["attempt"] for n in notes(run) if n.get("state") == "PENDING"] == [0]  # no second attempt
-    summary = json.loads((run / "summary.json").read_text())
-    row = summary["attempts"][-1]
+    row = wait_until(lambda: _last_row_with_decision(run), 60, "summary.json with the decision")  # written after it
     assert row["failure_class"] == "python_exception" and "user code failed" in row["failure"]["exception"]
     assert row["resubmit"]["action"] == "stop"
     # The user "fixes the bug" (no fault injected any more) and resubmits by hand: attempt 1, a new job,
@@ -207,6 +215,7 @@ def test_hang_watchdog_cancels_and_retries_without_the_silent_host(campaign: Cam
     assert host in retry["excluded"]
     assert all(s <= INTERVAL for s in lost_steps(run)), lost_steps(run)
     assert_matches_reference(run, ref2, 24)
+    wait_until(lambda: _last_row_with_decision(run), 60, "summary.json with the decision")
     rows = json.loads((run / "summary.json").read_text())["attempts"]
     assert rows[0]["failure_class"] == "hang" and rows[0]["failure"]["rank"] == 1
     assert host in rows[-1]["excluded"]
