@@ -23,12 +23,12 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 # Llama 3.2 1B / 3B and Llama 3.1 8B shapes (random init; no download).
 SHAPES = {
-    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                     num_key_value_heads=8, tie_word_embeddings=True),
-    "llama-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
-                     num_key_value_heads=8, tie_word_embeddings=True),
-    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                     num_key_value_heads=8, tie_word_embeddings=False),
+    "llama-1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+                     "num_key_value_heads": 8, "tie_word_embeddings": True},
+    "llama-3b": {"hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24,
+                     "num_key_value_heads": 8, "tie_word_embeddings": True},
+    "llama-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                     "num_key_value_heads": 8, "tie_word_embeddings": False},
 }
 
 

@@ -332,7 +332,7 @@ def main() -> None:
 
 # Command groups of their own modules, each importing only click at module level:
 # list/status/cancel, logs/summary, image, resubmit/supervise, export.
-from hpctrain import cli_collect, cli_export, cli_fault, cli_image, cli_runs  # noqa: E402
+from hpctrain import cli_collect, cli_export, cli_fault, cli_image, cli_runs
 
 for _module in (cli_runs, cli_collect, cli_image, cli_fault, cli_export):
     _module.register(cli)

@@ -307,15 +307,6 @@ def _explain_rejection(exc: Any, spec: Spec) -> HpcUsageError:
     return HpcUsageError(f"{field} = {shown}: sbatch rejected the job: {exc.reason}. Fix: {fix}")
 
 
-def _write_private(path: Path, text: str) -> None:
-    """Write via a temp file + rename (readers never see half a script), mode 0600."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
-
-
 def _check_no_secrets(text: str, spec: Spec) -> None:
     for value in secret_values(spec):
         if value in text:
@@ -390,9 +381,9 @@ def _executor_class() -> type:
                 # submitit's own copy of the script (%j_submission.sh / %A_submission.sh) per run.
                 sub = job.paths.submission_file
                 if not sub.exists():
-                    _write_private(sub, script)
+                    runs_mod.write_private(sub, script)
             for d in self.run_dirs:
-                _write_private(runs_mod.RunFolder(d).sbatch_sh, script)
+                runs_mod.write_private(runs_mod.RunFolder(d).sbatch_sh, script)
             self.last_jobs = jobs
             return jobs
 
@@ -400,7 +391,7 @@ def _executor_class() -> type:
             indep = sutils.JobPaths.get_first_id_independent_folder(self.folder)
             script = self._make_submission_file_text(command, uuid.uuid4().hex)
             path = indep / f".submission_file_{uuid.uuid4().hex}.sh"
-            _write_private(path, script)
+            runs_mod.write_private(path, script)
             try:
                 out = _slurm.sbatch(str(path))
             finally:

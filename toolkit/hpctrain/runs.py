@@ -132,6 +132,16 @@ class RunFolder:
         return read_attempts(self.attempts_jsonl)
 
 
+def write_private(path: Path, text: str) -> None:
+    """Write `text` via a temp file + rename (readers never see half a file), mode 0600: run folders
+    hold scripts and specs that are the user's alone."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
 def create_run_folder_atomically(runs_dir: Path | str, run_id: str, files: dict[str, str]) -> Path:
     """Create `<runs_dir>/<run_id>` (mode 0700) holding `files` (relative name -> text), all or nothing.
 

@@ -122,7 +122,7 @@ def resubmit_run(run_dir: Path, *, exclude: tuple[str, ...] | None = None, time_
                       launch=dc.replace(spec.launch, retries=spec.launch.retries if retries is None else retries))
     plan = make_plan(spec)
     attempt = next_attempt_number(run_dir, _registry_attempts(run_dir.name))
-    _write_atomic(run_dir / "spec.toml", to_toml(spec))  # "exactly as dispatched": the latest attempt's request
+    runs_mod.write_private(run_dir / "spec.toml", to_toml(spec))  # "exactly as dispatched": the latest attempt's request
     rec = {"excluded": list(spec.resources.exclude), "time": spec.resources.time, **(record or {})}
     old = os.environ.get("HPCTRAIN_ATTEMPT")
     os.environ["HPCTRAIN_ATTEMPT"] = str(attempt)  # sbatch --export=ALL: the ranks log as attempt-K
@@ -157,14 +157,6 @@ def _registry_failure(run_id: str, attempt: int, failure_class: str) -> None:
         Registry().update_attempt(run_id, attempt, failure_class=failure_class)
     except Exception:  # noqa: BLE001,S110 - the run folder holds the record anyway
         pass
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
 
 
 def supervisor_script(run_dir: Path, job_id: str, spec: Spec, python: str | None = None) -> str:
@@ -209,7 +201,7 @@ def arm(run_dir: Path, job_id: str, spec: Spec) -> str:
 
     run_dir = Path(run_dir).absolute()
     path = run_dir / "submitit" / f"supervise-{job_id}.sh"
-    _write_atomic(path, supervisor_script(run_dir, job_id, spec))
+    runs_mod.write_private(path, supervisor_script(run_dir, job_id, spec))
     sup = _slurm.job_id_from_sbatch(_slurm.sbatch(str(path)))
     runs_mod.append_attempt(run_dir / "attempts.jsonl", {"supervisor_job": sup, "supervises": job_id,
                                                         "time": time.time()})
