@@ -403,19 +403,27 @@ def test_unsplit_array_state_applies_to_every_task(fake_slurm: Path) -> None:
     assert (fake_slurm / "sacct.args").read_text().split()[-1] == "5"  # asked about the parent
 
 
+def _record_local_run(d: Path, pid: int) -> Path:
+    from hpctrain.registry import Attempt
+
+    Registry().add_submitted({"run_id": d.name, "name": "tiny", "folder": str(d), "executor": "local"},
+                             Attempt(run_id=d.name, attempt=0, job_id=str(pid)))
+    return d
+
+
 def test_cancel_local_run_stops_its_controller(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import subprocess
+    import sys
 
     from click.testing import CliRunner
 
-    from hpctrain.registry import Attempt
-
     monkeypatch.setenv("HPCTRAIN_STATE_DIR", str(tmp_path / "state"))
-    proc = subprocess.Popen(["sleep", "30"])  # stands in for submitit's local controller
+    d = _folders(tmp_path, 1)[0]
+    # Stands in for submitit's local controller: the same argv shape (`-m submitit.local._local RUN/submitit`).
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "submitit.local._local",
+                             str(d / "submitit")])
     try:
-        (d,) = _folders(tmp_path, 1)
-        Registry().add_submitted({"run_id": d.name, "name": "tiny", "folder": str(d), "executor": "local"},
-                                 Attempt(run_id=d.name, attempt=0, job_id=str(proc.pid)))
+        _record_local_run(d, proc.pid)
         r = CliRunner().invoke(_cli(), ["status", d.name, "--json"])
         assert json.loads(r.output)["state"] == "RUNNING"
         r = CliRunner().invoke(_cli(), ["cancel", d.name])
@@ -425,6 +433,26 @@ def test_cancel_local_run_stops_its_controller(tmp_path: Path, monkeypatch: pyte
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_cancel_never_signals_a_process_that_reused_the_pid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local run's controller ended long ago and its PID now belongs to another program: not RUNNING,
+    and `cancel` leaves that program alone."""
+    import subprocess
+
+    from click.testing import CliRunner
+
+    monkeypatch.setenv("HPCTRAIN_STATE_DIR", str(tmp_path / "state"))
+    stranger = subprocess.Popen(["sleep", "30"])
+    try:
+        d = _record_local_run(_folders(tmp_path, 1)[0], stranger.pid)
+        r = CliRunner().invoke(_cli(), ["status", d.name, "--json"])
+        assert json.loads(r.output)["state"] == "FAILED"  # no controller, no result file
+        CliRunner().invoke(_cli(), ["cancel", d.name])
+        assert stranger.poll() is None  # still running
+    finally:
+        stranger.kill()
+        stranger.wait()
 
 
 def test_unusable_registry_fails_before_sbatch(fake_slurm: Path, stand_in_render: None, tmp_path: Path,

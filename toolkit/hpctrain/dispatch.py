@@ -452,7 +452,7 @@ def local_state(run_dir: Path, job_id: str) -> tuple[str, str | None]:
     """State of a local-executor job: RUNNING while its controller lives, then COMPLETED/FAILED
     from submitit's result pickles (cached there by submitit, so this is cheap)."""
     pid = int(job_id) if job_id.isdigit() else -1
-    if pid > 0 and _alive(pid):
+    if pid > 0 and _alive(pid) and _is_local_controller(pid, run_dir):
         return "RUNNING", None
     results = sorted((run_dir / "submitit").glob(f"{job_id}_*_result.pkl"))
     if not results:
@@ -468,6 +468,17 @@ def local_state(run_dir: Path, job_id: str) -> tuple[str, str | None]:
         if status != "success":
             return "FAILED", f"see {path.name}"
     return "COMPLETED", None
+
+
+def _is_local_controller(pid: int, run_dir: Path) -> bool:
+    """The PID is submitit's local controller for this run (`python -m submitit.local._local RUN/submitit`),
+    not an unrelated process that reused the number after the controller ended: `cancel` signals it."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            argv = fh.read().decode(errors="replace").split("\0")
+    except OSError:
+        return False
+    return "submitit.local._local" in argv and any(Path(run_dir).name in arg for arg in argv)
 
 
 def _alive(pid: int) -> bool:
