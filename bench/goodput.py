@@ -48,14 +48,10 @@ def sh(*argv: str, timeout: float = 60, check: bool = True) -> str:
 
 
 def metrics(run: Path) -> list[dict[str, Any]]:
-    path = run / "metrics" / "metrics.jsonl"
-    out = []
-    for line in (path.read_text().splitlines() if path.exists() else []):
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
+    """The run's metrics records; a line cut mid-write is skipped (the collector's reader)."""
+    from hpctrain.collect_metrics import read_metrics
+
+    return read_metrics(run / "metrics" / "metrics.jsonl")[0]
 
 
 def sacct_runs(job: str) -> list[dict[str, Any]]:

@@ -84,14 +84,10 @@ def final_decision(run: Path) -> dict[str, Any] | None:
 
 
 def metrics(run: Path) -> list[dict[str, Any]]:
-    path = run / "metrics" / "metrics.jsonl"
-    out = []
-    for line in (path.read_text().splitlines() if path.exists() else []):
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
+    """The run's metrics records; a line cut mid-write is skipped (the collector's reader)."""
+    from hpctrain.collect_metrics import read_metrics
+
+    return read_metrics(run / "metrics" / "metrics.jsonl")[0]
 
 
 def wait_until(cond: Callable[[], Any], timeout: float, what: str, poll: float = 3.0) -> Any:
