@@ -8,3 +8,5 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # The image presets "9.0a", which DeepSpeed's op builder cannot parse (int('0a')).
 export TORCH_CUDA_ARCH_LIST=9.0
 export TORCH_EXTENSIONS_DIR=/tmp/torch_ext PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+# DeepSpeed's runner script (the --launcher deepspeed path) lands in the target's bin/.
+export PATH=/tmp/site/bin:$PATH

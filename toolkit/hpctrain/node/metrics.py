@@ -52,6 +52,13 @@ def host_mem_gb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
 
 
+def host_peak_gb() -> float:
+    """Peak resident set size of this process so far (ru_maxrss), GB: what the host must hold."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
 class MetricsWriter:
     """Rank 0 appends one JSON object per optimizer step and rewrites the heartbeat atomically."""
 
