@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--docs", type=int, default=3000)
     ap.add_argument("--gpu", action="store_true")
+    ap.add_argument("--timeout", type=float, default=300, help="per run, seconds")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench-dynbatch"))
     a = ap.parse_args()
     out = Path(a.out)
@@ -61,7 +62,8 @@ def main() -> None:
                        train={"steps": a.steps + a.warmup, "micro_batch": a.mb, "grad_accum": 1,
                               "precision": "bf16", "lr": 3e-4, "min_lr": 3e-5},
                        parallel={"zero": 2})
-        proc = torchrun(run, 1, timeout=900)
+        # testing.node_env defaults to DS_ACCELERATOR=cpu (the CPU tests); a GPU run must say cuda.
+        proc = torchrun(run, 1, timeout=a.timeout, env={"DS_ACCELERATOR": "cuda"} if a.gpu else None)
         if proc.returncode:
             raise SystemExit(f"{mode}: rc {proc.returncode}\n{proc.stderr[-3000:]}")
         steady = metrics(run)[a.warmup:]

@@ -33,7 +33,7 @@ def run_plain(a: argparse.Namespace, log: Path) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
            str(free_port()), str(ROOT / "bench" / "gpu" / "plain_ds.py"), "--model", a.model, "--zero", str(a.zero),
            "--mb", str(a.mb), "--seq", str(a.seq), "--steps", str(a.steps), "--warmup", str(a.warmup),
-           "--offload", a.offload]
+           "--offload", a.offload, "--torch-adam"] + (["--no-ac"] if a.no_ac else [])
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, check=False)
     log.write_text(proc.stdout + proc.stderr)
@@ -57,7 +57,7 @@ def make_run_folder(a: argparse.Namespace, run: Path) -> None:
         "model": {"config": a.model},
         "data": {"source": "synthetic", "seq_len": a.seq},
         "train": {"steps": a.warmup + a.steps, "micro_batch": a.mb, "grad_accum": 1, "lr": 1e-4, "min_lr": 1e-5,
-                  "warmup_steps": 0, "precision": "bf16", "activation_checkpointing": True,
+                  "warmup_steps": 0, "precision": "bf16", "activation_checkpointing": not a.no_ac,
                   "peak_tflops": a.peak_tflops},
         "parallel": {"zero": a.zero, "offload": a.offload},
         "checkpoint": {"every_steps": 0, "export_hf": False},
@@ -69,7 +69,10 @@ def make_run_folder(a: argparse.Namespace, run: Path) -> None:
     plan = make_plan(spec)
     (run / "plan.json").write_text(plan.to_json())
     if not a.node_config:  # else the node builds its own (DeepSpeed's default bucket sizes)
-        (run / "ds_config.json").write_text(json.dumps(render_ds_config(spec, plan), indent=2))
+        cfg = render_ds_config(spec, plan)
+        if a.persist:  # one rank holds every parameter anyway: skip ZeRO-3's per-layer gather/release
+            cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 10**12
+        (run / "ds_config.json").write_text(json.dumps(cfg, indent=2))
 
 
 def run_entry(a: argparse.Namespace, run: Path, log: Path) -> dict[str, Any]:
@@ -106,13 +109,16 @@ def main() -> None:
     ap.add_argument("--offload", default="none", choices=["none", "optimizer"])
     ap.add_argument("--peak-tflops", type=float, default=788.0, help="measured bf16 matmul peak (H200: 788)")
     ap.add_argument("--node-config", action="store_true", help="no rendered ds_config.json: the node's own")
+    ap.add_argument("--no-ac", action="store_true", help="no activation checkpointing (both loops)")
+    ap.add_argument("--persist", action="store_true", help="ZeRO-3 persistence threshold 1e12 (entrypoint only)")
     ap.add_argument("--only", choices=["plain", "entry", "both"], default="both")
     ap.add_argument("--timeout", type=float, default=280)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench-node"))
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = f"{a.model}-z{a.zero}-{a.offload}-mb{a.mb}-s{a.seq}" + ("-nodecfg" if a.node_config else "")
+    tag = f"{a.model}-z{a.zero}-{a.offload}-mb{a.mb}-s{a.seq}" + ("-nodecfg" if a.node_config else "") + \
+        ("-noac" if a.no_ac else "") + ("-persist" if a.persist else "")
     rows = []
     if a.only in ("entry", "both"):
         rows.append(run_entry(a, out / f"run-{tag}", out / f"entry-{tag}.log"))

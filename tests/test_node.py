@@ -222,3 +222,36 @@ def test_entry_is_torch_free() -> None:
     code = "import sys, hpctrain.node.entry; print([m for m in ('torch','deepspeed','transformers') if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_gpu_ranks_use_fused_torch_adamw_unless_offloaded() -> None:
+    """No JIT-compiled FusedAdam on GPU ranks; DeepSpeedCPUAdam stays for offload (5x torch on the host)."""
+    from hpctrain.node.train import normalize_ds_config
+
+    base = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 3}}
+    assert normalize_ds_config(base, 2, True)["optimizer"]["params"] == {"lr": 1e-4, "torch_adam": True,
+                                                                          "fused": True}
+    off = {**base, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    assert normalize_ds_config(off, 2, True)["optimizer"]["params"] == {"lr": 1e-4}
+    assert normalize_ds_config(off, 2, False)["optimizer"]["params"] == {"lr": 1e-4, "torch_adam": True}
+
+
+def test_fused_adamw_steps_follow_their_parameters() -> None:
+    """A universal-checkpoint load leaves `step` as an int CPU tensor; the fused kernel wants float32 on
+    the parameter's device (a CUDA-only failure, so the move itself is what is checked here)."""
+    import types
+
+    import torch
+
+    from hpctrain.node.train import align_optimizer_steps
+
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.AdamW([p], fused=True)
+    p.grad = torch.ones(4)
+    opt.step()
+    opt.state[p]["step"] = torch.tensor(3, dtype=torch.int64)
+    engine = types.SimpleNamespace(optimizer=types.SimpleNamespace(optimizer=opt))
+    assert align_optimizer_steps(engine) == 1
+    assert opt.state[p]["step"].dtype == torch.float32 and float(opt.state[p]["step"]) == 3.0
+    opt.step()
+    assert align_optimizer_steps(engine) == 0

@@ -27,7 +27,8 @@ from hpctrain.node.runconf import NodeInputError
 from hpctrain.node.tokenize import Tokenizer
 
 IGNORE = -100
-PLAN_WINDOW = 64  # dynamic batching sorts by length inside windows of this many batches' worth of docs
+PLAN_WINDOW = 256  # dynamic batching sorts by length inside windows of this many batches' worth of docs
+# (plan_epoch on 20,000 log-normal lengths, median seq/6, micro 4, seq 4096: 2.8% padding with 256, 8.3% with 64)
 
 
 @dataclass

@@ -270,6 +270,7 @@ def resume(p: Prepared, engine: Any) -> tuple[int, int, float]:
                                "Fix: delete that folder (and `latest`) to resume from an earlier checkpoint.")
     if not agree(error is None):
         raise error or OtherRankFailed()
+    align_optimizer_steps(engine)
     same_world = int(p.resume.meta.get("world_size", -1)) == p.d.world_size
     restored = same_world and ckpt.load_rng(p.resume.path / f"rng-rank-{p.d.rank}.pt")
     step = int(client.get("step", p.resume.step))
@@ -277,6 +278,29 @@ def resume(p: Prepared, engine: Any) -> tuple[int, int, float]:
     log.info("resumed from %s at step %d (data cursor %d, rng %s)", tag, step, cursor,
              "restored" if restored else "re-seeded")
     return step, cursor, float(client.get("tokens_seen", 0.0))
+
+
+def align_optimizer_steps(engine: Any) -> int:
+    """Put every `step` of a fused torch AdamW's state on its parameter's device, as float32.
+
+    torch's fused kernel refuses a CPU `step` next to CUDA parameters, and DeepSpeed's universal-checkpoint
+    loader writes the optimizer state directly, with `step` as a CPU tensor (seen on H200s: a 4-GPU
+    checkpoint resumed on 2 failed in the first optimizer step). Returns how many were moved.
+    """
+    import torch
+
+    opt = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    moved = 0
+    for group in getattr(opt, "param_groups", []):
+        if not (group.get("fused") or group.get("capturable")):
+            continue
+        for param in group["params"]:
+            state = opt.state.get(param) or {}
+            step = state.get("step")
+            if torch.is_tensor(step) and (step.device != param.device or step.dtype != torch.float32):
+                state["step"] = step.to(device=param.device, dtype=torch.float32)
+                moved += 1
+    return moved
 
 
 # -------------------------------------------------------------------------------------------- loop
