@@ -255,3 +255,7 @@ def test_fused_adamw_steps_follow_their_parameters() -> None:
     assert opt.state[p]["step"].dtype == torch.float32 and float(opt.state[p]["step"]) == 3.0
     opt.step()
     assert align_optimizer_steps(engine) == 0
+    # ZeRO-3 empties the groups between its per-sub-group steps: the state is still found.
+    opt.state[p]["step"] = torch.tensor(5, dtype=torch.int64)
+    opt.param_groups[0]["params"] = []
+    assert align_optimizer_steps(engine) == 1 and opt.state[p]["step"].dtype == torch.float32

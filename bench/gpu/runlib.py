@@ -159,6 +159,8 @@ def read_metrics(run: Path) -> list[dict[str, Any]]:
 
 def summarize(recs: list[dict[str, Any]], world: int, warmup: int) -> dict[str, Any]:
     """Median of the steady steps (after `warmup`): tokens/s per GPU, model TFLOPS, MFU; peaks over all."""
+    if not recs:
+        return {"steps": 0}
     steady = recs[warmup:] or recs
     med = lambda key: statistics.median(float(r.get(key) or 0.0) for r in steady)  # noqa: E731
     return {

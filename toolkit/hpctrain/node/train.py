@@ -290,16 +290,18 @@ def align_optimizer_steps(engine: Any) -> int:
     import torch
 
     opt = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    groups = getattr(opt, "param_groups", [])
+    if not any(g.get("fused") or g.get("capturable") for g in groups):
+        return 0
     moved = 0
-    for group in getattr(opt, "param_groups", []):
-        if not (group.get("fused") or group.get("capturable")):
-            continue
-        for param in group["params"]:
-            state = opt.state.get(param) or {}
-            step = state.get("step")
-            if torch.is_tensor(step) and (step.device != param.device or step.dtype != torch.float32):
-                state["step"] = step.to(device=param.device, dtype=torch.float32)
-                moved += 1
+    # Walk the state, not param_groups: ZeRO-3 puts a sub-group's fp32 partition into its group only
+    # for the duration of its optimizer step, so the groups are empty here.
+    for param, state in getattr(opt, "state", {}).items():
+        step = state.get("step") if isinstance(state, dict) else None
+        if torch.is_tensor(param) and torch.is_tensor(step) and \
+                (step.device != param.device or step.dtype != torch.float32):
+            state["step"] = step.to(device=param.device, dtype=torch.float32)
+            moved += 1
     return moved
 
 
