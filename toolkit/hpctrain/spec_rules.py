@@ -233,7 +233,7 @@ def _rules_offload_ratio(p: Parallel) -> None:
              how_to_set("parallel.offload_ratio", 0.5) + " (1 = all of it, auto = the planner picks)")
         if r == 1:
             return
-    what = "auto" if r == "auto" else f"{r:g}"
+    what = r
     need(p.zero in (3, "auto"), "parallel.offload_ratio", what,
          f"partial optimizer offload exists only at ZeRO stage 3 (zero is {p.zero}); DeepSpeed ignores the ratio "
          "at stages 1 and 2", "pass --zero 3, or --offload-ratio 1")
