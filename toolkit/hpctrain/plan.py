@@ -11,7 +11,6 @@ Its purpose is to refuse hopeless plans and to pick the fastest setting that fit
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -339,7 +338,7 @@ def make_plan(spec: Spec) -> Plan:
         reasons.append("CPU ranks: DS_ACCELERATOR=cpu with gloo; the 'device' is host RAM")
     sh = _shape(spec, arch, params, dp)
     acs = [False, True] if t.activation_checkpointing == "auto" else [bool(t.activation_checkpointing)]
-    kinds = candidates(spec) if spec.parallel.zero == "auto" else \
+    kinds: list[Kind] = candidates(spec) if spec.parallel.zero == "auto" else \
         [(int(spec.parallel.zero), spec.parallel.offload, spec.parallel.offload_ratio)]
     chosen, options = _choose(spec, sh, kinds, micros or [micro], acs, reasons)
     if micros:

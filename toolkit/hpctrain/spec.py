@@ -19,16 +19,16 @@ import re
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import tomllib
 
 from hpctrain.errors import HpcUsageError, bad_value, unknown_key
 from hpctrain.spec_rules import check, describe, field_types, how_to_set, need
 
-Zero = Union[int, Literal["auto"]]  # 0, 1, 2, 3 or "auto"
-OffloadRatio = Union[float, Literal["auto"]]  # 0 < r <= 1, or "auto" (0 also means auto)
-Switch = Union[bool, Literal["auto"]]  # true, false, or "auto" (the planner decides)
+Zero = int | Literal["auto"]  # 0, 1, 2, 3 or "auto"
+OffloadRatio = float | Literal["auto"]  # 0 < r <= 1, or "auto" (0 also means auto)
+Switch = bool | Literal["auto"]  # true, false, or "auto" (the planner decides)
 Offload = Literal["none", "optimizer", "param", "all"]
 OffloadDevice = Literal["cpu", "nvme"]
 Precision = Literal["bf16", "fp16", "fp32"]
