@@ -20,8 +20,9 @@ ZeRO-3, as DeepSpeed 0.19.8 allocates it (dp = data-parallel ranks, N = paramete
 - gathered parameters in flight: the largest module (the embedding / lm_head) and its bf16 gradient.
 
 Activations: with checkpointing, each layer keeps its bf16 input and one layer is recomputed at a
-time (Korthikanti et al. 2022: 34 s b h bytes per layer, fused attention, no s^2 term); without it,
-every layer keeps its 34 s b h. The loss dominates at Llama-3's 128k vocabulary: HF upcasts the
+time, not while the loss's buffers are live; without it, every layer keeps everything its backward
+needs (`layer_activation_bytes`: 34 h per token for a GPT-2 block, ~60 h for a Llama-3 block, whose
+RMSNorms keep fp32 copies and whose SwiGLU MLP keeps four I-wide tensors). The loss dominates at Llama-3's 128k vocabulary: HF upcasts the
 logits to fp32 for cross-entropy and its backward holds the fp32 log-softmax, its gradient and the
 input gradient at once: 12 bytes per logit element (the bf16 logits are freed by then, as long as the
 trainer does not keep the model output alive across backward; hpctrain's node does not).
@@ -58,7 +59,8 @@ ADAM_BYTES_MIXED = 12  # fp32 master + m + v when training in bf16/fp16
 ADAM_BYTES_FP32 = 8  # m + v: the fp32 weights are the master copy
 OFFLOADED_GROUP_BYTES = 16  # per parameter of a CPU sub-group: master, m, v + the pinned fp32 gradient copy
 GPU_GROUP_BYTES = 16  # per parameter of a GPU sub-group under partial offload: the same on the GPU
-ACT_SBH_BYTES = 34  # per layer, in units of s*b*h, 16-bit activations (Korthikanti et al. 2022)
+ACT_SBH_BYTES = 34  # GPT-2 block, per token, in units of h (Korthikanti et al. 2022, fused attention)
+LLAMA_NORM_BYTES_PER_H = 10  # HF LlamaRMSNorm keeps fp32 input + fp32 normalised + bf16 output
 LOGIT_BYTES = 12  # per logit element at the loss: fp32 log-softmax + its gradient + the input gradient
 BUCKET_ELEMENTS_PER_H2 = 2  # reduce (+ allgather) buckets: hidden^2 elements each (render.py's rule)
 
@@ -154,15 +156,35 @@ class Shape:
     host_cap: float  # bytes
 
 
-def _activations(sh: Shape, micro: int, ac: bool) -> tuple[float, float]:
-    """(layer activations, loss/logits) bytes of one rank at its peak, in backward."""
+def layer_activation_bytes(a: dict[str, Any], tokens: int, wb: int, tp: int) -> float:
+    """Bytes one transformer block keeps for backward over `tokens` tokens (16-bit activations x wb/2).
+
+    GPT-2 style: Korthikanti et al.'s 34 h per token (fused attention, no s^2 term). Llama style, as
+    Hugging Face's LlamaDecoderLayer saves them: each RMSNorm keeps its fp32 input, the fp32 normalised
+    tensor and the bf16 output (10 h); q, its rotate_half copy and the rotated q (6 h); k and v with
+    their RoPE copies (8 kv); attention output and o_proj input (4 h); the SwiGLU MLP's gate, silu, up
+    and product (8 I). 30 h + 8 kv + 8 I: about 60 h for Llama 3 8B, against the 34 h of a GPT block.
+    """
+    h, inter = int(a["hidden"]), int(a["intermediate"])
+    if a["style"] == "gpt2":
+        per_token = ACT_SBH_BYTES * h
+    else:
+        kv = int(a["kv_heads"]) * int(a["head_dim"])
+        per_token = LLAMA_NORM_BYTES_PER_H * 2 * h + 10 * h + 8 * kv + 8 * inter
+    return tokens * per_token * wb / 2 / tp
+
+
+def _activations(sh: Shape, micro: int, ac: bool) -> tuple[float, float, float]:
+    """(kept layer activations, one layer being recomputed, loss/logits) bytes of one rank in backward.
+
+    With checkpointing each layer keeps only its input; the layer being recomputed and the loss are not
+    live at the same time (the loss's buffers are freed before the last layer's recompute starts)."""
     a = sh.arch
-    h, layers = int(a["hidden"]), int(a["layers"]) // sh.pp
-    unit = sh.seq * micro * h * sh.wb / 2  # Korthikanti's bytes assume 16-bit activations
-    full = ACT_SBH_BYTES * unit / sh.tp
-    acts = layers * 2 * unit + full if ac else layers * full
-    logits = micro * sh.seq * int(a["vocab"]) * LOGIT_BYTES
-    return acts, logits
+    h, layers, tokens = int(a["hidden"]), int(a["layers"]) // sh.pp, sh.seq * micro
+    full = layer_activation_bytes(a, tokens, sh.wb, sh.tp)
+    kept = layers * tokens * h * sh.wb if ac else layers * full
+    logits = tokens * int(a["vocab"]) * LOGIT_BYTES
+    return kept, full if ac else 0.0, logits
 
 
 def estimate(sh: Shape, zero: int, offload: str, micro: int, ac: bool, ratio: float = 1.0) -> Estimate:
@@ -199,16 +221,16 @@ def estimate(sh: Shape, zero: int, offload: str, micro: int, ac: bool, ratio: fl
     if offload in ("param", "all"):
         host_pinned += weights
         weights = 0.0
-    acts, logits = _activations(sh, micro, ac)
+    acts, recompute, logits = _activations(sh, micro, ac)
     h, v = int(a["hidden"]), int(a["vocab"])
     largest = max(v * h, layer_params(a)) / sh.tp
     gathered = 2 * largest * wb if zero == 3 else 0.0  # gathered module + its 16-bit gradient
     buckets = BUCKET_ELEMENTS_PER_H2 * min(h * h, shard) * wb if zero >= 1 else 0.0
     runtime = (GPU_RUNTIME_GB if sh.gpu else CPU_RANK_GB) * GiB
-    in_backward = acts + logits + gathered
+    in_backward = acts + max(logits, recompute) + gathered
     device = weights + grads + optim + buckets + runtime + max(in_backward, step_transient)
     terms = (("weights", weights), ("grads", grads), ("optimizer", optim), ("activations", acts),
-             ("logits", logits), ("zero_buffers", gathered + buckets), ("step_transient", step_transient),
+             ("recompute", recompute), ("logits", logits), ("zero_buffers", gathered + buckets), ("step_transient", step_transient),
              ("runtime", runtime), ("host_pinned", host_pinned), ("host_optimizer", host_state))
     breakdown = {k: round(x / GiB, 3) for k, x in terms}
     offloaded = host_pinned + host_state
