@@ -196,15 +196,15 @@ def _micro_options(spec: Spec, dp: int) -> list[int] | None:
 
 
 def _search(sh: Shape, kind: Kind, micros: list[int], acs: list[bool]) -> tuple[Estimate, bool]:
-    """The first fitting estimate of one kind, trying checkpointing off before on, larger micro-batches
-    first and, for ratio auto, the smallest CPU share first. (estimate, fits); when nothing fits, the
-    smallest estimate tried."""
+    """The first fitting estimate of one kind: checkpointing off before on (recompute costs ~25%), then
+    for ratio auto the smallest CPU share (CPU Adam is the slowest part of a step), then the largest
+    micro-batch. (estimate, fits); when nothing fits, the smallest estimate tried."""
     zero, offload, ratio = kind
     ratios = _ratio_steps() if ratio == "auto" else [float(ratio)]
     tried: list[Estimate] = []
     for ac in acs:
-        for micro in micros:
-            for r in ratios:
+        for r in ratios:
+            for micro in micros:
                 e = estimate(sh, zero, offload, micro, ac, r)
                 if ratio == "auto" and e.cpu_fraction >= 1.0:
                     break  # no longer partial: the same as full offload, which comes later in the order
@@ -306,7 +306,10 @@ def _explain(spec: Spec, chosen: Estimate, micros: list[int], acs: list[bool], r
     """Reasons for the automatic micro-batch, checkpointing and ratio choices."""
     if len(micros) > 1:
         larger = [m for m in micros if m > chosen.micro_batch]
-        why = f"micro {', '.join(map(str, larger))} do not fit" if larger else "the largest divisor"
+        ctx = " with activation checkpointing off" if len(acs) > 1 and not chosen.activation_checkpointing else ""
+        if chosen.offload_ratio < 1:
+            ctx += f" at offload ratio {chosen.offload_ratio:g}"
+        why = f"micro {', '.join(map(str, larger))} do not fit{ctx}" if larger else "the largest divisor"
         reasons.append(f"micro-batch auto -> {chosen.micro_batch}: the largest that divides global_batch / dp = "
                        f"{micros[0]} and fits ({why})")
     if len(acs) > 1:
