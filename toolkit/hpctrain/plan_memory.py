@@ -30,11 +30,13 @@ trainer does not keep the model output alive across backward; hpctrain's node do
 Host per rank: the python + torch + DeepSpeed process, plus whatever offload pins or keeps there.
 
 Checked against H200 measurements (seq 4096, bf16, activation checkpointing, one GPU, GPU figure =
-torch.cuda.max_memory_allocated, GB = 1e9 B; see tests/test_plan_gpu.py for the table this model
-produces): Llama 1B ZeRO-3 mb 4 47.4 GB, ZeRO-2 43.9 GB, ZeRO-3 + full optimizer offload 30.1 GB;
-3B ZeRO-3 + full offload mb 4 35.9 GB; 8B ZeRO-3 + offload ratio 0.5 mb 2 98 GB GPU and 84 GB host
-RSS; 8B full offload killed for host memory on a 125 GiB host. hpctrain's node before it stopped
-holding the model output across backward: 1B ZeRO-3 mb 4 50.6 GB, 3B + offload 39.2 GB.
+torch.cuda.max_memory_allocated, compared with the estimate minus `runtime`, GB = 1e9 B; the table is
+in docs/planner.md and tests/test_plan_gpu.py holds it to 10%): Llama 1B ZeRO-3 mb 4 47.4 GB
+(predicted +4.6%), ZeRO-2 43.9 GB (+5.0%), ZeRO-3 + full optimizer offload 30.1 GB (-0.9%); 3B ZeRO-3 +
+full offload mb 4 35.9 GB (+0.5%); 8B ZeRO-3 + offload ratio 0.5 mb 2 98 GB GPU (+0.9%) and 84 GB host
+RSS (+16%: the one figure outside 10%, on the safe side); 8B full offload killed for host memory on a
+125 GiB host (predicted 152 GiB: refused). hpctrain's node before it stopped holding the model output
+across backward: 1B ZeRO-3 mb 4 50.6 GB (-2%), 3B + offload 39.2 GB (-8%).
 """
 
 from __future__ import annotations
