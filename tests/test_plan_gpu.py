@@ -229,3 +229,21 @@ def test_node_uses_the_plans_auto_choices(tmp_path: Path) -> None:
     assert cfg["train_micro_batch_size_per_gpu"] == plan.micro_batch
     # Without plan.json the node derives the same plan from the spec.
     assert read_planned(tmp_path / "missing", spec)["offload_ratio"] == plan.offload_ratio
+
+
+@pytest.mark.deepspeed
+def test_deepspeed_reads_the_partial_offload_ratio(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    cfgmod = pytest.importorskip("deepspeed.runtime.config")
+    spec = h200("llama-8b", parallel=Parallel(zero="auto"), train=Train(global_batch=16, activation_checkpointing="auto"))
+    plan = make_plan(spec)
+
+    class MPU:  # DeepSpeedConfig reads dp from an mpu; no process group is needed
+        def get_data_parallel_world_size(self) -> int:
+            return plan.dp
+
+    monkeypatch.setattr(cfgmod.dist, "get_rank", lambda *a, **k: 0)
+    cfg = cfgmod.DeepSpeedConfig(render_ds_config(spec, plan), mpu=MPU())
+    assert cfg.zero_optimization_stage == 3 and cfg.zero_config.offload_optimizer.device == "cpu"
+    assert cfg.zero_config.offload_optimizer.ratio == plan.offload_ratio < 1
+    assert cfg.zero_config.sub_group_size == M.SUB_GROUP_SIZE
