@@ -268,6 +268,6 @@ def test_auto_choices_come_from_the_plan(tmp_path: Path) -> None:
 
     plan = read_planned(run, read_spec(run))
     _ok(torchrun(run, 2))
-    start = [e for e in events(run) if e.get("event") == "start"][0]
+    start = next(e for e in events(run) if e.get("event") == "start")
     assert start["zero"] == plan["zero_stage"] and plan["activation_checkpointing"] is False
     assert len(metrics(run)) == 2
