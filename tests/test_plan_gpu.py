@@ -247,3 +247,11 @@ def test_deepspeed_reads_the_partial_offload_ratio(monkeypatch: pytest.MonkeyPat
     assert cfg.zero_optimization_stage == 3 and cfg.zero_config.offload_optimizer.device == "cpu"
     assert cfg.zero_config.offload_optimizer.ratio == plan.offload_ratio < 1
     assert cfg.zero_config.sub_group_size == M.SUB_GROUP_SIZE
+
+
+def test_zero_auto_with_offload_optimizer_tries_partial_first() -> None:
+    p = make_plan(h200("llama-8b", parallel=Parallel(zero="auto", offload="optimizer", offload_ratio="auto"),
+                       train=Train(micro_batch=1, activation_checkpointing=True)))
+    assert (p.zero_stage, p.offload) == (3, "optimizer") and 0 < p.offload_ratio < 1
+    first = p.options[0]
+    assert (first["zero"], first["offload_ratio"] < 1) == (3, True)

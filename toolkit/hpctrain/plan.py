@@ -178,9 +178,10 @@ def candidates(spec: Spec) -> list[Kind]:
     if gpu:
         order += [(1, "optimizer", 1.0), (2, "optimizer", 1.0), (3, "optimizer", 1.0), (3, "all", 1.0)] \
             if p.pp > 1 else [(3, "optimizer", partial), (2, "optimizer", 1.0), (3, "optimizer", 1.0), (3, "all", 1.0)]
-    if p.offload != "none":
-        ratio = p.offload_ratio if p.offload == "optimizer" else 1.0
-        order = [(z, p.offload, ratio if z == 3 else 1.0) for z in (1, 2, 3) if p.offload == "optimizer" or z == 3]
+    if p.offload == "optimizer" and p.offload_ratio != 1.0:  # partial first: it beats any full offload
+        order = [(3, "optimizer", p.offload_ratio), (1, "optimizer", 1.0), (2, "optimizer", 1.0), (3, "optimizer", 1.0)]
+    elif p.offload != "none":
+        order = [(z, p.offload, 1.0) for z in (1, 2, 3) if p.offload == "optimizer" or z == 3]
     if p.pp > 1:
         order = [k for k in order if k[0] <= 1]
     return order

@@ -148,20 +148,20 @@ def build_ds_config(spec: Spec, dp: int, stage: int | None = None,
         stage = min(stage, 1)  # DeepSpeed's pipeline engine supports ZeRO 0 and 1 only
     micro = int(plan["micro_batch"]) if plan else t.micro_batch or 1
     gas = int(plan["grad_accum"]) if plan else t.grad_accum or 1
+    # The plan's offload and ratio where it chose them (zero/ratio auto), else the spec's.
+    offload = str(plan.get("offload", p.offload)) if plan else p.offload
+    ratio = plan.get("offload_ratio", 1.0) if plan else p.offload_ratio
     zero: dict[str, Any] = {"stage": stage}
     if stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
-    if p.offload in ("optimizer", "all"):
+    if offload in ("optimizer", "all"):
         zero["offload_optimizer"] = _offload(spec)
-    ratio = plan.get("offload_ratio", 1.0) if plan else p.offload_ratio
-    if plan and spec.parallel.zero == "auto" and plan.get("offload") == "optimizer":
-        zero.setdefault("offload_optimizer", _offload(spec))
-    if stage == 3 and "offload_optimizer" in zero and isinstance(ratio, float) and ratio < 1:
-        from hpctrain.plan_memory import SUB_GROUP_SIZE  # the split the plan's estimate assumed
+        if stage == 3 and isinstance(ratio, float) and ratio < 1:
+            from hpctrain.plan_memory import SUB_GROUP_SIZE  # the split the plan's estimate assumed
 
-        zero["offload_optimizer"]["ratio"] = ratio
-        zero["sub_group_size"] = SUB_GROUP_SIZE
-    if p.offload in ("param", "all") and stage == 3:
+            zero["offload_optimizer"]["ratio"] = ratio
+            zero["sub_group_size"] = SUB_GROUP_SIZE
+    if offload in ("param", "all") and stage == 3:
         zero["offload_param"] = _offload(spec)
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro,
