@@ -342,8 +342,10 @@ def make_plan(spec: Spec) -> Plan:
         reasons.append("CPU ranks: DS_ACCELERATOR=cpu with gloo; the 'device' is host RAM")
     sh = _shape(spec, arch, params, dp)
     acs = [False, True] if t.activation_checkpointing == "auto" else [bool(t.activation_checkpointing)]
-    kinds: list[Kind] = candidates(spec) if spec.parallel.zero == "auto" else \
-        [(int(spec.parallel.zero), spec.parallel.offload, spec.parallel.offload_ratio)]
+    kinds = candidates(spec)
+    if spec.parallel.zero != "auto":  # the requested choice first; the others stay in the table for comparison
+        asked: Kind = (int(spec.parallel.zero), spec.parallel.offload, spec.parallel.offload_ratio)
+        kinds = [asked, *(k for k in kinds if k != asked)]
     chosen, options = _choose(spec, sh, kinds, micros or [micro], acs, reasons)
     if micros:
         micro, accum = chosen.micro_batch, glob // (chosen.micro_batch * dp)
