@@ -33,7 +33,7 @@ def run_plain(a: argparse.Namespace, log: Path) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
            str(free_port()), str(ROOT / "bench" / "gpu" / "plain_ds.py"), "--model", a.model, "--zero", str(a.zero),
            "--mb", str(a.mb), "--seq", str(a.seq), "--steps", str(a.steps), "--warmup", str(a.warmup),
-           "--offload", a.offload, "--torch-adam"] + (["--no-ac"] if a.no_ac else [])
+           "--offload", a.offload, "--ratio", str(a.offload_ratio), "--torch-adam"] + (["--no-ac"] if a.no_ac else [])
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, check=False)
     log.write_text(proc.stdout + proc.stderr)
@@ -59,7 +59,7 @@ def make_run_folder(a: argparse.Namespace, run: Path) -> None:
         "train": {"steps": a.warmup + a.steps, "micro_batch": a.mb, "grad_accum": 1, "lr": 1e-4, "min_lr": 1e-5,
                   "warmup_steps": 0, "precision": "bf16", "activation_checkpointing": not a.no_ac,
                   "peak_tflops": a.peak_tflops},
-        "parallel": {"zero": a.zero, "offload": a.offload},
+        "parallel": {"zero": a.zero, "offload": a.offload, "offload_ratio": a.offload_ratio},
         "checkpoint": {"every_steps": 0, "export_hf": False},
     }
     run.mkdir(parents=True, exist_ok=True)
@@ -107,6 +107,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--offload", default="none", choices=["none", "optimizer"])
+    ap.add_argument("--offload-ratio", type=float, default=1.0,
+                    help="ZeRO-3 optimizer offload: fraction of the optimizer state on the CPU (1 = all)")
     ap.add_argument("--peak-tflops", type=float, default=788.0, help="measured bf16 matmul peak (H200: 788)")
     ap.add_argument("--node-config", action="store_true", help="no rendered ds_config.json: the node's own")
     ap.add_argument("--no-ac", action="store_true", help="no activation checkpointing (both loops)")
@@ -117,8 +119,9 @@ def main() -> None:
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = f"{a.model}-z{a.zero}-{a.offload}-mb{a.mb}-s{a.seq}" + ("-nodecfg" if a.node_config else "") + \
-        ("-noac" if a.no_ac else "") + ("-persist" if a.persist else "")
+    tag = f"{a.model}-z{a.zero}-{a.offload}" + (f"{a.offload_ratio:g}" if a.offload_ratio < 1 else "") + \
+        f"-mb{a.mb}-s{a.seq}" + ("-nodecfg" if a.node_config else "") + ("-noac" if a.no_ac else "") + \
+        ("-persist" if a.persist else "")
     rows = []
     if a.only in ("entry", "both"):
         rows.append(run_entry(a, out / f"run-{tag}", out / f"entry-{tag}.log"))

@@ -257,3 +257,17 @@ def test_tensor_parallel_autotp_matches_one_rank(tmp_path: Path) -> None:
     ref = AutoModelForCausalLM.from_pretrained(one / "hf")
     for (n, x), (_, y) in zip(whole.named_parameters(), ref.named_parameters()):
         assert x.shape == y.shape and torch.allclose(x, y, atol=1e-5), n
+
+
+def test_auto_choices_come_from_the_plan(tmp_path: Path) -> None:
+    # No plan.json and no ds_config.json: the node derives the plan from the spec (as `submit` would)
+    # for zero auto, micro-batch auto and activation checkpointing auto.
+    run = make_run(tmp_path / "run", train={"steps": 2, "micro_batch": 0, "grad_accum": 0, "global_batch": 8,
+                                            "activation_checkpointing": "auto"}, parallel={"zero": "auto"})
+    from hpctrain.node.runconf import read_planned, read_spec
+
+    plan = read_planned(run, read_spec(run))
+    _ok(torchrun(run, 2))
+    start = next(e for e in events(run) if e.get("event") == "start")
+    assert start["zero"] == plan["zero_stage"] and plan["activation_checkpointing"] is False
+    assert len(metrics(run)) == 2

@@ -45,6 +45,8 @@ _SIMPLE_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--job-name", "name", str, "Run / job name."),
     ("--zero", "parallel.zero", click.Choice(["0", "1", "2", "3", "auto"]), "ZeRO stage, or auto."),
     ("--offload", "parallel.offload", click.Choice(["none", "optimizer", "param", "all"]), "What to offload."),
+    ("--offload-ratio", "parallel.offload_ratio", str,
+     "ZeRO-3 optimizer offload: fraction of the optimizer state on the CPU, 0 < r <= 1, or auto."),
     ("--offload-device", "parallel.offload_device", click.Choice(["cpu", "nvme"]), "Offload target."),
     ("--nvme-path", "parallel.nvme_path", str, "Local NVMe folder for --offload-device nvme."),
     ("--precision", "train.precision", click.Choice(["bf16", "fp16", "fp32"]), "Training precision."),
@@ -71,7 +73,8 @@ def spec_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      help="Container runtime and image, e.g. apptainer:/images/train.sif."),
         click.option("--model", default=None, help="Local model folder, a config.json, or a preset (llama-tiny...)."),
         click.option("--activation-checkpointing/--no-activation-checkpointing", default=None,
-                     help="Recompute activations in the backward pass."),
+                     help="Recompute activations in the backward pass (--set train.activation_checkpointing=auto: "
+                          "only when the run does not fit without it)."),
     ]
     for flag, _key, typ, help_text in reversed(_SIMPLE_FLAGS):
         fn = click.option(flag, default=None, type=typ, help=help_text)(fn)
@@ -151,19 +154,24 @@ def print_plan(spec: Spec, plan: Plan) -> None:
         ("dp / tp / pp", f"{plan.dp} / {plan.tp} / {plan.pp}"),
         ("batch", f"global {plan.global_batch} = micro {plan.micro_batch} x accum {plan.grad_accum} x dp {plan.dp}"),
         ("model", f"{spec.model.path or spec.model.config}: {plan.param_count:,} parameters"),
-        ("ZeRO / offload", f"stage {plan.zero_stage} / {plan.offload}"),
+        ("ZeRO / offload", f"stage {plan.zero_stage} / {plan.offload}"
+         + (f" ratio {plan.offload_ratio:g}" if plan.offload_ratio < 1 else "")),
+        ("activation ckpt", "on" if plan.activation_checkpointing else "off"),
         ("memory", f"{plan.memory['per_rank_gb']:.2f} GiB per rank, {plan.memory['per_host_gb']:.2f} GiB per host"),
     ]
     for k, v in rows:
         facts.add_row(k, v)
     console.print(facts)
     opts = Table(title="memory by ZeRO stage and offload (GiB)")
-    for col in ("zero", "offload", "per rank", "per host", "fits"):
+    for col in ("zero", "offload", "ratio", "micro", "ckpt", "per rank", "per host", "fits"):
         opts.add_column(col)
     for o in plan.options:
-        mark = "<- chosen" if (o["zero"], o["offload"]) == (plan.zero_stage, plan.offload) else ""
-        opts.add_row(str(o["zero"]), o["offload"], f"{o['device_gb']:.2f}", f"{o['host_gb']:.2f}",
-                     ("yes " if o["fits"] else "no ") + mark)
+        same = (o["zero"], o["offload"], o["offload_ratio"]) == (plan.zero_stage, plan.offload, plan.offload_ratio)
+        mark = "<- chosen" if same else ""
+        ratio = f"{o['offload_ratio']:g} ({o['cpu_fraction']:.0%} CPU)" if o["offload"] in ("optimizer", "all") else "-"
+        opts.add_row(str(o["zero"]), o["offload"], ratio, str(o["micro_batch"]),
+                     "on" if o["activation_checkpointing"] else "off", f"{o['device_gb']:.2f}",
+                     f"{o['host_gb']:.2f}", ("yes " if o["fits"] else "no ") + mark)
     console.print(opts)
     for reason in plan.reasons:
         console.print(f"- {reason}", markup=False, highlight=False)

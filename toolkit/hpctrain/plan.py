@@ -1,33 +1,36 @@
 """Derived facts of a run, computed once from the spec: parallel degrees, batch arithmetic,
-parameter count, a memory estimate per rank and per host, and the ZeRO/offload choice.
+parameter count, a memory estimate per rank and per host, and the ZeRO/offload/ratio,
+micro-batch and activation-checkpointing choices.
 
-Pure arithmetic (no torch): it runs on a login node in milliseconds. The memory model is the usual
-mixed-precision accounting (weights 2 B/param, grads 2 B, fp32 master + Adam m + v = 12 B), split
-by ZeRO stage over the data-parallel ranks, plus activations (Korthikanti et al. 2022, with a fused
-attention kernel, so no seq^2 term) and a fixed runtime overhead. It is an estimate, good to
-about 20%; its purpose is to refuse hopeless plans and to pick the cheapest ZeRO setting that fits.
+Pure arithmetic (no torch): it runs on a login node in milliseconds. The memory model lives in
+`hpctrain.plan_memory` (mixed-precision accounting as DeepSpeed 0.19.8's ZeRO stages allocate it,
+activations, logits, pinned host buffers; the figures it was checked against are listed there).
+Its purpose is to refuse hopeless plans and to pick the fastest setting that fits.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hpctrain.errors import HpcUsageError, bad_value
+from hpctrain.plan_memory import (
+    DEFAULT_GPU_GB,
+    DEFAULT_HOST_GB,
+    SUB_GROUP_SIZE,
+    Estimate,
+    GiB,
+    Shape,
+    estimate,
+    layer_params,
+    parse_mem_gb,
+)
 from hpctrain.presets import PRESETS
 from hpctrain.spec import Model, Spec
 from hpctrain.spec_rules import how_to_set
 
-GiB = 1024**3
-DEFAULT_GPU_GB = 80.0  # A100/H100 80GB: the common training GPU when the site does not say
-DEFAULT_HOST_GB = 256.0  # assumed when --mem is not given
-FIT_FRACTION = 0.9  # leave 10% for fragmentation and the allocator
-GPU_RUNTIME_GB = 1.5  # CUDA context, NCCL buffers, kernels
-HOST_RANK_GB = 2.5  # one python + torch + deepspeed process on the host
-CPU_RANK_GB = 1.5  # the same on a CPU-only rank (no CUDA libraries)
 OFFLOADS_IN_ORDER = ("none", "optimizer", "param", "all")
 
 
@@ -85,19 +88,6 @@ def model_arch(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def layer_params(a: dict[str, Any]) -> int:
-    """Parameters of one transformer block."""
-    h, i, hd = int(a["hidden"]), int(a["intermediate"]), int(a["head_dim"])
-    heads, kvh = int(a["heads"]), int(a["kv_heads"])
-    if a["style"] == "gpt2":  # c_attn (3h) + c_proj + 2-layer MLP, all with biases, 2 LayerNorms (w+b)
-        return (h * 3 * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h) + 4 * h
-    q = h * heads * hd
-    kv = 2 * h * kvh * hd
-    o = heads * hd * h
-    bias = (heads + 2 * kvh) * hd if a["attention_bias"] else 0
-    return q + kv + o + bias + 3 * h * i + 2 * h  # SwiGLU MLP (gate, up, down) + 2 RMSNorms
-
-
 def param_count(a: dict[str, Any]) -> int:
     """Total parameters; tied embeddings counted once."""
     h, v, layers = int(a["hidden"]), int(a["vocab"]), int(a["layers"])
@@ -153,92 +143,89 @@ def batch_sizes(spec: Spec, dp: int) -> tuple[int, int, int]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Memory
+# Memory (the model itself is hpctrain.plan_memory)
 
-@dataclass(frozen=True)
-class Estimate:
-    """Memory of one ZeRO/offload choice, in GiB: per rank on its device, and per host."""
-
-    zero: int
-    offload: str
-    device_gb: float
-    host_gb: float
-    fits: bool
-    breakdown: dict[str, float] = field(default_factory=dict)
+RATIO_STEP = 0.05  # offload_ratio auto tries 0.05, 0.10, ... 1.0
 
 
-def _parse_mem_gb(mem: str) -> float | None:
-    m = re.match(r"^(\d+)([KMGT]?)$", mem)
-    if not m:
-        return None
-    scale = {"K": 1 / 1024**2, "M": 1 / 1024, "": 1 / 1024, "G": 1.0, "T": 1024.0}[m.group(2)]
-    return int(m.group(1)) * scale  # SLURM's unit-less --mem is megabytes
+def _ratio_steps() -> list[float]:
+    n = round(1 / RATIO_STEP)
+    return [round(k * RATIO_STEP, 2) for k in range(1, n + 1)]
 
 
-def estimate(spec: Spec, a: dict[str, Any], params: int, dp: int, micro: int, zero: int, offload: str) -> Estimate:
-    """Memory for one choice. Offloaded state moves from the device to the host's RAM."""
-    p, r = spec.parallel, spec.resources
+def _shape(spec: Spec, arch: dict[str, Any], params: int, dp: int) -> Shape:
+    r, p = spec.resources, spec.parallel
     gpu = r.gpus_per_node > 0
-    wb = 4 if spec.train.precision == "fp32" else 2
-    shard = params / (p.tp * p.pp)
-    weights, grads = shard * wb, shard * wb
-    optim = shard * (8 if wb == 4 else 12)  # fp32 master copy only exists in mixed precision
-    if zero >= 1:
-        optim /= dp
-    if zero >= 2:
-        grads /= dp
-    if zero >= 3:
-        weights /= dp
-    host_state = 0.0
-    if offload in ("optimizer", "all"):
-        host_state += optim + shard * 4 / dp  # fp32 gradient partition lives next to the optimizer
-        optim = 0.0
-    if offload in ("param", "all"):
-        host_state += weights
-        weights = 0.0
-    h, s, layers = a["hidden"], spec.data.seq_len, a["layers"] // p.pp
-    unit = s * micro * h * wb / 2  # Korthikanti's 34*s*b*h bytes per layer assume 16-bit
-    if spec.train.activation_checkpointing:
-        acts = layers * 2 * unit + 34 * unit / p.tp
-    else:
-        acts = layers * 34 * unit / p.tp
-    acts += micro * s * a["vocab"] * (wb + 4 + wb)  # logits, their fp32 upcast for the loss, and its grad
-    live = 2 * layer_params(a) / p.tp * wb if zero == 3 else 0.0  # gathered layers in flight (prefetch)
-    buckets = 2 * min(h * h, shard) * wb if zero >= 1 else 0.0  # reduce (+ allgather) buckets
-    runtime = (GPU_RUNTIME_GB if gpu else CPU_RANK_GB) * GiB
-    device = weights + grads + optim + acts + live + buckets + runtime
-    breakdown = {k: round(v / GiB, 3) for k, v in (("weights", weights), ("grads", grads), ("optimizer", optim),
-                 ("activations", acts), ("zero_buffers", live + buckets), ("runtime", runtime),
-                 ("offloaded_to_host", host_state))}
-    rpn = ranks_per_node(spec)
-    if gpu:
-        host = rpn * (HOST_RANK_GB * GiB + host_state)
-        device_cap = (r.gpu_mem_gb or DEFAULT_GPU_GB) * GiB
-    else:  # CPU ranks: the "device" is host RAM, so offload moves nothing
-        device += host_state
-        host = rpn * device
-        device_cap = float("inf")
-    host_cap = (_parse_mem_gb(r.mem) or DEFAULT_HOST_GB) * GiB
-    fits = device <= FIT_FRACTION * device_cap and host <= FIT_FRACTION * host_cap
-    return Estimate(zero, offload, round(device / GiB, 3), round(host / GiB, 3), fits, breakdown)
+    return Shape(arch=arch, params=params, dp=dp, tp=p.tp, pp=p.pp, seq=spec.data.seq_len,
+                 wb=4 if spec.train.precision == "fp32" else 2, gpu=gpu, ranks_per_node=ranks_per_node(spec),
+                 device_cap=(r.gpu_mem_gb or DEFAULT_GPU_GB) * GiB if gpu else float("inf"),
+                 host_cap=(parse_mem_gb(r.mem) or DEFAULT_HOST_GB) * GiB)
 
 
-def candidates(spec: Spec) -> list[tuple[int, str]]:
-    """Choices in order of speed: no offload by rising stage, then optimizer offload, then all.
+Kind = tuple[int, str, "float | str"]  # (zero stage, offload, offload ratio or "auto")
+
+
+def candidates(spec: Spec) -> list[Kind]:
+    """Choices in order of speed: no offload by rising stage, then ZeRO-3 with part of the optimizer
+    on the CPU (the GPU's Adam is far faster than CPU Adam), then full optimizer offload, then all.
 
     Explicit offload restricts the list to it; pipeline parallelism allows ZeRO 0-1 only; on CPU
     ranks offload moves nothing, so it is never chosen automatically.
     """
     p, gpu = spec.parallel, spec.resources.gpus_per_node > 0
-    order = [(0, "none"), (1, "none"), (2, "none"), (3, "none")]
+    partial: float | str = p.offload_ratio if p.offload_ratio == "auto" or p.offload_ratio < 1 else "auto"
+    order: list[Kind] = [(0, "none", 1.0), (1, "none", 1.0), (2, "none", 1.0), (3, "none", 1.0)]
     if gpu:
-        order += [(1, "optimizer"), (2, "optimizer"), (3, "optimizer"), (3, "all")] if p.pp > 1 else \
-            [(2, "optimizer"), (3, "optimizer"), (3, "all")]
-    if p.offload != "none":
-        order = [(z, p.offload) for z in (1, 2, 3) if p.offload == "optimizer" or z == 3]
+        order += [(1, "optimizer", 1.0), (2, "optimizer", 1.0), (3, "optimizer", 1.0), (3, "all", 1.0)] \
+            if p.pp > 1 else [(3, "optimizer", partial), (2, "optimizer", 1.0), (3, "optimizer", 1.0), (3, "all", 1.0)]
+    if p.offload == "optimizer" and p.offload_ratio != 1.0:  # partial first: it beats any full offload
+        order = [(3, "optimizer", p.offload_ratio), (1, "optimizer", 1.0), (2, "optimizer", 1.0), (3, "optimizer", 1.0)]
+    elif p.offload != "none":
+        order = [(z, p.offload, 1.0) for z in (1, 2, 3) if p.offload == "optimizer" or z == 3]
     if p.pp > 1:
-        order = [(z, o) for z, o in order if z <= 1]
+        order = [k for k in order if k[0] <= 1]
     return order
+
+
+def _micro_options(spec: Spec, dp: int) -> list[int] | None:
+    """Micro-batches to try, largest first, when only the global batch is given; None otherwise."""
+    t = spec.train
+    if not t.global_batch or t.micro_batch or t.grad_accum or t.global_batch % dp:
+        return None
+    per_rank = t.global_batch // dp
+    return [m for m in range(per_rank, 0, -1) if per_rank % m == 0]
+
+
+def _search(sh: Shape, kind: Kind, micros: list[int], acs: list[bool]) -> tuple[Estimate, bool]:
+    """The first fitting estimate of one kind: checkpointing off before on (recompute costs ~25%), then
+    for ratio auto the smallest CPU share (CPU Adam is the slowest part of a step), then the largest
+    micro-batch. (estimate, fits); when nothing fits, the smallest estimate tried."""
+    zero, offload, ratio = kind
+    ratios = _ratio_steps() if ratio == "auto" else [float(ratio)]
+    tried: list[Estimate] = []
+    for ac in acs:
+        for r in ratios:
+            for micro in micros:
+                e = estimate(sh, zero, offload, micro, ac, r)
+                if ratio == "auto" and e.cpu_fraction >= 1.0:
+                    break  # no longer partial: the same as full offload, which comes later in the order
+                tried.append(e)
+                if e.fits:
+                    return e, True
+    if not tried:  # ratio auto found no partial split at all (a single sub-group)
+        tried.append(estimate(sh, zero, offload, micros[-1], acs[-1], 1.0))
+    return min(tried, key=lambda e: e.device_gb), False
+
+
+def _describe(e: Estimate) -> str:
+    text = f"ZeRO {e.zero}, offload {e.offload!r}"
+    if e.offload_ratio < 1:
+        text += f" ratio {e.offload_ratio:g} ({e.cpu_fraction:.1%} of the optimizer state on the CPU)"
+    return text
+
+
+def _fit_text(e: Estimate) -> str:
+    return f"{e.device_gb:.1f} GiB per rank, {e.host_gb:.1f} GiB per host"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -265,7 +252,9 @@ class Plan:
     device: str = "gpu"  # "gpu" or "cpu" (DS_ACCELERATOR=cpu, gloo)
     precision: str = "bf16"
     model: dict[str, Any] = field(default_factory=dict)
-    options: list[dict[str, Any]] = field(default_factory=list)  # every ZeRO/offload choice estimated
+    options: list[dict[str, Any]] = field(default_factory=list)  # the best estimate of every choice
+    offload_ratio: float = 1.0  # zero_optimization.offload_optimizer.ratio (ZeRO-3 optimizer offload)
+    activation_checkpointing: bool = False  # what the node does (spec true/false, or the planner's auto pick)
 
     def to_json(self) -> str:
         """Deterministic JSON (sorted keys) for plan.json and `hpctrain plan --json`."""
@@ -288,65 +277,90 @@ def _degrees(spec: Spec) -> tuple[int, int, int]:
     return rpn, world, world // (p.tp * p.pp)
 
 
-def _choose(spec: Spec, options: list[Estimate], reasons: list[str]) -> Estimate:
+def _choose(spec: Spec, sh: Shape, kinds: list[Kind], micros: list[int], acs: list[bool],
+            reasons: list[str]) -> tuple[Estimate, list[Estimate]]:
+    """The first kind (in speed order) with a fitting estimate; explicit choices are kept with a warning."""
     p = spec.parallel
+    found = [_search(sh, k, micros, acs) for k in kinds]
+    options = [e for e, _ in found]
     if p.zero != "auto":
-        offload = p.offload
-        chosen = next((e for e in options if e.zero == p.zero and e.offload == offload), None)
-        if chosen is None:
-            raise bad_value("parallel.zero", p.zero, f"cannot combine with offload {offload!r}", "pass --zero auto")
-        reasons.append(f"ZeRO {p.zero} with offload {offload!r}: as requested")
-        if not chosen.fits:
-            reasons.append(f"WARNING: estimated {chosen.device_gb:.1f} GiB per rank / {chosen.host_gb:.1f} GiB "
-                           "per host exceeds 90% of capacity; try --zero auto")
-        return chosen
-    for e in options:
-        if e.fits:
-            faster = [f"{o.zero}/{o.offload}" for o in options[: options.index(e)]]
+        chosen, fits = found[0]
+        reasons.append(f"{_describe(chosen)}: as requested")
+        if not fits:
+            reasons.append(f"WARNING: estimated {_fit_text(chosen)} exceeds 90% of capacity; try --zero auto")
+        return chosen, options
+    for i, (e, fits) in enumerate(found):
+        if fits:
+            faster = [f"{z}/{o}" + (" partial" if r != 1.0 else "") for z, o, r in kinds[:i]]
             why = f" (faster choices do not fit: {', '.join(faster)})" if faster else " (the fastest choice)"
-            reasons.append(f"zero auto -> ZeRO {e.zero}, offload {e.offload!r}: fits in "
-                           f"{e.device_gb:.1f} GiB per rank, {e.host_gb:.1f} GiB per host{why}")
-            return e
+            reasons.append(f"zero auto -> {_describe(e)}: fits in {_fit_text(e)}{why}")
+            return e, options
     best = min(options, key=lambda e: e.device_gb)
     raise bad_value("parallel.zero", "auto",
-                    f"no ZeRO/offload choice fits: the smallest needs {best.device_gb:.1f} GiB per rank and "
-                    f"{best.host_gb:.1f} GiB per host",
+                    f"no ZeRO/offload choice fits: the smallest needs {_fit_text(best)}",
                     "add nodes (--nodes), turn on --activation-checkpointing, lower --micro-batch, "
                     "offload everything (--offload all), or offload to NVMe (--offload all --offload-device nvme "
                     "--nvme-path DIR)")
 
 
+def _explain(spec: Spec, chosen: Estimate, micros: list[int], acs: list[bool], reasons: list[str]) -> None:
+    """Reasons for the automatic micro-batch, checkpointing and ratio choices."""
+    if len(micros) > 1:
+        larger = [m for m in micros if m > chosen.micro_batch]
+        ctx = " with activation checkpointing off" if len(acs) > 1 and not chosen.activation_checkpointing else ""
+        if chosen.offload_ratio < 1:
+            ctx += f" at offload ratio {chosen.offload_ratio:g}"
+        why = f"micro {', '.join(map(str, larger))} do not fit{ctx}" if larger else "the largest divisor"
+        reasons.append(f"micro-batch auto -> {chosen.micro_batch}: the largest that divides global_batch / dp = "
+                       f"{micros[0]} and fits ({why})")
+    if len(acs) > 1:
+        reasons.append("activation checkpointing auto -> " + (
+            "on: the run does not fit without it (recompute costs ~25% more compute)" if chosen.activation_checkpointing
+            else "off: the run fits without it (no recompute, ~25% less compute)"))
+    if chosen.offload_ratio < 1 and spec.parallel.offload_ratio != chosen.offload_ratio:
+        reasons.append(f"offload ratio auto -> {chosen.offload_ratio:g}: the smallest ratio (steps of {RATIO_STEP:g}) "
+                       f"whose GPU estimate fits; DeepSpeed moves whole sub-groups of {SUB_GROUP_SIZE:.0e} elements, "
+                       f"so {chosen.cpu_fraction:.1%} of the optimizer state goes to CPU Adam and the rest is stepped "
+                       "on the GPU, which is far faster")
+
+
 def make_plan(spec: Spec) -> Plan:
     """Derive the plan; refuse (HpcUsageError) what cannot run, saying which value fixes it."""
     rpn, world, dp = _degrees(spec)
+    micros = _micro_options(spec, dp)
     micro, accum, glob = batch_sizes(spec, dp)
     arch = model_arch(load_model_config(spec.model))
     params = param_count(arch)
-    reasons = [(f"world {world} = {spec.resources.nodes} nodes x {rpn} ranks; dp {dp} = world / "
-                f"(tp {spec.parallel.tp} x pp {spec.parallel.pp})"),
-               f"global batch {glob} = micro {micro} x accum {accum} x dp {dp}"]
-    r = spec.resources
+    r, t = spec.resources, spec.train
+    reasons = [(f"world {world} = {r.nodes} nodes x {rpn} ranks; dp {dp} = world / "
+                f"(tp {spec.parallel.tp} x pp {spec.parallel.pp})")]
     if r.gpus_per_node and not r.gpu_mem_gb:
         reasons.append(f"GPU memory assumed {DEFAULT_GPU_GB:g} GiB: set gpu_mem_gb in the site profile")
     if not r.mem:
         reasons.append(f"host memory assumed {DEFAULT_HOST_GB:g} GiB: pass --mem to check against the real size")
     if not r.gpus_per_node:
         reasons.append("CPU ranks: DS_ACCELERATOR=cpu with gloo; the 'device' is host RAM")
-    stages = sorted({z for z, _ in candidates(spec)} | ({spec.parallel.zero} if spec.parallel.zero != "auto" else set()))
-    offloads = {spec.parallel.offload} | {o for _, o in candidates(spec)}
-    all_opts = [estimate(spec, arch, params, dp, micro, z, o) for o in OFFLOADS_IN_ORDER if o in offloads
-                for z in stages if o == "none" or (o == "optimizer" and z >= 1) or z == 3]
-    order = candidates(spec) if spec.parallel.zero == "auto" else [(spec.parallel.zero, spec.parallel.offload)]
-    ranked = [e for key in order for e in all_opts if (e.zero, e.offload) == key]
-    chosen = _choose(spec, ranked, reasons)
+    sh = _shape(spec, arch, params, dp)
+    acs = [False, True] if t.activation_checkpointing == "auto" else [bool(t.activation_checkpointing)]
+    kinds = candidates(spec)
+    if spec.parallel.zero != "auto":  # the requested choice first; the others stay in the table for comparison
+        asked: Kind = (int(spec.parallel.zero), spec.parallel.offload, spec.parallel.offload_ratio)
+        kinds = [asked, *(k for k in kinds if k != asked)]
+    chosen, options = _choose(spec, sh, kinds, micros or [micro], acs, reasons)
+    if micros:
+        micro, accum = chosen.micro_batch, glob // (chosen.micro_batch * dp)
+    reasons.insert(1, f"global batch {glob} = micro {micro} x accum {accum} x dp {dp}")
+    _explain(spec, chosen, micros or [micro], acs, reasons)
     memory = {"per_rank_gb": chosen.device_gb, "per_host_gb": chosen.host_gb, "breakdown": chosen.breakdown,
               "device_capacity_gb": (r.gpu_mem_gb or DEFAULT_GPU_GB) if r.gpus_per_node else None,
-              "host_capacity_gb": _parse_mem_gb(r.mem) or DEFAULT_HOST_GB, "fits": chosen.fits}
+              "host_capacity_gb": parse_mem_gb(r.mem) or DEFAULT_HOST_GB, "fits": chosen.fits,
+              "cpu_fraction": chosen.cpu_fraction}
     return Plan(world_size=world, nodes=r.nodes, ranks_per_node=rpn, dp=dp, pp=spec.parallel.pp,
                 tp=spec.parallel.tp, micro_batch=micro, grad_accum=accum, global_batch=glob,
                 zero_stage=chosen.zero, offload=chosen.offload, param_count=params, memory=memory,
-                reasons=reasons, device="gpu" if r.gpus_per_node else "cpu", precision=spec.train.precision,
-                model=arch, options=[asdict(e) for e in all_opts])
+                reasons=reasons, device="gpu" if r.gpus_per_node else "cpu", precision=t.precision,
+                model=arch, options=[asdict(e) for e in options], offload_ratio=chosen.offload_ratio,
+                activation_checkpointing=chosen.activation_checkpointing)
 
 
 def read_plan(run_dir: str | Path) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpctrain import __version__, containers
 from hpctrain.errors import HpcUsageError, bad_value
+from hpctrain.plan_memory import SUB_GROUP_SIZE
 from hpctrain.spec import Spec
 from hpctrain.spec_rules import secret_names
 
@@ -286,6 +287,11 @@ def _zero_block(spec: Spec, plan: Plan) -> dict[str, Any]:
                      "stage3_gather_16bit_weights_on_model_save": True})
     if plan.offload in ("optimizer", "all"):
         zero["offload_optimizer"] = _offload_block(spec)
+        if stage == 3 and plan.offload_ratio < 1:
+            # Partial offload (ZeRO-3 only): DeepSpeed keeps the first int((1 - ratio) * n) of its n optimizer
+            # sub-groups on the GPU. The plan's estimate counted whole sub-groups of this size: say it.
+            zero["offload_optimizer"]["ratio"] = plan.offload_ratio
+            zero["sub_group_size"] = SUB_GROUP_SIZE
     if plan.offload in ("param", "all"):
         zero["offload_param"] = _offload_block(spec)
     return zero
@@ -318,5 +324,5 @@ def render_ds_config(spec: Spec, plan: Plan) -> dict[str, Any]:
         cfg["tensor_parallel"] = {"autotp_size": plan.tp}
     if plan.pp > 1:
         cfg["pipeline"] = {"stages": plan.pp, "partition": "parameters", "seed_layers": False,
-                           "activation_checkpoint_interval": 1 if t.activation_checkpointing else 0}
+                           "activation_checkpoint_interval": 1 if plan.activation_checkpointing else 0}
     return cfg

@@ -19,14 +19,16 @@ import re
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import tomllib
 
 from hpctrain.errors import HpcUsageError, bad_value, unknown_key
 from hpctrain.spec_rules import check, describe, field_types, how_to_set, need
 
-Zero = Union[int, Literal["auto"]]  # 0, 1, 2, 3 or "auto"
+Zero = int | Literal["auto"]  # 0, 1, 2, 3 or "auto"
+OffloadRatio = float | Literal["auto"]  # 0 < r <= 1, or "auto" (0 also means auto)
+Switch = bool | Literal["auto"]  # true, false, or "auto" (the planner decides)
 Offload = Literal["none", "optimizer", "param", "all"]
 OffloadDevice = Literal["cpu", "nvme"]
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -112,7 +114,9 @@ class Train:
     grad_clip: float = 1.0
     seed: int = 1234
     precision: Precision = "bf16"
-    activation_checkpointing: bool = False
+    # Recompute activations in the backward pass: ~25% more compute, far less activation memory.
+    # "auto": the planner turns it on only when the run does not fit without it (plan.json says which).
+    activation_checkpointing: Switch = False
     peak_tflops: float = 0.0  # per-device peak for MFU; 0 = unknown (no MFU reported)
 
     def __post_init__(self) -> None:
@@ -124,6 +128,10 @@ class Parallel:
     zero: Zero = 3
     offload: Offload = "none"
     offload_device: OffloadDevice = "cpu"
+    # DeepSpeed's partial optimizer offload (ZeRO-3 only): the fraction of the optimizer state kept on
+    # the CPU. 1.0 = all of it (classic ZeRO-Offload); "auto" (or 0) = the planner picks the smallest
+    # fraction that fits the GPU, because the GPU's Adam is far faster than CPU Adam.
+    offload_ratio: OffloadRatio = 1.0
     nvme_path: str = ""  # required when offload_device == "nvme"
     pp: int = 1
     tp: int = 1
@@ -235,6 +243,16 @@ def coerce(key: str, value: object) -> object:
             return float(text)
         if hint == Zero:
             return "auto" if text == "auto" else int(text)
+        if hint == OffloadRatio:
+            return "auto" if text == "auto" else float(text)
+        if hint == Switch:
+            if text.lower() == "auto":
+                return "auto"
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
         if typing.get_origin(hint) is tuple:
             return tuple(p.strip() for p in text.split(",") if p.strip())
         if hint is object:

@@ -33,6 +33,7 @@ FLAG_FOR: dict[str, str] = {
     "parallel.offload_device": "--offload-device", "parallel.nvme_path": "--nvme-path",
     "train.precision": "--precision", "train.micro_batch": "--micro-batch", "train.grad_accum": "--grad-accum",
     "train.global_batch": "--global-batch", "parallel.pp": "--pp", "parallel.tp": "--tp",
+    "parallel.offload_ratio": "--offload-ratio", "train.activation_checkpointing": "--activation-checkpointing",
     "launch.launcher": "--launcher", "launch.executor": "--executor", "site": "--site",
     "train.steps": "--steps", "model.path": "--model", "data.source": "--data",
 }
@@ -220,7 +221,33 @@ def _rules_train(t: Train) -> None:
     need(t.peak_tflops >= 0, "train.peak_tflops", t.peak_tflops, "cannot be negative", "set it to 0 (unknown)")
 
 
+def _rules_offload_ratio(p: Parallel) -> None:
+    """Partial optimizer offload: a fraction in (0, 1], or auto; only where DeepSpeed implements it."""
+    r = p.offload_ratio
+    if not isinstance(r, str) and r == 0:
+        object.__setattr__(p, "offload_ratio", "auto")  # 0 = "planner picks", stored one way
+        r = "auto"
+    if isinstance(r, (int, float)) and not isinstance(r, bool):
+        object.__setattr__(p, "offload_ratio", float(r))
+        need(0 < r <= 1, "parallel.offload_ratio", r, "the fraction of optimizer state on the CPU lies in (0, 1]",
+             how_to_set("parallel.offload_ratio", 0.5) + " (1 = all of it, auto = the planner picks)")
+        if r == 1:
+            return
+    what = r
+    need(p.zero in (3, "auto"), "parallel.offload_ratio", what,
+         f"partial optimizer offload exists only at ZeRO stage 3 (zero is {p.zero}); DeepSpeed ignores the ratio "
+         "at stages 1 and 2", "pass --zero 3, or --offload-ratio 1")
+    need(p.offload in ("optimizer", "none") and (p.offload == "optimizer" or p.zero == "auto"),
+         "parallel.offload_ratio", what,
+         "a ratio splits the optimizer state between GPU and CPU, so it needs --offload optimizer "
+         f"(offload is {p.offload!r})", "pass --offload optimizer (or --zero auto), or --offload-ratio 1")
+    need(p.offload_device == "cpu", "parallel.offload_ratio", what,
+         "partial offload keeps part of the state in CPU RAM; DeepSpeed does not split it with NVMe",
+         "pass --offload-device cpu, or --offload-ratio 1")
+
+
 def _rules_parallel(p: Parallel) -> None:
+    _rules_offload_ratio(p)
     need(p.zero == "auto" or p.zero in (0, 1, 2, 3), "parallel.zero", p.zero,
           "DeepSpeed ZeRO stages are 0, 1, 2 and 3", how_to_set("parallel.zero", 3) + " (or auto)")
     need(p.pp >= 1, "parallel.pp", p.pp, "pipeline degree must be at least 1", how_to_set("parallel.pp", 1))

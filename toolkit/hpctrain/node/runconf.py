@@ -108,6 +108,28 @@ def read_ds_config(paths: RunPaths) -> dict[str, Any] | None:
         raise NodeInputError(f"{paths.ds_config}: not valid JSON ({exc}); re-render it with `hpctrain submit`.") from exc
 
 
+def read_planned(run_dir: Path, spec: Spec) -> dict[str, Any]:
+    """The plan's choices: RUN_DIR/plan.json, or, when the folder has none (tests), the plan derived again
+    from the spec (the planner is pure arithmetic, so it gives the answer `hpctrain submit` would have)."""
+    path = Path(run_dir) / "plan.json"
+    if path.is_file():
+        try:
+            return typing.cast(dict[str, Any], json.loads(path.read_text()))
+        except json.JSONDecodeError as exc:
+            raise NodeInputError(f"{path}: not valid JSON ({exc}); re-create the run with `hpctrain submit`.") from exc
+    from hpctrain.plan import make_plan
+
+    return typing.cast(dict[str, Any], json.loads(make_plan(spec).to_json()))
+
+
+def activation_checkpointing(spec: Spec, plan: dict[str, Any] | None) -> bool:
+    """Recompute activations? The spec's true/false, or for "auto" the plan's choice."""
+    ac = spec.train.activation_checkpointing
+    if ac == "auto":
+        return bool((plan or {}).get("activation_checkpointing", False))
+    return bool(ac)
+
+
 def zero_stage(spec: Spec) -> int:
     """The ZeRO stage to run: an explicit spec value, or for "auto" the plan's choice (3 if unknown)."""
     if spec.parallel.zero != "auto":
@@ -115,20 +137,31 @@ def zero_stage(spec: Spec) -> int:
     return 3
 
 
-def build_ds_config(spec: Spec, dp: int, stage: int | None = None) -> dict[str, Any]:
-    """A DeepSpeed config from the spec alone, used when the run folder has no rendered ds_config.json."""
+def build_ds_config(spec: Spec, dp: int, stage: int | None = None,
+                    plan: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A DeepSpeed config from the spec (and the plan's automatic choices, when given), used when the run
+    folder has no rendered ds_config.json."""
     t, p = spec.train, spec.parallel
-    stage = zero_stage(spec) if stage is None else stage
+    if stage is None:
+        stage = int(plan["zero_stage"]) if plan and spec.parallel.zero == "auto" else zero_stage(spec)
     if p.pp > 1:
         stage = min(stage, 1)  # DeepSpeed's pipeline engine supports ZeRO 0 and 1 only
-    micro = t.micro_batch or 1
-    gas = t.grad_accum or 1
+    micro = int(plan["micro_batch"]) if plan else t.micro_batch or 1
+    gas = int(plan["grad_accum"]) if plan else t.grad_accum or 1
+    # The plan's offload and ratio where it chose them (zero/ratio auto), else the spec's.
+    offload = str(plan.get("offload", p.offload)) if plan else p.offload
+    ratio = plan.get("offload_ratio", 1.0) if plan else p.offload_ratio
     zero: dict[str, Any] = {"stage": stage}
     if stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
-    if p.offload in ("optimizer", "all"):
+    if offload in ("optimizer", "all"):
         zero["offload_optimizer"] = _offload(spec)
-    if p.offload in ("param", "all") and stage == 3:
+        if stage == 3 and isinstance(ratio, float) and ratio < 1:
+            from hpctrain.plan_memory import SUB_GROUP_SIZE  # the split the plan's estimate assumed
+
+            zero["offload_optimizer"]["ratio"] = ratio
+            zero["sub_group_size"] = SUB_GROUP_SIZE
+    if offload in ("param", "all") and stage == 3:
         zero["offload_param"] = _offload(spec)
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro,

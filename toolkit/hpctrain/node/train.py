@@ -17,8 +17,10 @@ from hpctrain.node.metrics import MetricsWriter, host_mem_gb, host_peak_gb, log,
 from hpctrain.node.runconf import (
     NodeInputError,
     RunPaths,
+    activation_checkpointing,
     build_ds_config,
     read_ds_config,
+    read_planned,
     read_spec,
     zero_stage,
 )
@@ -58,6 +60,7 @@ class Prepared:
     source: Any
     resume: ckpt.ResumePoint | None
     universal: bool
+    checkpointing: bool = False  # activation checkpointing: the spec's value, or the plan's for "auto"
 
 
 @dataclass
@@ -99,7 +102,12 @@ def prepare(run_dir: Path, d: DistEnv) -> Prepared:
                              "choose degrees dividing nodes * tasks_per_node.")
     dp = d.world_size // (pp * tp)
     check_model_inputs(spec.model)
-    cfg = read_ds_config(paths) or build_ds_config(spec, dp)
+    rendered = read_ds_config(paths)
+    # The plan's automatic choices matter only where the spec says "auto" (a rendered config has them).
+    autos = spec.train.activation_checkpointing == "auto" or rendered is None and "auto" in (
+        spec.parallel.zero, spec.parallel.offload_ratio)
+    plan = read_planned(paths.root, spec) if autos else None
+    cfg = rendered or build_ds_config(spec, dp, plan=plan)
     zero = int(cfg.get("zero_optimization", {}).get("stage", zero_stage(spec)))
     cfg = normalize_ds_config(cfg, dp, use_gpu)
     if tp > 1:  # DeepSpeed's AutoTP shards the HF model's linear layers inside deepspeed.initialize
@@ -115,7 +123,8 @@ def prepare(run_dir: Path, d: DistEnv) -> Prepared:
     hf_cfg = hf_config(spec.model)
     tok = load_tokenizer(spec.data.tokenizer)
     source = build_source(spec, tok, micro, int(hf_cfg.vocab_size), force_padded=pp > 1)
-    return Prepared(paths, spec, d, use_gpu, cfg, zero, dp, micro, gas, hf_cfg, tok, source, resume, universal)
+    return Prepared(paths, spec, d, use_gpu, cfg, zero, dp, micro, gas, hf_cfg, tok, source, resume, universal,
+                    activation_checkpointing(spec, plan))
 
 
 def _allow_cpu_fp16() -> None:
@@ -195,13 +204,13 @@ def build_engine(p: Prepared) -> tuple[Any, int]:
     if spec.parallel.pp > 1:
         from hpctrain.node.pipeline import build_pipeline, load_pretrained_into
 
-        model = build_pipeline(p.hf_cfg, spec.parallel.pp, spec.train.activation_checkpointing)
+        model = build_pipeline(p.hf_cfg, spec.parallel.pp, p.checkpointing)
         if spec.model.path:
             load_pretrained_into(model, spec.model.path, p.hf_cfg.num_hidden_layers)
         n_params = presets.llama_param_count(p.hf_cfg.to_dict())
     else:
         model = build_model(spec.model, p.hf_cfg, spec.train.precision, p.ds_config, zero3=p.zero == 3)
-        if spec.train.activation_checkpointing:
+        if p.checkpointing:
             # The library's default flavour (transformers renamed the method in 5.2x; both exist there).
             enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
             enable()
@@ -398,10 +407,12 @@ def _train_step(engine: Any, batches: list[Any], pipe: bool) -> float:
         return float(engine.train_batch(data_iter=it).item())
     total = None
     for b in batches:
-        out = engine(**b.model_inputs(engine.device))
-        engine.backward(out.loss)
+        # Keep only the loss: holding the model output would keep the bf16 logits (micro x seq x vocab,
+        # 4 GB for Llama-3 at micro 4, seq 4096) alive through backward, on top of the loss's fp32 buffers.
+        out_loss = engine(**b.model_inputs(engine.device)).loss
+        engine.backward(out_loss)
         engine.step()
-        loss = out.loss.detach().float()
+        loss = out_loss.detach().float()
         total = loss if total is None else total + loss
     return float(total.item()) if total is not None else 0.0  # the step's only host sync
 

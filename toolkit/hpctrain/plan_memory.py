@@ -1,0 +1,247 @@
+"""The planner's memory model: bytes per rank on the GPU and per host, term by term.
+
+Pure arithmetic (no torch). Each term is a named constant or a short formula taken from how
+DeepSpeed 0.19.8 allocates (runtime/zero/stage3.py, stage_1_and_2.py) and how Hugging Face's Llama
+computes its loss; every term shows up in plan.json `memory.breakdown` (GiB) so that a measurement
+can be laid next to it and one constant recalibrated at a time.
+
+ZeRO-3, as DeepSpeed 0.19.8 allocates it (dp = data-parallel ranks, N = parameters):
+- bf16 weights: 2 N/dp on the GPU (`offload_param`: pinned on the host instead).
+- gradient partition: fp32 (`gradient_accumulation_dtype=torch.float32`), 4 N/dp, in one flat buffer
+  on the optimizer's device. With optimizer offload that buffer is pinned host memory for *all*
+  parameters, whatever the ratio.
+- optimizer: fp32 master + Adam m + v = 12 N/dp, in "sub-groups" of `sub_group_size` (1e9) elements.
+  Optimizer offload at ratio r puts the last n - int((1 - r) * n) of the n sub-groups on the CPU: their
+  master, m, v (pageable) and a fp32 gradient copy (pinned), 16 B/param; the others stay on the GPU
+  with their own fp32 gradient copy, 16 B/param. So the split is by whole sub-groups: 8B on one GPU
+  has 8, and ratio 0.5 puts 4 of them (48.7% of the parameters) on the CPU.
+- without offload, the optimizer step flattens one sub-group's fp32 gradient (a transient of up to
+  4 B x 1e9, after the activations are freed): the peak is the larger of that and the activations.
+- gathered parameters in flight: the largest module (the embedding / lm_head) and its bf16 gradient.
+
+Activations: with checkpointing, each layer keeps its bf16 input and one layer is recomputed at a
+time, not while the loss's buffers are live; without it, every layer keeps everything its backward
+needs (`layer_activation_bytes`: 34 h per token for a GPT-2 block, ~60 h for a Llama-3 block, whose
+RMSNorms keep fp32 copies and whose SwiGLU MLP keeps four I-wide tensors). The loss dominates at Llama-3's 128k vocabulary: HF upcasts the
+logits to fp32 for cross-entropy and its backward holds the fp32 log-softmax, its gradient and the
+input gradient at once: 12 bytes per logit element (the bf16 logits are freed by then, as long as the
+trainer does not keep the model output alive across backward; hpctrain's node does not).
+
+Host per rank: the python + torch + DeepSpeed process, plus whatever offload pins or keeps there.
+
+Checked against H200 measurements (seq 4096, bf16, activation checkpointing, one GPU, GPU figure =
+torch.cuda.max_memory_allocated, compared with the estimate minus `runtime`, GB = 1e9 B; the table is
+in docs/planner.md and tests/test_plan_gpu.py holds it to 10%): Llama 1B ZeRO-3 mb 4 47.4 GB
+(predicted +4.6%), ZeRO-2 43.9 GB (+5.0%), ZeRO-3 + full optimizer offload 30.1 GB (-0.9%); 3B ZeRO-3 +
+full offload mb 4 35.9 GB (+0.5%); 8B ZeRO-3 + offload ratio 0.5 mb 2 98 GB GPU (+0.9%) and 84 GB host
+RSS (+16%: the one figure outside 10%, on the safe side); 8B full offload killed for host memory on a
+125 GiB host (predicted 152 GiB: refused). hpctrain's node before it stopped holding the model output
+across backward: 1B ZeRO-3 mb 4 50.6 GB (-2%), 3B + offload 39.2 GB (-8%).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+GiB = 1024**3
+DEFAULT_GPU_GB = 80.0  # A100/H100 80GB: the common training GPU when the site does not say
+DEFAULT_HOST_GB = 256.0  # assumed when --mem is not given
+FIT_FRACTION = 0.9  # leave 10% for fragmentation and the allocator
+
+# --- calibration constants (bytes unless named _GB) -------------------------------------------------
+GPU_RUNTIME_GB = 1.5  # CUDA context, NCCL, cuBLAS workspaces: outside torch's max_memory_allocated
+HOST_RANK_GB = 2.5  # one python + torch + deepspeed process on the host (GPU rank)
+CPU_RANK_GB = 1.5  # the same on a CPU-only rank (no CUDA libraries)
+SUB_GROUP_SIZE = 10**9  # DeepSpeed's zero_optimization.sub_group_size default (elements)
+ZERO3_GRAD_BYTES = 4  # ZeRO-3 accumulates the gradient partition in fp32
+ADAM_BYTES_MIXED = 12  # fp32 master + m + v when training in bf16/fp16
+ADAM_BYTES_FP32 = 8  # m + v: the fp32 weights are the master copy
+OFFLOADED_GROUP_BYTES = 16  # per parameter of a CPU sub-group: master, m, v + the pinned fp32 gradient copy
+GPU_GROUP_BYTES = 16  # per parameter of a GPU sub-group under partial offload: the same on the GPU
+ACT_SBH_BYTES = 34  # GPT-2 block, per token, in units of h (Korthikanti et al. 2022, fused attention)
+LLAMA_NORM_BYTES_PER_H = 10  # HF LlamaRMSNorm keeps fp32 input + fp32 normalised + bf16 output
+LOGIT_BYTES = 12  # per logit element at the loss: fp32 log-softmax + its gradient + the input gradient
+BUCKET_ELEMENTS_PER_H2 = 2  # reduce (+ allgather) buckets: hidden^2 elements each (render.py's rule)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Memory of one choice, in GiB: per rank on its device, and per host, with the terms."""
+
+    zero: int
+    offload: str
+    device_gb: float
+    host_gb: float
+    fits: bool
+    breakdown: dict[str, float] = field(default_factory=dict)
+    offload_ratio: float = 1.0  # fraction of optimizer state on the CPU as asked (DeepSpeed's ratio)
+    cpu_fraction: float = 0.0  # the fraction that actually lands there (whole sub-groups)
+    micro_batch: int = 1
+    activation_checkpointing: bool = False
+
+
+def parse_mem_gb(mem: str) -> float | None:
+    """SLURM --mem in GiB ("125G" -> 125.0; unit-less is megabytes), None when unset or unreadable."""
+    m = re.match(r"^(\d+)([KMGT]?)$", mem)
+    if not m:
+        return None
+    scale = {"K": 1 / 1024**2, "M": 1 / 1024, "": 1 / 1024, "G": 1.0, "T": 1024.0}[m.group(2)]
+    return int(m.group(1)) * scale
+
+
+def layer_params(a: dict[str, Any]) -> int:
+    """Parameters of one transformer block."""
+    return sum(_layer_tensors(a))
+
+
+def _layer_tensors(a: dict[str, Any]) -> list[int]:
+    """One block's parameter tensors in module order (DeepSpeed builds sub-groups in this order)."""
+    h, i, hd = int(a["hidden"]), int(a["intermediate"]), int(a["head_dim"])
+    heads, kvh = int(a["heads"]), int(a["kv_heads"])
+    if a["style"] == "gpt2":  # c_attn (3h) + c_proj + 2-layer MLP, all with biases, 2 LayerNorms (w+b)
+        return [2 * h, h * 3 * h + 3 * h, h * h + h, 2 * h, h * i + i, i * h + h]
+    bias = a["attention_bias"]
+    q, kv, o = h * heads * hd + (heads * hd if bias else 0), h * kvh * hd + (kvh * hd if bias else 0), heads * hd * h
+    return [q, kv, kv, o, h * i, h * i, i * h, h, h]  # SwiGLU MLP (gate, up, down) + 2 RMSNorms
+
+
+def model_tensors(a: dict[str, Any]) -> list[int]:
+    """Every parameter tensor's size in module order; tied embeddings once."""
+    h, v, layers = int(a["hidden"]), int(a["vocab"]), int(a["layers"])
+    head = [v * h]
+    if a["style"] == "gpt2":
+        head.append(int(a["positions"]) * h)
+    tail = [2 * h] if a["style"] == "gpt2" else [h]
+    if not a["tied"]:
+        tail.append(v * h)
+    return head + _layer_tensors(a) * layers + tail
+
+
+def sub_groups(a: dict[str, Any], dp: int, shard_div: int = 1) -> list[int]:
+    """Sizes of one rank's optimizer sub-groups, as DeepSpeed's `_create_fp16_sub_groups` cuts them:
+    parameters in order, a group closes once it reaches SUB_GROUP_SIZE elements."""
+    groups, cur = [], 0
+    for t in model_tensors(a):
+        cur += math.ceil(t / shard_div / dp)
+        if cur >= SUB_GROUP_SIZE:
+            groups.append(cur)
+            cur = 0
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def cpu_share(groups: list[int], ratio: float) -> float:
+    """Fraction of the optimizer state DeepSpeed puts on the CPU for `ratio` (its exact expression)."""
+    n = len(groups)
+    on_gpu = int((1 - ratio) * n)
+    return sum(groups[on_gpu:]) / max(1, sum(groups))
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What an estimate needs to know about the run besides the choice."""
+
+    arch: dict[str, Any]
+    params: int
+    dp: int
+    tp: int
+    pp: int
+    seq: int
+    wb: int  # bytes per weight: 2 (bf16/fp16) or 4 (fp32)
+    gpu: bool
+    ranks_per_node: int
+    device_cap: float  # bytes; inf on CPU ranks
+    host_cap: float  # bytes
+
+
+def layer_activation_bytes(a: dict[str, Any], tokens: int, wb: int, tp: int) -> float:
+    """Bytes one transformer block keeps for backward over `tokens` tokens (16-bit activations x wb/2).
+
+    GPT-2 style: Korthikanti et al.'s 34 h per token (fused attention, no s^2 term). Llama style, as
+    Hugging Face's LlamaDecoderLayer saves them: each RMSNorm keeps its fp32 input, the fp32 normalised
+    tensor and the bf16 output (10 h); q, its rotate_half copy and the rotated q (6 h); k and v with
+    their RoPE copies (8 kv); attention output and o_proj input (4 h); the SwiGLU MLP's gate, silu, up
+    and product (8 I). 30 h + 8 kv + 8 I: about 60 h for Llama 3 8B, against the 34 h of a GPT block.
+    """
+    h, inter = int(a["hidden"]), int(a["intermediate"])
+    if a["style"] == "gpt2":
+        per_token = ACT_SBH_BYTES * h
+    else:
+        kv = int(a["kv_heads"]) * int(a["head_dim"])
+        per_token = LLAMA_NORM_BYTES_PER_H * 2 * h + 10 * h + 8 * kv + 8 * inter
+    return tokens * per_token * wb / 2 / tp
+
+
+def _activations(sh: Shape, micro: int, ac: bool) -> tuple[float, float, float]:
+    """(kept layer activations, one layer being recomputed, loss/logits) bytes of one rank in backward.
+
+    With checkpointing each layer keeps only its input; the layer being recomputed and the loss are not
+    live at the same time (the loss's buffers are freed before the last layer's recompute starts)."""
+    a = sh.arch
+    h, layers, tokens = int(a["hidden"]), int(a["layers"]) // sh.pp, sh.seq * micro
+    full = layer_activation_bytes(a, tokens, sh.wb, sh.tp)
+    kept = layers * tokens * h * sh.wb if ac else layers * full
+    logits = tokens * int(a["vocab"]) * LOGIT_BYTES
+    return kept, full if ac else 0.0, logits
+
+
+def estimate(sh: Shape, zero: int, offload: str, micro: int, ac: bool, ratio: float = 1.0) -> Estimate:
+    """Peak memory of one choice. Offloaded state moves from the device to the host's RAM."""
+    a, dp, wb = sh.arch, sh.dp, sh.wb
+    shard = sh.params / (sh.tp * sh.pp)
+    adam = ADAM_BYTES_FP32 if wb == 4 else ADAM_BYTES_MIXED
+    weights = shard * wb / (dp if zero >= 3 else 1)
+    opt_off = offload in ("optimizer", "all")
+    host_pinned = host_state = step_transient = 0.0
+    cpu_frac = 0.0
+    if zero >= 3:
+        groups = sub_groups(a, dp, sh.tp * sh.pp)
+        part = shard / dp
+        if opt_off:
+            cpu_frac = cpu_share(groups, ratio)
+            grads = 0.0
+            optim = GPU_GROUP_BYTES * part * (1 - cpu_frac)
+            host_pinned = ZERO3_GRAD_BYTES * part  # the flat gradient buffer, pinned, for every parameter
+            host_state = OFFLOADED_GROUP_BYTES * part * cpu_frac
+            on_gpu = groups[: int((1 - ratio) * len(groups))]
+            step_transient = ZERO3_GRAD_BYTES * max(on_gpu, default=0)  # torch AdamW's temporaries
+        else:
+            grads = ZERO3_GRAD_BYTES * part
+            optim = adam * part
+            step_transient = ZERO3_GRAD_BYTES * max(groups)  # the flattened gradient of one sub-group
+    else:
+        grads = shard * wb / (dp if zero >= 2 else 1)
+        optim = shard * adam / (dp if zero >= 1 else 1)
+        if opt_off:  # stage_1_and_2: master + m + v and a fp32 gradient partition on the host
+            cpu_frac = 1.0
+            host_state = optim + shard * 4 / dp
+            optim = 0.0
+    if offload in ("param", "all"):
+        host_pinned += weights
+        weights = 0.0
+    acts, recompute, logits = _activations(sh, micro, ac)
+    h, v = int(a["hidden"]), int(a["vocab"])
+    largest = max(v * h, layer_params(a)) / sh.tp
+    gathered = 2 * largest * wb if zero == 3 else 0.0  # gathered module + its 16-bit gradient
+    buckets = BUCKET_ELEMENTS_PER_H2 * min(h * h, shard) * wb if zero >= 1 else 0.0
+    runtime = (GPU_RUNTIME_GB if sh.gpu else CPU_RANK_GB) * GiB
+    in_backward = acts + max(logits, recompute) + gathered
+    device = weights + grads + optim + buckets + runtime + max(in_backward, step_transient)
+    terms = (("weights", weights), ("grads", grads), ("optimizer", optim), ("activations", acts),
+             ("recompute", recompute), ("logits", logits), ("zero_buffers", gathered + buckets), ("step_transient", step_transient),
+             ("runtime", runtime), ("host_pinned", host_pinned), ("host_optimizer", host_state))
+    breakdown = {k: round(x / GiB, 3) for k, x in terms}
+    offloaded = host_pinned + host_state
+    if sh.gpu:
+        host = sh.ranks_per_node * (HOST_RANK_GB * GiB + offloaded)
+    else:  # CPU ranks: the "device" is host RAM, so offload moves nothing
+        device += offloaded
+        host = sh.ranks_per_node * device
+    fits = device <= FIT_FRACTION * sh.device_cap and host <= FIT_FRACTION * sh.host_cap
+    return Estimate(zero, offload, round(device / GiB, 3), round(host / GiB, 3), fits, breakdown,
+                    offload_ratio=ratio, cpu_fraction=round(cpu_frac, 4), micro_batch=micro,
+                    activation_checkpointing=ac)
