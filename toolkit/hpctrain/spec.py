@@ -27,6 +27,7 @@ from hpctrain.errors import HpcUsageError, bad_value, unknown_key
 from hpctrain.spec_rules import check, describe, field_types, how_to_set, need
 
 Zero = Union[int, Literal["auto"]]  # 0, 1, 2, 3 or "auto"
+AsyncSave = Union[bool, Literal["auto"]]  # true, false or "auto"
 Offload = Literal["none", "optimizer", "param", "all"]
 OffloadDevice = Literal["cpu", "nvme"]
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -138,6 +139,9 @@ class Checkpoint:
     every_minutes: float = 0.0  # 0 = off
     keep: int = 2  # complete checkpoints kept
     export_hf: bool = True  # consolidated HF folder at the end
+    # Write checkpoints in the background (training waits only for a host copy of the state). "auto": on
+    # for GPU ranks whose state fits in half the free host memory, else synchronous.
+    async_save: AsyncSave = "auto"
 
     def __post_init__(self) -> None:
         check(self)
@@ -224,17 +228,15 @@ def coerce(key: str, value: object) -> object:
     text = value.strip()
     try:
         if hint is bool:
-            if text.lower() in ("1", "true", "yes", "on"):
-                return True
-            if text.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(text)
+            return _bool_text(text)
         if hint is int:
             return int(text)
         if hint is float:
             return float(text)
         if hint == Zero:
             return "auto" if text == "auto" else int(text)
+        if hint == AsyncSave:
+            return "auto" if text == "auto" else _bool_text(text)
         if typing.get_origin(hint) is tuple:
             return tuple(p.strip() for p in text.split(",") if p.strip())
         if hint is object:
@@ -245,6 +247,14 @@ def coerce(key: str, value: object) -> object:
     except ValueError:
         raise bad_value(key, value, f"must be {describe(hint)}", how_to_set(key, "...")) from None
     return value
+
+
+def _bool_text(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
 
 
 def _flatten(data: dict[str, Any], where: str) -> dict[str, Any]:
