@@ -27,7 +27,7 @@ from hpctrain.errors import HpcUsageError, bad_value, unknown_key
 from hpctrain.spec_rules import check, describe, field_types, how_to_set, need
 
 Zero = Union[int, Literal["auto"]]  # 0, 1, 2, 3 or "auto"
-AsyncSave = Union[bool, Literal["auto"]]  # true, false or "auto"
+AsyncSave = Union[bool, Literal["auto"]]  # noqa: UP007 - spec_rules checks typing.Union at runtime
 Offload = Literal["none", "optimizer", "param", "all"]
 OffloadDevice = Literal["cpu", "nvme"]
 Precision = Literal["bf16", "fp16", "fp32"]

@@ -23,9 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
-
 import torch
+from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
 DONE_DIR = ".done"
 CHUNK = 64 << 20  # smallest host buffer allocated at once
@@ -81,7 +80,8 @@ class Arena:
         while self.i < len(self.chunks) and self.off + size > len(self.chunks[self.i]):
             self.i, self.off = self.i + 1, 0
         if self.i == len(self.chunks):
-            t = torch.empty(max(size, CHUNK), dtype=torch.uint8, pin_memory=self.pin)
+            # A power of two: torch's pinned-memory allocator rounds every request up to one anyway.
+            t = torch.empty(1 << (max(size, CHUNK) - 1).bit_length(), dtype=torch.uint8, pin_memory=self.pin)
             self._keep.append(t)
             self.chunks.append(t.numpy())
         out = torch.frombuffer(self.chunks[self.i], dtype=torch.uint8, count=nbytes, offset=self.off)
@@ -304,7 +304,7 @@ class CheckpointIO(TorchCheckpointEngine):  # type: ignore[misc]
             if job.finalize is not None:
                 wait_markers(job.tmp, job.world, job.started + self.wait_s)
                 job.total_bytes = job.finalize()
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - reported on the main thread by wait(); peers see .failed
             job.error = exc
             try:
                 _marker(job.tmp, f"rank-{job.rank}.failed", f"{type(exc).__name__}: {exc}\n")
