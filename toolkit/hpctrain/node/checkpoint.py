@@ -128,6 +128,7 @@ class SaveStats:
     blocking_s: float  # what the training loop waited
     write_s: float | None = None  # save start -> checkpoint complete (rank 0: finalised)
     bytes: int | None = None  # the whole checkpoint (all ranks' files), rank 0 only
+    previous: SaveStats | None = None  # the earlier async write this save waited for, if not yet reported
 
     def record(self) -> dict[str, Any]:
         """The metrics.jsonl fields of a completed write."""
@@ -149,8 +150,7 @@ def save(engine: Any, ckpt_dir: Path, step: int, client_state: dict[str, Any], m
 
     t0 = time.time()
     rank = dist.get_rank()
-    if io is not None:
-        drain(io)
+    previous = drain(io) if io is not None else None
     tmp_tag = f".tmp-step-{step}"
     if rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -168,7 +168,7 @@ def save(engine: Any, ckpt_dir: Path, step: int, client_state: dict[str, Any], m
     if io is not None and io.async_mode:
         finalize = (lambda: _finish(ckpt_dir, tmp_tag, step, meta, keep)) if rank == 0 else None
         job = io.seal(finalize, midway)
-        stats = SaveStats(step, "async", time.time() - t0)
+        stats = SaveStats(step, "async", time.time() - t0, previous=previous)
         if wait:
             drain(io)
             stats.write_s, stats.bytes = job.write_s, job.total_bytes or None
@@ -183,7 +183,7 @@ def save(engine: Any, ckpt_dir: Path, step: int, client_state: dict[str, Any], m
     if io is not None:
         io.end_sync()
     secs = time.time() - t0
-    return SaveStats(step, "sync", secs, secs, total)
+    return SaveStats(step, "sync", secs, secs, total, previous=previous)
 
 
 def estimate_state_bytes(n_params: int, dp: int, zero: int, precision: str) -> int:
@@ -234,8 +234,9 @@ def drain(io: Any) -> SaveStats | None:
         if isinstance(error, Exception):
             raise error
         raise OtherRankFailed()
-    if job is None:
+    if job is None or job.reported:
         return None
+    job.reported = True
     return SaveStats(job.step, "async", 0.0, job.write_s, job.total_bytes or None)
 
 

@@ -346,6 +346,7 @@ def run_training(p: Prepared, stop: StopFlag) -> tuple[Any, LoopState]:
                 time.sleep(float(os.environ.get("HPCTRAIN_REQUEUE_GRACE_S", "20")))
             raise StopRequested(f"stopped on signal at step {st.step}")
         _fail_hook(st.step, st.step0)
+    beat.set(st.step, "checkpoint")
     ckpt.drain(st.io)  # a background write still pending (the last save was not the final step's)
     metrics.heartbeat(st.step, "finished")
     beat.stop("done")
@@ -393,7 +394,7 @@ def install_writer(p: Prepared, engine: Any, n_params: int) -> Any:
 def save_now(p: Prepared, engine: Any, st: LoopState, wait: bool = True) -> ckpt.SaveStats | None:
     """Checkpoint at st.step (collective). `wait`: return only once it is complete (final save, signal)."""
     if st.last_saved == st.step:
-        if wait:
+        if wait:  # e.g. a signal right after an async save: that write must be complete before we stop
             ckpt.drain(st.io)
         return None
     cursor = st.cursor0 + (st.step - st.step0) * p.gas * p.dp
@@ -425,8 +426,9 @@ def _ckpt_fields(st: LoopState, saved: ckpt.SaveStats | None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if saved is not None:
         out.update(ckpt_blocking_s=saved.blocking_s, ckpt_mode=saved.mode)
-        if saved.write_s is not None:
-            out.update(saved.record())
+        done = saved if saved.write_s is not None else saved.previous
+        if done is not None:
+            out.update(done.record())
             return out
     job = st.io.finished() if st.io is not None else None
     if job is not None:
