@@ -28,7 +28,8 @@ from hpctrain.spec_rules import check, describe, field_types, how_to_set, need
 
 Zero = int | Literal["auto"]  # 0, 1, 2, 3 or "auto"
 OffloadRatio = float | Literal["auto"]  # 0 < r <= 1, or "auto" (0 also means auto)
-Switch = bool | Literal["auto"]  # true, false, or "auto" (the planner decides)
+Switch = bool | Literal["auto"]  # true, false, or "auto" (the planner / the node decides)
+AsyncSave = Switch
 Offload = Literal["none", "optimizer", "param", "all"]
 OffloadDevice = Literal["cpu", "nvme"]
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -146,6 +147,9 @@ class Checkpoint:
     every_minutes: float = 0.0  # 0 = off
     keep: int = 2  # complete checkpoints kept
     export_hf: bool = True  # consolidated HF folder at the end
+    # Write checkpoints in the background (training waits only for a host copy of the state). "auto": on
+    # for GPU ranks whose state fits in half the free host memory, else synchronous.
+    async_save: AsyncSave = "auto"
 
     def __post_init__(self) -> None:
         check(self)
@@ -232,11 +236,7 @@ def coerce(key: str, value: object) -> object:
     text = value.strip()
     try:
         if hint is bool:
-            if text.lower() in ("1", "true", "yes", "on"):
-                return True
-            if text.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(text)
+            return _bool_text(text)
         if hint is int:
             return int(text)
         if hint is float:
@@ -263,6 +263,14 @@ def coerce(key: str, value: object) -> object:
     except ValueError:
         raise bad_value(key, value, f"must be {describe(hint)}", how_to_set(key, "...")) from None
     return value
+
+
+def _bool_text(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
 
 
 def _flatten(data: dict[str, Any], where: str) -> dict[str, Any]:

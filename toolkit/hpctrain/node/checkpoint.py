@@ -119,41 +119,165 @@ def needs_universal(meta: dict[str, Any], dp: int, pp: int, tp: int) -> bool:
 
 
 # ------------------------------------------------------------------------------------------- saving
+@dataclass
+class SaveStats:
+    """What one save cost. Async: write_s/bytes are filled when the background write completes."""
+
+    step: int
+    mode: str  # "sync" | "async"
+    blocking_s: float  # what the training loop waited
+    write_s: float | None = None  # save start -> checkpoint complete (rank 0: finalised)
+    bytes: int | None = None  # the whole checkpoint (all ranks' files), rank 0 only
+    previous: SaveStats | None = None  # the earlier async write this save waited for, if not yet reported
+
+    def record(self) -> dict[str, Any]:
+        """The metrics.jsonl fields of a completed write."""
+        gbps = self.bytes / self.write_s / 1e9 if self.bytes and self.write_s else None
+        return {"ckpt_step": self.step, "ckpt_mode": self.mode, "ckpt_write_s": self.write_s,
+                "ckpt_bytes": self.bytes, "ckpt_gbps": gbps}
+
+
 def save(engine: Any, ckpt_dir: Path, step: int, client_state: dict[str, Any], meta: dict[str, Any],
-         keep: int, midway: Any = None) -> float:
-    """Collective: every rank calls it. Returns the seconds it took. `midway()` (fault-injection tests)
-    runs once the shards are written and before the checkpoint counts as complete."""
+         keep: int, midway: Any = None, *, io: Any = None, wait: bool = True) -> SaveStats:
+    """Collective: every rank calls it. `midway()` (fault-injection tests) runs once this rank's shards
+    are written and before the checkpoint counts as complete.
+
+    `io` is the engine's `ckpt_async.CheckpointIO` (installed by the trainer). Without it, or in its
+    synchronous mode, the checkpoint is complete when save returns. In async mode save returns once the
+    state is copied to host memory; the writer threads finish it, and `wait=True` (the final save, a save
+    on a signal) waits for that too. A pending write is always waited for first: one at a time."""
     import torch.distributed as dist
 
     t0 = time.time()
     rank = dist.get_rank()
+    previous = drain(io) if io is not None else None
     tmp_tag = f".tmp-step-{step}"
     if rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(ckpt_dir / tmp_tag, ignore_errors=True)  # leftover of a crash mid-save
     dist.barrier()
+    tmp = ckpt_dir / tmp_tag
+    if io is not None:
+        io.begin(step, tmp)
     engine.save_checkpoint(str(ckpt_dir), tag=tmp_tag, client_state=client_state, save_latest=False)
-    _save_rng(ckpt_dir / tmp_tag / f"rng-rank-{rank}.pt")
+    rng_path = tmp / f"rng-rank-{rank}.pt"
+    if io is not None:
+        io.save(_rng_state(), str(rng_path))
+    else:
+        torch_save_synced(_rng_state(), rng_path)
+    if io is not None and io.async_mode:
+        finalize = (lambda: _finish(ckpt_dir, tmp_tag, step, meta, keep)) if rank == 0 else None
+        job = io.seal(finalize, midway)
+        stats = SaveStats(step, "async", time.time() - t0, previous=previous)
+        if wait:
+            drain(io)
+            stats.write_s, stats.bytes = job.write_s, job.total_bytes or None
+            dist.barrier()  # rank 0 has finalised: the checkpoint is complete on every rank's return
+            stats.blocking_s = time.time() - t0
+        return stats
     if midway is not None:
         midway()
     dist.barrier()  # every rank's shards are on disk before the folder counts as complete
-    if rank == 0:
-        _finish(ckpt_dir, tmp_tag, step, meta)
-        prune(ckpt_dir, keep)
+    total = _finish(ckpt_dir, tmp_tag, step, meta, keep) if rank == 0 else None
     dist.barrier()
-    return time.time() - t0
+    if io is not None:
+        io.end_sync()
+    secs = time.time() - t0
+    return SaveStats(step, "sync", secs, secs, total, previous=previous)
 
 
-def _finish(ckpt_dir: Path, tmp_tag: str, step: int, meta: dict[str, Any]) -> None:
+def estimate_state_bytes(n_params: int, dp: int, zero: int, precision: str) -> int:
+    """Rough size of one rank's checkpoint files: Adam's fp32 master + m + v (12 B/param, split over dp
+    for ZeRO >= 1) plus the 16/32-bit weights (whole on a ZeRO 0-2 rank, split for ZeRO-3)."""
+    weight = 4 if precision == "fp32" else 2
+    optim = 12 * n_params // (dp if zero >= 1 else 1)
+    weights = weight * n_params // (dp if zero == 3 else 1)
+    return optim + weights
+
+
+def choose_async(setting: bool | str, use_gpu: bool, rank_bytes: int, ranks_per_node: int,
+                 avail_bytes: int | None) -> tuple[bool, str]:
+    """Whether to save in the background, and why (for the run's log)."""
+    if setting is True or setting is False:
+        return bool(setting), f"[checkpoint] async_save = {str(setting).lower()}"
+    need = rank_bytes * ranks_per_node
+    if not use_gpu:
+        return False, ("async_save = auto: CPU ranks save synchronously (their state already lives in host "
+                       "memory; set async_save = true to snapshot it anyway)")
+    if avail_bytes is None:
+        return False, "async_save = auto: free host memory unknown (no /proc/meminfo), saving synchronously"
+    verdict = "fits in" if need <= avail_bytes // 2 else "exceeds"
+    why = (f"async_save = auto: the host snapshot (~{need / 1e9:.1f} GB for {ranks_per_node} rank(s) on this "
+           f"node) {verdict} half the free host memory ({avail_bytes / 1e9:.1f} GB)")
+    return verdict == "fits in", why
+
+
+def host_available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def drain(io: Any) -> SaveStats | None:
+    """Collective: wait for this rank's pending background write; every rank learns whether all
+    succeeded, and a failure is raised on every rank (the failing one with its reason)."""
+    from hpctrain.node.train import OtherRankFailed, agree
+
+    job = io.wait()
+    error = job.error if job is not None else None
+    if not agree(error is None):
+        if isinstance(error, Exception):
+            raise error
+        raise OtherRankFailed()
+    if job is None or job.reported:
+        return None
+    job.reported = True
+    return SaveStats(job.step, "async", 0.0, job.write_s, job.total_bytes or None)
+
+
+def torch_save_synced(obj: Any, path: Path) -> int:
+    from hpctrain.node.ckpt_async import write_file
+
+    return write_file(obj, path)
+
+
+def _finish(ckpt_dir: Path, tmp_tag: str, step: int, meta: dict[str, Any], keep: int) -> int:
+    """Rank 0, once every rank's files are on disk: manifest marker, rename, `latest`, prune.
+    Returns the checkpoint's size in bytes."""
     tmp = ckpt_dir / tmp_tag
+    shutil.rmtree(tmp / ".done", ignore_errors=True)  # the async writers' per-rank markers
     files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+    _fsync_tree(tmp)  # files DeepSpeed wrote itself (zero_to_fp32.py) and the folders' entries
     _write_atomic(tmp / MARKER, json.dumps({**meta, "step": step, "tag": f"step-{step}", "time": time.time(),
                                             "files": files}, indent=1) + "\n")
     final = ckpt_dir / f"step-{step}"
     if final.exists():  # same step saved again (e.g. after a resume): the new one replaces it
         shutil.rmtree(final)
     os.replace(tmp, final)
+    _fsync_path(ckpt_dir)
     _write_atomic(ckpt_dir / "latest", f"step-{step}\n")
+    _fsync_path(ckpt_dir)
+    prune(ckpt_dir, keep)
+    return sum(files.values())
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for p in sorted(root.rglob("*")):
+        _fsync_path(p)
+    _fsync_path(root)
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -176,7 +300,7 @@ def prune(ckpt_dir: Path, keep: int) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def _save_rng(path: Path) -> None:
+def _rng_state() -> dict[str, Any]:
     import random
 
     import numpy as np
@@ -185,7 +309,7 @@ def _save_rng(path: Path) -> None:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
-    torch.save(state, path)
+    return state
 
 
 def load_rng(path: Path) -> bool:

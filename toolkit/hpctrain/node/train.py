@@ -324,6 +324,7 @@ class LoopState:
     last_ckpt_time: float
     last_saved: int = -1
     beat: Any = None  # hpctrain.supervise.RankBeat
+    io: Any = None  # ckpt_async.CheckpointIO: the engine's checkpoint writer
 
 
 def run_training(p: Prepared, stop: StopFlag) -> tuple[Any, LoopState]:
@@ -340,7 +341,7 @@ def run_training(p: Prepared, stop: StopFlag) -> tuple[Any, LoopState]:
     engine, n_params = build_engine(p)
     metrics = MetricsWriter(p.paths.metrics, p.d.rank)
     step0, cursor0, tokens_seen = resume(p, engine)
-    st = LoopState(step0, cursor0, step0, tokens_seen, time.time(), beat=beat)
+    st = LoopState(step0, cursor0, step0, tokens_seen, time.time(), beat=beat, io=install_writer(p, engine, n_params))
     beat.set(step0, "compute")
     t = p.spec.train
     pipe = p.spec.parallel.pp > 1
@@ -377,10 +378,11 @@ def run_training(p: Prepared, stop: StopFlag) -> tuple[Any, LoopState]:
         dt = time.time() - t0
         st.tokens_seen += vals[1]
         signalled = vals[3] > 0
-        ckpt_s = 0.0
+        saved = None
         if signalled or vals[4] > 0 or _due(p, st.step) or (st.step == t.steps and _final_wanted(p)):
-            ckpt_s = save_now(p, engine, st)
-        rec = _record(p, st, loss, lr, vals, dt, fpt, ckpt_s, engine)
+            saved = save_now(p, engine, st, wait=signalled or st.step == t.steps)
+        rec = _record(p, st, loss, lr, vals, dt, fpt, saved.blocking_s if saved else 0.0, engine)
+        rec.update(_ckpt_fields(st, saved))
         metrics.step(rec)
         log.info(step_line(rec))
         if signalled:
@@ -395,6 +397,8 @@ def run_training(p: Prepared, stop: StopFlag) -> tuple[Any, LoopState]:
                 time.sleep(float(os.environ.get("HPCTRAIN_REQUEUE_GRACE_S", "20")))
             raise StopRequested(f"stopped on signal at step {st.step}")
         _fail_hook(st.step, st.step0)
+    beat.set(st.step, "checkpoint")
+    ckpt.drain(st.io)  # a background write still pending (the last save was not the final step's)
     metrics.heartbeat(st.step, "finished")
     beat.stop("done")
     return engine, st
@@ -428,10 +432,24 @@ def _due(p: Prepared, step: int) -> bool:
     return n > 0 and step % n == 0
 
 
-def save_now(p: Prepared, engine: Any, st: LoopState) -> float:
-    """Checkpoint at st.step (collective)."""
+def install_writer(p: Prepared, engine: Any, n_params: int) -> Any:
+    """The engine's checkpoint engine becomes hpctrain's writer; async or not per [checkpoint] async_save."""
+    from hpctrain.node import ckpt_async
+
+    rank_bytes = ckpt.estimate_state_bytes(n_params, p.dp, p.zero, p.spec.train.precision)
+    per_node = max(1, min(p.d.world_size, p.spec.resources.tasks_per_node))
+    on, why = ckpt.choose_async(p.spec.checkpoint.async_save, p.use_gpu, rank_bytes, per_node,
+                                ckpt.host_available_bytes())
+    log.info("checkpoints: %s (%s)", "asynchronous" if on else "synchronous", why)
+    return ckpt_async.install(engine, async_mode=on, pin=on and p.use_gpu, rank=p.d.rank, world=p.d.world_size)
+
+
+def save_now(p: Prepared, engine: Any, st: LoopState, wait: bool = True) -> ckpt.SaveStats | None:
+    """Checkpoint at st.step (collective). `wait`: return only once it is complete (final save, signal)."""
     if st.last_saved == st.step:
-        return 0.0
+        if wait:  # e.g. a signal right after an async save: that write must be complete before we stop
+            ckpt.drain(st.io)
+        return None
     cursor = st.cursor0 + (st.step - st.step0) * p.gas * p.dp
     client = {"step": st.step, "cursor": cursor, "tokens_seen": st.tokens_seen, "dp": p.dp,
               "world_size": p.d.world_size}
@@ -443,12 +461,32 @@ def save_now(p: Prepared, engine: Any, st: LoopState) -> float:
 
     # Test hook: HPCTRAIN_FAULT_INJECT="ckpt-crash:step=N" kills every rank with the checkpoint half written.
     midway = lambda: supervise.inject("checkpoint", st.step, st.step0, p.d.rank, log)
-    secs = ckpt.save(engine, p.paths.checkpoints, st.step, client, meta, p.spec.checkpoint.keep, midway=midway)
+    stats = ckpt.save(engine, p.paths.checkpoints, st.step, client, meta, p.spec.checkpoint.keep, midway=midway,
+                      io=st.io, wait=wait)
     if st.beat is not None:
         st.beat.set(st.step, "reduce")
     st.last_saved, st.last_ckpt_time = st.step, time.time()
-    log.info("checkpoint step-%d written in %.2f s", st.step, secs)
-    return secs
+    if stats.write_s is None:
+        log.info("checkpoint step-%d: state copied in %.2f s, writing in the background", st.step, stats.blocking_s)
+    else:
+        log.info("checkpoint step-%d written in %.2f s (%s)", st.step, stats.write_s, stats.mode)
+    return stats
+
+
+def _ckpt_fields(st: LoopState, saved: ckpt.SaveStats | None) -> dict[str, Any]:
+    """metrics.jsonl: ckpt_blocking_s on the saving step; ckpt_write_s/bytes/gbps on the step where rank 0
+    sees the checkpoint complete (the same step for a synchronous save)."""
+    out: dict[str, Any] = {}
+    if saved is not None:
+        out.update(ckpt_blocking_s=saved.blocking_s, ckpt_mode=saved.mode)
+        done = saved if saved.write_s is not None else saved.previous
+        if done is not None:
+            out.update(done.record())
+            return out
+    job = st.io.finished() if st.io is not None else None
+    if job is not None:
+        out.update(ckpt.SaveStats(job.step, "async", 0.0, job.write_s, job.total_bytes or None).record())
+    return out
 
 
 def _record(p: Prepared, st: LoopState, loss: float, lr: float, red: list[float], dt: float, fpt: float, ckpt_s: float,
