@@ -28,13 +28,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 
-import runlib  # noqa: E402
+import runlib
 
 PRESET = {"1b": "llama-1b", "3b": "llama-3b", "8b": "llama-8b", "tiny": "llama-tiny", "10m": "llama-10m"}
-DEFAULT_CASES = ",".join([
-    "1b:3:1:srun:4", "1b:2:1:srun:4", "1b:2:2:srun:4", "1b:3:2:srun:4", "1b:2:2:ds:4",
-    "8b:3:2:srun:2", "8b:3:4:srun:2", "resume=1b:3:4", "1b:2:4:srun:4",
-])  # resume=M:Z:N: a run on N GPUs that saves a checkpoint, then its resume on N/2
+DEFAULT_CASES = (
+    "1b:3:1:srun:4,1b:2:1:srun:4,1b:2:2:srun:4,1b:3:2:srun:4,1b:2:2:ds:4,"
+    "8b:3:2:srun:2,8b:3:4:srun:2,resume=1b:3:4,1b:2:4:srun:4"
+)  # resume=M:Z:N: a run on N GPUs that saves a checkpoint, then its resume on N/2
 
 
 def parse_case(text: str) -> dict[str, Any]:
@@ -97,18 +97,18 @@ def resume_half(a: argparse.Namespace, out: Path, rows: list[dict[str, Any]], sp
 
 
 def table(rows: list[dict[str, Any]], skipped: list[str]) -> str:
-    base: dict[tuple[str, int], float] = {}
+    base: dict[tuple[str, int], tuple[int, float]] = {}  # (model, zero) -> (fewest GPUs, tokens/s per GPU)
     for r in rows:
         key = (r["model"], r["zero"])
-        if not r["rc"] and r.get("tokens_per_s_per_gpu") and "resume" not in r["case"]:
-            if key not in base or r["gpus"] < base[key][0]:  # type: ignore[index]
-                base[key] = (r["gpus"], r["tokens_per_s_per_gpu"])  # type: ignore[assignment]
-    lines = ["| case | GPUs | launcher | mb | tokens/s per GPU | scaling vs fewest GPUs | model TFLOPS/GPU | MFU | "
-             "GPU peak GB (plan) | step s | first/last loss | rc |",
+        ok = not r["rc"] and r.get("tokens_per_s_per_gpu") and "resume" not in r["case"]
+        if ok and (key not in base or r["gpus"] < base[key][0]):
+            base[key] = (r["gpus"], r["tokens_per_s_per_gpu"])
+    lines = [("| case | GPUs | launcher | mb | tokens/s per GPU | scaling vs fewest GPUs | model TFLOPS/GPU | MFU | "
+              "GPU peak GB (plan) | step s | first/last loss | rc |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b = base.get((r["model"], r["zero"]))
-        eff = f"{r['tokens_per_s_per_gpu'] / b[1]:.1%} of {b[0]}" if b and r.get("tokens_per_s_per_gpu") else "-"  # type: ignore[index]
+        eff = f"{r['tokens_per_s_per_gpu'] / b[1]:.1%} of {b[0]}" if b and r.get("tokens_per_s_per_gpu") else "-"
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
         lines.append(f"| {r['case']} | {r['gpus']} | {r['launcher']} | {r['mb']} | {r.get('tokens_per_s_per_gpu')} | "
                      f"{eff} | {r.get('model_tflops_per_gpu')} | {mfu} | {r.get('gpu_peak_gb')} ({r['plan_gpu_gb']}) | "

@@ -53,7 +53,7 @@ def make_run_folder(a: argparse.Namespace, run: Path) -> None:
 
     tables = {
         "name": "bench",
-        "resources": {"nodes": 1, "gpus_per_node": 1, "tasks_per_node": 1},
+        "resources": {"nodes": 1, "gpus_per_node": 0 if a.cpu else 1, "tasks_per_node": 1},
         "model": {"config": a.model},
         "data": {"source": "synthetic", "seq_len": a.seq},
         "train": {"steps": a.warmup + a.steps, "micro_batch": a.mb, "grad_accum": 1, "lr": 1e-4, "min_lr": 1e-5,
@@ -114,6 +114,7 @@ def main() -> None:
     ap.add_argument("--no-ac", action="store_true", help="no activation checkpointing (both loops)")
     ap.add_argument("--persist", action="store_true", help="ZeRO-3 persistence threshold 1e12 (entrypoint only)")
     ap.add_argument("--only", choices=["plain", "entry", "both"], default="both")
+    ap.add_argument("--cpu", action="store_true", help="a CPU rank (smoke test of this script; entry only)")
     ap.add_argument("--timeout", type=float, default=280)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench-node"))
     a = ap.parse_args()

@@ -23,7 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 
-import runlib  # noqa: E402
+import runlib
 
 GIB = 1024**3
 

@@ -27,7 +27,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "toolkit"))
 
-from hpctrain.node.testing import spec_toml  # noqa: E402
+from hpctrain.node.testing import spec_toml
 
 # NVLink multicast stays off in every process on the shared multi-GPU hosts (device notes).
 NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -162,7 +162,7 @@ def summarize(recs: list[dict[str, Any]], world: int, warmup: int) -> dict[str, 
     if not recs:
         return {"steps": 0}
     steady = recs[warmup:] or recs
-    med = lambda key: statistics.median(float(r.get(key) or 0.0) for r in steady)  # noqa: E731
+    med = lambda key: statistics.median(float(r.get(key) or 0.0) for r in steady)
     return {
         "steps": len(recs),
         "tokens_per_s_per_gpu": round(med("tokens_per_s") / world, 1),

@@ -130,7 +130,7 @@ def _finished_check(inp: RunInput, reg: Registry, every_s: float = 10.0) -> Call
             run = reg.get_run(inp.run_id)
             refresh(reg, [run])
             last["done"] = bool(run.attempts) and run.attempts[-1].state in FINAL
-        except Exception:  # not in the registry, or sacct down: trust attempts.jsonl
+        except Exception:  # noqa: BLE001 - not in the registry, or sacct down: trust attempts.jsonl
             from hpctrain.collect import from_folder
 
             atts = from_folder(inp.folder).attempts

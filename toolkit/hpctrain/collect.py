@@ -139,7 +139,7 @@ def _resources(path: Path, need_all: bool) -> dict[str, Any]:
         import tomllib
 
         return dict(tomllib.loads(text).get("resources", {}))
-    except Exception:  # unreadable spec.toml: the registry's summary or defaults will do
+    except Exception:  # noqa: BLE001 - unreadable spec.toml: the registry's summary or defaults will do
         return found
 
 
@@ -334,7 +334,7 @@ def resolve_refs(reg: Registry, refs: list[str], all_runs: bool) -> tuple[list[R
     if all_runs or not refs:
         try:
             runs = reg.list_runs(limit=None if all_runs else 20)
-        except Exception as exc:  # unreadable registry: nothing to list, say why
+        except Exception as exc:  # noqa: BLE001 - unreadable registry: nothing to list, say why
             return [], [f"cannot read the run registry {reg.path}: {exc}"], []
         return _inputs(reg, runs, warnings), errors, warnings
     found: list[Run] = []
@@ -355,7 +355,7 @@ def resolve_refs(reg: Registry, refs: list[str], all_runs: bool) -> tuple[list[R
                 hint = f" Close matches: {', '.join(exc.close)}." if exc.close else ""
                 errors.append(f"RUN = {ref!r}: no such run in {reg.path}.{hint} "
                               "Pick a run id from `hpctrain list --all`, or give the run folder's path.")
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any registry failure becomes the run's error line
             errors.append(f"RUN = {ref!r}: cannot read the run registry {reg.path}: {exc}")
     return _inputs(reg, found, warnings) + loose, errors, warnings
 
@@ -367,7 +367,7 @@ def _inputs(reg: Registry, runs: list[Run], warnings: list[str]) -> list[RunInpu
         from hpctrain.cli_runs import refresh
 
         warnings.extend(refresh(reg, runs))
-    except Exception as exc:  # sacct missing, slurmdbd down, registry locked: stale states still help
+    except Exception as exc:  # noqa: BLE001 - sacct missing, slurmdbd down, registry locked: stale states help
         warnings.append(f"states may be stale: {exc}")
     inputs = [from_registry(r) for r in runs]
     for inp in inputs:
@@ -404,7 +404,7 @@ def store_failure_classes(reg: Registry, records: list[dict[str, Any]]) -> None:
     if updates:
         try:
             reg.update_attempts(updates)
-        except Exception:  # a locked or read-only registry must not cost the user the summary
+        except Exception:  # noqa: BLE001, S110 - a locked or read-only registry must not cost the summary
             pass
 
 
@@ -418,5 +418,5 @@ def update_folder_summary(run_dir: Path | str, running: bool = False) -> None:
         if running and inp.attempts and str(inp.attempts[-1].get("state")) not in FINAL:
             inp.attempts[-1]["state"] = "RUNNING"
         write_summary(build_run(inp))
-    except Exception:  # noqa: BLE001 - best effort by contract
+    except Exception:  # noqa: BLE001, S110 - best effort by contract
         pass

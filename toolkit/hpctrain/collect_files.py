@@ -21,7 +21,7 @@ def hosts_of(nodelist: str) -> list[str]:
         from hpctrain.nodelist import expand
 
         return expand(nodelist)
-    except Exception:
+    except Exception:  # noqa: BLE001 - a malformed nodelist: keep the plain names, never fail the collector
         return [h for h in nodelist.split(",") if h and "[" not in h]
 
 
