@@ -80,13 +80,27 @@ class Arena:
         while self.i < len(self.chunks) and self.off + size > len(self.chunks[self.i]):
             self.i, self.off = self.i + 1, 0
         if self.i == len(self.chunks):
-            # A power of two: torch's pinned-memory allocator rounds every request up to one anyway.
-            t = torch.empty(1 << (max(size, CHUNK) - 1).bit_length(), dtype=torch.uint8, pin_memory=self.pin)
+            t = self._alloc(max(size, CHUNK))
             self._keep.append(t)
             self.chunks.append(t.numpy())
         out = torch.frombuffer(self.chunks[self.i], dtype=torch.uint8, count=nbytes, offset=self.off)
         self.off += size
         return out
+
+
+    def _alloc(self, n: int) -> torch.Tensor:
+        """n bytes of host memory, page-locked on GPU ranks so device-to-host copies run at full speed.
+
+        Registered with cudaHostRegister at its exact size: torch's pinned allocator (pin_memory=True)
+        rounds each request up to a power of two, i.e. up to 1.7x the checkpoint in locked memory."""
+        t = torch.empty(n, dtype=torch.uint8)
+        if not self.pin:
+            return t
+        try:
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), n, 0))
+            return t
+        except Exception:  # noqa: BLE001 - no cudart binding or registration refused: torch's allocator
+            return torch.empty(n, dtype=torch.uint8, pin_memory=True)
 
 
 def snapshot(obj: Any, arena: Arena, memo: dict[Any, Any]) -> Any:
