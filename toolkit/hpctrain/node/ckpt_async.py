@@ -145,15 +145,46 @@ def _copy_tensor(t: torch.Tensor, arena: Arena, memo: dict[Any, Any]) -> torch.T
     return out
 
 
+WRITEBACK = 256 << 20
+
+
+class _Sink:
+    """What torch.save writes into: unbuffered os.write (the GIL is released while the kernel copies),
+    and every WRITEBACK bytes the kernel is told to start writing the pages out (POSIX_FADV_DONTNEED
+    starts writeback of dirty pages and drops clean ones). Without it the page cache holds up to
+    dirty_background_ratio of RAM (~12 GB on a 128 GB host) before any writeback starts, and the final
+    fsync then writes most of the checkpoint at disk speed after the copy instead of during it."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.pos = 0
+        self.hinted = 0
+
+    def write(self, data: Any) -> int:
+        mv = memoryview(data).cast("B")
+        off = 0
+        while off < len(mv):
+            off += os.write(self.fd, mv[off:off + (1 << 30)])
+        self.pos += off
+        if self.pos - self.hinted >= WRITEBACK and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd, self.hinted, self.pos - self.hinted, os.POSIX_FADV_DONTNEED)
+            self.hinted = self.pos
+        return off
+
+    def flush(self) -> None:
+        pass
+
+
 def write_file(state: Any, path: Path) -> int:
-    """torch.save + fsync; returns the file's size."""
-    torch.save(state, str(path))
-    fd = os.open(path, os.O_RDONLY)
+    """torch.save (zip format, as DeepSpeed writes and loads it) + fsync; returns the file's size."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
+        sink = _Sink(fd)
+        torch.save(state, sink)  # type: ignore[arg-type]
         os.fsync(fd)
     finally:
         os.close(fd)
-    return path.stat().st_size
+    return sink.pos
 
 
 def fsync_dir(path: Path) -> None:
