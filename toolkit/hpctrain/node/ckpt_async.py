@@ -97,7 +97,8 @@ class Arena:
         if not self.pin:
             return t
         try:
-            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), n, 0))
+            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+            torch.cuda.check_error(cudart.cudaHostRegister(t.data_ptr(), n, 0))
             return t
         except Exception:  # noqa: BLE001 - no cudart binding or registration refused: torch's allocator
             return torch.empty(n, dtype=torch.uint8, pin_memory=True)
