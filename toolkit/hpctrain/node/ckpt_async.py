@@ -147,6 +147,7 @@ def _copy_tensor(t: torch.Tensor, arena: Arena, memo: dict[Any, Any]) -> torch.T
 
 
 WRITEBACK = 256 << 20
+_CRC_LOCK = threading.Lock()
 
 
 class _Sink:
@@ -181,7 +182,16 @@ def write_file(state: Any, path: Path) -> int:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         sink = _Sink(fd)
-        torch.save(state, sink)  # type: ignore[arg-type]
+        # No CRC32 per record: it halves the write speed of one core (1.8 -> 0.6-1.0 GB/s measured here),
+        # and torch.load does not check it. Partial files are caught by the manifest's sizes and the
+        # zip directory check (checkpoint.validate_files). The option is global: restored right after.
+        with _CRC_LOCK:
+            crc = torch.serialization.get_crc32_options()
+            torch.serialization.set_crc32_options(False)
+            try:
+                torch.save(state, sink)  # type: ignore[arg-type]
+            finally:
+                torch.serialization.set_crc32_options(crc)
         os.fsync(fd)
     finally:
         os.close(fd)
