@@ -12,7 +12,7 @@ trained a couple of steps so Adam's state exists, ZeRO-3 by default. It measures
 and prints a table, then `RESULT {json}` (ratios: sync/dd and async/dd throughput, async blocking/sync).
 
     python bench/checkpoint_io.py --model llama-10m --dir /tmp/ckio            # CPU, seconds
-    source bench/gpu/setup.sh && python bench/checkpoint_io.py --gpu --model llama-1b --dir $OUT/ckio
+    source bench/gpu/setup.sh && python bench/checkpoint_io.py --gpu --model llama-1b --dir /tmp/ckio
 """
 
 from __future__ import annotations
@@ -124,13 +124,23 @@ def main() -> None:
 
     import torch
 
-    from hpctrain.node import checkpoint as ckpt
-    from hpctrain.node import ckpt_async
-
     folder = Path(a.dir or tempfile.mkdtemp(prefix="ckio-")).resolve()
     folder.mkdir(parents=True, exist_ok=True)
     if a.gpu:
         torch.cuda.set_device(0)
+    try:
+        run(a, folder)
+    finally:  # never leave 15 GB behind (e.g. in a folder that is copied back)
+        shutil.rmtree(folder / "ckpt", ignore_errors=True)
+        (folder / "dd.bin").unlink(missing_ok=True)
+
+
+def run(a: argparse.Namespace, folder: Path) -> None:
+    import torch
+
+    from hpctrain.node import checkpoint as ckpt
+    from hpctrain.node import ckpt_async
+
     t_start = time.time()
     engine, n_params = build(a)
     print(f"[bench] model + deepspeed.initialize: {time.time() - t_start:.1f} s", file=sys.stderr, flush=True)
@@ -166,7 +176,6 @@ def main() -> None:
                      "step_s_during_write": statistics.median(busy) if busy else None})
         r = runs[-1]
         r["gbps"] = r["bytes"] / r["write_s"] / 1e9 if r["bytes"] and r["write_s"] else None
-    shutil.rmtree(folder / "ckpt", ignore_errors=True)
     last = runs[-1]
     res = {
         "model": a.model, "params": n_params, "device": torch.cuda.get_device_name(0) if a.gpu else "cpu",

@@ -174,16 +174,19 @@ def test_bad_data_path_fails_every_rank_with_one_message(tmp_path: Path) -> None
         assert "no such file" in (run / "logs" / f"attempt-0.rank-{r}.log").read_text()
 
 
-def test_sigusr2_checkpoints_at_step_boundary_and_stops(tmp_path: Path) -> None:
-    """Ranks started by hand (RANK/WORLD_SIZE env): SIGUSR2 to one rank -> all agree, save, exit 3."""
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigusr2_checkpoints_at_step_boundary_and_stops(tmp_path: Path, mode: str) -> None:
+    """Ranks started by hand (RANK/WORLD_SIZE env): SIGUSR2 to one rank -> all agree, save, exit 3.
+    Async: saves every 2 steps with slow background writes; the save on the signal waits for its write."""
     from hpctrain.node.testing import free_port_pair
 
-    run = make_run(tmp_path / "run", train={"steps": 100000})
+    extra: dict = {"checkpoint": {"every_steps": 2, "async_save": True}} if mode == "async" else {}
+    run = make_run(tmp_path / "run", train={"steps": 100000}, **extra)
     port = str(free_port_pair())
     procs = []
     for r in range(2):
         env = node_env({"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": port})
+                        "MASTER_PORT": port, "HPCTRAIN_CKPT_WRITE_DELAY_S": "0.5" if mode == "async" else "0"})
         procs.append(subprocess.Popen([sys.executable, "-m", "hpctrain.node", str(run)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
@@ -200,6 +203,8 @@ def test_sigusr2_checkpoints_at_step_boundary_and_stops(tmp_path: Path) -> None:
     assert codes == [3, 3]
     last = metrics(run)[-1]["step"]
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{last}"
+    assert (run / "checkpoints" / f"step-{last}" / "hpctrain.json").is_file()
+    assert not list((run / "checkpoints").glob(".tmp-*"))
     assert json.loads((run / "metrics" / "heartbeat").read_text())["state"] == "stopped-on-signal"
 
 

@@ -2,11 +2,14 @@
 
 Layout under RUN/checkpoints/:
     .tmp-step-N/          DeepSpeed writes here first (every rank), plus rng-rank-R.pt per rank
+    .tmp-step-N/.done/    async saves: rank-R once rank R's files are fsynced (rank-R.failed if not)
     step-N/               renamed by rank 0 after a barrier, once every rank has written
     step-N/hpctrain.json  the completion marker: step, world/dp/pp, zero stage, file sizes (manifest)
     latest                text "step-N", replaced atomically, written last
     universal-step-N/     DeepSpeed universal checkpoint, made on demand when the DP size changed
 Only folders with a marker count; a crash mid-save leaves a .tmp-* folder that is ignored and removed.
+Every file is fsynced before the marker is written. Async saves (node/ckpt_async.py) keep all of this:
+only the moment the marker appears moves, from inside save() to rank 0's writer thread.
 """
 
 from __future__ import annotations

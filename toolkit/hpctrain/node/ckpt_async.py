@@ -80,13 +80,28 @@ class Arena:
         while self.i < len(self.chunks) and self.off + size > len(self.chunks[self.i]):
             self.i, self.off = self.i + 1, 0
         if self.i == len(self.chunks):
-            # A power of two: torch's pinned-memory allocator rounds every request up to one anyway.
-            t = torch.empty(1 << (max(size, CHUNK) - 1).bit_length(), dtype=torch.uint8, pin_memory=self.pin)
+            t = self._alloc(max(size, CHUNK))
             self._keep.append(t)
             self.chunks.append(t.numpy())
         out = torch.frombuffer(self.chunks[self.i], dtype=torch.uint8, count=nbytes, offset=self.off)
         self.off += size
         return out
+
+
+    def _alloc(self, n: int) -> torch.Tensor:
+        """n bytes of host memory, page-locked on GPU ranks so device-to-host copies run at full speed.
+
+        Registered with cudaHostRegister at its exact size: torch's pinned allocator (pin_memory=True)
+        rounds each request up to a power of two, i.e. up to 1.7x the checkpoint in locked memory."""
+        t = torch.empty(n, dtype=torch.uint8)
+        if not self.pin:
+            return t
+        try:
+            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+            torch.cuda.check_error(cudart.cudaHostRegister(t.data_ptr(), n, 0))
+            return t
+        except Exception:  # noqa: BLE001 - no cudart binding or registration refused: torch's allocator
+            return torch.empty(n, dtype=torch.uint8, pin_memory=True)
 
 
 def snapshot(obj: Any, arena: Arena, memo: dict[Any, Any]) -> Any:
@@ -131,15 +146,56 @@ def _copy_tensor(t: torch.Tensor, arena: Arena, memo: dict[Any, Any]) -> torch.T
     return out
 
 
+WRITEBACK = 256 << 20
+_CRC_LOCK = threading.Lock()
+
+
+class _Sink:
+    """What torch.save writes into: unbuffered os.write (the GIL is released while the kernel copies),
+    and every WRITEBACK bytes the kernel is told to start writing the pages out (POSIX_FADV_DONTNEED
+    starts writeback of dirty pages and drops clean ones). Without it the page cache holds up to
+    dirty_background_ratio of RAM (~12 GB on a 128 GB host) before any writeback starts, and the final
+    fsync then writes most of the checkpoint at disk speed after the copy instead of during it."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.pos = 0
+        self.hinted = 0
+
+    def write(self, data: Any) -> int:
+        mv = memoryview(data).cast("B")
+        off = 0
+        while off < len(mv):
+            off += os.write(self.fd, mv[off:off + (1 << 30)])
+        self.pos += off
+        if self.pos - self.hinted >= WRITEBACK and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd, self.hinted, self.pos - self.hinted, os.POSIX_FADV_DONTNEED)
+            self.hinted = self.pos
+        return off
+
+    def flush(self) -> None:
+        pass
+
+
 def write_file(state: Any, path: Path) -> int:
-    """torch.save + fsync; returns the file's size."""
-    torch.save(state, str(path))
-    fd = os.open(path, os.O_RDONLY)
+    """torch.save (zip format, as DeepSpeed writes and loads it) + fsync; returns the file's size."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
+        sink = _Sink(fd)
+        # No CRC32 per record: it halves the write speed of one core (1.8 -> 0.6-1.0 GB/s measured here),
+        # and torch.load does not check it. Partial files are caught by the manifest's sizes and the
+        # zip directory check (checkpoint.validate_files). The option is global: restored right after.
+        with _CRC_LOCK:
+            crc = torch.serialization.get_crc32_options()
+            torch.serialization.set_crc32_options(False)
+            try:
+                torch.save(state, sink)  # type: ignore[arg-type]
+            finally:
+                torch.serialization.set_crc32_options(crc)
         os.fsync(fd)
     finally:
         os.close(fd)
-    return path.stat().st_size
+    return sink.pos
 
 
 def fsync_dir(path: Path) -> None:
