@@ -240,6 +240,11 @@ def scancel(job_ids: Iterable[str]) -> None:
         _run(["scancel", *ids])
 
 
+def queue_state(job_id: str) -> str:
+    """The job's state as squeue shows it now ("RUNNING", "COMPLETING", ...); "" once it left the queue."""
+    return _run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], timeout_s=15.0).stdout.strip()
+
+
 def allow_requeue(job_id: str) -> bool:
     """`scontrol update JobId=J Requeue=1`: training jobs are submitted --no-requeue (a lost node goes to
     the supervisor), so rank 0 makes its job requeueable right before its own time-limit/preemption

@@ -328,6 +328,16 @@ class Watchdog:
     def poll_s(self) -> float:
         return min(10.0, max(1.0, self.timeout_s / 5))
 
+    def _running(self) -> bool:
+        """Still RUNNING for SLURM: a person's scancel or the time limit shows at once (CANCELLED/TIMEOUT,
+        COMPLETING), while a job that lost a node stays RUNNING until NODE_FAIL."""
+        try:
+            from hpctrain import _slurm
+
+            return _slurm.queue_state(self.job) == "RUNNING"
+        except Exception:  # noqa: BLE001 - slurmctld not answering: act on the ranks' evidence
+            return True
+
     def _decide_now(self) -> None:
         """Retry without the dead host before the cancel (hpctrain.supervise.take_over says why); on any
         failure the supervisor job still decides, later."""
@@ -363,6 +373,8 @@ class Watchdog:
                 rec = self.check()
             if rec is None:
                 continue
+            if cancel and rec["event"] == "peer_lost" and not self._running():
+                return None  # cancelled, timed out or preempted meanwhile: the dying ranks' errors say nothing
             path = Path(self.run_dir) / "metrics" / WATCHDOG_FILE
             runs_mod.append_attempt(path, rec)
             print(f"hpctrain watchdog: {rec['message']}; cancelling job {self.job}", file=sys.stderr, flush=True)
