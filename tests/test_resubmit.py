@@ -251,6 +251,9 @@ def test_watchdog_peer_lost_ignores_user_errors_and_blames_quiet_hosts_without_a
     assert rec is not None and rec["silent_hosts"] == ["node2"] and rec["silent_ranks"] == [1]
     _beat(tmp_path, 2, 20, "compute", now - 4)  # two of three hosts quiet, nobody named: too unsure to act
     assert w.peer_check(now + 10) is None
+    # An address that resolves to no host of the job names nobody (it would end up in sbatch --exclude).
+    _failed(tmp_path, 0, 21, now, error=GLOO_RESET.replace("[node2]", "[192.0.2.77]"))
+    assert w.peer_check(now + 10) is None
 
 
 def test_peer_lost_verdict_is_a_node_failure_for_supervisor_and_summary(tmp_path: Path,

@@ -58,6 +58,8 @@ class RankBeat:
         self.job = os.environ.get("SLURM_JOB_ID", "")
         self.restart = os.environ.get("SLURM_RESTART_COUNT", "0") or "0"
         self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._failed = False
         self._thread = threading.Thread(target=self._loop, name=f"hpctrain-beat-{rank}", daemon=True)
 
     def start(self) -> RankBeat:
@@ -74,17 +76,19 @@ class RankBeat:
         self.write()
 
     def write(self) -> None:
-        self._put(f"rank-{self.rank}.json", self._record())
+        with self._lock:  # a beat built before fail() must not land after it
+            if not self._failed:
+                self._put(f"rank-{self.rank}.json", self._record())
 
     def fail(self, exc: BaseException) -> None:
         """This rank's training raised: stop beating and leave failed-JOB-RESTART-R.json for the watchdog
         (its own file name, so one directory listing a second finds it without reading every beat)."""
-        was = self.phase
-        self.phase = "failed"
         self._stop.set()
-        rec = {**self._record(), "was": was, "error": f"{type(exc).__name__}: {exc}"[:2000]}
-        self._put(f"rank-{self.rank}.json", rec)
-        self._put(failed_name(self.job, self.restart, self.rank), rec)
+        with self._lock:
+            was, self.phase, self._failed = self.phase, "failed", True
+            rec = {**self._record(), "was": was, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+            self._put(f"rank-{self.rank}.json", rec)
+            self._put(failed_name(self.job, self.restart, self.rank), rec)
 
     def _record(self) -> dict[str, Any]:
         return {"rank": self.rank, "host": self.host, "step": self.step, "phase": self.phase, "time": time.time(),
@@ -226,8 +230,11 @@ def lost_peers(failures: list[dict[str, Any]], beats: list[dict[str, Any]], worl
     if now - first < confirm_s:
         return None
     failed_hosts = {str(f.get("host")) for f in failures}
+    job_hosts = {str(b.get("host")) for b in beats} | failed_hosts
+    # Only a host of this job may be named (it goes into sbatch --exclude): an address the hosts database
+    # cannot resolve names nobody.
     named = {h for f in comm for m in _PEER_ADDR.finditer(str(f["error"]))
-             if (h := _host_name(m.group(1))) not in failed_hosts}
+             if (h := _host_name(m.group(1))) in job_hosts - failed_hosts}
     by_rank = {int(b["rank"]): b for b in beats if "rank" in b}
     failed_ranks = {int(f["rank"]) for f in failures}
     quiet = [r for r in range(world) if r not in failed_ranks and by_rank.get(r, {}).get("phase") != "done"]
@@ -236,7 +243,7 @@ def lost_peers(failures: list[dict[str, Any]], beats: list[dict[str, Any]], worl
     else:  # the error names nobody: blame the hosts that went quiet, unless that would be most of them
         hosts = {str(by_rank[r].get("host")) for r in quiet
                  if r in by_rank and float(by_rank[r].get("time", 0)) < first}
-        if not hosts or len(hosts) * 2 > len({str(b.get("host")) for b in beats}):
+        if not hosts or len(hosts) * 2 > len(job_hosts):
             return None
     silent = [r for r in quiet if str(by_rank.get(r, {}).get("host")) in hosts]
     culprit = min(comm, key=lambda f: (float(f.get("time", now)), int(f["rank"])))
