@@ -246,7 +246,8 @@ def test_watchdog_peer_lost_ignores_user_errors_and_blames_quiet_hosts_without_a
     _beat(tmp_path, 2, 20, "compute", now + 2)  # alive: beat after the failure
     _failed(tmp_path, 0, 21, now, error="ValueError: user code failed at step 21")
     assert w.peer_check(now + 10) is None  # a Python exception: srun and the collector handle it
-    _failed(tmp_path, 0, 21, now, error="DistBackendError: NCCL error: remote process exited or there was a network error")
+    nccl = "DistBackendError: NCCL error: remote process exited or there was a network error"
+    _failed(tmp_path, 0, 21, now, error=nccl)
     rec = w.peer_check(now + 10)
     assert rec is not None and rec["silent_hosts"] == ["node2"] and rec["silent_ranks"] == [1]
     _beat(tmp_path, 2, 20, "compute", now - 4)  # two of three hosts quiet, nobody named: too unsure to act

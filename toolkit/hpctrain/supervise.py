@@ -410,7 +410,8 @@ def take_over(run_dir: Path, job_id: str) -> dict[str, Any] | None:
     satisfies `afterany` only once the cancelled job has stopped COMPLETING on every node, SlurmdTimeout
     later. That supervisor still runs afterwards and finds the decision made (one per job, under the lock).
     None when the run has no supervisor for this job (retries 0, a sweep, a local run): only the cancel."""
-    armed = any(str(r.get("supervises")) == str(job_id) for r in runs_mod.read_attempts(Path(run_dir) / "attempts.jsonl"))
+    notes = runs_mod.read_attempts(Path(run_dir) / "attempts.jsonl")
+    armed = any(str(r.get("supervises")) == str(job_id) for r in notes)
     if not armed:
         return None
     return supervise(run_dir, job_id, ending="CANCELLED")
