@@ -1,21 +1,27 @@
 #!/usr/bin/env python
 """Goodput under failures: one training run on the local SLURM cluster, hit by injected faults.
 
-    .venv/bin/python bench/goodput.py [--nodes 2] [--train-s 240] [--every-s 60] [--ckpt-steps 40]
+    .venv/bin/python bench/goodput.py [--nodes 2] [--train-s 240] [--every-s 60] [--first-s S] [--ckpt-steps 40]
+                                      [--faults preempt,node-kill,requeue]
 
 The run (tiny Llama, CPU ranks, 1 rank per node) is submitted with `hpctrain submit`; while it trains, a
-fault is injected every --every-s seconds of training, cycling through
+fault is injected at --first-s seconds of training (default --every-s) and every --every-s after that,
+cycling through --faults:
   preempt      `scancel --signal=USR2 JOB`  (what SLURM sends before a time limit or a preemption:
-               every rank checkpoints, rank 0 requeues the job)
-  node-kill    `slurm.sh kill-node N` on one of the job's nodes (power-off: SLURM declares NODE_FAIL after
-               SlurmdTimeout and requeues the job elsewhere; the node is restarted once that happened)
+               every rank checkpoints, rank 0 requeues the job: same job id)
+  node-kill    `slurm.sh kill-node N` on the job's last node (every process killed, sockets closed: the
+               survivors' gloo errors let the watchdog cancel the job and retry it as a new job without
+               that node; the node is restarted once the run moved on, or after 90 s)
   requeue      `scontrol requeue JOB` (a hard preemption: no checkpoint, the work since the last one is lost)
 and the run finishes by itself. Reported, from metrics.jsonl and sacct:
   useful s     time of the steps on the final trajectory (each step's duration, last run of it)
   allocated s  the wall time of every run of the job (sacct -D: start..end of each record)
   goodput      useful / allocated
   per failure  lost steps, and the overhead (allocated - useful) it cost
+  per fault    allocated time from the last step before it to the first step after it, plus the redone
+               steps (lost steps x the median step time)
 plus a projection to one failure per 10 minutes of training: 600 / (600 + startup + overhead per failure).
+Allocated time counts the training jobs' nodes; the 1-CPU supervisor jobs (a second or two each) are left out.
 Leaves nothing running: the job is cancelled and every killed node restarted in `finally`.
 """
 
@@ -122,12 +128,28 @@ def useful_time(recs: list[dict[str, Any]], starts: list[float]) -> tuple[float,
     return sum(dur.values()), lost
 
 
+def per_fault(recs: list[dict[str, Any]], starts: list[float], records: list[dict[str, Any]],
+              lost: list[int]) -> list[tuple[float, float]]:
+    """(allocated s between the last step before a restart and the first step after it, redone s) per restart."""
+    times = sorted(r["time"] for r in recs)
+    gaps = [b - a for a, b in itertools.pairwise(times) if b - a < 5]
+    med = statistics.median(gaps) if gaps else 0.0
+    out = []
+    for k, t0 in enumerate(starts[1:]):
+        before = max((t for t in times if t < t0), default=t0)
+        after = min((t for t in times if t >= t0), default=t0)
+        alloc = sum(max(0.0, min(after, r["end"] or after) - max(before, r["start"])) for r in records if r["start"])
+        out.append((alloc, (lost[k] if k < len(lost) else 0) * med))
+    return out
+
+
 def analyze(run: Path, injected: list[dict[str, Any]]) -> None:
     """Print the goodput table of a finished run folder."""
     recs = metrics(run)
     starts = [e["time"] for e in events(run) if e.get("event") == "start"]
     useful, lost = useful_time(recs, starts)
     records = [r for j in run_jobs(run) for r in sacct_runs(j)]
+    faults = per_fault(recs, starts, records, lost)
     alloc = sum((r["end"] or time.time()) - r["start"] for r in records if r["start"])
     first = min(r["start"] for r in records if r["start"])
     startup = starts[0] - first if starts else 0.0
@@ -139,6 +161,12 @@ def analyze(run: Path, injected: list[dict[str, Any]]) -> None:
     print("|---|---|---|---|---|---|---|---|")
     print(f"| {kinds} | {recs[-1]['step'] if recs else '-'} | {useful:.0f} | {alloc:.0f} | "
           f"{100 * useful / alloc:.1f}% | {startup:.0f} | {overhead:.0f} | {lost} |")
+    print("\n| fault | at step | lost steps | allocated s, last step -> first step after | redone s | overhead s |")
+    print("|---|---|---|---|---|---|")
+    for k, (gap, redo) in enumerate(faults):
+        kind = injected[k]["kind"] if k < len(injected) else "restart"
+        at = injected[k]["at_step"] if k < len(injected) else "-"
+        print(f"| {kind} | {at} | {lost[k] if k < len(lost) else '-'} | {gap:.1f} | {redo:.1f} | {gap + redo:.1f} |")
     print("\nSLURM runs (job state start->end s):")
     for r in records:
         print(f"  {r['state']:10s} {r['nodes']:10s} {((r['end'] or time.time()) - r['start']):6.0f} s")
@@ -151,6 +179,9 @@ def main() -> int:
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--train-s", type=float, default=240, help="fault-free training time to aim for")
     ap.add_argument("--every-s", type=float, default=60, help="a fault every this many seconds of training")
+    ap.add_argument("--first-s", type=float, default=None, help="the first fault after this much training "
+                    "(default: --every-s)")
+    ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated cycle of {', '.join(FAULTS)}")
     ap.add_argument("--ckpt-steps", type=int, default=40)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--step-s", type=float, default=0.35, help="expected seconds per step (sizes --steps)")
@@ -160,6 +191,12 @@ def main() -> int:
     if a.analyze:
         analyze(a.analyze, [])
         return 0
+    cycle = [f.strip() for f in a.faults.split(",") if f.strip()]
+    bad = [f for f in cycle if f not in FAULTS]
+    if bad or not cycle:
+        ap.error(f"--faults {a.faults!r}: unknown fault(s) {', '.join(bad) or '(none given)'}; "
+                 f"use a comma-separated list of {', '.join(FAULTS)}")
+    first = a.every_s if a.first_s is None else a.first_s
     steps = int(a.train_s / a.step_s)
     root = Path(tempfile.mkdtemp(prefix="hpctrain-goodput-"))
     env = {**os.environ, "HPCTRAIN_RUNS_DIR": str(root / "runs"), "HPCTRAIN_STATE_DIR": str(root / "state")}
@@ -171,7 +208,7 @@ def main() -> int:
     sub = json.loads(subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, check=True).stdout)[0]
     job, run = str(sub["job_id"]), Path(sub["run_dir"])
     print(f"run {run.name}: job {job}, {a.nodes} nodes, {steps} steps, checkpoint every {a.ckpt_steps} steps")
-    killed: set[str] = set()
+    killed: dict[str, tuple[float, str]] = {}  # host -> (when, the job it was killed under)
     injected: list[dict[str, Any]] = []
     t0 = time.monotonic()
     try:
@@ -194,13 +231,12 @@ def main() -> int:
                 last_tick, last_steps = now, len(recs)
             elif state != "RUNNING":
                 last_tick = None
-            for n in sorted(killed):  # bring a killed node back once SLURM has declared it failed
-                if "NODE_FAIL" in sh("sacct", "-X", "-D", "-n", "-P", "-j", ",".join(run_jobs(run)), "-o", "State",
-                                     check=False):
+            for n, (when, under) in sorted(killed.items()):  # bring a killed node back once the run moved on
+                if job != under or time.monotonic() - when > 90:
                     sh("bash", str(SLURM_SH), "restart-node", n[4:], timeout=120)
-                    killed.discard(n)
-            if state == "RUNNING" and trained >= a.every_s * (len(injected) + 1) and not killed:
-                kind = FAULTS[len(injected) % len(FAULTS)]
+                    del killed[n]
+            if state == "RUNNING" and trained >= first + a.every_s * len(injected) and not killed:
+                kind = cycle[len(injected) % len(cycle)]
                 step = recs[-1]["step"] if recs else 0
                 if kind == "preempt":
                     sh("scancel", "--signal=USR2", job)
@@ -209,7 +245,7 @@ def main() -> int:
                 else:
                     host = sh("scontrol", "show", "hostnames", nodes).split()[-1]
                     sh("bash", str(SLURM_SH), "kill-node", host[4:], timeout=60)
-                    killed.add(host)
+                    killed[host] = (time.monotonic(), job)
                 injected.append({"kind": kind, "at_step": step, "t": round(time.monotonic() - t0, 1)})
                 print(f"  t={injected[-1]['t']:6.1f}s  {kind:9s} at step {step}", flush=True)
                 last_tick = None

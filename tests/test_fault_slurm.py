@@ -6,8 +6,8 @@ of the step, so the loss at step N does not depend on how many steps a run has: 
 must equal a fault-free reference's at the same steps (2-node and 4-node references), and no attempt may
 lose more than one checkpoint interval of steps.
 
-Scenarios: a dead node (kill-node 3, SLURM requeues the NODE_FAIL'd job), all ranks killed while a checkpoint
-is being written, a 2-minute time limit (USR2 -> checkpoint -> requeue), a rank that hangs (watchdog ->
+Scenarios: a dead node (kill-node 3 under a 3-node run: the survivors' gloo errors let the watchdog cancel the
+job within seconds and retry it as a new job without node3), all ranks killed while a checkpoint is being written, a 2-minute time limit (USR2 -> checkpoint -> requeue), a rank that hangs (watchdog ->
 cancel -> supervisor retries without its host), a user error (no retry, clear evidence).
 Only the node-failure run may use node3 (all others exclude it), so the kill hits nothing else of ours.
 """
@@ -152,7 +152,7 @@ def campaign(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRe
         "timelimit": ("time_limit" in selected, (*two, "--steps", "120", "--set", "resources.time=00:02:00",
                                                  "--set", "resources.signal_seconds=75",
                                                  "--set", "checkpoint.every_steps=0"), ""),
-        "ref4": ("node_failure" in selected, ("--nodes", "4", "--steps", "60", "--retries", "0",
+        "ref3": ("node_failure" in selected, ("--nodes", "3", "--steps", "60", "--retries", "0",
                                               "--set", "checkpoint.every_steps=0"), ""),
     }
     for name, (needed, flags, fault) in wanted.items():
@@ -248,34 +248,45 @@ def test_time_limit_checkpoints_on_signal_requeues_and_finishes(campaign: Campai
     assert_matches_reference(run, ref2, 120)
 
 
-def test_node_failure_requeues_and_finishes_with_the_same_losses(campaign: Campaign) -> None:
-    ref_run = campaign.runs["ref4"]
-    wait_until(lambda: len(losses(ref_run)) >= 60, 540, "the 4-node reference run")
-    ref4 = losses(ref_run)
-    # Submitted only now: the reference (which needs node3 too) is done, so the kill hits only this run.
-    run = campaign.submit("nodefail", "--nodes", "4", "--steps", "60", "--set", "checkpoint.every_steps=5")
+def test_node_failure_is_retried_at_once_without_the_dead_node(campaign: Campaign) -> None:
+    """kill-node 3 under a 3-node ZeRO-3 run (node3 is never the batch host of a 3-node allocation, so the
+    watchdog survives): the survivors' collectives fail on the closed connections, the watchdog records a
+    peer_lost verdict naming node3, decides the retry (excluding node3) and cancels the job, all within
+    seconds and long before SLURM's NODE_FAIL (SlurmdTimeout=30). The new job resumes from the last
+    checkpoint and finishes with the reference's losses."""
+    ref_run = campaign.runs["ref3"]
+    wait_until(lambda: len(losses(ref_run)) >= 60, 540, "the 3-node reference run")
+    ref3 = losses(ref_run)
+    # Submitted only now: the reference (which may use node3 too) is done, so the kill hits only this run.
+    run = campaign.submit("nodefail", "--nodes", "3", "--steps", "60", "--set", "checkpoint.every_steps=5")
     job = notes(run)[0]["job_id"]
-    wait_until(lambda: any(r["step"] >= 12 for r in metrics(run)), 400, "step 12 of the 4-node run", poll=1)
+    wait_until(lambda: any(r["step"] >= 12 for r in metrics(run)), 400, "step 12 of the 3-node run", poll=1)
+    nodes = run_cmd(["squeue", "-h", "-j", job, "-o", "%N"], timeout=30).stdout.strip()
+    assert "node3" in run_cmd(["scontrol", "show", "hostnames", nodes], timeout=30).stdout.split(), nodes
     killed_at = max(losses(run))
+    t_kill = time.monotonic()
     try:
         run_cmd(["bash", str(SLURM_SH), "kill-node", "3"], timeout=60)
-        wait_until(lambda: "NODE_FAIL" in run_cmd(["sacct", "-X", "-D", "-n", "-P", "-j", job, "-o", "State"],
-                                                  timeout=30).stdout, 180, "SLURM to declare NODE_FAIL")
+        first = wait_until(lambda: next(iter(decisions(run)), None), 60, "the watchdog's decision", poll=0.5)
+        reacted_s = time.monotonic() - t_kill
     finally:
         run_cmd(["bash", str(SLURM_SH), "restart-node", "3"], timeout=120)
+    assert reacted_s < 20, reacted_s  # SLURM alone would take SlurmdTimeout (30 s) plus its ping interval
+    assert first["job_id"] == job and first["failure_class"] == "node_fail", first
+    assert first["decision"]["action"] == "retry" and first["decision"]["added"] == ["node3"], first
+    assert first["peer_lost"]["silent_hosts"] == ["node3"], first
+    retry = next(n for n in notes(run) if n.get("attempt") == 1 and n.get("state") == "PENDING")
+    assert retry["job_id"] != job and "node3" in retry["excluded"]
     last = wait_decided(run, timeout=480)
     assert last["decision"]["action"] == "done", last
     hist = run_cmd(["sacct", "-X", "-D", "-n", "-P", "-j", job, "-o", "State"], timeout=30).stdout.split()
-    assert hist[0] == "NODE_FAIL", hist  # SLURM requeued the job (same id) after losing node3
-    # Its rerun usually completes. When node3's slurmd re-registers just as the rerun starts, slurmctld
-    # may kill the rerun's step (it shares the step id 0 of the dead run): the job then ends FAILED and
-    # the supervisor retries it as a new job. Either way the run ends complete, from a checkpoint.
-    if hist[-1] != "COMPLETED":
-        first = decisions(run)[0]
-        assert first["job_id"] == job and first["decision"]["action"] == "retry", first
-    logs = sorted((run / "logs").glob("attempt-*.rank-0.log"))[1:]
-    resumed = [int(t.split("resumed from step-")[1].split(" ")[0]) for t in (p.read_text() for p in logs)
-               if "resumed from step-" in t]
+    assert hist and hist[0] == "CANCELLED" and "NODE_FAIL" not in hist, hist  # no SLURM requeue any more
+    resumed = [int(t.split("resumed from step-")[1].split(" ")[0])
+               for t in [(run / "logs" / "attempt-1.rank-0.log").read_text()] if "resumed from step-" in t]
     assert resumed and killed_at - resumed[0] <= 5 and resumed[0] >= 10, (killed_at, resumed)
     assert all(s <= 5 for s in lost_steps(run)), lost_steps(run)
-    assert_matches_reference(run, ref4, 60)
+    assert_matches_reference(run, ref3, 60)
+    wait_until(lambda: _last_row_with_decision(run), 60, "summary.json with the decision")
+    rows = json.loads((run / "summary.json").read_text())["attempts"]
+    assert rows[0]["failure_class"] == "node_fail" and rows[0]["failure"]["host"] == "node3", rows[0]
+    assert "node3" in rows[-1]["excluded"] and rows[-1]["job_id"] != job

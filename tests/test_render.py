@@ -148,7 +148,7 @@ def test_sbatch_directives_follow_submitit_paths() -> None:
     assert "#SBATCH --output=/runs/r1/submitit/%j_0_log.out" in script
     assert "#SBATCH --error=/runs/r1/submitit/%j_0_log.err" in script
     assert "--output /runs/r1/submitit/%j_%t_log.out --error /runs/r1/submitit/%j_%t_log.err" in script
-    for flag in ("--requeue", "--signal=USR2@90", "--open-mode=append", "--ntasks-per-node=2"):
+    for flag in ("--no-requeue", "--signal=USR2@90", "--open-mode=append", "--ntasks-per-node=2"):
         assert f"#SBATCH {flag}\n" in script
     assert "gpus-per-node" not in script and "export DS_ACCELERATOR=cpu" in script
     array, _ = _render("sweep-podman-array")

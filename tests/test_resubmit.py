@@ -194,3 +194,93 @@ def test_history_survives_a_broken_collector(tmp_path: Path, monkeypatch: pytest
     hist, _ = supervise.history(tmp_path, "7")
     assert [(h.state, h.failure_class, h.implicated) for h in hist] == [("CANCELLED", "hang", ("node2",))]
     assert decide(hist, Policy(), FIT).action == "retry"
+
+
+GLOO_RESET = ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [node2]:36531: "
+              "Connection reset by peer. This is typically caused by a remote worker hanging")
+
+
+def _failed(d: Path, rank: int, step: int, t: float, error: str = GLOO_RESET, job: str = "7") -> None:
+    """What RankBeat.fail leaves: the beat (phase failed) and failed-JOB-RESTART-R.json."""
+    rec = {"rank": rank, "host": f"node{rank + 1}", "step": step, "phase": "failed", "was": "compute", "time": t,
+           "job": job, "restart": "0", "error": error}
+    (d / "metrics" / "ranks").mkdir(parents=True, exist_ok=True)
+    for name in (f"rank-{rank}.json", f"failed-{job}-0-{rank}.json"):
+        (d / "metrics" / "ranks" / name).write_text(json.dumps(rec))
+
+
+def test_rank_beat_fail_leaves_the_error_for_the_watchdog(tmp_path: Path) -> None:
+    from hpctrain.watchdog import read_failures
+
+    beat = supervise.RankBeat(tmp_path / "metrics", 1, interval_s=60)
+    beat.job, beat.restart = "7", "0"
+    beat.start()
+    beat.set(12, "reduce")
+    beat.fail(RuntimeError("Read error [10.77.0.1]:4242: Connection reset by peer"))
+    assert read_failures(tmp_path, "6") == []  # another job's failures are not this one's
+    (got,) = read_failures(tmp_path, "7", "0")
+    assert got["phase"] == "failed" and got["was"] == "reduce" and got["step"] == 12
+    assert got["error"].startswith("RuntimeError: Read error")
+    assert json.loads((tmp_path / "metrics" / "ranks" / "rank-1.json").read_text())["phase"] == "failed"
+
+
+def test_watchdog_peer_lost_names_the_dead_host_after_the_confirm_window(tmp_path: Path) -> None:
+    now = time.time()
+    w = supervise.Watchdog(tmp_path, "7", timeout_s=300, world=3, started=now, last_change=now, restart="0")
+    for r in range(3):
+        _beat(tmp_path, r, 20, "compute", now - 4)
+    assert w.peer_check(now) is None  # nothing failed: one directory listing, no verdict
+    _failed(tmp_path, 0, 21, now)
+    _failed(tmp_path, 2, 21, now + 0.2, error=GLOO_RESET.replace("node2", "node1"))  # names a rank that failed too
+    assert w.peer_check(now + 1) is None  # a live node's srun ends the step within the confirm window
+    rec = w.peer_check(now + 4)
+    assert rec is not None and rec["event"] == "peer_lost" and rec["job_id"] == "7"
+    assert rec["silent_hosts"] == ["node2"] and rec["silent_ranks"] == [1] and rec["last_step"] == 20
+    assert "rank 0 on node1 lost its peer on node2" in rec["message"]
+
+
+def test_watchdog_peer_lost_ignores_user_errors_and_blames_quiet_hosts_without_a_name(tmp_path: Path) -> None:
+    now = time.time()
+    w = supervise.Watchdog(tmp_path, "7", timeout_s=300, world=3, started=now, last_change=now, restart="0")
+    _beat(tmp_path, 1, 20, "compute", now - 4)
+    _beat(tmp_path, 2, 20, "compute", now + 2)  # alive: beat after the failure
+    _failed(tmp_path, 0, 21, now, error="ValueError: user code failed at step 21")
+    assert w.peer_check(now + 10) is None  # a Python exception: srun and the collector handle it
+    nccl = "DistBackendError: NCCL error: remote process exited or there was a network error"
+    _failed(tmp_path, 0, 21, now, error=nccl)
+    rec = w.peer_check(now + 10)
+    assert rec is not None and rec["silent_hosts"] == ["node2"] and rec["silent_ranks"] == [1]
+    _beat(tmp_path, 2, 20, "compute", now - 4)  # two of three hosts quiet, nobody named: too unsure to act
+    assert w.peer_check(now + 10) is None
+    # An address that resolves to no host of the job names nobody (it would end up in sbatch --exclude).
+    _failed(tmp_path, 0, 21, now, error=GLOO_RESET.replace("[node2]", "[192.0.2.77]"))
+    assert w.peer_check(now + 10) is None
+
+
+def test_peer_lost_verdict_is_a_node_failure_for_supervisor_and_summary(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpctrain import collect
+
+    (tmp_path / "attempts.jsonl").write_text(
+        json.dumps({"attempt": 0, "job_id": "7", "state": "PENDING", "nodes": "node[1-2]"}) + "\n")
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "watchdog.jsonl").write_text(json.dumps(
+        {"event": "peer_lost", "job_id": "7", "last_step": 20, "silent_ranks": [1], "silent_hosts": ["node2"],
+         "message": "rank 0 on node1 lost its peer on node2 (...): node or network lost"}) + "\n")
+    monkeypatch.setenv("HPCTRAIN_STATE_DIR", str(tmp_path / "state"))
+    from hpctrain._slurm import SacctRecord
+
+    hist, _ = supervise.history(tmp_path, "7", SacctRecord("7", "CANCELLED"))
+    assert [(h.state, h.failure_class, h.implicated) for h in hist] == [("CANCELLED", "node_fail", ("node2",))]
+    d = decide(hist, Policy(), FIT)
+    assert d.action == "retry" and d.added == ("node2",)
+    # The collector (no supervisor note, e.g. retries 0) reads the watchdog's file: node_fail, not "cancelled".
+    rows = collect._with_fault_notes(tmp_path, [{"attempt": 0, "job_id": "7", "state": "CANCELLED"}])
+    assert rows[0]["peer_lost"]["silent_hosts"] == ["node2"]
+    f = collect._peer_lost_failure(rows[0]["peer_lost"], None)
+    assert (f.failure_class, f.host, f.rank) == ("node_fail", "node2", 1)
+
+
+def test_take_over_only_for_a_supervised_job(tmp_path: Path) -> None:
+    (tmp_path / "attempts.jsonl").write_text(json.dumps({"attempt": 0, "job_id": "7", "state": "PENDING"}) + "\n")
+    assert supervise.take_over(tmp_path, "7") is None  # retries 0 / sweep / local: no supervisor, only the cancel

@@ -9,13 +9,13 @@
 #SBATCH --gpus-per-node=8
 #SBATCH --job-name=pretrain-8b
 #SBATCH --mem=0
+#SBATCH --no-requeue
 #SBATCH --nodes=4
 #SBATCH --ntasks-per-node=8
 #SBATCH --open-mode=append
 #SBATCH --output=/runs/r1/submitit/%j_0_log.out
 #SBATCH --partition=gpu
 #SBATCH --qos=normal
-#SBATCH --requeue
 #SBATCH --signal=USR2@90
 #SBATCH --time=2-00:00:00
 
@@ -34,6 +34,12 @@ export HPCTRAIN_RUN_DIR=/runs/r1
 export HF_HUB_OFFLINE=1
 export TRANSFORMERS_OFFLINE=1
 export SUBMITIT_EXECUTOR=slurm
+
+# The job is --no-requeue, so a lost node ends it and the supervisor resubmits it without that host. Rank 0
+# makes it requeueable only for its own time-limit/preemption requeue; this rerun turns that off again.
+if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
+  scontrol update JobId="$SLURM_JOB_ID" Requeue=0 || true
+fi
 
 # Rendezvous: rank 0 lives on the first host; the port derives from the job id so that jobs
 # sharing a node do not collide.
@@ -73,6 +79,7 @@ hpctrain_requeue_handoff() {
   case $job in
     *[!0-9_]* | "") echo "hpctrain: ignoring a malformed requeue request" >&2 ;;
     *) echo "hpctrain: requeueing job $job (requested inside the container)" >&2
+       scontrol update JobId="$job" Requeue=1 || true  # the job is --no-requeue (see above)
        scontrol requeue "$job" || true ;;
   esac
 }

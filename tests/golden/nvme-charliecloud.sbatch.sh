@@ -6,11 +6,11 @@
 #SBATCH --export=ALL
 #SBATCH --gpus-per-node=2
 #SBATCH --job-name=nvme
+#SBATCH --no-requeue
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=2
 #SBATCH --open-mode=append
 #SBATCH --output=/runs/r1/submitit/%j_0_log.out
-#SBATCH --requeue
 #SBATCH --signal=USR2@90
 #SBATCH --time=01:00:00
 
@@ -23,6 +23,12 @@ export HPCTRAIN_RUN_DIR=/runs/r1
 export HF_HUB_OFFLINE=1
 export TRANSFORMERS_OFFLINE=1
 export SUBMITIT_EXECUTOR=slurm
+
+# The job is --no-requeue, so a lost node ends it and the supervisor resubmits it without that host. Rank 0
+# makes it requeueable only for its own time-limit/preemption requeue; this rerun turns that off again.
+if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
+  scontrol update JobId="$SLURM_JOB_ID" Requeue=0 || true
+fi
 
 # Rendezvous: rank 0 lives on the first host; the port derives from the job id so that jobs
 # sharing a node do not collide.
@@ -65,6 +71,7 @@ hpctrain_requeue_handoff() {
   case $job in
     *[!0-9_]* | "") echo "hpctrain: ignoring a malformed requeue request" >&2 ;;
     *) echo "hpctrain: requeueing job $job (requested inside the container)" >&2
+       scontrol update JobId="$job" Requeue=1 || true  # the job is --no-requeue (see above)
        scontrol requeue "$job" || true ;;
   esac
 }

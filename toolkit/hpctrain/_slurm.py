@@ -240,6 +240,25 @@ def scancel(job_ids: Iterable[str]) -> None:
         _run(["scancel", *ids])
 
 
+def queue_state(job_id: str) -> str:
+    """The job's state as squeue shows it now ("RUNNING", "COMPLETING", ...); "" once it left the queue."""
+    return _run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], timeout_s=15.0).stdout.strip()
+
+
+def allow_requeue(job_id: str) -> bool:
+    """`scontrol update JobId=J Requeue=1`: training jobs are submitted --no-requeue (a lost node goes to
+    the supervisor), so rank 0 makes its job requeueable right before its own time-limit/preemption
+    `scontrol requeue`. One try, no retry loop: it runs inside the pre-timeout signal's grace period.
+    False when scontrol is missing (in a container the batch script's hand-off does both) or refused."""
+    if not re.fullmatch(r"\d+(?:_\d+)?", str(job_id)):
+        return False
+    try:
+        _run(["scontrol", "update", f"JobId={job_id}", "Requeue=1"], timeout_s=15.0, tries=1)
+    except click.ClickException:
+        return False
+    return True
+
+
 def node_states(nodelist: str) -> dict[str, str]:
     """State of each node of a hostlist as sinfo reports it ("idle", "down*", "drained", "mixed"...).
 

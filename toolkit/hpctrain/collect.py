@@ -190,6 +190,9 @@ def _attempt_row(inp: RunInput, a: dict[str, Any], files: list[cl.LogFile], recs
         hang, hang_msg = True, str(watch.get("message") or hang_msg)
     failure = cc.classify(state if state in FINAL or hang else None, sources, exit_code=a.get("exit_code"),
                           hang=hang, hang_message=hang_msg, hosts=hosts)
+    lost = a.get("peer_lost") if isinstance(a.get("peer_lost"), dict) else None
+    if lost and state in FINAL and state != "COMPLETED":  # the watchdog cancelled it: a node died, not a person
+        failure = _peer_lost_failure(lost, failure)
     if watch and failure.failure_class == cc.HANG:
         silent, silent_hosts = watch.get("silent_ranks") or [], watch.get("silent_hosts") or []
         failure.rank = silent[0] if len(silent) == 1 else failure.rank
@@ -205,16 +208,33 @@ def _attempt_row(inp: RunInput, a: dict[str, Any], files: list[cl.LogFile], recs
     }
 
 
+def _peer_lost_failure(lost: dict[str, Any], found: Any) -> Any:
+    """The watchdog's peer-lost verdict as the attempt's failure: node_fail on the silent host."""
+    from hpctrain import collect_classify as cc
+
+    hosts, ranks = lost.get("silent_hosts") or [], lost.get("silent_ranks") or []
+    return cc.Failure(cc.NODE_FAIL, str(lost.get("message") or "a peer's node went away"),
+                      rank=ranks[0] if len(ranks) == 1 else None, host=hosts[0] if len(hosts) == 1 else None,
+                      source="metrics/watchdog.jsonl", exception=getattr(found, "exception", None))
+
+
 def _with_fault_notes(folder: Path, atts: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """What hpctrain.supervise wrote to attempts.jsonl about each job (the --exclude it ran with, the
-    watchdog's hang verdict, the retry decision), onto the job's last row (not a REQUEUED run of it)."""
+    watchdog's hang / peer-lost verdict, the retry decision), onto the job's last row (not a REQUEUED run
+    of it). The watchdog's own file fills in a verdict no supervisor recorded (a run with retries 0)."""
     from hpctrain.runs import read_attempts
 
     notes: dict[str, dict[str, Any]] = {}
     for rec in read_attempts(folder / "attempts.jsonl"):
         if rec.get("job_id") is not None:
             notes.setdefault(str(rec["job_id"]), {}).update(
-                {k: rec[k] for k in ("excluded", "hang", "decision") if rec.get(k) is not None})
+                {k: rec[k] for k in ("excluded", "hang", "peer_lost", "decision") if rec.get(k) is not None})
+    for rec in read_attempts(folder / "metrics" / "watchdog.jsonl"):
+        key = "peer_lost" if rec.get("event") == "peer_lost" else "hang"
+        if rec.get("job_id") is not None:
+            note = notes.setdefault(str(rec["job_id"]), {})
+            if "hang" not in note and "peer_lost" not in note:
+                note[key] = rec
     if not notes:
         return atts
     last_row = {str(a.get("job_id")): i for i, a in enumerate(atts)}

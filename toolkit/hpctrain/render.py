@@ -178,7 +178,13 @@ def _log_pattern(folder: Path, array: str | None, task: str) -> str:
 
 
 def sbatch_directives(spec: Spec, plan: Plan, folder: Path, array: str | None) -> list[str]:
-    """#SBATCH flags, sorted by name like submitit so the script diff stays readable."""
+    """#SBATCH flags, sorted by name like submitit so the script diff stays readable.
+
+    `--no-requeue`: a job that loses a node must end (NODE_FAIL, or the watchdog's peer-lost cancel) so
+    that the supervisor resubmits it without the dead host. SLURM's own requeue of such a job reran it on
+    the returning node, where slurmctld's pending kill of the dead run often killed the rerun too (a second
+    start-up). The time-limit/preemption self-requeue still works: rank 0 (or the container hand-off)
+    turns requeue on just before `scontrol requeue`, and the rerun turns it off again."""
     r = spec.resources
     per_node_tasks = 1 if spec.launch.launcher == "deepspeed" else plan.ranks_per_node
     cpus = r.cpus_per_task * (plan.ranks_per_node if spec.launch.launcher == "deepspeed" else 1)
@@ -186,7 +192,7 @@ def sbatch_directives(spec: Spec, plan: Plan, folder: Path, array: str | None) -
     flags: dict[str, object] = {
         "job-name": _job_name(spec.name), "nodes": r.nodes, "ntasks-per-node": per_node_tasks,
         "cpus-per-task": cpus, "time": r.time, "output": log + ".out", "error": log + ".err",
-        "requeue": True, "signal": f"USR2@{r.signal_seconds}", "open-mode": "append", "export": "ALL",
+        "no-requeue": True, "signal": f"USR2@{r.signal_seconds}", "open-mode": "append", "export": "ALL",
     }
     optional = {"gpus-per-node": r.gpus_per_node or None, "mem": r.mem, "partition": r.partition,
                 "account": r.account, "qos": r.qos, "constraint": r.constraint,

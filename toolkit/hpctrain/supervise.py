@@ -9,13 +9,15 @@ How a run recovers (no daemon on the login node):
   run folder (new job id, recorded in the registry and attempts.jsonl, ``--exclude`` grown by the
   implicated hosts) plus a new supervisor for it. The ranks resume from the latest complete checkpoint
   by themselves.
-* Time limit / preemption: training jobs keep ``--requeue``. SLURM's early USR2 makes every rank
-  checkpoint and rank 0 requeue the job (``scontrol requeue``, through submitit): same job id, the
-  supervisor's ``afterany`` stays pending meanwhile (a requeue does not satisfy it).
-* NODE_FAIL: SLURM itself requeues a ``--requeue`` job whose node died (``JobRequeue=1``) and never places
-  the rerun on the DOWN node; that is kept on purpose (fastest recovery, no extra job). The supervisor
-  handles every end SLURM does not requeue: a NODE_FAIL on clusters without JobRequeue, hangs, crashes,
-  NCCL/gloo errors, time limits after submitit's requeue budget; there it excludes the implicated host.
+* Time limit / preemption: SLURM's early USR2 makes every rank checkpoint and rank 0 requeue the job
+  (``scontrol update Requeue=1`` then submitit's ``scontrol requeue``; the rerun turns requeue off again):
+  same job id, the supervisor's ``afterany`` stays pending meanwhile (a requeue does not satisfy it).
+* Node failure: training jobs are ``--no-requeue``, so a job that lost a node ends and the supervisor
+  retries it as a new job with the dead host in ``--exclude``. The watchdog ends it within seconds when the
+  surviving ranks' collectives failed on the dead peer's closed connections (a ``peer_lost`` verdict);
+  a node that vanished without closing them (power, network) ends it through SLURM's NODE_FAIL
+  (SlurmdTimeout) or the hang watchdog. Likewise hangs, crashes, NCCL/gloo errors, time limits after
+  submitit's requeue budget: the supervisor excludes the implicated host.
 * Hang watchdog: ``python -m hpctrain.supervise watch`` runs in the background of the batch script
   (outside the ranks, so a hung Python cannot stop it). Every rank runs a `RankBeat` thread writing
   ``metrics/ranks/rank-R.json`` (step reached, phase, time). When no rank's step advances for
@@ -74,6 +76,7 @@ __all__ = [
     "silent_ranks",
     "supervise",
     "supervisor_script",
+    "take_over",
     "wait_final",
     "watchdog_records",
 ]
@@ -272,8 +275,9 @@ def history(run_dir: Path, job_id: str, sacct_rec: Any = None) -> tuple[list[pol
         if jid == str(job_id) and sacct_rec is not None:
             state = sacct_rec.state
         hang = watchdog_records(run_dir, jid)
-        if hang:
-            cls, msg, exc = "hang", hang[-1]["message"], None
+        if hang:  # the watchdog's verdict: a hang, or a peer lost (its node died) -> node_fail
+            cls = "node_fail" if hang[-1].get("event") == "peer_lost" else "hang"
+            msg, exc = hang[-1]["message"], None
             implicated = list(hang[-1].get("silent_hosts", []))
         if jid == str(job_id) and sacct_rec is not None and state == "NODE_FAIL":
             implicated += down_hosts(sacct_rec.nodelist)
@@ -345,10 +349,14 @@ def down_hosts(nodelist: str) -> list[str]:
     return [h for h, s in states.items() if any(b in s.upper() for b in bad)]
 
 
-def supervise(run_dir: Path, job_id: str) -> dict[str, Any]:
-    """What the supervisor job runs after `job_id` ended: decide, record, maybe resubmit."""
+def supervise(run_dir: Path, job_id: str, ending: str | None = None) -> dict[str, Any]:
+    """What the supervisor job runs after `job_id` ended: decide, record, maybe resubmit.
+
+    `ending`: the state the job is about to end in, when the watchdog decides before it cancels the job
+    (a peer lost: see `take_over`). Then nothing waits for sacct's final record."""
     import fcntl
 
+    from hpctrain import _slurm
     from hpctrain.spec import read_resolved
 
     run_dir = Path(run_dir).absolute()
@@ -360,7 +368,7 @@ def supervise(run_dir: Path, job_id: str) -> dict[str, Any]:
         done = already_decided(run_dir, job_id)
         if done:
             return dict(done["decision"])
-        rec = wait_final(job_id)
+        rec = _slurm.SacctRecord(str(job_id), ending) if ending else wait_final(job_id)
         spec = read_resolved(run_dir)
         hist, _summary = history(run_dir, job_id, rec)
         if hist:  # the latest job ran with spec.toml's exclude (rewritten at each resubmission)
@@ -376,9 +384,10 @@ def supervise(run_dir: Path, job_id: str) -> dict[str, Any]:
                                 "failure_class": decision.failure_class, "checkpoint_step": latest_checkpoint(run_dir),
                                 "decision": decision.to_dict(), "time": time.time()}
         hang = watchdog_records(run_dir, job_id)
-        if hang:
-            note["hang"] = {k: hang[-1].get(k) for k in ("last_step", "silent_ranks", "silent_hosts", "stale_s",
-                                                          "message")}
+        if hang:  # "hang" or "peer_lost" (the collector reads both from here)
+            key = "peer_lost" if hang[-1].get("event") == "peer_lost" else "hang"
+            note[key] = {k: hang[-1].get(k) for k in ("last_step", "silent_ranks", "silent_hosts", "stale_s",
+                                                       "detected_s", "message") if k in hang[-1]}
         if decision.action == "retry":
             try:
                 sub = resubmit_run(run_dir, exclude=decision.exclude,
@@ -393,6 +402,19 @@ def supervise(run_dir: Path, job_id: str) -> dict[str, Any]:
     _refresh_summary(run_dir)
     print(f"hpctrain supervise: {note['decision']['action']}: {note['decision']['reason']}", flush=True)
     return dict(note["decision"])
+
+
+def take_over(run_dir: Path, job_id: str) -> dict[str, Any] | None:
+    """The watchdog found a lost peer and is about to cancel `job_id`: make the supervisor's decision (and
+    resubmission) now. Its supervisor job would wait for the dead node to be declared DOWN first: SLURM
+    satisfies `afterany` only once the cancelled job has stopped COMPLETING on every node, SlurmdTimeout
+    later. That supervisor still runs afterwards and finds the decision made (one per job, under the lock).
+    None when the run has no supervisor for this job (retries 0, a sweep, a local run): only the cancel."""
+    notes = runs_mod.read_attempts(Path(run_dir) / "attempts.jsonl")
+    armed = any(str(r.get("supervises")) == str(job_id) for r in notes)
+    if not armed:
+        return None
+    return supervise(run_dir, job_id, ending="CANCELLED")
 
 
 def fit_of(spec: Spec) -> policy_mod.Fit:

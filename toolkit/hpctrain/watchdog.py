@@ -4,6 +4,11 @@
 * `Watchdog`: the batch script's background loop (`python -m hpctrain.supervise watch ...`): no step for
   launch.hang_timeout_s -> the silent ranks go to metrics/watchdog.jsonl and the job is cancelled; the
   supervisor (hpctrain.supervise) then retries the run without the silent host.
+* Peer lost: a rank whose collective fails because a peer's connection closed (gloo "Connection reset by
+  peer", NCCL remote error) writes metrics/ranks/failed-JOB-RESTART-R.json. When the job is still running
+  a few seconds later, srun is waiting for a node that no longer answers (a live node's task exit ends the
+  step at once, --kill-on-bad-exit): the watchdog records a `peer_lost` verdict naming that host and cancels
+  the job, so the supervisor retries without it now instead of after SLURM's NODE_FAIL (SlurmdTimeout).
 * `inject`: HPCTRAIN_FAULT_INJECT="hang:rank=1,step=10;ckpt-crash:step=12;crash:step=7;raise:step=3".
 
 Stdlib only: the ranks, the batch script and the CLI import it. Design: docs/fault-tolerance.md.
@@ -14,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import socket
 import sys
 import threading
@@ -24,8 +30,15 @@ from typing import Any
 from hpctrain import runs as runs_mod
 
 RANKS_DIR = "ranks"
+PEER_POLL_S = 1.0  # the peer-lost check is one directory listing: cheap enough every second
 WATCHDOG_FILE = "watchdog.jsonl"
 PHASES = ("start", "compute", "reduce", "checkpoint", "done")  # order matters: later = further along
+# A collective failed because a peer's connection went away (gloo's TCP pair, NCCL's remote error): the
+# peer's process or node died. Not a timeout: that is a hang, named by the hang check.
+PEER_LOST = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe|Read error \[|Write error \[|"
+                       r"ncclRemoteError|remote process exited|Socket closed|Connection refused")
+# The peer gloo names: "Read error [10.77.0.2]:36531", "Connection closed by peer [node2]:1234".
+_PEER_ADDR = re.compile(r"(?:peer|error|to|from) \[?([0-9]{1,3}(?:\.[0-9]{1,3}){3}|[A-Za-z][\w.-]*)\]?:\d+")
 
 
 class RankBeat:
@@ -45,6 +58,8 @@ class RankBeat:
         self.job = os.environ.get("SLURM_JOB_ID", "")
         self.restart = os.environ.get("SLURM_RESTART_COUNT", "0") or "0"
         self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._failed = False
         self._thread = threading.Thread(target=self._loop, name=f"hpctrain-beat-{rank}", daemon=True)
 
     def start(self) -> RankBeat:
@@ -61,12 +76,29 @@ class RankBeat:
         self.write()
 
     def write(self) -> None:
-        rec = {"rank": self.rank, "host": self.host, "step": self.step, "phase": self.phase, "time": time.time(),
-               "job": self.job, "restart": self.restart, "pid": os.getpid()}
-        tmp = self.dir / f".rank-{self.rank}.json.tmp"
+        with self._lock:  # a beat built before fail() must not land after it
+            if not self._failed:
+                self._put(f"rank-{self.rank}.json", self._record())
+
+    def fail(self, exc: BaseException) -> None:
+        """This rank's training raised: stop beating and leave failed-JOB-RESTART-R.json for the watchdog
+        (its own file name, so one directory listing a second finds it without reading every beat)."""
+        self._stop.set()
+        with self._lock:
+            was, self.phase, self._failed = self.phase, "failed", True
+            rec = {**self._record(), "was": was, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+            self._put(f"rank-{self.rank}.json", rec)
+            self._put(failed_name(self.job, self.restart, self.rank), rec)
+
+    def _record(self) -> dict[str, Any]:
+        return {"rank": self.rank, "host": self.host, "step": self.step, "phase": self.phase, "time": time.time(),
+                "job": self.job, "restart": self.restart, "pid": os.getpid()}
+
+    def _put(self, name: str, rec: dict[str, Any]) -> None:
+        tmp = self.dir / f".{name}.tmp"
         try:
             tmp.write_text(json.dumps(rec) + "\n")
-            os.replace(tmp, self.dir / f"rank-{self.rank}.json")
+            os.replace(tmp, self.dir / name)
         except OSError:
             pass  # a full or flaky filesystem must not cost a training step
 
@@ -74,6 +106,10 @@ class RankBeat:
         while not self._stop.is_set():
             self.write()
             self._stop.wait(self.interval_s)
+
+
+def failed_name(job: str, restart: str, rank: int | str) -> str:
+    return f"failed-{job}-{restart}-{rank}.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +189,76 @@ def read_beats(run_dir: Path, job: str | None = None, restart: str | None = None
     return out
 
 
+def read_failures(run_dir: Path, job: str, restart: str | None = None) -> list[dict[str, Any]]:
+    """The failed-JOB-RESTART-R.json records ranks of this job (and run of it) left when training raised."""
+    out = []
+    for p in sorted((Path(run_dir) / "metrics" / RANKS_DIR).glob(failed_name(job, restart or "*", "*"))):
+        try:
+            rec = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(rec, dict) and "rank" in rec:
+            out.append(rec)
+    return out
+
+
+def _host_name(addr: str) -> str:
+    """A peer as gloo names it (address or name) -> short host name, through the hosts database."""
+    if addr[0].isdigit():
+        try:
+            addr = socket.gethostbyaddr(addr)[0]
+        except (OSError, UnicodeError):
+            return addr
+    return addr.split(".")[0]
+
+
+def _done_step(rec: dict[str, Any]) -> int:
+    """The last step a rank completed: its beat names the step it was working on."""
+    step = int(rec.get("step", 0))
+    return step - 1 if rec.get("was", rec.get("phase")) in ("compute", "reduce") else step
+
+
+def lost_peers(failures: list[dict[str, Any]], beats: list[dict[str, Any]], world: int, now: float,
+               confirm_s: float) -> dict[str, Any] | None:
+    """The peer-lost verdict, or None. Needs a rank whose collective failed on a closed peer connection at
+    least `confirm_s` ago (the job still running then: srun waits for a node that no longer answers) and a
+    host to blame: the peer the errors name, else the hosts whose ranks neither failed nor beat since."""
+    comm = [f for f in failures if PEER_LOST.search(str(f.get("error", "")))]
+    if not comm:
+        return None
+    first = min(float(f.get("time", now)) for f in comm)
+    if now - first < confirm_s:
+        return None
+    failed_hosts = {str(f.get("host")) for f in failures}
+    job_hosts = {str(b.get("host")) for b in beats} | failed_hosts
+    # Only a host of this job may be named (it goes into sbatch --exclude): an address the hosts database
+    # cannot resolve names nobody.
+    named = {h for f in comm for m in _PEER_ADDR.finditer(str(f["error"]))
+             if (h := _host_name(m.group(1))) in job_hosts - failed_hosts}
+    by_rank = {int(b["rank"]): b for b in beats if "rank" in b}
+    failed_ranks = {int(f["rank"]) for f in failures}
+    quiet = [r for r in range(world) if r not in failed_ranks and by_rank.get(r, {}).get("phase") != "done"]
+    if named:
+        hosts = named
+    else:  # the error names nobody: blame the hosts that went quiet, unless that would be most of them
+        hosts = {str(by_rank[r].get("host")) for r in quiet
+                 if r in by_rank and float(by_rank[r].get("time", 0)) < first}
+        if not hosts or len(hosts) * 2 > len(job_hosts):
+            return None
+    silent = [r for r in quiet if str(by_rank.get(r, {}).get("host")) in hosts]
+    culprit = min(comm, key=lambda f: (float(f.get("time", now)), int(f["rank"])))
+    err = str(culprit.get("error", ""))
+    err = err if len(err) <= 200 else err[:197] + "..."
+    who = ", ".join(sorted(hosts))
+    msg = (f"rank {culprit['rank']} on {culprit.get('host')} lost its peer on {who} ({err}); {who}'s ranks "
+           f"stopped without an error and the job was still waiting for them {now - first:.0f} s later: "
+           "node or network lost")
+    return {"event": "peer_lost", "last_step": min(_done_step(f) for f in comm), "silent_ranks": silent,
+            "silent_hosts": sorted(hosts), "details": [{k: f.get(k) for k in ("rank", "host", "step", "error")}
+                                                       for f in comm],
+            "detected_s": round(now - first, 1), "time": now, "message": msg}
+
+
 def _order(beat: dict[str, Any]) -> tuple[int, int]:
     phase = str(beat.get("phase", "start"))
     return int(beat.get("step", 0)), PHASES.index(phase) if phase in PHASES else 0
@@ -193,6 +299,9 @@ class Watchdog:
     started: float = dataclasses.field(default_factory=time.time)
     last_progress: int | None = None
     last_change: float = dataclasses.field(default_factory=time.time)
+    # A live node's task exit ends the step within a second (srun --kill-on-bad-exit); still running this
+    # long after a rank lost its peer means srun waits for a node that does not answer. 0: no peer check.
+    peer_confirm_s: float = 3.0
 
     def __post_init__(self) -> None:
         self.grace_s = self.grace_s or max(3 * self.timeout_s, 600.0)
@@ -226,17 +335,58 @@ class Watchdog:
     def poll_s(self) -> float:
         return min(10.0, max(1.0, self.timeout_s / 5))
 
+    def _running(self) -> bool:
+        """Still RUNNING for SLURM: a person's scancel or the time limit shows at once (CANCELLED/TIMEOUT,
+        COMPLETING), while a job that lost a node stays RUNNING until NODE_FAIL."""
+        try:
+            from hpctrain import _slurm
+
+            return _slurm.queue_state(self.job) == "RUNNING"
+        except Exception:  # noqa: BLE001 - slurmctld not answering: act on the ranks' evidence
+            return True
+
+    def _decide_now(self) -> None:
+        """Retry without the dead host before the cancel (hpctrain.supervise.take_over says why); on any
+        failure the supervisor job still decides, later."""
+        try:
+            from hpctrain import supervise
+
+            decision = supervise.take_over(Path(self.run_dir), self.job)
+            if decision:
+                print(f"hpctrain watchdog: {decision['action']}: {decision['reason']}", file=sys.stderr, flush=True)
+        except Exception as exc:  # noqa: BLE001 - the supervisor job is the fallback
+            print(f"hpctrain watchdog: could not decide now ({exc}); the supervisor job will", file=sys.stderr,
+                  flush=True)
+
+    def peer_check(self, now: float | None = None) -> dict[str, Any] | None:
+        """None, or the peer-lost record (see `lost_peers`); one directory listing while nothing failed."""
+        now = time.time() if now is None else now
+        failures = read_failures(self.run_dir, self.job, self.restart)
+        if not failures:
+            return None
+        beats = read_beats(self.run_dir, self.job, self.restart)
+        rec = lost_peers(failures, beats, self.world, now, self.peer_confirm_s)
+        return None if rec is None else {**rec, "job_id": self.job, "attempt": self.attempt}
+
     def run(self, cancel: bool = True) -> dict[str, Any] | None:
-        """Poll until a hang (record it, cancel the job, return the record); the batch script kills this
-        process when the job ends normally."""
+        """Poll until a lost peer (every second) or a hang (every poll_s): record it, cancel the job, return
+        the record. The batch script kills this process when the job ends by itself."""
+        next_hang = time.monotonic() + self.poll_s()
         while True:
-            time.sleep(self.poll_s())
-            rec = self.check()
+            time.sleep(min(PEER_POLL_S, self.poll_s()))
+            rec = self.peer_check() if self.peer_confirm_s > 0 else None
+            if rec is None and time.monotonic() >= next_hang:
+                next_hang = time.monotonic() + self.poll_s()
+                rec = self.check()
             if rec is None:
                 continue
+            if cancel and rec["event"] == "peer_lost" and not self._running():
+                return None  # cancelled, timed out or preempted meanwhile: the dying ranks' errors say nothing
             path = Path(self.run_dir) / "metrics" / WATCHDOG_FILE
             runs_mod.append_attempt(path, rec)
             print(f"hpctrain watchdog: {rec['message']}; cancelling job {self.job}", file=sys.stderr, flush=True)
+            if cancel and rec["event"] == "peer_lost":
+                self._decide_now()
             if cancel:
                 from hpctrain import _slurm
 

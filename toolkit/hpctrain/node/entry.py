@@ -25,7 +25,12 @@ class NodeJob:
         """submitit calls this on SLURM's pre-timeout USR2 (after the ranks saved their checkpoint): the same
         call again, so submitit requeues the job instead of refusing a timed-out non-checkpointable one.
         The requeued ranks resume from the latest complete checkpoint by themselves. A run submitted with
-        `--retries 0` asked for no automatic retries of any kind: None, and the job ends."""
+        `--retries 0` asked for no automatic retries of any kind: None, and the job ends.
+
+        Training jobs are submitted `--no-requeue` (a lost node must end the job, for the supervisor), so the
+        job is made requeueable here, right before submitit's `scontrol requeue`; the rerun's batch script
+        turns it off again. In a container (no scontrol) the batch script's hand-off does both."""
+        import os
         from pathlib import Path
 
         import tomllib
@@ -37,4 +42,17 @@ class NodeJob:
                 return None
         except (OSError, ValueError):
             pass  # unreadable spec: requeue, the ranks will report it
+        _allow_requeue(os.environ.get("SLURM_JOB_ID", ""))
         return DelayedSubmission(NodeJob(self.run_dir, self.mode))
+
+
+def _allow_requeue(job_id: str) -> None:
+    """Best effort: without it submitit's `scontrol requeue` fails and the supervisor resubmits instead."""
+    if not job_id:
+        return
+    try:
+        from hpctrain import _slurm
+
+        _slurm.allow_requeue(job_id)
+    except Exception:  # noqa: BLE001,S110 - never let the requeue path fail on this
+        pass

@@ -329,15 +329,29 @@ class LoopState:
 
 def run_training(p: Prepared, stop: StopFlag) -> tuple[Any, LoopState]:
     """Train to spec.train.steps (or until a signal); returns the engine and the final loop state."""
+    from hpctrain import supervise
+
+    # Per-rank beats for the hang watchdog (hpctrain.supervise): they name the rank that stops advancing.
+    hang_s = float(getattr(p.spec.launch, "hang_timeout_s", 300) or 300)
+    beat = supervise.RankBeat(p.paths.metrics, p.d.rank, interval_s=min(10.0, max(1.0, hang_s / 5))).start()
+    try:
+        return _train(p, stop, beat)
+    except StopRequested:
+        raise
+    except Exception as exc:
+        # Said at once, not at the next beat: a collective that failed on a closed peer connection lets the
+        # watchdog end the job in seconds instead of srun waiting for SLURM's NODE_FAIL (hpctrain.watchdog).
+        beat.fail(exc)
+        raise
+
+
+def _train(p: Prepared, stop: StopFlag, beat: Any) -> tuple[Any, LoopState]:
     import torch
     import torch.distributed as dist
 
     from hpctrain import supervise
     from hpctrain.node.model import flops_per_token
 
-    # Per-rank beats for the hang watchdog (hpctrain.supervise): they name the rank that stops advancing.
-    hang_s = float(getattr(p.spec.launch, "hang_timeout_s", 300) or 300)
-    beat = supervise.RankBeat(p.paths.metrics, p.d.rank, interval_s=min(10.0, max(1.0, hang_s / 5))).start()
     engine, n_params = build_engine(p)
     metrics = MetricsWriter(p.paths.metrics, p.d.rank)
     step0, cursor0, tokens_seen = resume(p, engine)
