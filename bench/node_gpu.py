@@ -24,9 +24,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "toolkit"))
+sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+
+import runlib
 
 from hpctrain.node.dist import free_port
-from hpctrain.node.testing import spec_toml
 
 
 def run_plain(a: argparse.Namespace, log: Path) -> dict[str, Any]:
@@ -46,33 +48,13 @@ def run_plain(a: argparse.Namespace, log: Path) -> dict[str, Any]:
 
 
 def make_run_folder(a: argparse.Namespace, run: Path) -> None:
-    """spec.toml + plan.json + ds_config.json, rendered by hpctrain itself."""
-    from hpctrain.plan import make_plan
-    from hpctrain.render import render_ds_config
-    from hpctrain.spec import from_toml_text
-
-    tables = {
-        "name": "bench",
-        "resources": {"nodes": 1, "gpus_per_node": 0 if a.cpu else 1, "tasks_per_node": 1},
-        "model": {"config": a.model},
-        "data": {"source": "synthetic", "seq_len": a.seq},
-        "train": {"steps": a.warmup + a.steps, "micro_batch": a.mb, "grad_accum": 1, "lr": 1e-4, "min_lr": 1e-5,
-                  "warmup_steps": 0, "precision": "bf16", "activation_checkpointing": not a.no_ac,
-                  "peak_tflops": a.peak_tflops},
-        "parallel": {"zero": a.zero, "offload": a.offload, "offload_ratio": a.offload_ratio},
-        "checkpoint": {"every_steps": 0, "export_hf": False},
-    }
-    run.mkdir(parents=True, exist_ok=True)
-    text = spec_toml(tables)
-    (run / "spec.toml").write_text(text)
-    spec = from_toml_text(text)
-    plan = make_plan(spec)
-    (run / "plan.json").write_text(plan.to_json())
-    if not a.node_config:  # else the node builds its own (DeepSpeed's default bucket sizes)
-        cfg = render_ds_config(spec, plan)
-        if a.persist:  # one rank holds every parameter anyway: skip ZeRO-3's per-layer gather/release
-            cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 10**12
-        (run / "ds_config.json").write_text(json.dumps(cfg, indent=2))
+    """spec.toml + plan.json + ds_config.json, rendered by hpctrain itself (bench/gpu/runlib.py)."""
+    tables = runlib.bench_tables(name="bench", model=a.model, zero=a.zero, gpus=1, mb=a.mb, seq=a.seq,
+                                 steps=a.warmup + a.steps, offload=a.offload, ac=not a.no_ac, cpu=a.cpu,
+                                 peak_tflops=a.peak_tflops, extra={"parallel": {"offload_ratio": a.offload_ratio}})
+    # --persist: one rank holds every parameter anyway, so ZeRO-3's per-layer gather/release can be skipped.
+    zero = {"stage3_param_persistence_threshold": 10**12} if a.persist else None
+    runlib.write_run_folder(run, tables, render_config=not a.node_config, zero_overrides=zero)
 
 
 def run_entry(a: argparse.Namespace, run: Path, log: Path) -> dict[str, Any]:
@@ -82,8 +64,7 @@ def run_entry(a: argparse.Namespace, run: Path, log: Path) -> dict[str, Any]:
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, check=False)
     log.write_text(proc.stdout + proc.stderr)
-    recs = [json.loads(x) for x in (run / "metrics" / "metrics.jsonl").read_text().splitlines()] \
-        if (run / "metrics" / "metrics.jsonl").exists() else []
+    recs = runlib.read_metrics(run)
     if proc.returncode or len(recs) <= a.warmup:
         raise SystemExit(f"entrypoint failed (rc {proc.returncode}); see {log}")
     (log.with_suffix(".metrics.jsonl")).write_text((run / "metrics" / "metrics.jsonl").read_text())

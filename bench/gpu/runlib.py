@@ -55,9 +55,12 @@ def bench_tables(*, name: str, model: str, zero: int, gpus: int, mb: int, seq: i
     return tables
 
 
-def write_run_folder(run: Path, tables: dict[str, Any], *, render_config: bool = True) -> dict[str, Any]:
+def write_run_folder(run: Path, tables: dict[str, Any], *, render_config: bool = True,
+                     zero_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """spec.toml + plan.json + ds_config.json as hpctrain writes them; returns the plan as a dict.
-    Keeps an existing checkpoints/ folder (a resume at another world size rewrites the rest)."""
+    Keeps an existing checkpoints/ folder (a resume at another world size rewrites the rest).
+    `render_config=False` leaves ds_config.json out (the node then builds its own); `zero_overrides`
+    are merged into the rendered zero_optimization block (a variant under test)."""
     from hpctrain.plan import make_plan
     from hpctrain.render import render_ds_config
     from hpctrain.spec import from_toml_text
@@ -69,7 +72,9 @@ def write_run_folder(run: Path, tables: dict[str, Any], *, render_config: bool =
     plan = make_plan(spec)
     (run / "plan.json").write_text(plan.to_json())
     if render_config:
-        (run / "ds_config.json").write_text(json.dumps(render_ds_config(spec, plan), indent=2))
+        cfg = render_ds_config(spec, plan)
+        cfg["zero_optimization"].update(zero_overrides or {})
+        (run / "ds_config.json").write_text(json.dumps(cfg, indent=2))
     return dict(json.loads(plan.to_json()))
 
 
@@ -145,16 +150,10 @@ def launch_deepspeed(run: Path, slots: int, log: Path, *, timeout: float, cpu: b
 
 
 def read_metrics(run: Path) -> list[dict[str, Any]]:
-    path = run / "metrics" / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+    """The run's step records (the collector's reader: a line cut mid-write is skipped)."""
+    from hpctrain.collect_metrics import read_metrics as read
+
+    return read(run / "metrics" / "metrics.jsonl")[0]
 
 
 def summarize(recs: list[dict[str, Any]], world: int, warmup: int) -> dict[str, Any]:

@@ -262,14 +262,15 @@ def _finish(ckpt_dir: Path, tmp_tag: str, step: int, meta: dict[str, Any], keep:
     if final.exists():  # same step saved again (e.g. after a resume): the new one replaces it
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_path(ckpt_dir)
+    fsync_path(ckpt_dir)
     _write_atomic(ckpt_dir / "latest", f"step-{step}\n")
-    _fsync_path(ckpt_dir)
+    fsync_path(ckpt_dir)
     prune(ckpt_dir, keep)
     return sum(files.values())
 
 
-def _fsync_path(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a folder (a folder's fsync makes renames and new entries in it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -279,8 +280,8 @@ def _fsync_path(path: Path) -> None:
 
 def _fsync_tree(root: Path) -> None:
     for p in sorted(root.rglob("*")):
-        _fsync_path(p)
-    _fsync_path(root)
+        fsync_path(p)
+    fsync_path(root)
 
 
 def _write_atomic(path: Path, text: str) -> None:

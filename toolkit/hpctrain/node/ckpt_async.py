@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
+from hpctrain.node.checkpoint import fsync_path
+
 DONE_DIR = ".done"
 CHUNK = 64 << 20  # smallest host buffer allocated at once
 ALIGN = 4096
@@ -198,14 +200,6 @@ def write_file(state: Any, path: Path) -> int:
     return sink.pos
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def wait_markers(tmp: Path, world: int, deadline: float) -> None:
     """Rank 0's writer: every rank's `.done/rank-R` exists (a `rank-R.failed` ends the wait at once)."""
     d = tmp / DONE_DIR
@@ -235,7 +229,7 @@ def _marker(tmp: Path, name: str, text: str) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(part, d / name)
-    fsync_dir(d)
+    fsync_path(d)
 
 
 class CheckpointIO(TorchCheckpointEngine):  # type: ignore[misc]
@@ -353,7 +347,7 @@ class CheckpointIO(TorchCheckpointEngine):  # type: ignore[misc]
             if job.error is not None:
                 raise job.error
             for d in sorted({f.parent for f in job.files} | {job.tmp}):
-                fsync_dir(d)
+                fsync_path(d)
             if job.midway is not None:
                 job.midway()
             _marker(job.tmp, f"rank-{job.rank}", f"{job.bytes}\n")

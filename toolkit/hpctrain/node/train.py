@@ -410,7 +410,7 @@ def _train(p: Prepared, stop: StopFlag, beat: Any) -> tuple[Any, LoopState]:
                 # has requeued the job; the requeue ends us anyway.
                 time.sleep(float(os.environ.get("HPCTRAIN_REQUEUE_GRACE_S", "20")))
             raise StopRequested(f"stopped on signal at step {st.step}")
-        _fail_hook(st.step, st.step0)
+        _fail_hook(st.step, st.step0, st.io)
     beat.set(st.step, "checkpoint")
     ckpt.drain(st.io)  # a background write still pending (the last save was not the final step's)
     metrics.heartbeat(st.step, "finished")
@@ -525,11 +525,15 @@ def _record(p: Prepared, st: LoopState, loss: float, lr: float, red: list[float]
     return rec
 
 
-def _fail_hook(step: int, step0: int) -> None:
+def _fail_hook(step: int, step0: int, io: Any = None) -> None:
     """Test/demo hook: HPCTRAIN_FAIL_AT_STEP=N kills every rank right after step N (a crash, no cleanup),
-    in an attempt that started before N only, so the resumed attempt runs through."""
+    in an attempt that started before N only, so the resumed attempt runs through.
+    HPCTRAIN_FAIL_AFTER_WRITES=1 lets this rank's pending background checkpoint write finish first, so a
+    test knows which checkpoint the resume must use (otherwise that depends on the writer's pace)."""
     at = os.environ.get("HPCTRAIN_FAIL_AT_STEP")
     if at and int(at) == step and step0 < step:
+        if os.environ.get("HPCTRAIN_FAIL_AFTER_WRITES") == "1" and io is not None:
+            io.wait()
         log.info("HPCTRAIN_FAIL_AT_STEP=%s: exiting hard", at)
         for h in log.handlers:
             h.flush()
