@@ -24,6 +24,7 @@ class PreflightFailed(Exception):
 
 def run(run_dir: str, mode: str = "train") -> int:
     """Run on every rank. Returns 0, or raises SystemExit with a non-zero code on every rank."""
+    import gc
     import warnings
 
     # torch's c10d deprecation notices repeat on every collective of DeepSpeed's ZeRO-3 (pages of stderr).
@@ -54,6 +55,10 @@ def run(run_dir: str, mode: str = "train") -> int:
         stop.install()
         engine, state = train.run_training(prep, stop)
         train.finish(prep, engine, state)
+        # Free the engine (and the process-group handles it holds) now, while the interpreter is whole:
+        # left to interpreter shutdown, gloo's threads were once torn down out of order (see _teardown).
+        del engine, state
+        gc.collect()
     except NodeInputError as exc:
         code = EXIT_INPUT
         _report(d.rank, f"hpctrain: {exc}", str(exc))
@@ -75,7 +80,7 @@ def run(run_dir: str, mode: str = "train") -> int:
         log.info("done")
     finally:
         if initialized:
-            _teardown()
+            _teardown(together=code == EXIT_OK)
     if code != EXIT_OK:
         raise SystemExit(code)
     return EXIT_OK
@@ -102,11 +107,23 @@ def _preflight(timeout_s: int) -> None:
     log.info("preflight ok")
 
 
-def _teardown() -> None:
+def _teardown(together: bool) -> None:
+    """Destroy the process group; after a good run, only once every rank got here.
+
+    Seen once on the 4-node CPU cluster: a rank that had finished and left 0.1 s before rank 0 aborted in
+    C++ at exit ("terminate called without an active exception"), and srun's --kill-on-bad-exit turned the
+    finished run into a FAILED job (the supervisor then retried it). Leaving together keeps every peer's
+    gloo connections alive until all are done. A failed rank does not wait: its peers may never arrive."""
     import torch.distributed as tdist
 
-    if tdist.is_initialized():
-        tdist.destroy_process_group()
+    if not tdist.is_initialized():
+        return
+    if together:
+        try:
+            tdist.barrier()
+        except Exception as exc:  # noqa: BLE001 - the run is done; a peer gone at exit changes nothing
+            log.warning("teardown: barrier failed (%s); destroying the process group anyway", exc)
+    tdist.destroy_process_group()
 
 
 def _env_float(name: str, default: float) -> float:
