@@ -75,7 +75,7 @@ def build(a: argparse.Namespace) -> tuple[Any, int]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hpctrain.presets import preset_config
+    from hpctrain.spec.presets import preset_config
 
     torch.manual_seed(0)
     cfg = LlamaConfig(**{**preset_config(a.model), "max_position_embeddings": max(a.seq, 128)})

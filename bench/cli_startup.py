@@ -32,7 +32,7 @@ def main() -> None:
     commands = {
         "python -c pass": [py, "-c", "pass"],
         "hpctrain --help": [py, "-m", "hpctrain", "--help"],
-        "import hpctrain.cli": [py, "-c", "import hpctrain.cli"],
+        "import hpctrain.cli.main": [py, "-c", "import hpctrain.cli.main"],
     }
     # Warm the page cache and .pyc files once: "cold" here means a new process, not a cold disk.
     for argv in commands.values():
@@ -48,10 +48,10 @@ def main() -> None:
         med = statistics.median(ts)
         print(f"{name:<22}{min(ts) * 1e3:>9.1f}{med * 1e3:>11.1f}{(med - base) * 1e3:>15.1f}{med / base:>8.2f}")
     heavy = subprocess.run(
-        [py, "-c", ("import sys, hpctrain.cli; print(','.join(m for m in ('torch','deepspeed','transformers',"
+        [py, "-c", ("import sys, hpctrain.cli.main; print(','.join(m for m in ('torch','deepspeed','transformers',"
                     "'submitit','datasets','jinja2','rich') if m in sys.modules) or 'none')")],
         capture_output=True, text=True, check=True).stdout.strip()
-    print(f"heavy modules imported by hpctrain.cli: {heavy}")
+    print(f"heavy modules imported by hpctrain.cli.main: {heavy}")
 
 
 if __name__ == "__main__":

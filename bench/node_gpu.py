@@ -2,7 +2,7 @@
 
 Same model (random-init Llama preset), sequence length, micro-batch, ZeRO stage, activation
 checkpointing and offload. The entrypoint runs exactly as in production: a run folder with spec.toml and
-the ds_config.json that `hpctrain.render` writes, started as one rank (`python -m hpctrain.node RUN`).
+the ds_config.json that `hpctrain.render.sbatch` writes, started as one rank (`python -m hpctrain.node RUN`).
 Both report the median step over the steps after a warm-up; tokens/s per GPU and model TFLOPS use the
 same FLOP formula (6·N + 12·L·H·S per token).
 

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "toolkit"))
 
 
 # The real CLI; registers the collector's commands itself until cli.py does (then this is a no-op).
-_ENTRY = ("from hpctrain.cli import cli\n"
+_ENTRY = ("from hpctrain.cli.main import cli\n"
           "if 'summary' not in cli.commands:\n"
           "    from hpctrain import cli_collect; cli_collect.register(cli)\n"
           "cli()")
@@ -72,7 +72,7 @@ def wait_finished(array: str, n: int, deadline_s: float) -> list[str]:
 
 
 def make_runs(ids: list[str], tmp: Path) -> None:
-    from hpctrain.registry import Attempt, Registry
+    from hpctrain.runs.registry import Attempt, Registry
 
     runs = tmp / "runs"
     items = []

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from hpctrain.cli import cli
+from hpctrain.cli.main import cli
 from hpctrain.errors import HpcUsageError
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -31,7 +31,7 @@ def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def no_dispatch(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Replace dispatch.submit with a recorder (the real one is DISPATCH's, tested there)."""
-    from hpctrain import dispatch
+    from hpctrain.slurm import dispatch
 
     calls: list[Any] = []
 
@@ -99,7 +99,7 @@ def test_dry_run_out_writes_files_and_prints_script(tmp_path: Path, no_dispatch:
     assert json.loads((out / "plan.json").read_text())["world_size"] == 2
     ds = json.loads((out / "ds_config.json").read_text())
     assert ds["train_batch_size"] == 8 and ds["zero_optimization"]["stage"] == 3
-    from hpctrain.spec import read_resolved
+    from hpctrain.spec.model import read_resolved
 
     assert read_resolved(out).checkpoint.every_steps == 5
     assert no_dispatch == []
@@ -142,7 +142,7 @@ def test_submit_preflight_mode(no_dispatch: list[Any]) -> None:
 
 
 def test_dispatch_refusal_removes_run_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from hpctrain import dispatch
+    from hpctrain.slurm import dispatch
 
     def refuse(*_a: Any, **_k: Any) -> list[Any]:
         raise HpcUsageError("resources.partition = 'nope': sbatch rejected the job. Fix: use debug")
@@ -185,7 +185,7 @@ def test_set_and_flags_reach_the_spec(tmp_path: Path, no_dispatch: list[Any]) ->
                  "--set", "train.lr=1e-4", "--container", "apptainer:/img.sif", "--launcher", "deepspeed",
                  "--activation-checkpointing", "--job-name", "my run")
     assert res.exit_code == 0, res.output
-    from hpctrain.spec import read_resolved
+    from hpctrain.spec.model import read_resolved
 
     spec = read_resolved(out)
     assert spec.env["NCCL_DEBUG"] == "INFO" and spec.train.lr == 1e-4 and spec.name == "my run"
@@ -202,7 +202,7 @@ def test_hostfile_command() -> None:
 
 
 def test_cli_import_stays_light() -> None:
-    code = ("import sys, hpctrain.cli; heavy = ('torch', 'deepspeed', 'transformers', 'submitit', 'datasets', "
+    code = ("import sys, hpctrain.cli.main; heavy = ('torch', 'deepspeed', 'transformers', 'submitit', 'datasets', "
             "'jinja2', 'rich', 'numpy'); print([m for m in heavy if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
@@ -223,7 +223,7 @@ def test_submitit_command_matches_submitit(tmp_path: Path) -> None:
 
     import submitit
 
-    from hpctrain.render import submitit_command
+    from hpctrain.render.sbatch import submitit_command
 
     folder = tmp_path / "we'ird dir" / "submitit"
     ex = submitit.SlurmExecutor(folder=folder)
@@ -241,7 +241,7 @@ def test_site_profile_from_config_dir_with_template_override(tmp_path: Path) -> 
     res = invoke("submit", *TINY, "--site", "lab", "--dry-run", "--out", str(tmp_path / "o"))
     assert res.exit_code == 0, res.output
     assert res.output.startswith("#!/bin/bash\n# site template for hpctrain\nsrun ")
-    from hpctrain.spec import read_resolved
+    from hpctrain.spec.model import read_resolved
 
     spec = read_resolved(tmp_path / "o")
     assert (spec.site, spec.resources.partition, spec.launch.modules) == ("lab", "debug", ("gcc/12",))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from hpctrain.cli import cli
+from hpctrain.cli.main import cli
 from hpctrain.node.testing import make_run, torchrun
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hpctrain import collect_classify as cc
-from hpctrain.collect_logs import last_timestamp, parse_time
+from hpctrain.collect import classify as cc
+from hpctrain.collect.logs import last_timestamp, parse_time
 
 HEAD = "2026-11-29T10:00:01 rank{r} INFO hpctrain node: mode train, rank {r}/4 (local {r}) via slurm, master node1:21234\n"
 
@@ -249,7 +249,7 @@ def test_garbage_never_raises() -> None:
 
 
 def test_text_since_cuts_appended_runs() -> None:
-    from hpctrain.collect_logs import parse_time, text_since
+    from hpctrain.collect.logs import parse_time, text_since
 
     start = parse_time("2026-11-29T10:00:10 x")
     assert start is not None

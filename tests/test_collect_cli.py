@@ -14,8 +14,10 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from hpctrain import cli_collect, collect, collect_schema
-from hpctrain.registry import Attempt, Registry
+from hpctrain.cli import collect as cli_collect
+from hpctrain.collect import schema as collect_schema
+from hpctrain.collect import summary as collect
+from hpctrain.runs.registry import Attempt, Registry
 
 T0 = time.mktime(time.strptime("2026-11-29 10:00:00", "%Y-%m-%d %H:%M:%S"))
 SPEC = """name = "t"\n[resources]\nnodes = 2\ngpus_per_node = {gpus}\ntasks_per_node = 2\ncpus_per_task = 1\n"""
@@ -264,7 +266,7 @@ def test_logs_fall_back_to_submitit(env: dict[str, Any]) -> None:
 
 
 def test_logs_follow_stops_at_job_end(env: dict[str, Any]) -> None:
-    from hpctrain import collect_logs as cl
+    from hpctrain.collect import logs as cl
 
     folder = two_attempt_run(env)
     seen: list[str] = []
@@ -311,7 +313,7 @@ def test_cli_import_stays_light() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, hpctrain.cli_collect, hpctrain.collect; "
+    code = ("import sys, hpctrain.cli.collect, hpctrain.collect.summary; "
             "print([m for m in ('rich','matplotlib','torch','submitit') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hpctrain import collect_metrics as cm
+from hpctrain.collect import metrics as cm
 
 
 def rec(step: int, t: float, ckpt: float = 0.0, loss: float | None = None) -> dict[str, object]:

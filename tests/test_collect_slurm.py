@@ -22,7 +22,8 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from hpctrain import cli_collect, collect_schema
+from hpctrain.cli import collect as cli_collect
+from hpctrain.collect import schema as collect_schema
 
 pytestmark = pytest.mark.slurm
 TINY = str(Path(__file__).resolve().parents[1] / "examples" / "tiny.toml")
@@ -220,7 +221,7 @@ def test_node_lost(lab: dict[str, Any]) -> None:
 def test_logs_follow_until_job_end(lab: dict[str, Any]) -> None:
     """`hpctrain logs --follow` on a job that is still queued/running returns by itself once it ends."""
     sub = submit(lab, "--steps", "5")
-    entry = ("from hpctrain.cli import cli\n"
+    entry = ("from hpctrain.cli.main import cli\n"
              "if 'logs' not in cli.commands:\n"
              "    from hpctrain import cli_collect; cli_collect.register(cli)\n"
              "cli()")

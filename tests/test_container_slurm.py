@@ -240,8 +240,8 @@ def test_missing_podman_image_fails_before_any_rank(image: str, tmp_path: Path) 
 
     # And at submit time, with the check on: refused before anything is queued.
     env["HPCTRAIN_SKIP_IMAGE_CHECK"] = "0"
-    from hpctrain import containers
-    from hpctrain.spec import Container, Spec
+    from hpctrain.render import containers
+    from hpctrain.spec.model import Container, Spec
 
     with pytest.raises(Exception, match="podman has no such image"):
         containers.check_submit(Spec(container=Container(runtime="podman", image="localhost/hpctrain-missing:0")))

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain import containers
 from hpctrain.errors import HpcUsageError
-from hpctrain.plan import make_plan
-from hpctrain.render import render_sbatch, submitit_command
-from hpctrain.spec import Container, Data, Model, Resources, Spec
+from hpctrain.plan.planner import make_plan
+from hpctrain.render import containers
+from hpctrain.render.sbatch import render_sbatch, submitit_command
+from hpctrain.spec.model import Container, Data, Model, Resources, Spec
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "golden" / "container-launch-lines.txt"
@@ -234,7 +234,7 @@ def test_unknown_runtime_names_the_valid_ones() -> None:
 def test_cli_refuses_unknown_runtime() -> None:
     from click.testing import CliRunner
 
-    from hpctrain.cli import cli
+    from hpctrain.cli.main import cli
 
     res = CliRunner().invoke(cli, ["submit", "--model", "llama-tiny", "--container", "singularity:/x.sif", "--dry-run"])
     assert res.exit_code == 2 and "unknown runtime 'singularity'" in res.output and "apptainer" in res.output
@@ -450,7 +450,7 @@ def test_entrypoint_dispatch(tmp_path: Path) -> None:
 def test_image_cli_dry_run(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from hpctrain.cli import cli
+    from hpctrain.cli.main import cli
 
     if not shutil.which("podman"):
         pytest.skip("needs podman or docker for engine detection")
@@ -464,7 +464,7 @@ def test_image_cli_dry_run(tmp_path: Path) -> None:
 def test_image_check_print_only(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from hpctrain.cli import cli
+    from hpctrain.cli.main import cli
 
     (tmp_path / "ch" / "bin").mkdir(parents=True)
     runner = CliRunner()

@@ -16,8 +16,9 @@ from types import SimpleNamespace
 import click
 import pytest
 
-from hpctrain import _slurm, runs
-from hpctrain.registry import Registry
+from hpctrain.runs import folder as runs
+from hpctrain.runs.registry import Registry
+from hpctrain.slurm import commands as _slurm
 
 # -- run folders ----------------------------------------------------------------------------------
 
@@ -201,12 +202,12 @@ def _plan(nodes: int = 1) -> SimpleNamespace:
 
 @pytest.fixture()
 def stand_in_render(monkeypatch: pytest.MonkeyPatch) -> None:
-    import hpctrain
+    import hpctrain.render
 
-    mod = types.ModuleType("hpctrain.render")
+    mod = types.ModuleType("hpctrain.render.sbatch")
     mod.render_sbatch = _stand_in_render  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "hpctrain.render", mod)
-    monkeypatch.setattr(hpctrain, "render", mod, raising=False)
+    monkeypatch.setitem(sys.modules, "hpctrain.render.sbatch", mod)
+    monkeypatch.setattr(hpctrain.render, "sbatch", mod, raising=False)
 
 
 def _folders(tmp_path: Path, n: int) -> list[Path]:
@@ -216,7 +217,7 @@ def _folders(tmp_path: Path, n: int) -> list[Path]:
 
 def test_submit_one_job_records_after_sbatch(fake_slurm: Path, stand_in_render: None, tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    from hpctrain import dispatch
+    from hpctrain.slurm import dispatch
 
     monkeypatch.setenv("HF_TOKEN", "hf_canary_secret_value_123")
     monkeypatch.setenv("MY_SECRET", "canary-my-secret-456")
@@ -241,7 +242,7 @@ def _assert_no_canary(*roots: Path) -> None:
 
 
 def test_sweep_is_one_array(fake_slurm: Path, stand_in_render: None, tmp_path: Path) -> None:
-    from hpctrain import dispatch
+    from hpctrain.slurm import dispatch
 
     dirs = _folders(tmp_path, 3)
     t0 = time.monotonic()
@@ -258,7 +259,7 @@ def test_sweep_is_one_array(fake_slurm: Path, stand_in_render: None, tmp_path: P
 
 def test_rejection_is_usage_error_and_records_nothing(fake_slurm: Path, stand_in_render: None,
                                                       tmp_path: Path) -> None:
-    from hpctrain import dispatch
+    from hpctrain.slurm import dispatch
 
     (d,) = _folders(tmp_path, 1)
     with pytest.raises(click.UsageError) as e:
@@ -270,13 +271,13 @@ def test_rejection_is_usage_error_and_records_nothing(fake_slurm: Path, stand_in
 
 
 def test_secret_in_script_refused(fake_slurm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import hpctrain
-    from hpctrain import dispatch
+    import hpctrain.render
+    from hpctrain.slurm import dispatch
 
-    mod = types.ModuleType("hpctrain.render")
+    mod = types.ModuleType("hpctrain.render.sbatch")
     mod.render_sbatch = lambda *a, **k: "#!/bin/bash\nexport T=hf_canary_leak_000\n"  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "hpctrain.render", mod)
-    monkeypatch.setattr(hpctrain, "render", mod, raising=False)
+    monkeypatch.setitem(sys.modules, "hpctrain.render.sbatch", mod)
+    monkeypatch.setattr(hpctrain.render, "sbatch", mod, raising=False)
     monkeypatch.setenv("HF_TOKEN", "hf_canary_leak_000")
     (d,) = _folders(tmp_path, 1)
     with pytest.raises(click.UsageError, match="secret"):
@@ -285,7 +286,7 @@ def test_secret_in_script_refused(fake_slurm: Path, tmp_path: Path, monkeypatch:
 
 
 def test_local_needs_one_node(tmp_path: Path) -> None:
-    from hpctrain import dispatch
+    from hpctrain.slurm import dispatch
 
     (d,) = _folders(tmp_path, 1)
     with pytest.raises(click.UsageError, match="--executor slurm"):
@@ -293,14 +294,14 @@ def test_local_needs_one_node(tmp_path: Path) -> None:
 
 
 def test_time_minutes() -> None:
-    from hpctrain.dispatch import time_minutes
+    from hpctrain.slurm.dispatch import time_minutes
 
     assert [time_minutes(t) for t in ("5", "00:05:00", "1:30", "1-00:00:00", "2-3", "00:00:10")] == \
         [5, 5, 2, 1440, 2 * 1440 + 180, 1]
 
 
 def test_auto_executor(fake_slurm: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from hpctrain.dispatch import resolve_executor
+    from hpctrain.slurm.dispatch import resolve_executor
 
     assert resolve_executor("auto") == "slurm"
     monkeypatch.setenv("PATH", str(tmp_path))
@@ -313,7 +314,7 @@ DOWN = '#!/bin/sh\necho "sbatch: error: Batch job submission failed: Unable to c
 
 def test_submit_with_controller_down_records_nothing(fake_slurm: Path, stand_in_render: None, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    from hpctrain import dispatch
+    from hpctrain.slurm import dispatch
 
     _exe(fake_slurm / "sbatch", DOWN)
     monkeypatch.setenv("HPCTRAIN_SLURM_RETRIES", "3")
@@ -327,7 +328,7 @@ def test_submit_with_controller_down_records_nothing(fake_slurm: Path, stand_in_
 
 
 def _cli() -> click.Group:
-    from hpctrain import cli_runs
+    from hpctrain.cli import runs as cli_runs
 
     group = click.Group()
     cli_runs.register(group)
@@ -337,7 +338,7 @@ def _cli() -> click.Group:
 def test_list_status_cancel_commands(fake_slurm: Path, stand_in_render: None, tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from hpctrain import dispatch
+    from hpctrain.slurm import dispatch
 
     dirs = _folders(tmp_path, 2)
     subs = dispatch.submit(dirs, _spec(), _plan(), "slurm")  # type: ignore[arg-type]
@@ -369,7 +370,7 @@ def test_list_status_cancel_commands(fake_slurm: Path, stand_in_render: None, tm
 def test_unknown_run_lists_close_matches(fake_slurm: Path, stand_in_render: None, tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from hpctrain import dispatch
+    from hpctrain.slurm import dispatch
 
     (d,) = _folders(tmp_path, 1)
     dispatch.submit([d], _spec(), _plan(), "slurm")  # type: ignore[arg-type]
@@ -383,7 +384,7 @@ def test_status_with_slurmdbd_down_warns_and_shows_cache(fake_slurm: Path, stand
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     from click.testing import CliRunner
 
-    from hpctrain import dispatch
+    from hpctrain.slurm import dispatch
 
     (d,) = _folders(tmp_path, 1)
     (sub,) = dispatch.submit([d], _spec(), _plan(), "slurm")  # type: ignore[arg-type]
@@ -404,7 +405,7 @@ def test_unsplit_array_state_applies_to_every_task(fake_slurm: Path) -> None:
 
 
 def _record_local_run(d: Path, pid: int) -> Path:
-    from hpctrain.registry import Attempt
+    from hpctrain.runs.registry import Attempt
 
     Registry().add_submitted({"run_id": d.name, "name": "tiny", "folder": str(d), "executor": "local"},
                              Attempt(run_id=d.name, attempt=0, job_id=str(pid)))
@@ -457,7 +458,7 @@ def test_cancel_never_signals_a_process_that_reused_the_pid(tmp_path: Path, monk
 
 def test_unusable_registry_fails_before_sbatch(fake_slurm: Path, stand_in_render: None, tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    from hpctrain import dispatch
+    from hpctrain.slurm import dispatch
 
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -475,7 +476,7 @@ def test_unusable_registry_fails_before_sbatch(fake_slurm: Path, stand_in_render
 ])
 def test_shape_the_partition_can_never_run_is_refused(fake_slurm: Path, stand_in_render: None, tmp_path: Path,
                                                       nodes: int, res: dict[str, object], match: str) -> None:
-    from hpctrain import dispatch
+    from hpctrain.slurm import dispatch
 
     spec = _spec(partition="")  # the default partition (debug*)
     spec.resources.__dict__.update(res)
@@ -494,10 +495,10 @@ def test_partition_info_parses(fake_slurm: Path) -> None:
 
 def test_local_executor_preflight_two_tasks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A real local-executor submit (no cluster): 2 ranks run the pre-flight through submitit."""
-    from hpctrain import dispatch
-    from hpctrain import plan as P
-    from hpctrain import spec as S
-    from hpctrain.cli_runs import refresh
+    from hpctrain.cli.runs import refresh
+    from hpctrain.plan import planner as P
+    from hpctrain.slurm import dispatch
+    from hpctrain.spec import model as S
 
     monkeypatch.setenv("HPCTRAIN_STATE_DIR", str(tmp_path / "state"))
     monkeypatch.setenv("HF_TOKEN", "hf_canary_local_0123456789")
@@ -537,8 +538,8 @@ def test_local_executor_preflight_two_tasks(tmp_path: Path, monkeypatch: pytest.
 def test_just_finished_job_is_read_again_until_settled(fake_slurm: Path, stand_in_render: None,
                                                        tmp_path: Path) -> None:
     """slurmdbd may list a just-finished 4-node job on one node for a moment: re-read it for a while."""
-    from hpctrain import dispatch
-    from hpctrain.cli_runs import refresh
+    from hpctrain.cli.runs import refresh
+    from hpctrain.slurm import dispatch
 
     (d,) = _folders(tmp_path, 1)
     (sub,) = dispatch.submit([d], _spec(), _plan(), "slurm")  # type: ignore[arg-type]

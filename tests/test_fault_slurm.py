@@ -85,7 +85,7 @@ def final_decision(run: Path) -> dict[str, Any] | None:
 
 def metrics(run: Path) -> list[dict[str, Any]]:
     """The run's metrics records; a line cut mid-write is skipped (the collector's reader)."""
-    from hpctrain.collect_metrics import read_metrics
+    from hpctrain.collect.metrics import read_metrics
 
     return read_metrics(run / "metrics" / "metrics.jsonl")[0]
 

@@ -76,7 +76,7 @@ def test_packed_rows_attend_only_within_their_document() -> None:
     """A packed row gives every document the same logits as the document alone (block-diagonal mask)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hpctrain.presets import preset_config
+    from hpctrain.spec.presets import preset_config
 
     d = preset_config("llama-tiny")
     d.pop("architectures")

@@ -8,8 +8,15 @@ from pathlib import Path
 import pytest
 
 from hpctrain.errors import HpcUsageError
-from hpctrain.plan import batch_sizes, load_model_config, make_plan, model_arch, param_count, read_plan
-from hpctrain.spec import Data, Model, Parallel, Resources, Spec, Train
+from hpctrain.plan.planner import (
+    batch_sizes,
+    load_model_config,
+    make_plan,
+    model_arch,
+    param_count,
+    read_plan,
+)
+from hpctrain.spec.model import Data, Model, Parallel, Resources, Spec, Train
 
 
 def spec(**kw: object) -> Spec:

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from hpctrain import plan_memory as M
-from hpctrain import spec as S
-from hpctrain.cli import cli
+from hpctrain.cli.main import cli
 from hpctrain.errors import HpcUsageError
 from hpctrain.node.runconf import activation_checkpointing, build_ds_config, read_planned
-from hpctrain.plan import load_model_config, make_plan, model_arch, param_count
-from hpctrain.render import render_ds_config
-from hpctrain.spec import Data, Model, Parallel, Resources, Spec, Train
+from hpctrain.plan import memory as M
+from hpctrain.plan.planner import load_model_config, make_plan, model_arch, param_count
+from hpctrain.render.sbatch import render_ds_config
+from hpctrain.spec import model as S
+from hpctrain.spec.model import Data, Model, Parallel, Resources, Spec, Train
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 H200 = Resources(gpus_per_node=1, gpu_mem_gb=139, mem="125G", cpus_per_task=16)

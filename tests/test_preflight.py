@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.preflight import (
+from hpctrain.node.preflight import (
     Layout,
     PreflightError,
     expand_tasks_per_node,
@@ -79,7 +79,7 @@ def test_rank0_missing_every_rank_fails_in_time() -> None:
 def test_subprocesses_one_missing_exit_nonzero() -> None:
     """Real processes (like srun tasks): every one exits non-zero within the timeout, naming rank 2."""
     port, world = _free_port(), 3
-    code = ("import sys; from hpctrain.preflight import run_from_env, PreflightError\n"
+    code = ("import sys; from hpctrain.node.preflight import run_from_env, PreflightError\n"
             "try:\n    run_from_env(3)\nexcept PreflightError as e:\n    print(e); sys.exit(3)\n")
     t0 = time.monotonic()
     procs = [subprocess.Popen([sys.executable, "-c", code], env={**os.environ, **_env(r, world, port, "node[1-2]", "2,1")},

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.registry import Attempt, Registry, RunNotFound, state_dir
+from hpctrain.runs.registry import Attempt, Registry, RunNotFound, state_dir
 
 
 def _add(reg: Registry, run_id: str, job: str = "1") -> None:
@@ -82,7 +82,7 @@ def test_state_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 WRITER = textwrap.dedent("""
     import sys
-    from hpctrain.registry import Attempt, Registry
+    from hpctrain.runs.registry import Attempt, Registry
     db, k = sys.argv[1], int(sys.argv[2])
     reg = Registry(db)
     for i in range(5):

@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 
 from hpctrain.errors import HpcUsageError
-from hpctrain.plan import make_plan
-from hpctrain.render import render_ds_config, render_hostfile, render_sbatch, submitit_command
-from hpctrain.spec import (
+from hpctrain.plan.planner import make_plan
+from hpctrain.render.sbatch import render_ds_config, render_hostfile, render_sbatch, submitit_command
+from hpctrain.spec.model import (
     Checkpoint,
     Container,
     Data,
@@ -225,7 +225,7 @@ def test_secrets_never_rendered(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MY_SECRET", "s3cr3t-value-xyz")
     spec, _ = CASES["multinode-pyxis"]
     script, ds = _render("multinode-pyxis")
-    from hpctrain.spec import to_toml
+    from hpctrain.spec.model import to_toml
 
     for text in (script, json.dumps(ds), to_toml(spec), make_plan(spec).to_json()):
         assert "hf_supersecretvalue" not in text and "s3cr3t-value" not in text

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.plan import make_plan
-from hpctrain.render import render_sbatch
-from hpctrain.spec import Model, Resources, Spec
+from hpctrain.plan.planner import make_plan
+from hpctrain.render.sbatch import render_sbatch
+from hpctrain.spec.model import Model, Resources, Spec
 
 pytestmark = pytest.mark.slurm
 

@@ -1,4 +1,4 @@
-"""The retry policy (hpctrain.resubmit) and the supervisor's pure helpers (hpctrain.supervise): no cluster."""
+"""The retry policy (hpctrain.fault.policy) and the supervisor's pure helpers (hpctrain.fault.supervisor): no cluster."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain import supervise
-from hpctrain.resubmit import MAX_RETRIES_CAP, AttemptRecord, Fit, Policy, decide
+from hpctrain.fault import supervisor as supervise
+from hpctrain.fault.policy import MAX_RETRIES_CAP, AttemptRecord, Fit, Policy, decide
 
 
 def rec(attempt: int, state: str = "FAILED", cls: str | None = "unknown", **kw: object) -> AttemptRecord:
@@ -165,7 +165,7 @@ def test_log_attempt_and_next_attempt(tmp_path: Path) -> None:
 
 
 def test_supervisor_script(tmp_path: Path) -> None:
-    from hpctrain.spec import resolve
+    from hpctrain.spec.model import resolve
 
     spec = resolve(None, {"model.config": "llama-tiny", "resources.partition": "debug"}, check=False)
     text = supervise.supervisor_script(tmp_path / "r 1", "42", spec, python="/py")
@@ -176,7 +176,7 @@ def test_supervisor_script(tmp_path: Path) -> None:
 
 def test_history_survives_a_broken_collector(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The supervisor imports the live collector; if that raises, SLURM's state + the watchdog still decide."""
-    from hpctrain import collect
+    from hpctrain.collect import summary as collect
 
     (tmp_path / "attempts.jsonl").write_text(
         json.dumps({"attempt": 0, "job_id": "7", "state": "PENDING"}) + "\n"
@@ -210,7 +210,7 @@ def _failed(d: Path, rank: int, step: int, t: float, error: str = GLOO_RESET, jo
 
 
 def test_rank_beat_fail_leaves_the_error_for_the_watchdog(tmp_path: Path) -> None:
-    from hpctrain.watchdog import read_failures
+    from hpctrain.fault.watchdog import read_failures
 
     beat = supervise.RankBeat(tmp_path / "metrics", 1, interval_s=60)
     beat.job, beat.restart = "7", "0"
@@ -259,7 +259,7 @@ def test_watchdog_peer_lost_ignores_user_errors_and_blames_quiet_hosts_without_a
 
 def test_peer_lost_verdict_is_a_node_failure_for_supervisor_and_summary(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    from hpctrain import collect
+    from hpctrain.collect import summary as collect
 
     (tmp_path / "attempts.jsonl").write_text(
         json.dumps({"attempt": 0, "job_id": "7", "state": "PENDING", "nodes": "node[1-2]"}) + "\n")
@@ -268,7 +268,7 @@ def test_peer_lost_verdict_is_a_node_failure_for_supervisor_and_summary(tmp_path
         {"event": "peer_lost", "job_id": "7", "last_step": 20, "silent_ranks": [1], "silent_hosts": ["node2"],
          "message": "rank 0 on node1 lost its peer on node2 (...): node or network lost"}) + "\n")
     monkeypatch.setenv("HPCTRAIN_STATE_DIR", str(tmp_path / "state"))
-    from hpctrain._slurm import SacctRecord
+    from hpctrain.slurm.commands import SacctRecord
 
     hist, _ = supervise.history(tmp_path, "7", SacctRecord("7", "CANCELLED"))
     assert [(h.state, h.failure_class, h.implicated) for h in hist] == [("CANCELLED", "node_fail", ("node2",))]

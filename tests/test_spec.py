@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain import spec as S
 from hpctrain.errors import HpcUsageError
+from hpctrain.spec import model as S
 
 
 @pytest.fixture(autouse=True)
@@ -83,7 +83,7 @@ def test_unknown_keys_list_valid_ones(tmp_path: Path) -> None:
     with pytest.raises(HpcUsageError, match="unknown key 'nodez'"):
         S.resolve(None, {"resources.nodez": 1})
     with pytest.raises(HpcUsageError, match="unknown key 'partitoin'"):
-        from hpctrain.config import site_to_overrides
+        from hpctrain.spec.site import site_to_overrides
 
         site_to_overrides("x", {"partitoin": "gpu"})
 
@@ -231,7 +231,7 @@ def test_coerce_types() -> None:
 
 
 def test_config_paths(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from hpctrain import config
+    from hpctrain.spec import site as config
 
     monkeypatch.delenv("HPCTRAIN_RUNS_DIR", raising=False)
     monkeypatch.delenv("HPCTRAIN_STATE_DIR", raising=False)
@@ -246,7 +246,7 @@ def test_config_paths(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 
 def test_site_profile_tables_are_checked() -> None:
-    from hpctrain.config import site_to_overrides
+    from hpctrain.spec.site import site_to_overrides
 
     with pytest.raises(HpcUsageError, match="unknown key 'imgae'.*did you mean 'image'"):
         site_to_overrides("s", {"container": {"imgae": "x"}})

@@ -52,7 +52,7 @@ def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, P
 
 def _cancel_all(state: Path) -> None:
     """scancel every job this test recorded (finished ones are a no-op for scancel)."""
-    from hpctrain.registry import Registry
+    from hpctrain.runs.registry import Registry
 
     db = state / "registry.sqlite3"
     if not db.exists():
@@ -64,8 +64,8 @@ def _cancel_all(state: Path) -> None:
 
 
 def _spec_plan(**flags: Any) -> tuple[Any, Any]:
-    from hpctrain import plan as P
-    from hpctrain import spec as S
+    from hpctrain.plan import planner as P
+    from hpctrain.spec import model as S
 
     base = {"resources.partition": "debug", "resources.time": "00:05:00", "model.config": "llama-tiny",
             "launch.preflight_timeout_s": 30}
@@ -74,8 +74,8 @@ def _spec_plan(**flags: Any) -> tuple[Any, Any]:
 
 
 def _make_runs(sp: Any, pl: Any, runs_dir: Path, n: int = 1) -> list[Path]:
-    from hpctrain import runs
-    from hpctrain import spec as S
+    from hpctrain.runs import folder as runs
+    from hpctrain.spec import model as S
 
     files = {"spec.toml": S.to_toml(sp), "plan.json": pl.to_json()}
     return [runs.create_run_folder_atomically(runs_dir, runs.new_run_id(sp.name), files) for _ in range(n)]
@@ -92,8 +92,8 @@ def _cli_has(command: str) -> bool:
 
 def _wait_final(run_id: str, deadline_s: float = 120) -> dict[str, Any]:
     """Poll `hpctrain status --json` (refresh = one forced sacct) until the run is final."""
-    from hpctrain.cli_runs import refresh
-    from hpctrain.registry import Registry
+    from hpctrain.cli.runs import refresh
+    from hpctrain.runs.registry import Registry
 
     end = time.monotonic() + deadline_s
     while True:
@@ -108,7 +108,8 @@ def _wait_final(run_id: str, deadline_s: float = 120) -> dict[str, Any]:
 
 
 def test_test_only_accepts_rendered_scripts(cluster: Any, env: dict[str, Path]) -> None:
-    from hpctrain import _slurm, render
+    from hpctrain.render import sbatch as render
+    from hpctrain.slurm import commands as _slurm
 
     for flags in ({"resources.nodes": 1, "resources.tasks_per_node": 2}, {"resources.nodes": 4}):
         sp, pl = _spec_plan(**flags)
@@ -122,7 +123,7 @@ def test_test_only_accepts_rendered_scripts(cluster: Any, env: dict[str, Path]) 
 
 def test_four_node_preflight_completes_and_lists(cluster: Any, env: dict[str, Path]) -> None:
     """`hpctrain submit examples/tiny.toml --nodes 4 --preflight`: 8 ranks on node1..node4 rendezvous."""
-    from hpctrain import dispatch
+    from hpctrain.slurm import dispatch
 
     if _cli_has("submit"):
         proc = _hpctrain("submit", TINY, "--nodes", "4", "--preflight", "--executor", "slurm", "--json")
@@ -166,8 +167,9 @@ def _assert_no_canary(*roots: Path) -> None:
 def test_unknown_partition_clean_error(cluster: Any, env: dict[str, Path]) -> None:
     import click
 
-    from hpctrain import dispatch, runs
-    from hpctrain.registry import Registry
+    from hpctrain.runs import folder as runs
+    from hpctrain.runs.registry import Registry
+    from hpctrain.slurm import dispatch
 
     if _cli_has("submit"):
         proc = _hpctrain("submit", TINY, "--partition", "nosuchpart", "--executor", "slurm")
@@ -188,7 +190,10 @@ def test_unknown_partition_clean_error(cluster: Any, env: dict[str, Path]) -> No
 WRITER = """
 import sys
 from pathlib import Path
-from hpctrain import dispatch, plan as P, runs, spec as S
+from hpctrain.slurm import dispatch
+from hpctrain.plan import planner as P
+from hpctrain.runs import folder as runs
+from hpctrain.spec import model as S
 sp = S.resolve(None, {"resources.partition": "debug", "resources.time": "00:05:00", "name": "conc",
                       "model.config": "llama-tiny", "launch.preflight_timeout_s": 20}, None)
 pl = P.make_plan(sp)
@@ -198,7 +203,7 @@ print(dispatch.submit([d], sp, pl, "slurm", mode="preflight")[0].job_id)
 
 
 def test_twenty_concurrent_submits_all_recorded(cluster: Any, env: dict[str, Path]) -> None:
-    from hpctrain.registry import Registry
+    from hpctrain.runs.registry import Registry
 
     if _cli_has("submit"):
         argv = [[sys.executable, "-m", "hpctrain", "submit", TINY, "--preflight",
@@ -224,8 +229,9 @@ def test_twenty_concurrent_submits_all_recorded(cluster: Any, env: dict[str, Pat
 def test_sweep_is_one_array_and_cancel(cluster: Any, env: dict[str, Path]) -> None:
     from click.testing import CliRunner
 
-    from hpctrain import cli_runs, dispatch
-    from hpctrain.registry import Registry
+    from hpctrain.cli import runs as cli_runs
+    from hpctrain.runs.registry import Registry
+    from hpctrain.slurm import dispatch
 
     sp, pl = _spec_plan(**{"resources.nodes": 1, "resources.time": "00:02:00"})
     dirs = _make_runs(sp, pl, env["runs"], n=3)
@@ -248,7 +254,7 @@ def test_sweep_is_one_array_and_cancel(cluster: Any, env: dict[str, Path]) -> No
 
 def test_hostile_runs_dir_single_and_sweep(cluster: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Quotes, spaces, $(), backticks and ; in the runs path stay data, for one job and for an array."""
-    from hpctrain import dispatch
+    from hpctrain.slurm import dispatch
 
     runs_dir = tmp_path / "we ird'$(touch PWNED);`touch PWNED2`" / "runs"
     monkeypatch.setenv("HPCTRAIN_STATE_DIR", str(tmp_path / "state"))
@@ -272,7 +278,7 @@ def test_hostile_runs_dir_single_and_sweep(cluster: Any, tmp_path: Path, monkeyp
 ])
 def test_impossible_shapes_refused_cleanly(cluster: Any, env: dict[str, Path], flags: list[str], expect: str) -> None:
     """One message naming field and value, exit 2, no run folder, no registry record, no job left."""
-    from hpctrain.registry import Registry
+    from hpctrain.runs.registry import Registry
 
     if not _cli_has("submit"):
         pytest.skip("hpctrain submit not available")
@@ -286,7 +292,7 @@ def test_impossible_shapes_refused_cleanly(cluster: Any, env: dict[str, Path], f
 def test_preflight_names_the_node_that_did_not_join(cluster: Any) -> None:
     """3 real nodes, node3's task dies before the rendezvous: ranks on node1/node2 exit non-zero
     within the timeout, naming rank 2 and node3 -- instead of hanging in a collective."""
-    code = ("import sys\nfrom hpctrain.preflight import run_from_env, PreflightError\n"
+    code = ("import sys\nfrom hpctrain.node.preflight import run_from_env, PreflightError\n"
             "try:\n    run_from_env(8)\nexcept PreflightError as e:\n    print('PREFLIGHT', e)\n    sys.exit(4)\n")
     task = ('if [ "$SLURM_PROCID" = 2 ]; then exit 0; fi; '
             'export MASTER_PORT=$((20000 + SLURM_JOB_ID % 11999)); exec "$0" -c "$1"')
@@ -319,8 +325,8 @@ def test_controller_and_dbd_down(cluster: Any, env: dict[str, Path], tmp_path: P
                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """slurmctld/slurmdbd not answering: submit fails with a clear message and records nothing;
     list shows cached states with a warning; cancel fails without recording CANCELLED."""
-    from hpctrain import dispatch
-    from hpctrain.registry import Registry
+    from hpctrain.runs.registry import Registry
+    from hpctrain.slurm import dispatch
 
     if not _cli_has("submit"):
         pytest.skip("hpctrain submit not available")
@@ -345,7 +351,8 @@ def test_controller_and_dbd_down(cluster: Any, env: dict[str, Path], tmp_path: P
 
 def test_failed_job_shows_failed_with_exit_code(cluster: Any, env: dict[str, Path]) -> None:
     """A run whose spec.toml the ranks cannot read fails on every rank: status says FAILED, exit code kept."""
-    from hpctrain import dispatch, runs
+    from hpctrain.runs import folder as runs
+    from hpctrain.slurm import dispatch
 
     sp, pl = _spec_plan(**{"resources.nodes": 2, "resources.tasks_per_node": 1})
     run_dir = runs.create_run_folder_atomically(env["runs"], runs.new_run_id("broken"),

@@ -1,7 +1,7 @@
 """Shared by the GPU benchmarks: run folders rendered by hpctrain, the two launch paths, metric summaries.
 
 A run folder holds what `hpctrain submit` writes for a job (spec.toml, plan.json, ds_config.json from
-hpctrain.plan / hpctrain.render). The node entrypoint is then started the way a SLURM allocation of one
+hpctrain.plan.planner / hpctrain.render.sbatch). The node entrypoint is then started the way a SLURM allocation of one
 node starts it:
 
 * ``launch_srun_style``: one process per GPU with the environment srun gives each task (SLURM_PROCID,
@@ -61,9 +61,9 @@ def write_run_folder(run: Path, tables: dict[str, Any], *, render_config: bool =
     Keeps an existing checkpoints/ folder (a resume at another world size rewrites the rest).
     `render_config=False` leaves ds_config.json out (the node then builds its own); `zero_overrides`
     are merged into the rendered zero_optimization block (a variant under test)."""
-    from hpctrain.plan import make_plan
-    from hpctrain.render import render_ds_config
-    from hpctrain.spec import from_toml_text
+    from hpctrain.plan.planner import make_plan
+    from hpctrain.render.sbatch import render_ds_config
+    from hpctrain.spec.model import from_toml_text
 
     run.mkdir(parents=True, exist_ok=True)
     text = spec_toml(tables)
@@ -151,7 +151,7 @@ def launch_deepspeed(run: Path, slots: int, log: Path, *, timeout: float, cpu: b
 
 def read_metrics(run: Path) -> list[dict[str, Any]]:
     """The run's step records (the collector's reader: a line cut mid-write is skipped)."""
-    from hpctrain.collect_metrics import read_metrics as read
+    from hpctrain.collect.metrics import read_metrics as read
 
     return read(run / "metrics" / "metrics.jsonl")[0]
 

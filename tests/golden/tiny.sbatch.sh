@@ -44,10 +44,10 @@ if [ ! -s "$HPCTRAIN_RUN_DIR/hostfile.tmp" ]; then
 fi
 mv -f "$HPCTRAIN_RUN_DIR/hostfile.tmp" "$HPCTRAIN_RUN_DIR/hostfile"
 
-# Hang watchdog (hpctrain.supervise), outside the ranks so a hung Python cannot stop it: when no rank
+# Hang watchdog (hpctrain.fault.supervisor), outside the ranks so a hung Python cannot stop it: when no rank
 # advances for 300 s it names the silent ranks in metrics/watchdog.jsonl and cancels the job;
 # the supervisor job then retries the run from its latest complete checkpoint.
-/opt/venv/bin/python -m hpctrain.supervise watch "$HPCTRAIN_RUN_DIR" --timeout 300 --world 2 &
+/opt/venv/bin/python -m hpctrain.fault.supervisor watch "$HPCTRAIN_RUN_DIR" --timeout 300 --world 2 &
 HPCTRAIN_WATCHDOG_PID=$!
 trap 'kill "$HPCTRAIN_WATCHDOG_PID" 2>/dev/null || true' EXIT
 

@@ -45,7 +45,7 @@ def port_from_job_id(job_id: str) -> int:
 def first_host(nodelist: str) -> str:
     """First host of a SLURM nodelist ("node[1-4]" -> "node1")."""
     try:
-        from hpctrain.nodelist import expand
+        from hpctrain.slurm.nodelist import expand
     except ImportError:  # CONTROL's parser not there: ask SLURM itself
         out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
                              check=True, timeout=30).stdout

@@ -51,7 +51,7 @@ def _allow_requeue(job_id: str) -> None:
     if not job_id:
         return
     try:
-        from hpctrain import _slurm
+        from hpctrain.slurm import commands as _slurm
 
         _slurm.allow_requeue(job_id)
     except Exception:  # noqa: BLE001,S110 - never let the requeue path fail on this

@@ -94,11 +94,11 @@ def _report(rank: int, loud: str, quiet: str) -> None:
 
 
 def _preflight(timeout_s: int) -> None:
-    """DISPATCH's torch-free TCP rendezvous, when it is installed (hpctrain.preflight)."""
+    """DISPATCH's torch-free TCP rendezvous, when it is installed (hpctrain.node.preflight)."""
     try:
-        from hpctrain import preflight
+        from hpctrain.node import preflight
     except ImportError:
-        log.info("preflight: hpctrain.preflight not available, skipped")
+        log.info("preflight: hpctrain.node.preflight not available, skipped")
         return
     try:
         preflight.run_from_env(timeout_s)

@@ -16,7 +16,7 @@ log = logging.getLogger("hpctrain.node")
 
 def attempt_number(env: dict[str, str] | None = None) -> int:
     """K in logs/attempt-K.rank-R.log: HPCTRAIN_ATTEMPT (the attempt a resubmission starts at, set by
-    hpctrain.supervise) plus SLURM's restart count (each requeue of that job is one more)."""
+    hpctrain.fault.supervisor) plus SLURM's restart count (each requeue of that job is one more)."""
     env = dict(os.environ) if env is None else env
     return sum(int(env[k]) for k in ("HPCTRAIN_ATTEMPT", "SLURM_RESTART_COUNT") if env.get(k, "").isdigit())
 

@@ -32,7 +32,7 @@ def check_model_inputs(model_spec: Any) -> None:
 
 def load_config_dict(name: str) -> dict[str, Any]:
     """A preset name, or a config.json path (a folder holding one also works)."""
-    from hpctrain import presets
+    from hpctrain.spec import presets
 
     if name in presets.PRESETS:
         return presets.preset_config(name)

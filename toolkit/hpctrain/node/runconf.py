@@ -14,8 +14,8 @@ from typing import Any
 
 import tomllib
 
-from hpctrain import spec as specmod
-from hpctrain.spec import Spec
+from hpctrain.spec import model as specmod
+from hpctrain.spec.model import Spec
 
 
 class NodeInputError(Exception):
@@ -117,7 +117,7 @@ def read_planned(run_dir: Path, spec: Spec) -> dict[str, Any]:
             return typing.cast(dict[str, Any], json.loads(path.read_text()))
         except json.JSONDecodeError as exc:
             raise NodeInputError(f"{path}: not valid JSON ({exc}); re-create the run with `hpctrain submit`.") from exc
-    from hpctrain.plan import make_plan
+    from hpctrain.plan.planner import make_plan
 
     return typing.cast(dict[str, Any], json.loads(make_plan(spec).to_json()))
 
@@ -157,7 +157,7 @@ def build_ds_config(spec: Spec, dp: int, stage: int | None = None,
     if offload in ("optimizer", "all"):
         zero["offload_optimizer"] = _offload(spec)
         if stage == 3 and isinstance(ratio, float) and ratio < 1:
-            from hpctrain.plan_memory import SUB_GROUP_SIZE  # the split the plan's estimate assumed
+            from hpctrain.plan.memory import SUB_GROUP_SIZE  # the split the plan's estimate assumed
 
             zero["offload_optimizer"]["ratio"] = ratio
             zero["sub_group_size"] = SUB_GROUP_SIZE

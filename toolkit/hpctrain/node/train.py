@@ -24,7 +24,7 @@ from hpctrain.node.runconf import (
     read_spec,
     zero_stage,
 )
-from hpctrain.spec import Spec
+from hpctrain.spec.model import Spec
 
 
 def main(run_dir: str) -> int:
@@ -196,8 +196,8 @@ def build_engine(p: Prepared) -> tuple[Any, int]:
     import deepspeed
     import torch
 
-    from hpctrain import presets
     from hpctrain.node.model import apply_freeze, build_model, param_count
+    from hpctrain.spec import presets
 
     spec = p.spec
     torch.manual_seed(spec.train.seed)  # same init on every rank
@@ -323,15 +323,15 @@ class LoopState:
     tokens_seen: float
     last_ckpt_time: float
     last_saved: int = -1
-    beat: Any = None  # hpctrain.supervise.RankBeat
+    beat: Any = None  # hpctrain.fault.supervisor.RankBeat
     io: Any = None  # ckpt_async.CheckpointIO: the engine's checkpoint writer
 
 
 def run_training(p: Prepared, stop: StopFlag) -> tuple[Any, LoopState]:
     """Train to spec.train.steps (or until a signal); returns the engine and the final loop state."""
-    from hpctrain import supervise
+    from hpctrain.fault import supervisor as supervise
 
-    # Per-rank beats for the hang watchdog (hpctrain.supervise): they name the rank that stops advancing.
+    # Per-rank beats for the hang watchdog (hpctrain.fault.supervisor): they name the rank that stops advancing.
     hang_s = float(getattr(p.spec.launch, "hang_timeout_s", 300) or 300)
     beat = supervise.RankBeat(p.paths.metrics, p.d.rank, interval_s=min(10.0, max(1.0, hang_s / 5))).start()
     try:
@@ -340,7 +340,7 @@ def run_training(p: Prepared, stop: StopFlag) -> tuple[Any, LoopState]:
         raise
     except Exception as exc:
         # Said at once, not at the next beat: a collective that failed on a closed peer connection lets the
-        # watchdog end the job in seconds instead of srun waiting for SLURM's NODE_FAIL (hpctrain.watchdog).
+        # watchdog end the job in seconds instead of srun waiting for SLURM's NODE_FAIL (hpctrain.fault.watchdog).
         beat.fail(exc)
         raise
 
@@ -349,7 +349,7 @@ def _train(p: Prepared, stop: StopFlag, beat: Any) -> tuple[Any, LoopState]:
     import torch
     import torch.distributed as dist
 
-    from hpctrain import supervise
+    from hpctrain.fault import supervisor as supervise
     from hpctrain.node.model import flops_per_token
 
     engine, n_params = build_engine(p)
@@ -471,7 +471,7 @@ def save_now(p: Prepared, engine: Any, st: LoopState, wait: bool = True) -> ckpt
             "zero": p.zero, "precision": p.spec.train.precision, "cursor": cursor}
     if st.beat is not None:
         st.beat.set(st.step, "checkpoint")
-    from hpctrain import supervise
+    from hpctrain.fault import supervisor as supervise
 
     # Test hook: HPCTRAIN_FAULT_INJECT="ckpt-crash:step=N" kills every rank with the checkpoint half written.
     midway = lambda: supervise.inject("checkpoint", st.step, st.step0, p.d.rank, log)

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 import click
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hpctrain.collect import RunInput
-    from hpctrain.collect_logs import LogFile
-    from hpctrain.registry import Registry
+    from hpctrain.collect.logs import LogFile
+    from hpctrain.collect.summary import RunInput
+    from hpctrain.runs.registry import Registry
 
 
 def register(group: click.Group) -> None:
@@ -28,13 +28,13 @@ def register(group: click.Group) -> None:
 
 
 def _registry() -> Registry:
-    from hpctrain.registry import Registry
+    from hpctrain.runs.registry import Registry
 
     return Registry()
 
 
 def _one_run(ref: str) -> tuple[RunInput, Registry]:
-    from hpctrain.collect import resolve_refs
+    from hpctrain.collect.summary import resolve_refs
     from hpctrain.errors import HpcUsageError
 
     reg = _registry()
@@ -58,7 +58,7 @@ def logs(run: str, attempt: int | None, rank: int | None, host: str | None, patt
          follow: bool) -> None:
     """Print RUN's per-rank logs across attempts, merged by time; each line is tagged
     `a<attempt> r<rank> <host>`. Attempts without rank logs show submitit's task logs instead."""
-    from hpctrain import collect_logs as cl
+    from hpctrain.collect import logs as cl
     from hpctrain.errors import HpcUsageError
 
     grep = None
@@ -91,8 +91,8 @@ def logs(run: str, attempt: int | None, rank: int | None, host: str | None, patt
 def _log_sources(inp: RunInput) -> tuple[Callable[[], list[LogFile]], Callable[[LogFile], str]]:
     """(list the files now, host of a file): rank logs, plus submitit's logs for attempts that
     have no rank log (the job died before the node started logging)."""
-    from hpctrain import collect as co
-    from hpctrain.collect_files import attempt_files, rank_hosts
+    from hpctrain.collect import summary as co
+    from hpctrain.collect.files import attempt_files, rank_hosts
 
     hosts: dict[tuple[int, int], str] = {}
     nodelists = {int(a["attempt"]): str(a.get("nodes") or "") for a in inp.attempts}
@@ -116,7 +116,7 @@ def _log_sources(inp: RunInput) -> tuple[Callable[[], list[LogFile]], Callable[[
 
 def _finished_check(inp: RunInput, reg: Registry, every_s: float = 10.0) -> Callable[[], bool]:
     """True once the run's latest attempt is final; asks sacct at most every `every_s` seconds."""
-    from hpctrain.collect import FINAL
+    from hpctrain.collect.summary import FINAL
 
     last = {"t": 0.0, "done": False}
 
@@ -125,13 +125,13 @@ def _finished_check(inp: RunInput, reg: Registry, every_s: float = 10.0) -> Call
             return bool(last["done"])
         last["t"] = time.monotonic()
         try:
-            from hpctrain.cli_runs import refresh
+            from hpctrain.cli.runs import refresh
 
             run = reg.get_run(inp.run_id)
             refresh(reg, [run])
             last["done"] = bool(run.attempts) and run.attempts[-1].state in FINAL
         except Exception:  # noqa: BLE001 - not in the registry, or sacct down: trust attempts.jsonl
-            from hpctrain.collect import from_folder
+            from hpctrain.collect.summary import from_folder
 
             atts = from_folder(inp.folder).attempts
             last["done"] = bool(atts) and str(atts[-1].get("state")) in FINAL
@@ -151,7 +151,7 @@ def summary(runs: tuple[str, ...], all_runs: bool, as_json: bool, plot: str | No
     """One record per run (one row per attempt): job id, state, failure class and where it came
     from, nodes, times, GPU-hours, steps, loss, tokens/s, TFLOPS/MFU and steps lost since the last
     checkpoint. Also writes RUN_DIR/summary.json. RUN may be a run id, a prefix or a run folder."""
-    from hpctrain import collect as co
+    from hpctrain.collect import summary as co
     from hpctrain.errors import HpcUsageError
 
     if runs and all_runs:
@@ -176,7 +176,7 @@ def summary(runs: tuple[str, ...], all_runs: bool, as_json: bool, plot: str | No
 
 
 def _plot(records: list[dict[str, Any]], out: Path) -> None:
-    from hpctrain.collect_plot import PlotUnavailable, plot_runs
+    from hpctrain.collect.plot import PlotUnavailable, plot_runs
 
     try:
         n = plot_runs(records, out)

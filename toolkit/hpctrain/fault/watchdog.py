@@ -1,9 +1,9 @@
 """The hang watchdog and what the ranks write for it, plus the fault-injection hooks the tests use.
 
 * `RankBeat`: a thread in every rank writing metrics/ranks/rank-R.json (step reached, phase, time).
-* `Watchdog`: the batch script's background loop (`python -m hpctrain.supervise watch ...`): no step for
+* `Watchdog`: the batch script's background loop (`python -m hpctrain.fault.supervisor watch ...`): no step for
   launch.hang_timeout_s -> the silent ranks go to metrics/watchdog.jsonl and the job is cancelled; the
-  supervisor (hpctrain.supervise) then retries the run without the silent host.
+  supervisor (hpctrain.fault.supervisor) then retries the run without the silent host.
 * Peer lost: a rank whose collective fails because a peer's connection closed (gloo "Connection reset by
   peer", NCCL remote error) writes metrics/ranks/failed-JOB-RESTART-R.json. When the job is still running
   a few seconds later, srun is waiting for a node that no longer answers (a live node's task exit ends the
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpctrain import runs as runs_mod
+from hpctrain.runs import folder as runs_mod
 
 RANKS_DIR = "ranks"
 PEER_POLL_S = 1.0  # the peer-lost check is one directory listing: cheap enough every second
@@ -339,17 +339,17 @@ class Watchdog:
         """Still RUNNING for SLURM: a person's scancel or the time limit shows at once (CANCELLED/TIMEOUT,
         COMPLETING), while a job that lost a node stays RUNNING until NODE_FAIL."""
         try:
-            from hpctrain import _slurm
+            from hpctrain.slurm import commands as _slurm
 
             return _slurm.queue_state(self.job) == "RUNNING"
         except Exception:  # noqa: BLE001 - slurmctld not answering: act on the ranks' evidence
             return True
 
     def _decide_now(self) -> None:
-        """Retry without the dead host before the cancel (hpctrain.supervise.take_over says why); on any
+        """Retry without the dead host before the cancel (hpctrain.fault.supervisor.take_over says why); on any
         failure the supervisor job still decides, later."""
         try:
-            from hpctrain import supervise
+            from hpctrain.fault import supervisor as supervise
 
             decision = supervise.take_over(Path(self.run_dir), self.job)
             if decision:
@@ -388,7 +388,7 @@ class Watchdog:
             if cancel and rec["event"] == "peer_lost":
                 self._decide_now()
             if cancel:
-                from hpctrain import _slurm
+                from hpctrain.slurm import commands as _slurm
 
                 _slurm.scancel([self.job])
             return rec
@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     """`watch RUN_DIR --timeout S [--world N]`: the batch script's watchdog (no click: starts fast)."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m hpctrain.supervise")
+    p = argparse.ArgumentParser(prog="python -m hpctrain.fault.supervisor")
     sub = p.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("watch")
     w.add_argument("run_dir")

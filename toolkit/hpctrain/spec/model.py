@@ -2,7 +2,7 @@
 
 A spec is what the user asked for, merged from four layers (later wins):
 defaults < site profile < run file (TOML) < CLI flags.  Everything else (world size, batch
-arithmetic, memory) is *derived* from it once, in `hpctrain.plan`.
+arithmetic, memory) is *derived* from it once, in `hpctrain.plan.planner`.
 
 The run file mirrors these dataclasses: top-level `name`, then one table per section
 (`[resources]`, `[launch]`, `[model]`, `[data]`, `[train]`, `[parallel]`, `[checkpoint]`,
@@ -24,7 +24,7 @@ from typing import Any, Literal
 import tomllib
 
 from hpctrain.errors import HpcUsageError, bad_value, unknown_key
-from hpctrain.spec_rules import check, describe, field_types, how_to_set, need
+from hpctrain.spec.rules import check, describe, field_types, how_to_set, need
 
 Zero = int | Literal["auto"]  # 0, 1, 2, 3 or "auto"
 OffloadRatio = float | Literal["auto"]  # 0 < r <= 1, or "auto" (0 also means auto)
@@ -352,7 +352,7 @@ def _build(data: dict[str, Any], where: str = "spec") -> Spec:
 
 def load_run_file(path: str | Path) -> dict[str, Any]:
     """Read a TOML run file into a dict (syntax errors name the file and line)."""
-    from hpctrain.config import read_toml
+    from hpctrain.spec.site import read_toml
 
     return read_toml(Path(path), "run file")
 
@@ -366,7 +366,7 @@ def resolve(run_file: str | Path | None, flags: dict[str, Any], site: str | None
     run file's `site` key; the run file's `[sites.NAME]` tables define profiles inline.
     `check=False` skips the filesystem checks (`hpctrain plan` previews a run from anywhere).
     """
-    from hpctrain import config
+    from hpctrain.spec import site as config
 
     data = load_run_file(run_file) if run_file else {}
     inline = data.pop("sites", {})
@@ -392,7 +392,7 @@ def absolute_paths(spec: Spec) -> Spec:
     """
     import dataclasses
 
-    from hpctrain.presets import PRESETS
+    from hpctrain.spec.presets import PRESETS
 
     def absol(p: str) -> str:
         return str(Path(p).expanduser().absolute()) if p else p
@@ -413,7 +413,7 @@ def check_paths(spec: Spec) -> None:
 
     Kept out of __post_init__ so that the node can read spec.toml without re-checking.
     """
-    from hpctrain.presets import PRESETS
+    from hpctrain.spec.presets import PRESETS
 
     m = spec.model
     if not m.path and not m.config:

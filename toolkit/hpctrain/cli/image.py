@@ -34,9 +34,9 @@ def check(container: str, gpu: bool, print_only: bool) -> None:
     hpctrain image check podman:localhost/hpctrain:cpu
     hpctrain image check charliecloud:/shared/images/hpctrain
     """
-    from hpctrain import containers
     from hpctrain.errors import bad_value
-    from hpctrain.spec import Container, Launch, Resources, Spec
+    from hpctrain.render import containers
+    from hpctrain.spec.model import Container, Launch, Resources, Spec
 
     runtime, _, name = container.partition(":")
     if runtime not in containers.RUNTIMES[1:] or not name:
@@ -62,7 +62,7 @@ def check(container: str, gpu: bool, print_only: bool) -> None:
 
 def _context(given: str | None) -> Path:
     """The build context: --context, else the source checkout this package runs from, else the cwd."""
-    candidates = [Path(given)] if given else [Path(__file__).resolve().parents[2], Path.cwd()]
+    candidates = [Path(given)] if given else [Path(__file__).resolve().parents[3], Path.cwd()]
     for c in candidates:
         if (c / "Dockerfile").is_file() and (c / "containers" / "build.sh").is_file():
             return c

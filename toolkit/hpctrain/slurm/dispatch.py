@@ -1,6 +1,6 @@
 """Dispatch: hand run folders to SLURM (through submitit) or to submitit's local executor.
 
-This is the only module that imports submitit, and only inside functions, so `import hpctrain.cli`
+This is the only module that imports submitit, and only inside functions, so `import hpctrain.cli.main`
 stays light. What gets submitted to SLURM is *our* rendered script (`render.render_sbatch`); submitit
 keeps doing what it is good at: the pickled call (`NodeJob(run_dir, mode)`), result files and
 requeue bookkeeping, under `<run>/submitit/` with its `%j` file names.
@@ -29,12 +29,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from hpctrain import runs as runs_mod
 from hpctrain.errors import HpcUsageError
+from hpctrain.runs import folder as runs_mod
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hpctrain.plan import Plan
-    from hpctrain.spec import Spec
+    from hpctrain.plan.planner import Plan
+    from hpctrain.spec.model import Spec
 
 ALWAYS_SECRET = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY")
 SWEEPS_DIR = ".sweeps"
@@ -73,7 +73,7 @@ def submit(run_dirs: Sequence[Path], spec: Spec, plan: Plan, executor: str = "au
         raise HpcUsageError(f"mode = {mode!r}: unknown mode. Fix: use train or preflight")
     which = resolve_executor(executor)
     dirs = [Path(d).absolute() for d in run_dirs]
-    from hpctrain.registry import Registry
+    from hpctrain.runs.registry import Registry
 
     Registry().check()  # fail before sbatch, not after: never a queued job nobody recorded
     if which == "local":
@@ -90,7 +90,7 @@ def submit_attempt(run_dir: Path, spec: Spec, plan: Plan, attempt: int, mode: st
     job on the executor the run was first submitted to (a local run stays local), recorded as attempt
     `attempt` in attempts.jsonl (with `record`'s extra keys) and in the registry. A run this registry
     does not know (another state dir) is still submitted and recorded in its folder."""
-    from hpctrain.registry import Attempt, Registry
+    from hpctrain.runs.registry import Attempt, Registry
 
     d = Path(run_dir).absolute()
     folder = runs_mod.RunFolder(d)
@@ -139,7 +139,7 @@ def spec_summary(spec: Spec, plan: Plan, mode: str) -> dict[str, Any]:
 
 
 def _record(subs: list[Submitted], spec: Spec, plan: Plan, mode: str) -> None:
-    from hpctrain.registry import Attempt, Registry
+    from hpctrain.runs.registry import Attempt, Registry
 
     reg, now = Registry(), time.time()
     summary = spec_summary(spec, plan, mode)
@@ -201,8 +201,8 @@ def time_minutes(text: str) -> int:
 
 
 def _submit_slurm(dirs: list[Path], spec: Spec, plan: Plan, mode: str) -> list[Submitted]:
-    from hpctrain import _slurm
     from hpctrain.node.entry import NodeJob
+    from hpctrain.slurm import commands as _slurm
 
     _check_fits(spec, plan)
     cls = _executor_class()
@@ -256,7 +256,7 @@ def _mem_mb(text: str) -> int | None:
 def _check_fits(spec: Spec, plan: Plan) -> None:
     """Refuse shapes the partition can never run. sbatch *accepts* a job asking for more nodes
     than the partition has (it then pends forever, reason PartitionConfig), so ask sinfo first."""
-    from hpctrain import _slurm
+    from hpctrain.slurm import commands as _slurm
 
     try:
         # One try: if slurmctld is down, sbatch would fail the same way, so say so now (~9 s)
@@ -298,7 +298,7 @@ def _explain_rejection(exc: Any, spec: Spec) -> HpcUsageError:
                  f"mem={r.mem or '-'} gpus_per_node={r.gpus_per_node}")
     if field == "resources.partition":
         try:
-            from hpctrain import _slurm
+            from hpctrain.slurm import commands as _slurm
 
             fix = f"use one of the partitions `sinfo` lists: {', '.join(_slurm.partitions())} (--partition)"
         except Exception:  # noqa: BLE001,S110 - the partition list is a hint; a failure here must not hide the rejection
@@ -325,7 +325,7 @@ def _executor_class() -> type:
     from submitit.core import utils as sutils
     from submitit.slurm.slurm import SlurmJob
 
-    from hpctrain import _slurm
+    from hpctrain.slurm import commands as _slurm
 
     class HpcSlurmExecutor(submitit.SlurmExecutor):
         """SlurmExecutor whose sbatch file is hpctrain's rendered script, submitted via _slurm."""
@@ -340,7 +340,7 @@ def _executor_class() -> type:
             return int(self.plan.nodes * self.plan.ranks_per_node)
 
         def _make_submission_file_text(self, command: str, uid: str) -> str:
-            from hpctrain import render  # looked up per call: the class itself is cached
+            from hpctrain.render import sbatch as render  # looked up per call: the class itself is cached
 
             n = self.parameters.get("map_count")
             if n:  # a sweep: task i runs in run_dirs[i]; submitit files go through the %a links

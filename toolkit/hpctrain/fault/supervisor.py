@@ -4,8 +4,8 @@ How a run recovers (no daemon on the login node):
 
 * ``hpctrain submit`` (retries > 0, SLURM) also submits a 1-CPU *supervisor job*,
   ``sbatch --dependency=afterany:<JOB> --kill-on-invalid-dep=yes``, which runs ``hpctrain supervise RUN --job
-  JOB`` on a compute node once the training job has ended for good. It collects (hpctrain.collect),
-  decides (hpctrain.resubmit, pure), and either stops with the reason or submits attempt K+1 of the same
+  JOB`` on a compute node once the training job has ended for good. It collects (hpctrain.collect.summary),
+  decides (hpctrain.fault.policy, pure), and either stops with the reason or submits attempt K+1 of the same
   run folder (new job id, recorded in the registry and attempts.jsonl, ``--exclude`` grown by the
   implicated hosts) plus a new supervisor for it. The ranks resume from the latest complete checkpoint
   by themselves.
@@ -18,13 +18,13 @@ How a run recovers (no daemon on the login node):
   a node that vanished without closing them (power, network) ends it through SLURM's NODE_FAIL
   (SlurmdTimeout) or the hang watchdog. Likewise hangs, crashes, NCCL/gloo errors, time limits after
   submitit's requeue budget: the supervisor excludes the implicated host.
-* Hang watchdog: ``python -m hpctrain.supervise watch`` runs in the background of the batch script
+* Hang watchdog: ``python -m hpctrain.fault.supervisor watch`` runs in the background of the batch script
   (outside the ranks, so a hung Python cannot stop it). Every rank runs a `RankBeat` thread writing
   ``metrics/ranks/rank-R.json`` (step reached, phase, time). When no rank's step advances for
   ``launch.hang_timeout_s``, the watchdog appends the silent ranks (behind the others, or not beating)
   to ``metrics/watchdog.jsonl`` and cancels the job; the supervisor reads that as a hang.
 
-Stdlib only at module level (the CLI imports it); SLURM commands go through hpctrain._slurm.
+Stdlib only at module level (the CLI imports it); SLURM commands go through hpctrain.slurm.commands.
 """
 
 from __future__ import annotations
@@ -38,11 +38,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpctrain import resubmit as policy_mod
-from hpctrain import runs as runs_mod
+from hpctrain.fault import policy as policy_mod
 
-# The node (RankBeat, inject) and the batch script (`python -m hpctrain.supervise watch`) use these names here.
-from hpctrain.watchdog import (
+# The node (RankBeat, inject) and the batch script (`python -m hpctrain.fault.supervisor watch`) use these names here.
+from hpctrain.fault.watchdog import (
     RankBeat,
     Watchdog,
     inject,
@@ -52,10 +51,11 @@ from hpctrain.watchdog import (
     silent_ranks,
     watchdog_records,
 )
-from hpctrain.watchdog import main as watchdog_main
+from hpctrain.fault.watchdog import main as watchdog_main
+from hpctrain.runs import folder as runs_mod
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hpctrain.spec import Spec
+    from hpctrain.spec.model import Spec
 
 __all__ = [
     "RankBeat",
@@ -100,7 +100,7 @@ def next_attempt_number(run_dir: Path, registry_attempts: list[int] | None = Non
 
 
 def latest_checkpoint(run_dir: Path) -> int | None:
-    from hpctrain.collect_metrics import complete_checkpoints
+    from hpctrain.collect.metrics import complete_checkpoints
 
     steps = complete_checkpoints(Path(run_dir) / "checkpoints")
     return steps[-1] if steps else None
@@ -113,9 +113,9 @@ def resubmit_run(run_dir: Path, *, exclude: tuple[str, ...] | None = None, time_
     and, when the run has retries left, its supervisor. Returns what was submitted."""
     import dataclasses as dc
 
-    from hpctrain import dispatch
-    from hpctrain.plan import make_plan
-    from hpctrain.spec import read_resolved, to_toml
+    from hpctrain.plan.planner import make_plan
+    from hpctrain.slurm import dispatch
+    from hpctrain.spec.model import read_resolved, to_toml
 
     run_dir = Path(run_dir).absolute()
     spec = read_resolved(run_dir)
@@ -145,7 +145,7 @@ def resubmit_run(run_dir: Path, *, exclude: tuple[str, ...] | None = None, time_
 
 def _registry_attempts(run_id: str) -> list[int]:
     try:
-        from hpctrain.registry import Registry
+        from hpctrain.runs.registry import Registry
 
         return [a.attempt for a in Registry().get_run(run_id).attempts]
     except Exception:  # noqa: BLE001 - a run this registry never saw: the folder is the record
@@ -155,7 +155,7 @@ def _registry_attempts(run_id: str) -> list[int]:
 def _registry_failure(run_id: str, attempt: int, failure_class: str) -> None:
     """The attempt's failure class into the registry (`hpctrain status` shows it); best effort."""
     try:
-        from hpctrain.registry import Registry
+        from hpctrain.runs.registry import Registry
 
         Registry().update_attempt(run_id, attempt, failure_class=failure_class)
     except Exception:  # noqa: BLE001,S110 - the run folder holds the record anyway
@@ -200,7 +200,7 @@ def _name(text: str) -> str:
 
 def arm(run_dir: Path, job_id: str, spec: Spec) -> str:
     """Submit the supervisor job for `job_id`; returns its job id."""
-    from hpctrain import _slurm
+    from hpctrain.slurm import commands as _slurm
 
     run_dir = Path(run_dir).absolute()
     path = run_dir / "submitit" / f"supervise-{job_id}.sh"
@@ -222,8 +222,8 @@ def _scrub_slurm_env() -> None:
 
 def wait_final(job_id: str, timeout_s: float = 120.0) -> Any:
     """sacct's record of the job once final (afterany fired, but slurmdbd may lag a moment)."""
-    from hpctrain import _slurm
-    from hpctrain.registry import FINAL_STATES
+    from hpctrain.runs.registry import FINAL_STATES
+    from hpctrain.slurm import commands as _slurm
 
     deadline = time.monotonic() + timeout_s
     rec = None
@@ -248,7 +248,7 @@ def already_decided(run_dir: Path, job_id: str) -> dict[str, Any] | None:
 def history(run_dir: Path, job_id: str, sacct_rec: Any = None) -> tuple[list[policy_mod.AttemptRecord], dict[str, Any]]:
     """The policy's view of every SLURM job of the run (oldest first) since the last manual
     resubmission, plus the collector's record of the run."""
-    from hpctrain import collect
+    from hpctrain.collect import summary as collect
 
     run_dir = Path(run_dir)
     try:
@@ -321,10 +321,10 @@ def _evidence(fail: dict[str, Any], run_dir: Path) -> str:
 
 
 def _run_input(run_dir: Path) -> Any:
-    from hpctrain import collect
+    from hpctrain.collect import summary as collect
 
     try:
-        from hpctrain.registry import Registry
+        from hpctrain.runs.registry import Registry
 
         reg = Registry()
         found, _, _ = collect.resolve_refs(reg, [run_dir.name], all_runs=False)
@@ -339,7 +339,7 @@ def down_hosts(nodelist: str) -> list[str]:
     """Hosts of `nodelist` that SLURM now reports down, drained or not responding."""
     if not nodelist:
         return []
-    from hpctrain import _slurm
+    from hpctrain.slurm import commands as _slurm
 
     try:
         states = _slurm.node_states(nodelist)
@@ -356,8 +356,8 @@ def supervise(run_dir: Path, job_id: str, ending: str | None = None) -> dict[str
     (a peer lost: see `take_over`). Then nothing waits for sacct's final record."""
     import fcntl
 
-    from hpctrain import _slurm
-    from hpctrain.spec import read_resolved
+    from hpctrain.slurm import commands as _slurm
+    from hpctrain.spec.model import read_resolved
 
     run_dir = Path(run_dir).absolute()
     _scrub_slurm_env()
@@ -418,7 +418,7 @@ def take_over(run_dir: Path, job_id: str) -> dict[str, Any] | None:
 
 
 def fit_of(spec: Spec) -> policy_mod.Fit:
-    from hpctrain import _slurm
+    from hpctrain.slurm import commands as _slurm
 
     try:
         info = _slurm.partition_info(spec.resources.partition, tries=2)
@@ -429,7 +429,7 @@ def fit_of(spec: Spec) -> policy_mod.Fit:
 
 def _refresh_summary(run_dir: Path) -> None:
     try:
-        from hpctrain import collect
+        from hpctrain.collect import summary as collect
 
         inp = _run_input(run_dir)
         collect.write_summary(collect.build_run(inp))
@@ -437,6 +437,6 @@ def _refresh_summary(run_dir: Path) -> None:
         pass
 
 
-# ============================================================================ `python -m hpctrain.supervise`
+# ============================================================================ `python -m hpctrain.fault.supervisor`
 if __name__ == "__main__":
     sys.exit(watchdog_main())

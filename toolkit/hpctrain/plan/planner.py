@@ -3,7 +3,7 @@ parameter count, a memory estimate per rank and per host, and the ZeRO/offload/r
 micro-batch and activation-checkpointing choices.
 
 Pure arithmetic (no torch): it runs on a login node in milliseconds. The memory model lives in
-`hpctrain.plan_memory` (mixed-precision accounting as DeepSpeed 0.19.8's ZeRO stages allocate it,
+`hpctrain.plan.memory` (mixed-precision accounting as DeepSpeed 0.19.8's ZeRO stages allocate it,
 activations, logits, pinned host buffers; the figures it was checked against are listed there).
 Its purpose is to refuse hopeless plans and to pick the fastest setting that fits.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.errors import HpcUsageError, bad_value
-from hpctrain.plan_memory import (
+from hpctrain.plan.memory import (
     DEFAULT_GPU_GB,
     DEFAULT_HOST_GB,
     SUB_GROUP_SIZE,
@@ -27,9 +27,9 @@ from hpctrain.plan_memory import (
     layer_params,
     parse_mem_gb,
 )
-from hpctrain.presets import PRESETS
-from hpctrain.spec import Model, Spec
-from hpctrain.spec_rules import how_to_set
+from hpctrain.spec.model import Model, Spec
+from hpctrain.spec.presets import PRESETS
+from hpctrain.spec.rules import how_to_set
 
 OFFLOADS_IN_ORDER = ("none", "optimizer", "param", "all")
 
@@ -143,7 +143,7 @@ def batch_sizes(spec: Spec, dp: int) -> tuple[int, int, int]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Memory (the model itself is hpctrain.plan_memory)
+# Memory (the model itself is hpctrain.plan.memory)
 
 RATIO_STEP = 0.05  # offload_ratio auto tries 0.05, 0.10, ... 1.0
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hpctrain import collect_metrics as cm
+from hpctrain.collect import metrics as cm
 
 
 class PlotUnavailable(RuntimeError):

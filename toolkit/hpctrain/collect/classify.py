@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from hpctrain.collect_logs import clean_text  # re-exported: callers and tests use cc.clean_text
+from hpctrain.collect.logs import clean_text  # re-exported: callers and tests use cc.clean_text
 
 # Failure classes (the `failure_class` field of summary.json; docs/summary.md explains each).
 GPU_OOM = "gpu_oom"
@@ -193,7 +193,7 @@ def _kind_of_exception(exc: str) -> str:
 
 
 def _time_at(lines: list[str], index: int) -> float | None:
-    from hpctrain.collect_logs import parse_time  # local: collect_logs imports this module
+    from hpctrain.collect.logs import parse_time  # local: collect_logs imports this module
 
     for ln in reversed(lines[max(0, index - 400):index + 1]):
         t = parse_time(ln)
@@ -386,7 +386,7 @@ def lost_host(sources: list[LogSource], resolve: bool = True) -> str | None:
     the peer the survivors' "connection closed by peer [addr]:port" errors name (an address resolved
     through the hosts database); else the only host(s) whose logs just stop (no error, no end line)
     while others' logs end in errors; else the host that stopped logging first, by a second or more."""
-    from hpctrain.collect_logs import last_timestamp  # local: collect_logs imports this module
+    from hpctrain.collect.logs import last_timestamp  # local: collect_logs imports this module
 
     hosts = {s.host for s in sources if s.host}
     if len(hosts) < 2:

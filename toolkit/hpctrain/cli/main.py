@@ -18,8 +18,8 @@ import click
 from hpctrain import __version__
 
 if TYPE_CHECKING:
-    from hpctrain.plan import Plan
-    from hpctrain.spec import Spec
+    from hpctrain.plan.planner import Plan
+    from hpctrain.spec.model import Spec
 
 RUNTIMES = ("none", "apptainer", "pyxis", "podman", "charliecloud")
 
@@ -86,7 +86,7 @@ def spec_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 def flags_from_options(opts: dict[str, Any]) -> dict[str, Any]:
     """Click option values -> dotted spec keys (None = not given, so lower layers stay)."""
     from hpctrain.errors import bad_value
-    from hpctrain.presets import PRESETS
+    from hpctrain.spec.presets import PRESETS
 
     flags: dict[str, Any] = {}
     for flag, key, _typ, _help in _SIMPLE_FLAGS:
@@ -116,8 +116,8 @@ def flags_from_options(opts: dict[str, Any]) -> dict[str, Any]:
 
 def _resolve(runfile: str | None, opts: dict[str, Any], point: dict[str, Any] | None = None,
              check: bool = True) -> tuple[Spec, Plan]:
-    from hpctrain.plan import make_plan
-    from hpctrain.spec import resolve
+    from hpctrain.plan.planner import make_plan
+    from hpctrain.spec.model import resolve
 
     flags = {**flags_from_options(opts), **(point or {})}
     spec = resolve(runfile, flags, opts.get("site"), check=check)
@@ -186,8 +186,8 @@ def print_plan(spec: Spec, plan: Plan) -> None:
 @click.option("--slots", required=True, type=int, help="Ranks per host (GPUs per node).")
 def hostfile_cmd(nodelist: str, slots: int) -> None:
     """Expand NODELIST and print `host slots=N` lines (duplicates and empty lists are errors)."""
-    from hpctrain.nodelist import expand
-    from hpctrain.render import render_hostfile
+    from hpctrain.render.sbatch import render_hostfile
+    from hpctrain.slurm.nodelist import expand
 
     click.echo(render_hostfile(expand(nodelist), slots), nl=False)
 
@@ -197,8 +197,8 @@ def hostfile_cmd(nodelist: str, slots: int) -> None:
 
 def run_files(spec: Spec, plan: Plan, script: str) -> dict[str, str]:
     """The files a run folder starts with (DESIGN.md job folder)."""
-    from hpctrain.render import render_ds_config
-    from hpctrain.spec import to_toml
+    from hpctrain.render.sbatch import render_ds_config
+    from hpctrain.spec.model import to_toml
 
     return {"spec.toml": to_toml(spec), "plan.json": plan.to_json(),
             "ds_config.json": json.dumps(render_ds_config(spec, plan), indent=2) + "\n", "sbatch.sh": script}
@@ -208,7 +208,7 @@ def _script(spec: Spec, plan: Plan, run_dirs: list[Path], mode: str = "train") -
     """The batch script as it would be submitted (one job, or one array over run_dirs)."""
     import shlex
 
-    from hpctrain.render import render_sbatch, submitit_command
+    from hpctrain.render.sbatch import render_sbatch, submitit_command
 
     first = run_dirs[0]
     command = submitit_command(shlex.quote(sys.executable), str(first / "submitit"))
@@ -240,8 +240,8 @@ def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry
                as_json: bool, **opts: Any) -> None:
     """Resolve RUNFILE + flags into a spec and plan, write the run folder(s), submit one job
     (or one job array for --sweep). With --dry-run, print the sbatch script instead."""
-    from hpctrain import runs
-    from hpctrain.spec import parse_sweep
+    from hpctrain.runs import folder as runs
+    from hpctrain.spec.model import parse_sweep
 
     if out and not dry_run:
         from hpctrain.errors import bad_value
@@ -254,8 +254,8 @@ def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry
     spec, plan = points[0]
     mode = "preflight" if preflight else "train"
     if not dry_run:  # runtime known, executor runs containers, image exists: refuse before any folder
-        from hpctrain.containers import check_submit
-        from hpctrain.dispatch import resolve_executor
+        from hpctrain.render.containers import check_submit
+        from hpctrain.slurm.dispatch import resolve_executor
 
         check_submit(spec, executor=resolve_executor(spec.launch.executor))
     if dry_run:
@@ -265,7 +265,7 @@ def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry
             dirs = [(runs.runs_dir_default() / runs.new_run_id(s.name)).absolute() for s, _ in points]
         script = _script(spec, plan, dirs, mode)
         if as_json:
-            from hpctrain.render import render_ds_config
+            from hpctrain.render.sbatch import render_ds_config
 
             click.echo(json.dumps({"dry_run": True, "run_dirs": [str(d) for d in dirs], "sbatch": script,
                                    "plans": [json.loads(p.to_json()) for _, p in points],
@@ -275,10 +275,10 @@ def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry
         return
     run_dirs = _create_runs(points, mode)
     try:
-        from hpctrain import dispatch
+        from hpctrain.slurm import dispatch
 
         subs = dispatch.submit(run_dirs, spec, plan, spec.launch.executor, mode=mode)
-        from hpctrain.supervise import arm_submitted  # FAULT: the supervisor job (automatic retries)
+        from hpctrain.fault.supervisor import arm_submitted  # FAULT: the supervisor job (automatic retries)
 
         arm_submitted(subs, spec, mode)
     except click.ClickException:  # refused or SLURM unreachable: nothing was submitted, leave nothing
@@ -291,7 +291,7 @@ def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry
 def _check_sweep_binds(points: list[tuple[Spec, Plan]]) -> None:
     """A sweep shares one batch script, so in a container every point must need the same binds."""
     from hpctrain.errors import bad_value
-    from hpctrain.render import container_binds
+    from hpctrain.render.sbatch import container_binds
 
     spec = points[0][0]
     if spec.container.runtime == "none" or len(points) < 2:
@@ -306,7 +306,7 @@ def _check_sweep_binds(points: list[tuple[Spec, Plan]]) -> None:
 
 def _create_runs(points: list[tuple[Spec, Plan]], mode: str) -> list[Path]:
     """One private run folder per point, each created whole (temp dir + rename) or not at all."""
-    from hpctrain import runs
+    from hpctrain.runs import folder as runs
 
     base = runs.runs_dir_default()
     ids = [runs.new_run_id(s.name) for s, _ in points]
@@ -340,7 +340,11 @@ def main() -> None:
 
 # Command groups of their own modules, each importing only click at module level:
 # list/status/cancel, logs/summary, image, resubmit/supervise, export.
-from hpctrain import cli_collect, cli_export, cli_fault, cli_image, cli_runs
+from hpctrain.cli import collect as cli_collect
+from hpctrain.cli import export as cli_export
+from hpctrain.cli import fault as cli_fault
+from hpctrain.cli import image as cli_image
+from hpctrain.cli import runs as cli_runs
 
 for _module in (cli_runs, cli_collect, cli_image, cli_fault, cli_export):
     _module.register(cli)

@@ -16,16 +16,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpctrain import __version__, containers
+from hpctrain import __version__
 from hpctrain.errors import HpcUsageError, bad_value
-from hpctrain.plan_memory import SUB_GROUP_SIZE
-from hpctrain.spec import Spec
-from hpctrain.spec_rules import secret_names
+from hpctrain.plan.memory import SUB_GROUP_SIZE
+from hpctrain.render import containers
+from hpctrain.spec.model import Spec
+from hpctrain.spec.rules import secret_names
 
 if TYPE_CHECKING:
     import jinja2
 
-    from hpctrain.plan import Plan
+    from hpctrain.plan.planner import Plan
 
 NODE_MODULE = "hpctrain.node"
 PODMAN_PASSTHROUGH = containers.PODMAN_PASSTHROUGH
@@ -41,12 +42,12 @@ def shipped_templates() -> Path:
             return path
     except (ModuleNotFoundError, TypeError):
         pass
-    return Path(__file__).resolve().parents[2] / "templates"
+    return Path(__file__).resolve().parents[3] / "templates"
 
 
 def template_dirs(spec: Spec | None = None) -> list[Path]:
     """Search path, first match wins: spec/site template_dir, config dir templates/, shipped ones."""
-    from hpctrain.config import config_dir
+    from hpctrain.spec.site import config_dir
 
     dirs = []
     if spec is not None and spec.launch.template_dir:
@@ -144,7 +145,7 @@ def container_wrap(spec: Spec, run_dirs: Sequence[Path], workdir: str) -> tuple[
     """(extra srun flags, command prefix) for the container runtime; both are shell-safe words.
 
     none: nothing. pyxis: srun flags. apptainer/podman/charliecloud: a prefix before the command.
-    The runtimes themselves live in hpctrain.containers.
+    The runtimes themselves live in hpctrain.render.containers.
     """
     return containers.wrap(spec, container_binds(spec, run_dirs), workdir)
 
@@ -257,12 +258,12 @@ def render_sbatch(spec: Spec, plan: Plan, run_dir: Path, command: str, *, array:
 
 
 def _watchdog_line(spec: Spec, plan: Plan, command: str, python: str | None) -> str:
-    """The hang watchdog the batch script runs in the background (hpctrain.supervise; stdlib only, on the
+    """The hang watchdog the batch script runs in the background (hpctrain.fault.supervisor; stdlib only, on the
     host, with the submitting python). Empty when launch.hang_timeout_s is 0."""
     if not spec.launch.hang_timeout_s or not (python or command.strip()):
         return ""
     py = shlex.quote(shlex.split(command)[0]) if command.strip() else str(python)
-    return (f'{py} -m hpctrain.supervise watch "$HPCTRAIN_RUN_DIR" --timeout {spec.launch.hang_timeout_s} '
+    return (f'{py} -m hpctrain.fault.supervisor watch "$HPCTRAIN_RUN_DIR" --timeout {spec.launch.hang_timeout_s} '
             f"--world {plan.world_size}")
 
 

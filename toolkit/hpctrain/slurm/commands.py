@@ -262,7 +262,7 @@ def allow_requeue(job_id: str) -> bool:
 def node_states(nodelist: str) -> dict[str, str]:
     """State of each node of a hostlist as sinfo reports it ("idle", "down*", "drained", "mixed"...).
 
-    Used by the supervisor (hpctrain.supervise) to name the dead node of a NODE_FAIL.
+    Used by the supervisor (hpctrain.fault.supervisor) to name the dead node of a NODE_FAIL.
     """
     out = _run(["sinfo", "-h", "-N", "-n", nodelist, "-o", "%N|%T"]).stdout
     states: dict[str, str] = {}

@@ -64,7 +64,7 @@ def _first_int(env: Mapping[str, str], *names: str) -> int | None:
 
 def _expand_nodelist(text: str) -> list[str]:
     try:
-        from hpctrain.nodelist import expand
+        from hpctrain.slurm.nodelist import expand
     except ImportError:  # pragma: no cover - only if the package is partially installed
         return [h for h in text.split(",") if h]
     return expand(text)

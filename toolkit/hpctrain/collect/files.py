@@ -11,14 +11,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hpctrain import collect_logs as cl
+from hpctrain.collect import logs as cl
 
 
 def hosts_of(nodelist: str) -> list[str]:
     if not nodelist:
         return []
     try:
-        from hpctrain.nodelist import expand
+        from hpctrain.slurm.nodelist import expand
 
         return expand(nodelist)
     except Exception:  # noqa: BLE001 - a malformed nodelist: keep the plain names, never fail the collector
@@ -28,7 +28,7 @@ def hosts_of(nodelist: str) -> list[str]:
 def rank_hosts(job_files: list[cl.LogFile], nodelist: str, ranks_per_node: int) -> dict[int, str]:
     """rank -> host: submitit's JobEnvironment line is ground truth; SLURM's block distribution over
     the job's nodelist (ranks_per_node per host, in order) fills the rest."""
-    from hpctrain import collect_classify as cc  # here: its regexes are only needed when logs are read
+    from hpctrain.collect import classify as cc  # here: its regexes are only needed when logs are read
 
     out: dict[int, str] = {}
     hosts = hosts_of(nodelist)

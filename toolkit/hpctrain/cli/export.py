@@ -42,6 +42,6 @@ def _run_dir(ref: str) -> Path:
     """A path to a run folder is taken as is; anything else is looked up in the registry."""
     if Path(ref, "spec.toml").is_file():
         return Path(ref).resolve()
-    from hpctrain.cli_runs import _find, _registry
+    from hpctrain.cli.runs import _find, _registry
 
     return Path(_find(_registry(), ref).folder)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hpctrain.registry import Registry, Run
+    from hpctrain.runs.registry import Registry, Run
 
 
 def register(group: click.Group) -> None:
@@ -24,14 +24,14 @@ def register(group: click.Group) -> None:
 
 # -- shared helpers -----------------------------------------------------------------------------
 def _registry() -> Registry:
-    from hpctrain.registry import Registry
+    from hpctrain.runs.registry import Registry
 
     return Registry()
 
 
 def _find(reg: Registry, ref: str) -> Run:
     from hpctrain.errors import HpcUsageError
-    from hpctrain.registry import RunNotFound
+    from hpctrain.runs.registry import RunNotFound
 
     try:
         return reg.get_run(ref)
@@ -51,8 +51,8 @@ def refresh(reg: Registry, runs: list[Run]) -> list[str]:
     state is cached in the registry.
     Returns warnings (e.g. sacct unavailable) instead of failing: cached states are still useful.
     """
-    from hpctrain import runs as runs_mod
-    from hpctrain.registry import FINAL_STATES
+    from hpctrain.runs import folder as runs_mod
+    from hpctrain.runs.registry import FINAL_STATES
 
     now = time.time()
     pending = [(r, a) for r in runs for a in r.attempts if _unsettled(r.executor, a, now)]
@@ -62,7 +62,7 @@ def refresh(reg: Registry, runs: list[Run]) -> list[str]:
     fresh: dict[str, dict[str, Any]] = {}
     slurm_ids = [a.job_id for r, a in pending if r.executor == "slurm"]
     if slurm_ids:
-        from hpctrain import _slurm
+        from hpctrain.slurm import commands as _slurm
 
         try:
             for jid, rec in _slurm.sacct_states(slurm_ids).items():
@@ -75,7 +75,7 @@ def refresh(reg: Registry, runs: list[Run]) -> list[str]:
         if run.executor == "local":
             from pathlib import Path
 
-            from hpctrain.dispatch import local_state
+            from hpctrain.slurm.dispatch import local_state
 
             # The reason (e.g. "see 123_0_result.pkl") is for humans; collect assigns failure classes.
             state, _ = local_state(Path(run.folder), att.job_id)
@@ -195,7 +195,7 @@ def cancel(run: str, as_json: bool) -> None:
     refresh(reg, [rec])
     live = [a for a in rec.attempts if not a.final]
     if rec.executor == "slurm" and live:
-        from hpctrain import _slurm
+        from hpctrain.slurm import commands as _slurm
 
         _slurm.scancel([a.job_id for a in live])  # raises (nothing recorded) if slurmctld is down
     elif live:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 from hpctrain.errors import HpcUsageError, bad_value
 
 if TYPE_CHECKING:
-    from hpctrain.spec import Spec
+    from hpctrain.spec.model import Spec
 
 RUNTIMES = ("none", "apptainer", "pyxis", "podman", "charliecloud")
 BINARY = {"apptainer": "apptainer", "pyxis": "srun", "podman": "podman", "charliecloud": "ch-run"}
@@ -116,7 +116,7 @@ def wrap(spec: Spec, binds: Sequence[tuple[str, str]], workdir: str) -> tuple[li
 
 
 def _podman(spec: Spec, binds: Sequence[tuple[str, str]], workdir: str, gpu: bool) -> list[str]:
-    from hpctrain.spec_rules import secret_names
+    from hpctrain.spec.rules import secret_names
 
     q = shlex.quote
     # runc, a global option (`podman run` has none): crun fails on hybrid cgroup hosts. Limits podman may set

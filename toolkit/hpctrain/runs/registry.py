@@ -6,7 +6,7 @@ for every write (take the write lock up front instead of failing on lock upgrade
 bounded retry loop on "database is locked" for the cases busy_timeout does not cover.
 
 Nothing secret is stored here: callers pass a spec summary already stripped of secrets
-(`hpctrain.dispatch.spec_summary`), and this module refuses well-known secret keys anyway.
+(`hpctrain.slurm.dispatch.spec_summary`), and this module refuses well-known secret keys anyway.
 """
 
 from __future__ import annotations

@@ -24,12 +24,12 @@ def _run_dir(ref: str) -> tuple[Path, list[str]]:
 
     p = Path(ref)
     if p.is_dir() and (p / "spec.toml").is_file():
-        from hpctrain.runs import read_attempts
+        from hpctrain.runs.folder import read_attempts
 
         jobs = [str(r["job_id"]) for r in read_attempts(p / "attempts.jsonl") if r.get("job_id")]
         return p.absolute(), list(dict.fromkeys(jobs))
-    from hpctrain.cli_runs import _find, refresh
-    from hpctrain.registry import Registry
+    from hpctrain.cli.runs import _find, refresh
+    from hpctrain.runs.registry import Registry
 
     reg = Registry()
     run = _find(reg, ref)
@@ -56,17 +56,17 @@ def resubmit_cmd(run: str, exclude_failed_nodes: bool, extra_exclude: str, max_r
     attempt; the ranks resume from the latest complete checkpoint. Refused while an attempt still runs."""
     import fcntl
 
-    from hpctrain import resubmit as pol
-    from hpctrain import runs as runs_mod
-    from hpctrain import supervise as sup
-    from hpctrain.collect import FINAL
+    from hpctrain.collect.summary import FINAL
     from hpctrain.errors import HpcUsageError, bad_value
-    from hpctrain.spec import read_resolved
+    from hpctrain.fault import policy as pol
+    from hpctrain.fault import supervisor as sup
+    from hpctrain.runs import folder as runs_mod
+    from hpctrain.spec.model import read_resolved
 
     if max_retries is not None and max_retries < 0:
         raise bad_value("--max-retries", max_retries, "cannot be negative", "pass --max-retries 0 or more")
     if time_limit is not None:
-        from hpctrain.dispatch import time_minutes
+        from hpctrain.slurm.dispatch import time_minutes
 
         try:
             time_minutes(time_limit)
@@ -133,7 +133,7 @@ def supervise_cmd(run_dir: str, job_id: str, as_json: bool) -> None:
     """Collect the attempt that ended, apply the retry policy, and resubmit (new job + new supervisor)
     or stop with the reason. Submitted by `hpctrain submit` as `sbatch --dependency=afterany:JOB`;
     safe to run by hand and more than once (a job is decided once)."""
-    from hpctrain import supervise as sup
+    from hpctrain.fault import supervisor as sup
 
     decision = sup.supervise(Path(run_dir), job_id)
     if as_json:

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpctrain import collect_logs as cl
-from hpctrain import collect_metrics as cm
-from hpctrain.collect_files import (
+from hpctrain.collect import logs as cl
+from hpctrain.collect import metrics as cm
+from hpctrain.collect.files import (
     attempt_files,
     expand_requeues,
     hosts_of,
@@ -32,7 +32,7 @@ from hpctrain.collect_files import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hpctrain.registry import Attempt, Registry, Run
+    from hpctrain.runs.registry import Attempt, Registry, Run
 
 SCHEMA_VERSION = 1
 
@@ -43,7 +43,7 @@ def _collector_version() -> str:
     import hashlib
 
     h = hashlib.sha1()
-    for name in ("collect.py", "collect_classify.py", "collect_metrics.py", "collect_logs.py", "collect_files.py"):
+    for name in ("summary.py", "classify.py", "metrics.py", "logs.py", "files.py"):
         try:
             h.update((Path(__file__).parent / name).read_bytes())
         except OSError:
@@ -96,7 +96,7 @@ def _attempt_dict(a: Attempt) -> dict[str, Any]:
 def from_folder(folder: Path) -> RunInput:
     """A run known only by its folder (not in this registry): attempts.jsonl is the record."""
     latest: dict[int, dict[str, Any]] = {}
-    from hpctrain.runs import read_attempts
+    from hpctrain.runs.folder import read_attempts
 
     for rec in read_attempts(folder / "attempts.jsonl"):
         k = rec.get("attempt")
@@ -158,7 +158,7 @@ def _attempt_row(inp: RunInput, a: dict[str, Any], files: list[cl.LogFile], recs
                  earlier: list[dict[str, Any]], ckpts: list[int], shape: Shape, is_last: bool,
                  heartbeat: dict[str, Any] | None, now: float) -> dict[str, Any]:
     # Imported here: its ~40 regexes cost more than reading a cached summary, the common case.
-    from hpctrain import collect_classify as cc
+    from hpctrain.collect import classify as cc
 
     k = int(a["attempt"])
     state = str(a.get("state") or "UNKNOWN")
@@ -210,7 +210,7 @@ def _attempt_row(inp: RunInput, a: dict[str, Any], files: list[cl.LogFile], recs
 
 def _peer_lost_failure(lost: dict[str, Any], found: Any) -> Any:
     """The watchdog's peer-lost verdict as the attempt's failure: node_fail on the silent host."""
-    from hpctrain import collect_classify as cc
+    from hpctrain.collect import classify as cc
 
     hosts, ranks = lost.get("silent_hosts") or [], lost.get("silent_ranks") or []
     return cc.Failure(cc.NODE_FAIL, str(lost.get("message") or "a peer's node went away"),
@@ -219,10 +219,10 @@ def _peer_lost_failure(lost: dict[str, Any], found: Any) -> Any:
 
 
 def _with_fault_notes(folder: Path, atts: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """What hpctrain.supervise wrote to attempts.jsonl about each job (the --exclude it ran with, the
+    """What hpctrain.fault.supervisor wrote to attempts.jsonl about each job (the --exclude it ran with, the
     watchdog's hang / peer-lost verdict, the retry decision), onto the job's last row (not a REQUEUED run
     of it). The watchdog's own file fills in a verdict no supervisor recorded (a run with retries 0)."""
-    from hpctrain.runs import read_attempts
+    from hpctrain.runs.folder import read_attempts
 
     notes: dict[str, dict[str, Any]] = {}
     for rec in read_attempts(folder / "attempts.jsonl"):
@@ -347,7 +347,7 @@ def resolve_refs(reg: Registry, refs: list[str], all_runs: bool) -> tuple[list[R
     A ref may be a run id, a unique prefix, or a run folder path (for runs this registry never saw).
     Unknown refs do not stop the others from being summarised.
     """
-    from hpctrain.registry import RunNotFound
+    from hpctrain.runs.registry import RunNotFound
 
     errors: list[str] = []
     warnings: list[str] = []
@@ -384,7 +384,7 @@ def _inputs(reg: Registry, runs: list[Run], warnings: list[str]) -> list[RunInpu
     """ONE sacct call for every unfinished SLURM attempt in view (DISPATCH's refresh), and the
     registry keeps final states so the next refresh skips them."""
     try:
-        from hpctrain.cli_runs import refresh
+        from hpctrain.cli.runs import refresh
 
         warnings.extend(refresh(reg, runs))
     except Exception as exc:  # noqa: BLE001 - sacct missing, slurmdbd down, registry locked: stale states help

@@ -17,7 +17,17 @@ from typing import TYPE_CHECKING, Any, Literal, Union
 from hpctrain.errors import bad_value
 
 if TYPE_CHECKING:
-    from hpctrain.spec import Checkpoint, Container, Data, Launch, Model, Parallel, Resources, Spec, Train
+    from hpctrain.spec.model import (
+        Checkpoint,
+        Container,
+        Data,
+        Launch,
+        Model,
+        Parallel,
+        Resources,
+        Spec,
+        Train,
+    )
 
 # Run-file sections are the dataclass names in lower case: Resources -> [resources].
 SECTION_CLASSES = ("Resources", "Launch", "Model", "Data", "Train", "Parallel", "Checkpoint", "Container")

@@ -1,7 +1,7 @@
 """The retry policy: a pure decision from a run's attempt history to the next action.
 
 `decide(history, policy, fit)` looks only at its arguments (no SLURM, no files, no clock), so every rule
-is unit-tested with plain records and the supervisor (`hpctrain.supervise`) is just plumbing around it:
+is unit-tested with plain records and the supervisor (`hpctrain.fault.supervisor`) is just plumbing around it:
 
 * COMPLETED                                -> done
 * a user error (Python exception in the user's code or config, a bad input file, an OOM the same
@@ -27,7 +27,7 @@ from typing import Any, Literal
 # The retry budget a spec may ask for is capped: a run that failed ten times needs a person.
 MAX_RETRIES_CAP = 10
 
-# Failure classes (hpctrain.collect_classify) by what a retry can do about them.
+# Failure classes (hpctrain.collect.classify) by what a retry can do about them.
 RETRY_CLASSES = frozenset({"node_fail", "preempted", "time_limit", "hang", "comm_timeout", "preflight", "unknown"})
 USER_CLASSES = frozenset({"python_exception", "gpu_oom", "host_oom", "container_error", "input_error"})
 # Exit code 2 is the node's "bad input" (node/main.py EXIT_INPUT: a config or data file to fix).

@@ -1,0 +1,1 @@
+"""sacct records, events, logs and metrics turned into one summary per run."""

@@ -1,0 +1,1 @@
+"""SLURM: the one wrapper around its commands, nodelist parsing, and dispatch through submitit."""
