@@ -1,6 +1,6 @@
 """`hpctrain logs RUN` and `hpctrain summary [RUN ...|--all]` -- the collector's commands.
 
-`register(group)` adds them to the main group (cli.py calls it). Only click at module level: rich,
+`register(group)` adds them to the main group (cli/main.py calls it). Only click at module level: rich,
 the registry, sacct and matplotlib load inside the commands.
 """
 

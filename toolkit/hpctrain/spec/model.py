@@ -39,7 +39,7 @@ Runtime = Literal["none", "apptainer", "pyxis", "podman", "charliecloud"]
 
 @dataclass(frozen=True, kw_only=True)
 class Resources:
-    """What SLURM allocates. Every count below derives from these once (see plan.py)."""
+    """What SLURM allocates. Every count below derives from these once (see plan/planner.py)."""
 
     nodes: int = 1
     gpus_per_node: int = 0  # 0 = CPU ranks (DS_ACCELERATOR=cpu, gloo)
