@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import runpy
+import sys
 import time
 from pathlib import Path
 
@@ -238,6 +240,34 @@ def test_watchdog_peer_lost_names_the_dead_host_after_the_confirm_window(tmp_pat
     assert rec is not None and rec["event"] == "peer_lost" and rec["job_id"] == "7"
     assert rec["silent_hosts"] == ["node2"] and rec["silent_ranks"] == [1] and rec["last_step"] == 20
     assert "rank 0 on node1 lost its peer on node2" in rec["message"]
+
+
+def test_watchdog_hands_a_lost_peer_to_on_peer_lost_before_the_cancel(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The watchdog does not import the supervisor: `python -m hpctrain.fault.supervisor watch` passes
+    take_over in, and the watchdog calls it with (run_dir, job) before it cancels the job."""
+    from hpctrain.fault import watchdog
+    from hpctrain.slurm import commands as _slurm
+
+    order: list[object] = []
+    monkeypatch.setattr(_slurm, "queue_state", lambda job: "RUNNING")
+    monkeypatch.setattr(_slurm, "scancel", lambda jobs: order.append(("scancel", tuple(jobs))))
+    now = time.time()
+    for r in range(3):
+        _beat(tmp_path, r, 20, "compute", now - 10)
+    _failed(tmp_path, 0, 21, now - 5)
+    w = watchdog.Watchdog(tmp_path, "7", timeout_s=300, world=3, restart="0",
+                          on_peer_lost=lambda run_dir, job: order.append(("decide", run_dir, job)) or None)
+    rec = w.run()
+    assert rec is not None and rec["event"] == "peer_lost"
+    assert order == [("decide", tmp_path, "7"), ("scancel", ("7",))]
+
+    seen: dict[str, object] = {}
+    monkeypatch.setattr(watchdog, "main", lambda argv=None, on_peer_lost=None: seen.update(hook=on_peer_lost) or 0)
+    monkeypatch.delitem(sys.modules, "hpctrain.fault.supervisor")  # runpy runs a fresh copy as __main__
+    with pytest.raises(SystemExit):
+        runpy.run_module("hpctrain.fault.supervisor", run_name="__main__")
+    assert getattr(seen["hook"], "__name__", None) == "take_over"
 
 
 def test_watchdog_peer_lost_ignores_user_errors_and_blames_quiet_hosts_without_a_name(tmp_path: Path) -> None:

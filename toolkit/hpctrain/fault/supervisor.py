@@ -431,4 +431,4 @@ def _refresh_summary(run_dir: Path) -> None:
 
 # ============================================================================ `python -m hpctrain.fault.supervisor`
 if __name__ == "__main__":
-    sys.exit(watchdog_main())
+    sys.exit(watchdog_main(on_peer_lost=take_over))

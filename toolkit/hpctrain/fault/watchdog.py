@@ -22,6 +22,7 @@ import re
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +139,9 @@ class Watchdog:
     # A live node's task exit ends the step within a second (srun --kill-on-bad-exit); still running this
     # long after a rank lost its peer means srun waits for a node that does not answer. 0: no peer check.
     peer_confirm_s: float = 3.0
+    # Called with (run_dir, job) on a lost peer, before the cancel; returns the decision it made, if any.
+    # The supervisor passes its take_over (this module stays below the supervisor, which imports it).
+    on_peer_lost: Callable[[Path, str], dict[str, Any] | None] | None = None
 
     def __post_init__(self) -> None:
         self.grace_s = self.grace_s or max(3 * self.timeout_s, 600.0)
@@ -182,12 +186,12 @@ class Watchdog:
             return True
 
     def _decide_now(self) -> None:
-        """Retry without the dead host before the cancel (hpctrain.fault.supervisor.take_over says why); on any
-        failure the supervisor job still decides, later."""
+        """Retry without the dead host before the cancel (`on_peer_lost`: hpctrain.fault.supervisor.take_over
+        says why); on any failure the supervisor job still decides, later."""
+        if self.on_peer_lost is None:
+            return
         try:
-            from hpctrain.fault import supervisor as supervise
-
-            decision = supervise.take_over(Path(self.run_dir), self.job)
+            decision = self.on_peer_lost(Path(self.run_dir), self.job)
             if decision:
                 print(f"hpctrain watchdog: {decision['action']}: {decision['reason']}", file=sys.stderr, flush=True)
         except Exception as exc:  # noqa: BLE001 - the supervisor job is the fallback
@@ -244,7 +248,8 @@ def log_attempt(env: dict[str, str] | None = None) -> int:
     return (int(base) if base.isdigit() else 0) + (int(restarts) if restarts.isdigit() else 0)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None,
+         on_peer_lost: Callable[[Path, str], dict[str, Any] | None] | None = None) -> int:
     """`watch RUN_DIR --timeout S [--world N]`: the batch script's watchdog (no click: starts fast)."""
     import argparse
 
@@ -260,5 +265,5 @@ def main(argv: list[str] | None = None) -> int:
         print("hpctrain watchdog: no SLURM_JOB_ID; nothing to watch", file=sys.stderr)
         return 2
     Watchdog(Path(a.run_dir), a.job, a.timeout, world=a.world, attempt=log_attempt(),
-             restart=os.environ.get("SLURM_RESTART_COUNT") or "0").run()
+             restart=os.environ.get("SLURM_RESTART_COUNT") or "0", on_peer_lost=on_peer_lost).run()
     return 0
