@@ -21,7 +21,7 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip setuptools wheel
 
-# Login-node install: the CLI only (click, jinja2, submitit, rich). No torch.
+# Login-node install: the CLI only (click, jinja2, submitit, rich, tomli-w). No torch.
 install-base: $(VENV)/bin/python
 	$(PIP) install -e .
 

@@ -30,7 +30,7 @@ def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def no_dispatch(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """Replace dispatch.submit with a recorder (the real one is DISPATCH's, tested there)."""
+    """Replace dispatch.submit with a recorder (the real one is tested in test_dispatch.py)."""
     from hpctrain.slurm import dispatch
 
     calls: list[Any] = []

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import click
 import pytest
 
+from hpctrain.render import sbatch as render_sbatch_mod
 from hpctrain.runs import folder as runs
 from hpctrain.runs.registry import Registry
 from hpctrain.slurm import commands as _slurm
@@ -206,6 +207,7 @@ def stand_in_render(monkeypatch: pytest.MonkeyPatch) -> None:
 
     mod = types.ModuleType("hpctrain.render.sbatch")
     mod.render_sbatch = _stand_in_render  # type: ignore[attr-defined]
+    mod.submitit_command = render_sbatch_mod.submitit_command  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "hpctrain.render.sbatch", mod)
     monkeypatch.setattr(hpctrain.render, "sbatch", mod, raising=False)
 
@@ -225,12 +227,25 @@ def test_submit_one_job_records_after_sbatch(fake_slurm: Path, stand_in_render: 
     subs = dispatch.submit([d], _spec(), _plan(), "slurm", mode="preflight")  # type: ignore[arg-type]
     assert [s.job_id for s in subs] == ["101"]
     assert (d / "sbatch.sh").read_text() == (fake_slurm / "submitted-101.sh").read_text()
-    assert (d / "submitit" / "101_submitted.pkl").is_file()
+    _assert_pickled_call(d / "submitit" / "101_submitted.pkl", d, "preflight")
+    assert (d / "submitit" / "101_submission.sh").read_text() == (d / "sbatch.sh").read_text()
     assert "HF_TOKEN=hf_canary" in (fake_slurm / "env-101").read_text()  # reaches sbatch by environment
     run = Registry().get_run("tiny-0")
     assert run.latest and run.latest.job_id == "101" and run.spec["world_size"] == 2
     assert json.loads((d / "attempts.jsonl").read_text())["job_id"] == "101"
     _assert_no_canary(d, tmp_path / "state")
+
+
+def _assert_pickled_call(path: Path, run_dir: Path, mode: str) -> None:
+    """What submitit's runner (`python -m submitit.core._submit FOLDER`) loads on every task: the node's
+    call for this run folder, with the time limit and requeue budget its time-out handler reads."""
+    from submitit.helpers import DelayedSubmission
+
+    from hpctrain.node.entry import NodeJob
+
+    call = DelayedSubmission.load(path)
+    assert call.function == NodeJob(str(run_dir), mode) and (call.args, call.kwargs) == ((), {})
+    assert (call._timeout_min, call._timeout_countdown) == (5, 3)  # --time 00:05:00, SlurmExecutor's default
 
 
 def _assert_no_canary(*roots: Path) -> None:
@@ -252,7 +267,8 @@ def test_sweep_is_one_array(fake_slurm: Path, stand_in_render: None, tmp_path: P
     assert not (fake_slurm / "submitted-102.sh").exists()  # ONE sbatch call
     assert "--array=0-2" in (fake_slurm / "submitted-101.sh").read_text()
     for i, d in enumerate(dirs):
-        assert (d / "submitit" / f"101_{i}_submitted.pkl").is_file()  # via the .sweeps/%a links
+        _assert_pickled_call(d / "submitit" / f"101_{i}_submitted.pkl", d, "train")  # via the .sweeps/%a links
+        assert (d / "submitit" / "101_submission.sh").is_file()
         assert (d / "sbatch.sh").is_file()
     assert len(Registry().list_runs(limit=None)) == 3
 
@@ -276,6 +292,7 @@ def test_secret_in_script_refused(fake_slurm: Path, tmp_path: Path, monkeypatch:
 
     mod = types.ModuleType("hpctrain.render.sbatch")
     mod.render_sbatch = lambda *a, **k: "#!/bin/bash\nexport T=hf_canary_leak_000\n"  # type: ignore[attr-defined]
+    mod.submitit_command = render_sbatch_mod.submitit_command  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "hpctrain.render.sbatch", mod)
     monkeypatch.setattr(hpctrain.render, "sbatch", mod, raising=False)
     monkeypatch.setenv("HF_TOKEN", "hf_canary_leak_000")

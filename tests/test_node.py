@@ -146,7 +146,7 @@ def test_warmup_cosine_schedule(tmp_path: Path) -> None:
     ({"model": {"config": "llama-huge"}}, "llama-tiny"),
     ({"data": {"source": "/nonexistent/data.jsonl"}}, "/nonexistent/data.jsonl"),
     ({"parallel": {"tp": 2}}, "tp"),
-    ({"train": {"lr": 1e-4, "min_lr": 1e-3}}, "min_lr"),  # spec validation (CONTROL's rules) -> same path
+    ({"train": {"lr": 1e-4, "min_lr": 1e-3}}, "min_lr"),  # spec validation (spec/rules.py) -> same path
 ])
 def test_bad_input_is_one_clear_message(tmp_path: Path, sections: dict, needle: str) -> None:
     from hpctrain.node.train import prepare

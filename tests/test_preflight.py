@@ -123,3 +123,18 @@ def test_deepspeed_launcher_layout_splits_nodelist_evenly() -> None:
     lay = layout_from_env({"RANK": "3", "WORLD_SIZE": "4", "SLURM_JOB_NODELIST": "node[1-2]",
                            "SLURM_TASKS_PER_NODE": "1(x2)", "MASTER_PORT": "29500"})
     assert lay.expected_hosts == ["node1", "node1", "node2", "node2"]
+
+
+def test_node_without_the_preflight_module_fails_loudly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A broken install (hpctrain.node.preflight missing) stops the node with an error naming the module;
+    it used to log "skipped" and train without the rendezvous."""
+    import hpctrain.node
+
+    for name in ("main", "preflight"):
+        monkeypatch.delitem(sys.modules, f"hpctrain.node.{name}", raising=False)
+        monkeypatch.delattr(hpctrain.node, name, raising=False)
+    monkeypatch.setitem(sys.modules, "hpctrain.node.preflight", None)  # what an import of it then raises
+    with pytest.raises(ImportError, match=r"hpctrain\.node\.preflight"):
+        from hpctrain.node.main import run as node_run
+
+        node_run(str(tmp_path), "preflight")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import runpy
+import sys
 import time
 from pathlib import Path
 
@@ -10,6 +12,9 @@ import pytest
 
 from hpctrain.fault import supervisor as supervise
 from hpctrain.fault.policy import MAX_RETRIES_CAP, AttemptRecord, Fit, Policy, decide
+from hpctrain.node import faultinject
+from hpctrain.node.heartbeat import RankBeat
+from hpctrain.runs.beats import read_failures
 
 
 def rec(attempt: int, state: str = "FAILED", cls: str | None = "unknown", **kw: object) -> AttemptRecord:
@@ -94,27 +99,27 @@ def test_exclusion_grows_and_is_capped_by_the_partition() -> None:
 
 # -- supervise helpers -------------------------------------------------------------------------------
 def test_parse_faults() -> None:
-    fs = supervise.parse_faults("hang:rank=1,step=5; ckpt-crash:step=10;raise:step=3")
+    fs = faultinject.parse_faults("hang:rank=1,step=5; ckpt-crash:step=10;raise:step=3")
     assert [(f.kind, f.step, f.rank, f.every_attempt) for f in fs] == [
         ("hang", 5, 1, False), ("ckpt-crash", 10, None, False), ("raise", 3, None, True)]
     with pytest.raises(ValueError, match="HPCTRAIN_FAULT_INJECT"):
-        supervise.parse_faults("hang:rank=1")
+        faultinject.parse_faults("hang:rank=1")
 
 
 def test_inject_raise_fires_every_attempt_others_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("HPCTRAIN_FAULT_INJECT", "raise:step=3;crash:step=4,rank=1")
     monkeypatch.delenv("HPCTRAIN_RUN_DIR", raising=False)
     with pytest.raises(ValueError, match="injected"):
-        supervise.inject("step", 3, 5, 0)  # resumed past step 3: a user bug still fails
-    supervise.inject("step", 4, 0, 0)  # crash is for rank 1 only
-    supervise.inject("step", 4, 4, 1)  # attempt started at step 4: the crash already happened once
-    supervise.inject("checkpoint", 3, 0, 0)  # raise is not a checkpoint fault
+        faultinject.inject("step", 3, 5, 0)  # resumed past step 3: a user bug still fails
+    faultinject.inject("step", 4, 0, 0)  # crash is for rank 1 only
+    faultinject.inject("step", 4, 4, 1)  # attempt started at step 4: the crash already happened once
+    faultinject.inject("checkpoint", 3, 0, 0)  # raise is not a checkpoint fault
     # with a run folder: once per run and rank, whatever the resume step
     monkeypatch.setenv("HPCTRAIN_RUN_DIR", str(tmp_path))
     monkeypatch.setenv("HPCTRAIN_FAULT_INJECT", "hang:step=4,rank=1")
     (tmp_path / "metrics" / "faults").mkdir(parents=True)
     (tmp_path / "metrics" / "faults" / "hang-step4-rank1").write_text("fired\n")
-    supervise.inject("step", 4, 0, 1)  # already fired: returns instead of hanging
+    faultinject.inject("step", 4, 0, 1)  # already fired: returns instead of hanging
 
 
 def _beat(d: Path, rank: int, step: int, phase: str, t: float, job: str = "7") -> None:
@@ -210,9 +215,7 @@ def _failed(d: Path, rank: int, step: int, t: float, error: str = GLOO_RESET, jo
 
 
 def test_rank_beat_fail_leaves_the_error_for_the_watchdog(tmp_path: Path) -> None:
-    from hpctrain.fault.watchdog import read_failures
-
-    beat = supervise.RankBeat(tmp_path / "metrics", 1, interval_s=60)
+    beat = RankBeat(tmp_path / "metrics", 1, interval_s=60)
     beat.job, beat.restart = "7", "0"
     beat.start()
     beat.set(12, "reduce")
@@ -237,6 +240,34 @@ def test_watchdog_peer_lost_names_the_dead_host_after_the_confirm_window(tmp_pat
     assert rec is not None and rec["event"] == "peer_lost" and rec["job_id"] == "7"
     assert rec["silent_hosts"] == ["node2"] and rec["silent_ranks"] == [1] and rec["last_step"] == 20
     assert "rank 0 on node1 lost its peer on node2" in rec["message"]
+
+
+def test_watchdog_hands_a_lost_peer_to_on_peer_lost_before_the_cancel(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The watchdog does not import the supervisor: `python -m hpctrain.fault.supervisor watch` passes
+    take_over in, and the watchdog calls it with (run_dir, job) before it cancels the job."""
+    from hpctrain.fault import watchdog
+    from hpctrain.slurm import commands as _slurm
+
+    order: list[object] = []
+    monkeypatch.setattr(_slurm, "queue_state", lambda job: "RUNNING")
+    monkeypatch.setattr(_slurm, "scancel", lambda jobs: order.append(("scancel", tuple(jobs))))
+    now = time.time()
+    for r in range(3):
+        _beat(tmp_path, r, 20, "compute", now - 10)
+    _failed(tmp_path, 0, 21, now - 5)
+    w = watchdog.Watchdog(tmp_path, "7", timeout_s=300, world=3, restart="0",
+                          on_peer_lost=lambda run_dir, job: order.append(("decide", run_dir, job)) or None)
+    rec = w.run()
+    assert rec is not None and rec["event"] == "peer_lost"
+    assert order == [("decide", tmp_path, "7"), ("scancel", ("7",))]
+
+    seen: dict[str, object] = {}
+    monkeypatch.setattr(watchdog, "main", lambda argv=None, on_peer_lost=None: seen.update(hook=on_peer_lost) or 0)
+    monkeypatch.delitem(sys.modules, "hpctrain.fault.supervisor")  # runpy runs a fresh copy as __main__
+    with pytest.raises(SystemExit):
+        runpy.run_module("hpctrain.fault.supervisor", run_name="__main__")
+    assert getattr(seen["hook"], "__name__", None) == "take_over"
 
 
 def test_watchdog_peer_lost_ignores_user_errors_and_blames_quiet_hosts_without_a_name(tmp_path: Path) -> None:

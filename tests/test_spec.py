@@ -181,6 +181,36 @@ def test_toml_round_trip_exact() -> None:
         assert S.to_toml(S.from_toml_text(text)) == text
 
 
+HOSTILE = ['say "hi"', "back\\slash\\", "new\nline\r\n", "tab\tend", "ünïcødé ✓ 日本", "ctl\x01\x7f",
+           "'single'", '\"""triple\"""', "# not a comment", "[not.a.table]", "a = b", ""]
+
+
+def hostile_spec() -> S.Spec:
+    """Every field type a spec holds (str, int, float, bool, "auto" unions, tuples, nested tables)
+    with strings TOML must escape."""
+    overrides: dict[str, object] = {f"k{i}": text for i, text in enumerate(HOSTILE)}
+    overrides |= {"a.b": 1, 'q"k': -2, "ключ": 1.5e-300, "": True, "list": [1, 2.5, "x\n", False],
+                  "nested": {"deep er": {"x": ["\\", "\""]}, "n": 0}, "empty": {}, "empty_list": []}
+    return dataclasses.replace(
+        full_spec(), name="\\ \"n\" ü", env={f"V{i}": text for i, text in enumerate(HOSTILE)},
+        model=S.Model(config="llama-8b", overrides=overrides), secret_env=("S_1",),
+        launch=S.Launch(modules=(HOSTILE[0], HOSTILE[1], HOSTILE[4], HOSTILE[6]), template_dir="/t 'x'/\"y\""),
+        parallel=S.Parallel(zero=3, offload="optimizer", offload_ratio=0.25),
+        checkpoint=S.Checkpoint(every_minutes=12.5, export_hf=False, async_save=True))
+
+
+def test_toml_round_trip_hostile_strings_and_every_type() -> None:
+    spec = hostile_spec()
+    text = S.to_toml(spec)
+    back = S.from_toml_text(text)
+    assert back == spec
+    assert back.env == spec.env and back.model.overrides == spec.model.overrides
+    assert S.to_toml(back) == text
+    kinds = {type(getattr(getattr(spec, sec), f.name)) for sec in S.SECTIONS
+             for f in dataclasses.fields(getattr(spec, sec))}
+    assert {bool, int, float, str, tuple, dict} <= kinds
+
+
 def test_read_resolved(tmp_path: Path) -> None:
     (tmp_path / "spec.toml").write_text(S.to_toml(full_spec()))
     assert S.read_resolved(tmp_path) == full_spec()

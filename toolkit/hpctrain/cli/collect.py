@@ -1,6 +1,6 @@
 """`hpctrain logs RUN` and `hpctrain summary [RUN ...|--all]` -- the collector's commands.
 
-`register(group)` adds them to the main group (cli.py calls it). Only click at module level: rich,
+`register(group)` adds them to the main group (cli/main.py calls it). Only click at module level: rich,
 the registry, sacct and matplotlib load inside the commands.
 """
 
@@ -144,7 +144,7 @@ def _finished_check(inp: RunInput, reg: Registry, every_s: float = 10.0) -> Call
 @click.command(short_help="What happened to runs: states, failures, speed, cost.")
 @click.argument("runs", nargs=-1)
 @click.option("--all", "all_runs", is_flag=True, help="Every run in the registry (default: the 20 newest).")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON (schema: hpctrain/summary_schema.json).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (schema: hpctrain/collect/summary_schema.json).")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, metavar="FILE.png",
               help="Draw loss and tokens/s over steps, attempt starts marked (needs hpctrain[plot]).")
 def summary(runs: tuple[str, ...], all_runs: bool, as_json: bool, plot: str | None) -> None:

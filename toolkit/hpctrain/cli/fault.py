@@ -1,6 +1,6 @@
 """`hpctrain resubmit RUN` and `hpctrain supervise RUN --job J` -- the fault-tolerance commands.
 
-`register(group)` adds them to the main group (cli.py calls it). Only click at module level: the
+`register(group)` adds them to the main group (cli/main.py calls it). Only click at module level: the
 policy, supervisor, registry and SLURM wrapper load inside the commands.
 """
 

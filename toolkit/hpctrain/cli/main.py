@@ -1,4 +1,4 @@
-"""The `hpctrain` command line. Nothing heavy is imported at module level (see DESIGN.md).
+"""The `hpctrain` command line. Nothing heavy is imported at module level (`hpctrain --help` stays fast).
 
 Only click and the package version load with this module: spec/plan/render/dispatch are imported
 inside the commands that use them, so `hpctrain --help` costs about as much as `python -c pass`
@@ -196,7 +196,7 @@ def hostfile_cmd(nodelist: str, slots: int) -> None:
 # submit
 
 def run_files(spec: Spec, plan: Plan, script: str) -> dict[str, str]:
-    """The files a run folder starts with (DESIGN.md job folder)."""
+    """The files a run folder starts with (the layout is in hpctrain.runs.folder)."""
     from hpctrain.render.sbatch import render_ds_config
     from hpctrain.spec.model import to_toml
 
@@ -278,7 +278,7 @@ def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry
         from hpctrain.slurm import dispatch
 
         subs = dispatch.submit(run_dirs, spec, plan, spec.launch.executor, mode=mode)
-        from hpctrain.fault.supervisor import arm_submitted  # FAULT: the supervisor job (automatic retries)
+        from hpctrain.fault.supervisor import arm_submitted  # the job that resubmits failed attempts
 
         arm_submitted(subs, spec, mode)
     except click.ClickException:  # refused or SLURM unreachable: nothing was submitted, leave nothing

@@ -1,6 +1,6 @@
 """`hpctrain list`, `hpctrain status RUN`, `hpctrain cancel RUN` -- the registry's commands.
 
-`register(group)` adds them to the main group (cli.py calls it). Only click at module level: the
+`register(group)` adds them to the main group (cli/main.py calls it). Only click at module level: the
 registry, sacct wrapper and submitit-aware helpers load inside the commands.
 """
 

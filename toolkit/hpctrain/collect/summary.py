@@ -381,7 +381,7 @@ def resolve_refs(reg: Registry, refs: list[str], all_runs: bool) -> tuple[list[R
 
 
 def _inputs(reg: Registry, runs: list[Run], warnings: list[str]) -> list[RunInput]:
-    """ONE sacct call for every unfinished SLURM attempt in view (DISPATCH's refresh), and the
+    """ONE sacct call for every unfinished SLURM attempt in view (the job-state refresh), and the
     registry keeps final states so the next refresh skips them."""
     try:
         from hpctrain.cli.runs import refresh

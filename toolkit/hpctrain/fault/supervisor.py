@@ -1,4 +1,4 @@
-"""Fault tolerance, the mechanism: supervisor job, resubmission, hang watchdog, per-rank beats, fault injection.
+"""Fault tolerance, the mechanism: supervisor job, resubmission, hang watchdog.
 
 How a run recovers (no daemon on the login node):
 
@@ -19,7 +19,7 @@ How a run recovers (no daemon on the login node):
   (SlurmdTimeout) or the hang watchdog. Likewise hangs, crashes, NCCL/gloo errors, time limits after
   submitit's requeue budget: the supervisor excludes the implicated host.
 * Hang watchdog: ``python -m hpctrain.fault.supervisor watch`` runs in the background of the batch script
-  (outside the ranks, so a hung Python cannot stop it). Every rank runs a `RankBeat` thread writing
+  (outside the ranks, so a hung Python cannot stop it). Every rank runs a thread (hpctrain.node.heartbeat) writing
   ``metrics/ranks/rank-R.json`` (step reached, phase, time). When no rank's step advances for
   ``launch.hang_timeout_s``, the watchdog appends the silent ranks (behind the others, or not beating)
   to ``metrics/watchdog.jsonl`` and cancels the job; the supervisor reads that as a hang.
@@ -40,14 +40,10 @@ from typing import TYPE_CHECKING, Any
 
 from hpctrain.fault import policy as policy_mod
 
-# The node (RankBeat, inject) and the batch script (`python -m hpctrain.fault.supervisor watch`) use these names here.
+# The batch script runs the watchdog as `python -m hpctrain.fault.supervisor watch` (one module to name).
 from hpctrain.fault.watchdog import (
-    RankBeat,
     Watchdog,
-    inject,
     log_attempt,
-    parse_faults,
-    read_beats,
     silent_ranks,
     watchdog_records,
 )
@@ -58,7 +54,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.spec.model import Spec
 
 __all__ = [
-    "RankBeat",
     "Watchdog",
     "already_decided",
     "arm",
@@ -66,12 +61,9 @@ __all__ = [
     "down_hosts",
     "fit_of",
     "history",
-    "inject",
     "latest_checkpoint",
     "log_attempt",
     "next_attempt_number",
-    "parse_faults",
-    "read_beats",
     "resubmit_run",
     "silent_ranks",
     "supervise",
@@ -439,4 +431,4 @@ def _refresh_summary(run_dir: Path) -> None:
 
 # ============================================================================ `python -m hpctrain.fault.supervisor`
 if __name__ == "__main__":
-    sys.exit(watchdog_main())
+    sys.exit(watchdog_main(on_peer_lost=take_over))

@@ -1,205 +1,42 @@
-"""The hang watchdog and what the ranks write for it, plus the fault-injection hooks the tests use.
+"""The hang watchdog: the batch script's background loop over what the ranks write.
 
-* `RankBeat`: a thread in every rank writing metrics/ranks/rank-R.json (step reached, phase, time).
-* `Watchdog`: the batch script's background loop (`python -m hpctrain.fault.supervisor watch ...`): no step for
-  launch.hang_timeout_s -> the silent ranks go to metrics/watchdog.jsonl and the job is cancelled; the
-  supervisor (hpctrain.fault.supervisor) then retries the run without the silent host.
+* The ranks (hpctrain.node.heartbeat.RankBeat) beat into metrics/ranks/rank-R.json (format: hpctrain.runs.beats).
+* `Watchdog`: `python -m hpctrain.fault.supervisor watch ...`: no step for launch.hang_timeout_s -> the silent
+  ranks go to metrics/watchdog.jsonl and the job is cancelled; the supervisor (hpctrain.fault.supervisor)
+  then retries the run without the silent host.
 * Peer lost: a rank whose collective fails because a peer's connection closed (gloo "Connection reset by
   peer", NCCL remote error) writes metrics/ranks/failed-JOB-RESTART-R.json. When the job is still running
   a few seconds later, srun is waiting for a node that no longer answers (a live node's task exit ends the
   step at once, --kill-on-bad-exit): the watchdog records a `peer_lost` verdict naming that host and cancels
   the job, so the supervisor retries without it now instead of after SLURM's NODE_FAIL (SlurmdTimeout).
-* `inject`: HPCTRAIN_FAULT_INJECT="hang:rank=1,step=10;ckpt-crash:step=12;crash:step=7;raise:step=3".
 
-Stdlib only: the ranks, the batch script and the CLI import it. Design: docs/fault-tolerance.md.
+Stdlib only: the batch script runs it with the submitting python, and the CLI imports it. Design:
+docs/fault-tolerance.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import socket
 import sys
-import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from hpctrain.runs import folder as runs_mod
+from hpctrain.runs.beats import PHASES, read_beats, read_failures
 
-RANKS_DIR = "ranks"
 PEER_POLL_S = 1.0  # the peer-lost check is one directory listing: cheap enough every second
 WATCHDOG_FILE = "watchdog.jsonl"
-PHASES = ("start", "compute", "reduce", "checkpoint", "done")  # order matters: later = further along
 # A collective failed because a peer's connection went away (gloo's TCP pair, NCCL's remote error): the
 # peer's process or node died. Not a timeout: that is a hang, named by the hang check.
 PEER_LOST = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe|Read error \[|Write error \[|"
                        r"ncclRemoteError|remote process exited|Socket closed|Connection refused")
 # The peer gloo names: "Read error [10.77.0.2]:36531", "Connection closed by peer [node2]:1234".
 _PEER_ADDR = re.compile(r"(?:peer|error|to|from) \[?([0-9]{1,3}(?:\.[0-9]{1,3}){3}|[A-Za-z][\w.-]*)\]?:\d+")
-
-
-class RankBeat:
-    """A daemon thread writing this rank's progress to metrics/ranks/rank-R.json every `interval_s`.
-
-    The training loop only sets attributes (`step`, `phase`); the thread does the I/O, so the cost
-    does not depend on the step rate. A rank hung in Python code still beats, but its step stays
-    behind its peers' (they wait in the next collective): that names it. A dead or GIL-stuck rank
-    stops beating: its file goes stale.
-    """
-
-    def __init__(self, metrics_dir: Path, rank: int, interval_s: float = 5.0) -> None:
-        self.dir = Path(metrics_dir) / RANKS_DIR
-        self.rank, self.interval_s = rank, max(0.2, interval_s)
-        self.step, self.phase = 0, "start"
-        self.host = socket.gethostname()
-        self.job = os.environ.get("SLURM_JOB_ID", "")
-        self.restart = os.environ.get("SLURM_RESTART_COUNT", "0") or "0"
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._failed = False
-        self._thread = threading.Thread(target=self._loop, name=f"hpctrain-beat-{rank}", daemon=True)
-
-    def start(self) -> RankBeat:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._thread.start()
-        return self
-
-    def set(self, step: int, phase: str) -> None:
-        self.step, self.phase = step, phase
-
-    def stop(self, phase: str = "done") -> None:
-        self.phase = phase
-        self._stop.set()
-        self.write()
-
-    def write(self) -> None:
-        with self._lock:  # a beat built before fail() must not land after it
-            if not self._failed:
-                self._put(f"rank-{self.rank}.json", self._record())
-
-    def fail(self, exc: BaseException) -> None:
-        """This rank's training raised: stop beating and leave failed-JOB-RESTART-R.json for the watchdog
-        (its own file name, so one directory listing a second finds it without reading every beat)."""
-        self._stop.set()
-        with self._lock:
-            was, self.phase, self._failed = self.phase, "failed", True
-            rec = {**self._record(), "was": was, "error": f"{type(exc).__name__}: {exc}"[:2000]}
-            self._put(f"rank-{self.rank}.json", rec)
-            self._put(failed_name(self.job, self.restart, self.rank), rec)
-
-    def _record(self) -> dict[str, Any]:
-        return {"rank": self.rank, "host": self.host, "step": self.step, "phase": self.phase, "time": time.time(),
-                "job": self.job, "restart": self.restart, "pid": os.getpid()}
-
-    def _put(self, name: str, rec: dict[str, Any]) -> None:
-        tmp = self.dir / f".{name}.tmp"
-        try:
-            tmp.write_text(json.dumps(rec) + "\n")
-            os.replace(tmp, self.dir / name)
-        except OSError:
-            pass  # a full or flaky filesystem must not cost a training step
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.write()
-            self._stop.wait(self.interval_s)
-
-
-def failed_name(job: str, restart: str, rank: int | str) -> str:
-    return f"failed-{job}-{restart}-{rank}.json"
-
-
-@dataclasses.dataclass(frozen=True)
-class Fault:
-    """One injected fault: HPCTRAIN_FAULT_INJECT="hang:rank=1,step=5;ckpt-crash:step=10;raise:step=3"."""
-
-    kind: str  # hang | crash | ckpt-crash | raise
-    step: int
-    rank: int | None = None  # None: every rank
-    every_attempt: bool = False  # raise: a user bug fails every attempt; the others fire once
-
-
-FAULT_KINDS = ("hang", "crash", "ckpt-crash", "raise")
-
-
-def parse_faults(text: str) -> list[Fault]:
-    """Parse HPCTRAIN_FAULT_INJECT; a malformed entry is an error naming it (a test typo must not pass)."""
-    out = []
-    for item in filter(None, (p.strip() for p in text.split(";"))):
-        kind, _, args = item.partition(":")
-        kw = dict(a.split("=", 1) for a in args.split(",") if "=" in a)
-        if kind not in FAULT_KINDS or "step" not in kw:
-            raise ValueError(f"HPCTRAIN_FAULT_INJECT entry {item!r}: expected KIND:step=N[,rank=R] with KIND one of "
-                             f"{', '.join(FAULT_KINDS)}")
-        out.append(Fault(kind, int(kw["step"]), int(kw["rank"]) if "rank" in kw else None, kind == "raise"))
-    return out
-
-
-def inject(where: str, step: int, step0: int, rank: int, log: Any = None) -> None:
-    """Test hook the node calls at `where` ("step": step N computed, before its collective; "checkpoint":
-    step N's checkpoint half written). Each fault fires once per run and rank (a marker in
-    $HPCTRAIN_RUN_DIR/metrics/faults/; without a run dir: only in an attempt that started before N), so
-    the retry passes; `raise` is a user bug and fires every time."""
-    text = os.environ.get("HPCTRAIN_FAULT_INJECT", "")
-    if not text:
-        return
-    run_dir = os.environ.get("HPCTRAIN_RUN_DIR", "")
-    for f in parse_faults(text):
-        if f.step != step or (f.rank is not None and f.rank != rank):
-            continue
-        if (where == "checkpoint") != (f.kind == "ckpt-crash"):
-            continue
-        if not f.every_attempt:
-            if not run_dir:
-                if step0 >= step:
-                    continue
-            else:
-                marker = Path(run_dir) / "metrics" / "faults" / f"{f.kind}-step{step}-rank{rank}"
-                if marker.exists():
-                    continue
-                marker.parent.mkdir(parents=True, exist_ok=True)
-                marker.write_text(f"{time.time()}\n")
-        if log is not None:
-            log.info("fault injection: %s at step %d on rank %d", f.kind, step, rank)
-            for h in getattr(log, "handlers", []):
-                h.flush()
-        if f.kind == "raise":
-            raise ValueError(f"user code failed at step {step} (injected by HPCTRAIN_FAULT_INJECT)")
-        if f.kind == "hang":
-            while True:  # a rank that stops making progress without dying
-                time.sleep(3600)
-        os._exit(17)  # crash / ckpt-crash: die now, no cleanup
-
-
-def read_beats(run_dir: Path, job: str | None = None, restart: str | None = None) -> list[dict[str, Any]]:
-    """Per-rank beats (of `job` and its run `restart` only, when given: files left by an earlier attempt
-    or an earlier run of a requeued job are ignored)."""
-    out = []
-    for p in sorted((Path(run_dir) / "metrics" / RANKS_DIR).glob("rank-*.json")):
-        try:
-            rec = json.loads(p.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(rec, dict) and (job is None or str(rec.get("job")) == str(job)) and (
-                restart is None or str(rec.get("restart", "0")) == str(restart)):
-            out.append(rec)
-    return out
-
-
-def read_failures(run_dir: Path, job: str, restart: str | None = None) -> list[dict[str, Any]]:
-    """The failed-JOB-RESTART-R.json records ranks of this job (and run of it) left when training raised."""
-    out = []
-    for p in sorted((Path(run_dir) / "metrics" / RANKS_DIR).glob(failed_name(job, restart or "*", "*"))):
-        try:
-            rec = json.loads(p.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(rec, dict) and "rank" in rec:
-            out.append(rec)
-    return out
 
 
 def _host_name(addr: str) -> str:
@@ -302,6 +139,9 @@ class Watchdog:
     # A live node's task exit ends the step within a second (srun --kill-on-bad-exit); still running this
     # long after a rank lost its peer means srun waits for a node that does not answer. 0: no peer check.
     peer_confirm_s: float = 3.0
+    # Called with (run_dir, job) on a lost peer, before the cancel; returns the decision it made, if any.
+    # The supervisor passes its take_over (this module stays below the supervisor, which imports it).
+    on_peer_lost: Callable[[Path, str], dict[str, Any] | None] | None = None
 
     def __post_init__(self) -> None:
         self.grace_s = self.grace_s or max(3 * self.timeout_s, 600.0)
@@ -346,12 +186,12 @@ class Watchdog:
             return True
 
     def _decide_now(self) -> None:
-        """Retry without the dead host before the cancel (hpctrain.fault.supervisor.take_over says why); on any
-        failure the supervisor job still decides, later."""
+        """Retry without the dead host before the cancel (`on_peer_lost`: hpctrain.fault.supervisor.take_over
+        says why); on any failure the supervisor job still decides, later."""
+        if self.on_peer_lost is None:
+            return
         try:
-            from hpctrain.fault import supervisor as supervise
-
-            decision = supervise.take_over(Path(self.run_dir), self.job)
+            decision = self.on_peer_lost(Path(self.run_dir), self.job)
             if decision:
                 print(f"hpctrain watchdog: {decision['action']}: {decision['reason']}", file=sys.stderr, flush=True)
         except Exception as exc:  # noqa: BLE001 - the supervisor job is the fallback
@@ -408,7 +248,8 @@ def log_attempt(env: dict[str, str] | None = None) -> int:
     return (int(base) if base.isdigit() else 0) + (int(restarts) if restarts.isdigit() else 0)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None,
+         on_peer_lost: Callable[[Path, str], dict[str, Any] | None] | None = None) -> int:
     """`watch RUN_DIR --timeout S [--world N]`: the batch script's watchdog (no click: starts fast)."""
     import argparse
 
@@ -424,5 +265,5 @@ def main(argv: list[str] | None = None) -> int:
         print("hpctrain watchdog: no SLURM_JOB_ID; nothing to watch", file=sys.stderr)
         return 2
     Watchdog(Path(a.run_dir), a.job, a.timeout, world=a.world, attempt=log_attempt(),
-             restart=os.environ.get("SLURM_RESTART_COUNT") or "0").run()
+             restart=os.environ.get("SLURM_RESTART_COUNT") or "0", on_peer_lost=on_peer_lost).run()
     return 0

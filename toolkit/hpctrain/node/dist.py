@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-import subprocess
 from collections.abc import Mapping, MutableMapping
+
+from hpctrain.slurm.nodelist import expand
 
 TORCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 
@@ -44,12 +45,6 @@ def port_from_job_id(job_id: str) -> int:
 
 def first_host(nodelist: str) -> str:
     """First host of a SLURM nodelist ("node[1-4]" -> "node1")."""
-    try:
-        from hpctrain.slurm.nodelist import expand
-    except ImportError:  # CONTROL's parser not there: ask SLURM itself
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                             check=True, timeout=30).stdout
-        return out.split()[0]
     return expand(nodelist)[0]
 
 

@@ -11,7 +11,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from hpctrain.node import dist
+from hpctrain.node import dist, preflight
 from hpctrain.node.metrics import attempt_number, log, setup_logging
 from hpctrain.node.runconf import NodeInputError, RunPaths, read_spec
 
@@ -94,12 +94,10 @@ def _report(rank: int, loud: str, quiet: str) -> None:
 
 
 def _preflight(timeout_s: int) -> None:
-    """DISPATCH's torch-free TCP rendezvous, when it is installed (hpctrain.node.preflight)."""
-    try:
-        from hpctrain.node import preflight
-    except ImportError:
-        log.info("preflight: hpctrain.node.preflight not available, skipped")
-        return
+    """The torch-free TCP rendezvous of every rank (hpctrain.node.preflight), before any collective can hang.
+
+    Imported at the top of this module: an install without it is broken, and the node must say so
+    (ModuleNotFoundError names the module) instead of training without the check."""
     try:
         preflight.run_from_env(timeout_s)
     except Exception as exc:

@@ -323,17 +323,17 @@ class LoopState:
     tokens_seen: float
     last_ckpt_time: float
     last_saved: int = -1
-    beat: Any = None  # hpctrain.fault.supervisor.RankBeat
+    beat: Any = None  # hpctrain.node.heartbeat.RankBeat
     io: Any = None  # ckpt_async.CheckpointIO: the engine's checkpoint writer
 
 
 def run_training(p: Prepared, stop: StopFlag) -> tuple[Any, LoopState]:
     """Train to spec.train.steps (or until a signal); returns the engine and the final loop state."""
-    from hpctrain.fault import supervisor as supervise
+    from hpctrain.node.heartbeat import RankBeat
 
-    # Per-rank beats for the hang watchdog (hpctrain.fault.supervisor): they name the rank that stops advancing.
+    # Per-rank beats for the hang watchdog (hpctrain.fault.watchdog): they name the rank that stops advancing.
     hang_s = float(getattr(p.spec.launch, "hang_timeout_s", 300) or 300)
-    beat = supervise.RankBeat(p.paths.metrics, p.d.rank, interval_s=min(10.0, max(1.0, hang_s / 5))).start()
+    beat = RankBeat(p.paths.metrics, p.d.rank, interval_s=min(10.0, max(1.0, hang_s / 5))).start()
     try:
         return _train(p, stop, beat)
     except StopRequested:
@@ -349,7 +349,7 @@ def _train(p: Prepared, stop: StopFlag, beat: Any) -> tuple[Any, LoopState]:
     import torch
     import torch.distributed as dist
 
-    from hpctrain.fault import supervisor as supervise
+    from hpctrain.node.faultinject import inject
     from hpctrain.node.model import flops_per_token
 
     engine, n_params = build_engine(p)
@@ -377,7 +377,7 @@ def _train(p: Prepared, stop: StopFlag, beat: Any) -> tuple[Any, LoopState]:
                    for m in range(p.gas)]
         beat.set(st.step + 1, "compute")
         loss_sum = _train_step(engine, batches, pipe)
-        supervise.inject("step", st.step + 1, st.step0, p.d.rank, log)  # test hook: HPCTRAIN_FAULT_INJECT
+        inject("step", st.step + 1, st.step0, p.d.rank, log)  # test hook: HPCTRAIN_FAULT_INJECT
         beat.set(st.step + 1, "reduce")
         tokens = sum(b.tokens for b in batches) if first_stage else 0
         slots = sum(b.slots for b in batches) if first_stage else 0
@@ -471,10 +471,10 @@ def save_now(p: Prepared, engine: Any, st: LoopState, wait: bool = True) -> ckpt
             "zero": p.zero, "precision": p.spec.train.precision, "cursor": cursor}
     if st.beat is not None:
         st.beat.set(st.step, "checkpoint")
-    from hpctrain.fault import supervisor as supervise
+    from hpctrain.node.faultinject import inject
 
     # Test hook: HPCTRAIN_FAULT_INJECT="ckpt-crash:step=N" kills every rank with the checkpoint half written.
-    midway = lambda: supervise.inject("checkpoint", st.step, st.step0, p.d.rank, log)
+    midway = lambda: inject("checkpoint", st.step, st.step0, p.d.rank, log)
     stats = ckpt.save(engine, p.paths.checkpoints, st.step, client, meta, p.spec.checkpoint.keep, midway=midway,
                       io=st.io, wait=wait)
     if st.beat is not None:

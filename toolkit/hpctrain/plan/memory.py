@@ -64,7 +64,7 @@ GPU_GROUP_BYTES = 16  # per parameter of a GPU sub-group under partial offload: 
 ACT_SBH_BYTES = 34  # GPT-2 block, per token, in units of h (Korthikanti et al. 2022, fused attention)
 LLAMA_NORM_BYTES_PER_H = 6  # HF LlamaRMSNorm: autograd keeps the fp32 input (4 h) and the bf16 normalised x (2 h)
 LOGIT_BYTES = 12  # per logit element at the loss: fp32 log-softmax + its gradient + the input gradient
-BUCKET_ELEMENTS_PER_H2 = 2  # reduce (+ allgather) buckets: hidden^2 elements each (render.py's rule)
+BUCKET_ELEMENTS_PER_H2 = 2  # reduce (+ allgather) buckets: hidden^2 elements each (render/sbatch.py's rule)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ naming the runtime when the image lacks hpctrain. The batch script first checks,
 runtime is there and the image exists (`prelaunch_lines`); `check_submit` does what can be checked from the
 submitting machine.
 
-Pure functions except `check_submit` (which looks at the filesystem and PATH). Only render.py and the CLI call
+Pure functions except `check_submit` (which looks at the filesystem and PATH). Only render/sbatch.py and the CLI call
 them; nothing heavy is imported.
 """
 

@@ -19,13 +19,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import sys
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, is_dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -201,27 +202,16 @@ def time_minutes(text: str) -> int:
 
 
 def _submit_slurm(dirs: list[Path], spec: Spec, plan: Plan, mode: str) -> list[Submitted]:
-    from hpctrain.node.entry import NodeJob
     from hpctrain.slurm import commands as _slurm
 
     _check_fits(spec, plan)
-    cls = _executor_class()
     if len(dirs) == 1:
         folder, links = dirs[0] / "submitit", None
     else:
         links = _make_sweep_links(dirs)
         folder = links / "%a" / "submitit"
-    ex = cls(folder=folder, spec=spec, plan=plan, run_dirs=dirs)
-    ex.update_parameters(time=time_minutes(spec.resources.time), nodes=plan.nodes,
-                         ntasks_per_node=plan.ranks_per_node)
     try:
-        if len(dirs) == 1:
-            jobs = [ex.submit(NodeJob(str(dirs[0]), mode))]
-        else:
-            with ex.batch():
-                for d in dirs:
-                    ex.submit(NodeJob(str(d), mode))
-            jobs = ex.last_jobs
+        job_ids = _submit_pickled(dirs, spec, plan, mode, folder, staging=links or folder)
     except _slurm.SbatchRejected as exc:
         if links is not None:
             shutil.rmtree(links, ignore_errors=True)
@@ -230,9 +220,9 @@ def _submit_slurm(dirs: list[Path], spec: Spec, plan: Plan, mode: str) -> list[S
         if links is not None:
             shutil.rmtree(links, ignore_errors=True)
         raise
-    return [Submitted(run_id=d.name, run_dir=d, job_id=str(j.job_id), executor="slurm",
+    return [Submitted(run_id=d.name, run_dir=d, job_id=j, executor="slurm",
                       array_index=None if len(dirs) == 1 else i)
-            for i, (d, j) in enumerate(zip(dirs, jobs))]
+            for i, (d, j) in enumerate(zip(dirs, job_ids))]
 
 
 def _make_sweep_links(dirs: list[Path]) -> Path:
@@ -316,89 +306,82 @@ def _check_no_secrets(text: str, spec: Spec) -> None:
                 "the submitting shell, they reach the ranks through the environment")
 
 
-@lru_cache(maxsize=1)
-def _executor_class() -> type:
-    """Build the SlurmExecutor subclass on first use (keeps submitit off the import path)."""
-    import uuid
+# What submitit gives a SLURM job here is its pickled call and the runner of that call on every task
+# (`python -u -m submitit.core._submit FOLDER`, which loads FOLDER/%j_submitted.pkl, handles the pre-timeout
+# signal and requeue, and writes the result pickle). The batch script is hpctrain's own, and a sweep is one
+# array of it; submitit's SlurmExecutor writes its own script, and its array path builds a plain
+# SlurmExecutor, so hpctrain does not subclass it. It uses the public pieces instead: the call is a
+# `submitit.helpers.DelayedSubmission`, `submitit.SlurmJob(folder, job_id).paths` names the files submitit
+# reads and writes, and sbatch runs through slurm/commands.py.
+MAX_TIMEOUT_REQUEUES = 3  # requeues submitit grants a checkpointable call after a time-out (SlurmExecutor's default)
 
+
+def _submit_pickled(dirs: list[Path], spec: Spec, plan: Plan, mode: str, folder: Path,
+                    staging: Path) -> list[str]:
+    """Pickle NodeJob(dir, mode) for every run folder, submit ONE script (an array when there are several),
+    then move each pickle to the name its task loads. Returns the job ids ("123", or "123_0", "123_1", ...).
+
+    `folder` is submitit's folder for the job (`%a` in it is the array index); `staging` is a folder
+    without `%` where the pickles wait until the job id is known. A task that starts before its pickle
+    is moved waits for it (submitit's runner polls for 60 s).
+    """
     import submitit
-    from submitit.core import utils as sutils
-    from submitit.slurm.slurm import SlurmJob
+    from submitit.helpers import DelayedSubmission
 
+    from hpctrain.node.entry import NodeJob
+
+    staging.mkdir(parents=True, exist_ok=True)
+    pickles: list[Path] = []
+    try:
+        for d in dirs:
+            call = DelayedSubmission(NodeJob(str(d), mode))
+            call.set_timeout(time_minutes(spec.resources.time), MAX_TIMEOUT_REQUEUES)
+            pickles.append(staging / f".{uuid.uuid4().hex}.pkl")
+            call.dump(pickles[-1])
+        script = _render_script(spec, plan, dirs, folder)
+        job_id = _sbatch(staging, script)
+    except BaseException:
+        for p in pickles:
+            p.unlink(missing_ok=True)
+        raise
+    ids = [job_id] if len(dirs) == 1 else [f"{job_id}_{i}" for i in range(len(dirs))]
+    for jid, pickle_path in zip(ids, pickles):
+        paths = submitit.SlurmJob(folder=folder, job_id=jid).paths
+        paths.folder.mkdir(parents=True, exist_ok=True)
+        pickle_path.rename(paths.submitted_pickle)
+        # submitit's own copy of the script (%j_submission.sh, or %A_submission.sh for an array) per run.
+        if not paths.submission_file.exists():
+            runs_mod.write_private(paths.submission_file, script)
+    for d in dirs:
+        runs_mod.write_private(runs_mod.RunFolder(d).sbatch_sh, script)
+    return ids
+
+
+def _render_script(spec: Spec, plan: Plan, dirs: list[Path], folder: Path) -> str:
+    """hpctrain's batch script, every task running submitit's runner on `folder`; refused if it holds a secret."""
+    from hpctrain.render import sbatch as render
+
+    command = render.submitit_command(shlex.quote(sys.executable), str(folder))
+    if len(dirs) > 1:  # a sweep: task i runs in dirs[i]; submitit's files go through the %a links
+        text = render.render_sbatch(spec, plan, dirs[0], command, array=f"0-{len(dirs) - 1}", run_dirs=dirs,
+                                    submitit_folder=folder)
+    else:
+        text = render.render_sbatch(spec, plan, dirs[0], command, submitit_folder=folder)
+    _check_no_secrets(text, spec)
+    return str(text)
+
+
+def _sbatch(staging: Path, script: str) -> str:
+    """Submit `script` through the one SLURM wrapper; returns the job id sbatch printed."""
     from hpctrain.slurm import commands as _slurm
 
-    class HpcSlurmExecutor(submitit.SlurmExecutor):
-        """SlurmExecutor whose sbatch file is hpctrain's rendered script, submitted via _slurm."""
-
-        def __init__(self, folder: Path, spec: Spec, plan: Plan, run_dirs: list[Path]) -> None:
-            super().__init__(folder=folder)
-            self.spec, self.plan, self.run_dirs = spec, plan, run_dirs
-            self.last_jobs: list[Any] = []
-            self._throttling = 0.0  # one sbatch per call anyway; the 200 ms sleep buys nothing here
-
-        def _num_tasks(self) -> int:
-            return int(self.plan.nodes * self.plan.ranks_per_node)
-
-        def _make_submission_file_text(self, command: str, uid: str) -> str:
-            from hpctrain.render import sbatch as render  # looked up per call: the class itself is cached
-
-            n = self.parameters.get("map_count")
-            if n:  # a sweep: task i runs in run_dirs[i]; submitit files go through the %a links
-                text = render.render_sbatch(self.spec, self.plan, self.run_dirs[0], command, array=f"0-{n - 1}",
-                                            run_dirs=self.run_dirs, submitit_folder=self.folder)
-            else:
-                text = render.render_sbatch(self.spec, self.plan, self.run_dirs[0], command,
-                                            submitit_folder=self.folder)
-            _check_no_secrets(text, self.spec)
-            return str(text)
-
-        def _internal_process_submissions(self, delayed: list[Any]) -> list[Any]:
-            # submitit's own array path builds a *plain* SlurmExecutor (losing our script), so both
-            # paths are done here: dump pickles, one sbatch, then move pickles to their %j/%A_%a names.
-            indep = sutils.JobPaths.get_first_id_independent_folder(self.folder)
-            indep.mkdir(parents=True, exist_ok=True)
-            pickles = []
-            for d in delayed:
-                p = indep / f"{uuid.uuid4().hex}.pkl"
-                d.set_timeout(self.parameters.get("time", 5), self.max_num_timeout)
-                d.dump(p)
-                pickles.append(p)
-            n = len(delayed)
-            self.parameters.pop("map_count", None)
-            if n > 1:
-                self.parameters["map_count"] = n
-            try:
-                job_id, script = self._sbatch(self._submitit_command_str)
-            except BaseException:
-                for p in pickles:
-                    p.unlink(missing_ok=True)
-                raise
-            tasks = list(range(self._num_tasks()))
-            ids = [job_id] if n == 1 else [f"{job_id}_{a}" for a in range(n)]
-            jobs: list[Any] = [SlurmJob(folder=self.folder, job_id=i, tasks=tasks) for i in ids]
-            for job, p in zip(jobs, pickles):
-                job.paths.move_temporary_file(p, "submitted_pickle")
-                # submitit's own copy of the script (%j_submission.sh / %A_submission.sh) per run.
-                sub = job.paths.submission_file
-                if not sub.exists():
-                    runs_mod.write_private(sub, script)
-            for d in self.run_dirs:
-                runs_mod.write_private(runs_mod.RunFolder(d).sbatch_sh, script)
-            self.last_jobs = jobs
-            return jobs
-
-        def _sbatch(self, command: str) -> tuple[str, str]:
-            indep = sutils.JobPaths.get_first_id_independent_folder(self.folder)
-            script = self._make_submission_file_text(command, uuid.uuid4().hex)
-            path = indep / f".submission_file_{uuid.uuid4().hex}.sh"
-            runs_mod.write_private(path, script)
-            try:
-                out = _slurm.sbatch(str(path))
-            finally:
-                path.unlink(missing_ok=True)
-            return _slurm.job_id_from_sbatch(out), script
-
-    return HpcSlurmExecutor
+    path = staging / f".submission_file_{uuid.uuid4().hex}.sh"
+    runs_mod.write_private(path, script)
+    try:
+        out = _slurm.sbatch(str(path))
+    finally:
+        path.unlink(missing_ok=True)
+    return _slurm.job_id_from_sbatch(out)
 
 
 # -- local ----------------------------------------------------------------------------------------

@@ -72,7 +72,7 @@ def expand(nodelist: str) -> list[str]:
     """Expand a SLURM hostlist such as ``"node[1-4,7],gpu01"`` into host names, in order.
 
     Empty input or an empty element is an error: a hostfile built from it would be wrong, and
-    DeepSpeed would silently fall back to local GPUs (see DESIGN.md).
+    DeepSpeed would silently fall back to local GPUs (its runner only warns about a bad hostfile).
     """
     text = nodelist.strip()
     if not text:

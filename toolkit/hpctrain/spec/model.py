@@ -14,13 +14,12 @@ This module is pure Python (no torch): the login node and the compute node both 
 from __future__ import annotations
 
 import itertools
-import math
-import re
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+import tomli_w
 import tomllib
 
 from hpctrain.errors import HpcUsageError, bad_value, unknown_key
@@ -40,7 +39,7 @@ Runtime = Literal["none", "apptainer", "pyxis", "podman", "charliecloud"]
 
 @dataclass(frozen=True, kw_only=True)
 class Resources:
-    """What SLURM allocates. Every count below derives from these once (see plan.py)."""
+    """What SLURM allocates. Every count below derives from these once (see plan/planner.py)."""
 
     nodes: int = 1
     gpus_per_node: int = 0  # 0 = CPU ranks (DS_ACCELERATOR=cpu, gloo)
@@ -439,45 +438,20 @@ def check_paths(spec: Spec) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# spec.toml: an exact, deterministic round trip (tomllib reads; this small writer writes).
+# spec.toml: an exact, deterministic round trip (tomllib reads, tomli-w writes).
 
-def _toml_key(key: str) -> str:
-    return key if re.match(r"^[A-Za-z0-9_-]+$", key) else _toml_str(key)
-
-
-def _toml_str(text: str) -> str:
-    out = ['"']
-    for ch in text:
-        if ch in '"\\':
-            out.append("\\" + ch)
-        elif ch == "\n":
-            out.append("\\n")
-        elif ch == "\t":
-            out.append("\\t")
-        elif ord(ch) < 32 or ord(ch) == 127:
-            out.append(f"\\u{ord(ch):04x}")
-        else:
-            out.append(ch)
-    return "".join(out) + '"'
+_TOML_HEADER = ("# Resolved hpctrain spec: written at submit time, read by every rank. Do not edit;\n"
+                "# change the run file or flags and submit again.\n")
 
 
-def toml_value(value: object) -> str:
-    """One TOML value (strings, ints, finite floats, bools, arrays, inline tables)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise ValueError(f"cannot write non-finite float {value!r} to spec.toml")
-        return repr(value)
-    if isinstance(value, str):
-        return _toml_str(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{_toml_key(k)} = {toml_value(v)}" for k, v in value.items()) + "}"
-    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+def _as_dict(spec: Spec) -> dict[str, Any]:
+    """The spec as nested plain data, in the field order of the dataclasses (so the text is stable)."""
+    data: dict[str, Any] = {name: getattr(spec, name) for name in TOP_SCALARS}
+    data["env"] = dict(spec.env)
+    for section in SECTIONS:
+        obj = getattr(spec, section)
+        data[section] = {f.name: getattr(obj, f.name) for f in fields(obj)}
+    return data
 
 
 def to_toml(spec: Spec) -> str:
@@ -485,25 +459,7 @@ def to_toml(spec: Spec) -> str:
 
     Secret values never appear: [env] refuses them at validation, and secret_env holds names only.
     """
-    lines = ["# Resolved hpctrain spec: written at submit time, read by every rank. Do not edit;",
-             "# change the run file or flags and submit again.",
-             f"name = {toml_value(spec.name)}", f"site = {toml_value(spec.site)}",
-             f"secret_env = {toml_value(spec.secret_env)}", "", "[env]"]
-    lines += [f"{_toml_key(k)} = {toml_value(v)}" for k, v in spec.env.items()]
-    for section in SECTIONS:
-        obj = getattr(spec, section)
-        lines += ["", f"[{section}]"]
-        tables = []
-        for f in fields(obj):
-            value = getattr(obj, f.name)
-            if isinstance(value, dict):
-                tables.append((f.name, value))
-            else:
-                lines.append(f"{f.name} = {toml_value(value)}")
-        for name, table in tables:
-            lines += ["", f"[{section}.{name}]"]
-            lines += [f"{_toml_key(k)} = {toml_value(v)}" for k, v in table.items()]
-    return "\n".join(lines) + "\n"
+    return _TOML_HEADER + tomli_w.dumps(_as_dict(spec))
 
 
 def from_toml_text(text: str) -> Spec:

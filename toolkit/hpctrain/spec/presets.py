@@ -1,6 +1,6 @@
 """Built-in model presets: Hugging Face config dicts by name (torch-free).
 
-`plan.py` (memory estimate, parameter count) and the node trainer (`from_config`) both read these,
+`plan/` (memory estimate, parameter count) and the node trainer (`from_config`) both read these,
 so a preset name means the same model on the login node and on the compute node.
 Vocabulary sizes are at least 259 so that the byte-level tokenizer (256 bytes + pad/bos/eos) fits.
 """
