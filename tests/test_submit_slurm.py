@@ -92,8 +92,8 @@ def _cli_has(command: str) -> bool:
 
 def _wait_final(run_id: str, deadline_s: float = 120) -> dict[str, Any]:
     """Poll `hpctrain status --json` (refresh = one forced sacct) until the run is final."""
-    from hpctrain.cli.runs import refresh
     from hpctrain.runs.registry import Registry
+    from hpctrain.slurm.refresh import refresh
 
     end = time.monotonic() + deadline_s
     while True:
@@ -137,7 +137,7 @@ def test_four_node_preflight_completes_and_lists(cluster: Any, env: dict[str, Pa
         run_id, job_id = s.run_id, s.job_id
     rec = _wait_final(run_id)
     assert rec["state"] == "COMPLETED", rec
-    for _ in range(20):  # slurmdbd may need a moment to record the whole nodelist (see cli_runs.SETTLE_S)
+    for _ in range(20):  # slurmdbd may need a moment to record the whole nodelist (see hpctrain.slurm.refresh.SETTLE_S)
         if rec["attempts"][0]["nodes"] == "node[1-4]":
             break
         time.sleep(1)

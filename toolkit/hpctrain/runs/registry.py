@@ -278,6 +278,16 @@ class Registry:
 
         return self._read(q)
 
+    def newest(self, name: str | None = None) -> Run | None:
+        """The run created last (of that name, when given); None if there is none."""
+
+        def q(c: sqlite3.Connection) -> Run | None:
+            where, args = (" WHERE name=?", (name,)) if name is not None else ("", ())
+            row = c.execute(f"SELECT * FROM runs{where} ORDER BY created DESC, rowid DESC LIMIT 1", args).fetchone()
+            return _with_attempts(c, [_run(row)])[0] if row else None
+
+        return self._read(q)
+
     def get_run(self, ref: str) -> Run:
         """A run by id or unique id prefix; RunNotFound (with close matches) otherwise."""
 
