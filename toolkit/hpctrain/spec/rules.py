@@ -73,11 +73,14 @@ def secret_names(spec: Spec) -> tuple[str, ...]:
     return tuple(dict.fromkeys((*ALWAYS_SECRET, *spec.secret_env)))
 
 
+def is_secret_name(name: str) -> bool:
+    """Whether a variable or key name says it holds a credential (HF_TOKEN, DB_PASSWORD, WANDB_API_KEY)."""
+    return bool(set(name.upper().split("_")) & _SECRET_NAME_PARTS) or name.upper().endswith("API_KEY")
+
+
 def looks_secret(name: str, value: str) -> bool:
     """Guess whether an [env] entry carries a credential, by its name or the shape of its value."""
-    parts = set(name.upper().split("_"))
-    return bool(parts & _SECRET_NAME_PARTS) or name.upper().endswith("API_KEY") or bool(
-        _SECRET_VALUE.match(value.strip()))
+    return is_secret_name(name) or bool(_SECRET_VALUE.match(value.strip()))
 
 
 # --------------------------------------------------------------------------------------------------
