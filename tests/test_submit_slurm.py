@@ -292,10 +292,12 @@ def test_impossible_shapes_refused_cleanly(cluster: Any, env: dict[str, Path], f
 def test_preflight_names_the_node_that_did_not_join(cluster: Any) -> None:
     """3 real nodes, node3's task dies before the rendezvous: ranks on node1/node2 exit non-zero
     within the timeout, naming rank 2 and node3 -- instead of hanging in a collective."""
+    from hpctrain.slurm.nodelist import rendezvous_port_shell
+
     code = ("import sys\nfrom hpctrain.node.preflight import run_from_env, PreflightError\n"
             "try:\n    run_from_env(8)\nexcept PreflightError as e:\n    print('PREFLIGHT', e)\n    sys.exit(4)\n")
     task = ('if [ "$SLURM_PROCID" = 2 ]; then exit 0; fi; '
-            'export MASTER_PORT=$((20000 + SLURM_JOB_ID % 11999)); exec "$0" -c "$1"')
+            f'export MASTER_PORT={rendezvous_port_shell()}; exec "$0" -c "$1"')
     t0 = time.monotonic()
     proc = subprocess.run(["srun", "-p", "debug", "-N3", "-n3", "--time=1", "bash", "-c", task, sys.executable, code],
                           capture_output=True, text=True, timeout=90, check=False)

@@ -20,6 +20,7 @@ from hpctrain import __version__
 from hpctrain.errors import HpcUsageError, bad_value
 from hpctrain.plan.memory import SUB_GROUP_SIZE
 from hpctrain.render import containers
+from hpctrain.slurm.nodelist import rendezvous_port_shell
 from hpctrain.spec.model import Spec
 from hpctrain.spec.rules import secret_names
 
@@ -250,7 +251,7 @@ def render_sbatch(spec: Spec, plan: Plan, run_dir: Path, command: str, *, array:
         version=__version__, name=spec.name, directives=sbatch_directives(spec, plan, folder, array),
         modules=list(spec.launch.modules), env=env, secret_names=list(secrets), run_dir_expr=_shell_path(run_dir),
         run_dirs=[str(d) for d in dirs] if run_dirs else [], cpu=plan.device == "cpu",
-        slots=plan.ranks_per_node, launch_line=launch_line, launcher_note=note,
+        slots=plan.ranks_per_node, master_port=rendezvous_port_shell(), launch_line=launch_line, launcher_note=note,
         runtime=spec.container.runtime,
         container_check=containers.prelaunch_lines(spec, container_binds(spec, dirs)),
         watchdog=_watchdog_line(spec, plan, command, python), hang_timeout=spec.launch.hang_timeout_s,
