@@ -22,7 +22,7 @@ from hpctrain.plan.memory import SUB_GROUP_SIZE
 from hpctrain.render import containers
 from hpctrain.slurm.nodelist import rendezvous_port_shell
 from hpctrain.spec.model import Spec
-from hpctrain.spec.rules import secret_names
+from hpctrain.spec.rules import partial_offload_ok, secret_names
 
 if TYPE_CHECKING:
     import jinja2
@@ -315,7 +315,7 @@ def _zero_block(spec: Spec, plan: Plan) -> dict[str, Any]:
                      "stage3_gather_16bit_weights_on_model_save": True})
     if plan.offload in ("optimizer", "all"):
         zero["offload_optimizer"] = _offload_block(spec)
-        if stage == 3 and plan.offload_ratio < 1:
+        if plan.offload_ratio < 1 and partial_offload_ok(stage, plan.offload, spec.parallel.offload_device):
             # Partial offload (ZeRO-3 only): DeepSpeed keeps the first int((1 - ratio) * n) of its n optimizer
             # sub-groups on the GPU. The plan's estimate counted whole sub-groups of this size: say it.
             zero["offload_optimizer"]["ratio"] = plan.offload_ratio
