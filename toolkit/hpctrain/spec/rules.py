@@ -15,6 +15,7 @@ from dataclasses import MISSING, fields
 from typing import TYPE_CHECKING, Any, Literal, Union
 
 from hpctrain.errors import bad_value
+from hpctrain.spec.flags import FLAG_FOR
 
 if TYPE_CHECKING:
     from hpctrain.spec.model import (
@@ -35,19 +36,6 @@ SECTION_CLASSES = ("Resources", "Launch", "Model", "Data", "Train", "Parallel", 
 # These variables are secret whatever the site says: they reach ranks by name through --export=ALL.
 ALWAYS_SECRET = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY")
 
-FLAG_FOR: dict[str, str] = {
-    "resources.nodes": "--nodes", "resources.gpus_per_node": "--gpus-per-node",
-    "resources.cpus_per_task": "--cpus-per-task", "resources.mem": "--mem", "resources.time": "--time",
-    "resources.partition": "--partition", "resources.account": "--account", "resources.qos": "--qos",
-    "name": "--job-name", "parallel.zero": "--zero", "parallel.offload": "--offload",
-    "parallel.offload_device": "--offload-device", "parallel.nvme_path": "--nvme-path",
-    "train.precision": "--precision", "train.micro_batch": "--micro-batch", "train.grad_accum": "--grad-accum",
-    "train.global_batch": "--global-batch", "parallel.pp": "--pp", "parallel.tp": "--tp",
-    "parallel.offload_ratio": "--offload-ratio", "train.activation_checkpointing": "--activation-checkpointing",
-    "launch.launcher": "--launcher", "launch.executor": "--executor", "site": "--site",
-    "train.steps": "--steps", "model.path": "--model", "data.source": "--data",
-}
-
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SECRET_NAME_PARTS = {"TOKEN", "SECRET", "PASSWORD", "PASSWD", "APIKEY", "CREDENTIAL", "CREDENTIALS"}
 _SECRET_VALUE = re.compile(
@@ -61,11 +49,12 @@ _SLURM_WORD = re.compile(r"^[A-Za-z0-9_.,:@+\-\[\]|&*!()]*$")
 
 
 def how_to_set(key: str, example: object) -> str:
-    """The fix half of a message: the CLI flag if there is one, and the run-file spelling."""
+    """The fix half of a message: the CLI flag (spec.flags) or `--set`, and the run-file spelling."""
     section, _, name = key.rpartition(".")
     where = f"[{section}] {name} = {example}" if section else f"{name} = {example}"
     flag = FLAG_FOR.get(key)
-    return f"pass {flag} {example} or set {where} in the run file" if flag else f"set {where} in the run file"
+    return f"pass {flag} {example} or set {where} in the run file" if flag else (
+        f"pass --set {key}={example} or set {where} in the run file")
 
 
 def secret_names(spec: Spec) -> tuple[str, ...]:
