@@ -58,7 +58,8 @@ def from_env(env: Mapping[str, str]) -> DistEnv | None:
         rank, local, world, source = (_int(env, "RANK"), _int(env, "LOCAL_RANK", env.get("SLURM_LOCALID") or "0"),
                                       _int(env, "WORLD_SIZE"), "torch")
         node = _int(env, "GROUP_RANK", env.get("SLURM_NODEID") or "0")
-        master, port = env.get("MASTER_ADDR") or (first_host(nodelist) if nodelist else "127.0.0.1"), 29500
+        master = env.get("MASTER_ADDR") or (first_host(nodelist) if nodelist else "127.0.0.1")
+        port = rendezvous_port(job) if job else 29500  # torch's own default outside a job
     elif "SUBMITIT_LOCAL_GLOBALID" in env:
         job = env.get("SUBMITIT_LOCAL_JOB_ID", "0")
         rank, local, world, source = (_int(env, "SUBMITIT_LOCAL_GLOBALID"), _int(env, "SUBMITIT_LOCAL_LOCALID", "0"),
@@ -73,8 +74,6 @@ def from_env(env: Mapping[str, str]) -> DistEnv | None:
         return None
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is outside world size {world} ({source} launcher variables)")
-    if source == "torch" and job:
-        port = rendezvous_port(job)
     return DistEnv(rank, local, world, master, _int(env, "MASTER_PORT", str(port)), source, job, node)
 
 
