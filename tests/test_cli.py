@@ -260,3 +260,31 @@ def test_tensor_parallel_renders_autotp_and_plans() -> None:
     assert json.loads(res.output)["ds_configs"][0]["tensor_parallel"]["autotp_size"] == 2
     res = invoke("plan", *TINY, "--gpus-per-node", "2", "--tp", "2", "--json")
     assert res.exit_code == 0 and json.loads(res.output)["tp"] == 2
+
+
+# -- one flag <-> spec-key table (hpctrain.spec.flags) -------------------------------------------------
+
+def test_flag_table_drives_options_hints_and_docs() -> None:
+    """Every flag in the table is an option of plan/submit, sets its key, is named in that key's refusal
+    hint, is in docs/flags.md; a key without a flag is hinted as --set."""
+    import typing
+
+    from hpctrain.spec import model as S
+    from hpctrain.spec.flags import FLAGS, markdown_table
+    from hpctrain.spec.rules import how_to_set
+
+    help_text = invoke("submit", "--help").output
+    for f in FLAGS:
+        assert f.flag in help_text, f.flag
+        assert how_to_set(f.key, 1).startswith(f"pass {f.flag} 1 "), f.key
+        section, _, name = f.key.rpartition(".")
+        cls = getattr(S, section.capitalize()) if section else S.Spec
+        hint = typing.get_type_hints(cls)[name]  # the key exists, and a choice lists the spec's own words
+        if typing.get_origin(hint) is typing.Literal:
+            assert f.kind == typing.get_args(hint), f.key
+        elif isinstance(f.kind, tuple):  # ZeRO: int | Literal["auto"]
+            assert set(f.kind) == {"0", "1", "2", "3", "auto"} and f.key == "parallel.zero"
+    assert how_to_set("launch.hang_timeout_s", 300) == (
+        "pass --set launch.hang_timeout_s=300 or set [launch] hang_timeout_s = 300 in the run file")
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "flags.md").read_text(encoding="utf-8")
+    assert markdown_table() in docs, "docs/flags.md is stale: regenerate its table from spec.flags.markdown_table()"

@@ -512,9 +512,9 @@ def test_partition_info_parses(fake_slurm: Path) -> None:
 
 def test_local_executor_preflight_two_tasks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A real local-executor submit (no cluster): 2 ranks run the pre-flight through submitit."""
-    from hpctrain.cli.runs import refresh
     from hpctrain.plan import planner as P
     from hpctrain.slurm import dispatch
+    from hpctrain.slurm.refresh import refresh
     from hpctrain.spec import model as S
 
     monkeypatch.setenv("HPCTRAIN_STATE_DIR", str(tmp_path / "state"))
@@ -555,8 +555,8 @@ def test_local_executor_preflight_two_tasks(tmp_path: Path, monkeypatch: pytest.
 def test_just_finished_job_is_read_again_until_settled(fake_slurm: Path, stand_in_render: None,
                                                        tmp_path: Path) -> None:
     """slurmdbd may list a just-finished 4-node job on one node for a moment: re-read it for a while."""
-    from hpctrain.cli.runs import refresh
     from hpctrain.slurm import dispatch
+    from hpctrain.slurm.refresh import refresh
 
     (d,) = _folders(tmp_path, 1)
     (sub,) = dispatch.submit([d], _spec(), _plan(), "slurm")  # type: ignore[arg-type]

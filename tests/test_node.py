@@ -17,6 +17,7 @@ from hpctrain.node.data import IGNORE, DataSource, iter_epoch, tokenize_docs
 from hpctrain.node.runconf import NodeInputError
 from hpctrain.node.testing import make_run
 from hpctrain.node.tokenize import ByteTokenizer
+from hpctrain.slurm.nodelist import rendezvous_port
 
 
 def _docs(n: int = 300, seq_len: int = 64) -> list[np.ndarray]:
@@ -105,7 +106,7 @@ def test_detect_from_slurm_env() -> None:
            "SLURM_JOB_NODELIST": "gpu[07-10]", "SLURM_NODEID": "2"}
     d = dist.detect(env)
     assert (d.rank, d.local_rank, d.world_size, d.master_addr, d.source) == (5, 1, 8, "gpu07", "slurm")
-    assert d.master_port == dist.port_from_job_id("4242") == dist.detect(env).master_port
+    assert d.master_port == rendezvous_port("4242") == dist.detect(env).master_port
     assert set(d.exports()) == set(dist.TORCH_VARS)
 
 

@@ -164,3 +164,65 @@ def test_plan_json_and_read_plan(tmp_path: Path) -> None:
                 "global_batch", "zero_stage", "offload", "param_count", "memory", "reasons"):
         assert key in data
     assert data["zero_stage"] == 3 and p.to_json() == make_plan(spec(resources=Resources(tasks_per_node=2))).to_json()
+
+
+# -- each ZeRO/offload rule once (spec.rules): the spec check, zero auto and ds_config agree ---------------
+
+_KINDS = [(z, o, r, d, pp) for z in (0, 1, 2, 3) for o in ("none", "optimizer", "param", "all") for r in (1.0, 0.5)
+          for d in ("cpu", "nvme") for pp in (1, 2)]
+
+
+@pytest.mark.parametrize("zero, offload, ratio, device, pp", _KINDS)
+def test_spec_accepts_exactly_what_the_rule_allows(zero: int, offload: str, ratio: float, device: str, pp: int) -> None:
+    """An explicit choice passes validation iff kind_allowed says DeepSpeed runs it (pp > 1 needs ZeRO <= 1,
+    an offload ratio needs ZeRO-3 with CPU optimizer offload, param offload needs ZeRO-3, ...), and the plan
+    then keeps it."""
+    from hpctrain.spec.rules import kind_allowed
+
+    def build() -> Spec:
+        return spec(resources=Resources(nodes=1, gpus_per_node=2),
+                    parallel=Parallel(zero=zero, offload=offload, offload_ratio=ratio, offload_device=device,
+                                      nvme_path="/local/nvme", pp=pp))
+
+    if not kind_allowed((zero, offload, ratio), pp, device):
+        with pytest.raises(HpcUsageError):
+            build()
+        return
+    plan = make_plan(build())
+    assert (plan.zero_stage, plan.offload, plan.offload_ratio) == (zero, offload, ratio)
+
+
+@pytest.mark.parametrize("pp, device, offload", [(1, "cpu", "none"), (2, "cpu", "none"), (1, "nvme", "none"),
+                                                 (1, "cpu", "optimizer"), (2, "cpu", "all")])
+def test_zero_auto_chooses_only_allowed_kinds(pp: int, device: str, offload: str) -> None:
+    """zero auto (spec.rules.zero_choices) never offers a choice the spec would refuse: with pp 2 no ZeRO 2/3,
+    with NVMe no partial ratio (DeepSpeed does not split optimizer state with NVMe)."""
+    from hpctrain.spec.rules import kind_allowed, zero_choices
+
+    def build() -> Spec:
+        return spec(resources=Resources(nodes=1, gpus_per_node=2), parallel=Parallel(
+            zero="auto", offload=offload, offload_device=device, nvme_path="/local/nvme", pp=pp))
+
+    if pp > 1 and offload == "all":  # no stage both allows: refused up front, not a planner crash
+        with pytest.raises(HpcUsageError, match="pipeline engine"):
+            build()
+        return
+    kinds = zero_choices(build().parallel, gpu=True)
+    assert kinds and all(kind_allowed(k, pp, device) for k in kinds)
+    if pp > 1:
+        assert {z for z, _, _ in kinds} <= {0, 1}
+        with pytest.raises(HpcUsageError, match="pipeline engine"):  # a ratio that no allowed stage can use
+            spec(parallel=Parallel(zero="auto", offload="optimizer", offload_ratio=0.5, pp=pp))
+    if device == "nvme":
+        assert all(r == 1.0 for _, _, r in kinds)
+
+
+def test_ds_config_writes_a_ratio_only_where_the_rule_allows() -> None:
+    from hpctrain.render.sbatch import render_ds_config
+
+    s = spec(resources=Resources(nodes=1, gpus_per_node=2),
+             parallel=Parallel(zero=3, offload="optimizer", offload_ratio=0.5))
+    zero_block = render_ds_config(s, make_plan(s))["zero_optimization"]
+    assert zero_block["offload_optimizer"]["ratio"] == 0.5
+    full = spec(resources=Resources(nodes=1, gpus_per_node=2), parallel=Parallel(zero=2, offload="optimizer"))
+    assert "ratio" not in render_ds_config(full, make_plan(full))["zero_optimization"]["offload_optimizer"]

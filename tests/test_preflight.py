@@ -138,3 +138,25 @@ def test_node_without_the_preflight_module_fails_loudly(tmp_path: Path, monkeypa
         from hpctrain.node.main import run as node_run
 
         node_run(str(tmp_path), "preflight")
+
+
+@pytest.mark.parametrize("env", [
+    {"RANK": "3", "WORLD_SIZE": "4", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_ID": "77"},
+    {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "gpu[07-08]",
+     "SLURM_JOB_ID": "123456789"},
+    {"SUBMITIT_LOCAL_GLOBALID": "1", "SUBMITIT_LOCAL_LOCALID": "1", "SUBMITIT_LOCAL_NTASKS": "2",
+     "SUBMITIT_LOCAL_JOB_ID": "4242", "MASTER_ADDR": "ignored-for-local"},
+])
+def test_preflight_reads_ranks_like_the_trainer(env: dict[str, str]) -> None:
+    """One reading of rank/world/master/port (node.dist): the rendezvous meets where torch will."""
+    from hpctrain.node import dist
+
+    d, lay = dist.detect(env), layout_from_env(env)
+    assert (lay.rank, lay.world_size, lay.master, lay.port) == (d.rank, d.world_size, d.master_addr, d.master_port + 1)
+
+
+def test_bad_rank_variables_are_named() -> None:
+    with pytest.raises(PreflightError, match="RANK='x'"):
+        layout_from_env({"RANK": "x", "WORLD_SIZE": "2"})
+    with pytest.raises(PreflightError, match="outside world size"):
+        layout_from_env({"SLURM_PROCID": "2", "SLURM_NTASKS": "2"})

@@ -109,3 +109,17 @@ def test_twenty_concurrent_processes(tmp_path: Path) -> None:
                for r in runs)
     assert reg.integrity_check() == "ok"
     assert json.dumps(runs[0].to_dict())
+
+
+def test_registry_and_spec_share_one_secret_name_rule(tmp_path: Path) -> None:
+    """The registry drops exactly the keys the spec's [env] check calls secret (spec.rules.is_secret_name):
+    DB_PASSWD and GH_APIKEY go, tokens_per_batch (a knob, not a token) stays."""
+    from hpctrain.spec.rules import is_secret_name
+
+    keys = {"DB_PASSWD": "x", "GH_APIKEY": "x", "MY_CREDENTIALS": "x", "tokens_per_batch": 4096, "nodes": 2}
+    reg = Registry(tmp_path / "r.db")
+    reg.add_submitted({"run_id": "s-2", "name": "s", "folder": "/f", "executor": "local", "spec": keys},
+                      Attempt(run_id="s-2", attempt=0, job_id="2"))
+    kept = reg.get_run("s-2").spec
+    assert kept == {"tokens_per_batch": 4096, "nodes": 2}
+    assert {k for k in keys if is_secret_name(k)} == set(keys) - set(kept)

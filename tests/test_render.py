@@ -316,3 +316,37 @@ def test_deepspeed_accepts_tensor_and_pipeline_sections(monkeypatch: pytest.Monk
     cfg = cfgmod.DeepSpeedConfig(ds, mpu=MPU())
     assert cfg.tensor_parallel_config.autotp_size == 2
     assert cfg.pipeline["stages"] == 2
+
+
+@pytest.mark.parametrize("template", [None, "{% for h in hosts %}{{ h }} slots={{ slots }} # site{{ '\\n' }}{% endfor %}"])
+def test_job_writes_the_hostfile_render_hostfile_writes(template: str | None, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One format: the batch script's awk program is rendered from hostfile.j2 (also an override), so the
+    job's hostfile equals `hpctrain hostfile`'s; a host listed twice stops the job."""
+    from hpctrain.render.sbatch import hostfile_awk
+
+    if template:
+        tdir = tmp_path / "config" / "templates"
+        tdir.mkdir(parents=True)
+        (tdir / "hostfile.j2").write_text(template)
+        monkeypatch.setenv("HPCTRAIN_CONFIG_DIR", str(tmp_path / "config"))
+    hosts = ["node1", "gpu-07.cluster"]
+
+    def job(lines: list[str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["bash", "-c", f"awk {hostfile_awk(4)}"], input="".join(h + "\n" for h in lines),
+                              capture_output=True, text=True, timeout=10, check=False)
+
+    assert job(hosts).stdout == render_hostfile(hosts, 4)
+    twice = job(["node1", "node2", "node1"])
+    assert twice.returncode == 1 and "node1 is listed twice" in twice.stderr
+
+
+def test_hostfile_template_that_awk_cannot_follow_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpctrain.render.sbatch import hostfile_awk
+
+    tdir = tmp_path / "config" / "templates"
+    tdir.mkdir(parents=True)
+    (tdir / "hostfile.j2").write_text('# all hosts\n{% for h in hosts %}"{{ h }}" slots={{ slots }}\n{% endfor %}')
+    monkeypatch.setenv("HPCTRAIN_CONFIG_DIR", str(tmp_path / "config"))
+    with pytest.raises(HpcUsageError, match="one line per host"):
+        hostfile_awk(2)

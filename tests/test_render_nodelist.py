@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from hpctrain.errors import HpcUsageError
-from hpctrain.slurm.nodelist import expand
+from hpctrain.slurm.nodelist import expand, rendezvous_port, rendezvous_port_shell
 
 CASES = {
     "node1": ["node1"],
@@ -45,3 +45,12 @@ def test_matches_scontrol(text: str) -> None:
     if out.returncode != 0:
         pytest.skip(f"scontrol could not run: {out.stderr.strip()}")
     assert expand(text) == out.stdout.split()
+
+
+@pytest.mark.parametrize("job_id", ["1", "4242", "11999", "987654321", "4294967295"])
+def test_one_port_formula_for_the_script_and_the_ranks(job_id: str) -> None:
+    """The batch script's MASTER_PORT (bash arithmetic rendered from the formula) is what a rank derives."""
+    out = subprocess.run(["bash", "-c", f"echo {rendezvous_port_shell()}"], env={"SLURM_JOB_ID": job_id},
+                         capture_output=True, text=True, check=True, timeout=10).stdout
+    assert int(out) == rendezvous_port(job_id)
+    assert 20000 <= rendezvous_port(job_id) <= 31998

@@ -19,6 +19,7 @@ import pytest
 
 from hpctrain.plan.planner import make_plan
 from hpctrain.render.sbatch import render_sbatch
+from hpctrain.slurm.nodelist import rendezvous_port
 from hpctrain.spec.model import Model, Resources, Spec
 
 pytestmark = pytest.mark.slurm
@@ -101,7 +102,7 @@ def test_rendered_script_runs_on_two_nodes(tmp_path: Path) -> None:
     assert len(hosts) == 2
     masters = {r[2] for r in rows}
     ports = {r[3] for r in rows}
-    assert len(masters) == 1 and masters <= hosts and ports == {str(20000 + int(job) % 11999)}
+    assert len(masters) == 1 and masters <= hosts and ports == {str(rendezvous_port(job))}
     assert {r[4].rstrip("\n") for r in rows} == {"a'b $(touch pwned) `x`"}
     assert sorted(line.split()[0] for line in (run / "hostfile").read_text().splitlines()) == sorted(hosts)
     assert all(line.endswith(" slots=2") for line in (run / "hostfile").read_text().splitlines())

@@ -92,8 +92,8 @@ def _cli_has(command: str) -> bool:
 
 def _wait_final(run_id: str, deadline_s: float = 120) -> dict[str, Any]:
     """Poll `hpctrain status --json` (refresh = one forced sacct) until the run is final."""
-    from hpctrain.cli.runs import refresh
     from hpctrain.runs.registry import Registry
+    from hpctrain.slurm.refresh import refresh
 
     end = time.monotonic() + deadline_s
     while True:
@@ -137,7 +137,7 @@ def test_four_node_preflight_completes_and_lists(cluster: Any, env: dict[str, Pa
         run_id, job_id = s.run_id, s.job_id
     rec = _wait_final(run_id)
     assert rec["state"] == "COMPLETED", rec
-    for _ in range(20):  # slurmdbd may need a moment to record the whole nodelist (see cli_runs.SETTLE_S)
+    for _ in range(20):  # slurmdbd may need a moment to record the whole nodelist (see hpctrain.slurm.refresh.SETTLE_S)
         if rec["attempts"][0]["nodes"] == "node[1-4]":
             break
         time.sleep(1)
@@ -292,10 +292,12 @@ def test_impossible_shapes_refused_cleanly(cluster: Any, env: dict[str, Path], f
 def test_preflight_names_the_node_that_did_not_join(cluster: Any) -> None:
     """3 real nodes, node3's task dies before the rendezvous: ranks on node1/node2 exit non-zero
     within the timeout, naming rank 2 and node3 -- instead of hanging in a collective."""
+    from hpctrain.slurm.nodelist import rendezvous_port_shell
+
     code = ("import sys\nfrom hpctrain.node.preflight import run_from_env, PreflightError\n"
             "try:\n    run_from_env(8)\nexcept PreflightError as e:\n    print('PREFLIGHT', e)\n    sys.exit(4)\n")
     task = ('if [ "$SLURM_PROCID" = 2 ]; then exit 0; fi; '
-            'export MASTER_PORT=$((20000 + SLURM_JOB_ID % 11999)); exec "$0" -c "$1"')
+            f'export MASTER_PORT={rendezvous_port_shell()}; exec "$0" -c "$1"')
     t0 = time.monotonic()
     proc = subprocess.run(["srun", "-p", "debug", "-N3", "-n3", "--time=1", "bash", "-c", task, sys.executable, code],
                           capture_output=True, text=True, timeout=90, check=False)

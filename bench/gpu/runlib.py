@@ -6,7 +6,7 @@ node starts it:
 
 * ``launch_srun_style``: one process per GPU with the environment srun gives each task (SLURM_PROCID,
   SLURM_LOCALID, SLURM_NTASKS, SLURM_NODEID, SLURM_JOB_ID, SLURM_JOB_NODELIST) plus what hpctrain's
-  sbatch script exports (MASTER_ADDR = first host, MASTER_PORT = 20000 + job id % 11999, HPCTRAIN_RUN_DIR);
+  sbatch script exports (MASTER_ADDR = first host, MASTER_PORT = rendezvous_port(job id), HPCTRAIN_RUN_DIR);
   every task sees the node's GPUs and takes the one of its local rank, as under ``--gpus-per-node``.
 * ``launch_deepspeed``: one task running ``python -m hpctrain.node RUN --launcher deepspeed`` with a
   ``localhost slots=N`` hostfile: the node entry starts DeepSpeed's runner, which starts the ranks.
@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "toolkit"))
 
 from hpctrain.node.testing import spec_toml
+from hpctrain.slurm.nodelist import rendezvous_port
 
 # NVLink multicast stays off in every process on the shared multi-GPU hosts (device notes).
 NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -92,7 +93,7 @@ def _job_env(run: Path, ntasks: int, job_id: int) -> dict[str, str]:
     """What srun + hpctrain's sbatch script give every task of a one-node job."""
     return {"SLURM_JOB_ID": str(job_id), "SLURM_NTASKS": str(ntasks), "SLURM_NNODES": "1", "SLURM_NODEID": "0",
             "SLURM_JOB_NODELIST": "localhost", "SLURM_TASKS_PER_NODE": str(ntasks),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(20000 + job_id % 11999), "HPCTRAIN_RUN_DIR": str(run)}
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(rendezvous_port(str(job_id))), "HPCTRAIN_RUN_DIR": str(run)}
 
 
 def _wait_all(procs: list[subprocess.Popen[str]], timeout: float) -> int:

@@ -125,7 +125,7 @@ def _finished_check(inp: RunInput, reg: Registry, every_s: float = 10.0) -> Call
             return bool(last["done"])
         last["t"] = time.monotonic()
         try:
-            from hpctrain.cli.runs import refresh
+            from hpctrain.slurm.refresh import refresh
 
             run = reg.get_run(inp.run_id)
             refresh(reg, [run])

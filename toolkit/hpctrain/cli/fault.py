@@ -19,25 +19,23 @@ def register(group: click.Group) -> None:
 
 
 def _run_dir(ref: str) -> tuple[Path, list[str]]:
-    """(run folder, job ids of its attempts) from a run id, unique prefix or folder path; states refreshed."""
+    """(run folder, job ids of its attempts) from a run reference (hpctrain.runs.resolve); states refreshed."""
     from hpctrain.errors import HpcUsageError
-
-    p = Path(ref)
-    if p.is_dir() and (p / "spec.toml").is_file():
-        from hpctrain.runs.folder import read_attempts
-
-        jobs = [str(r["job_id"]) for r in read_attempts(p / "attempts.jsonl") if r.get("job_id")]
-        return p.absolute(), list(dict.fromkeys(jobs))
-    from hpctrain.cli.runs import _find, refresh
+    from hpctrain.runs.folder import read_attempts
     from hpctrain.runs.registry import Registry
+    from hpctrain.runs.resolve import resolve_run
+    from hpctrain.slurm.refresh import refresh
 
     reg = Registry()
-    run = _find(reg, ref)
-    refresh(reg, [run])
-    if not Path(run.folder).is_dir():
-        raise HpcUsageError(f"RUN = {ref!r}: its folder {run.folder} is missing. Fix: resubmit needs the run "
+    found = resolve_run(reg, ref)
+    if found.run is None:
+        jobs = [str(r["job_id"]) for r in read_attempts(found.folder / "attempts.jsonl") if r.get("job_id")]
+        return found.folder, list(dict.fromkeys(jobs))
+    refresh(reg, [found.run])
+    if not found.folder.is_dir():
+        raise HpcUsageError(f"RUN = {ref!r}: its folder {found.folder} is missing. Fix: resubmit needs the run "
                             "folder (spec, checkpoints) on this filesystem")
-    return Path(run.folder), [a.job_id for a in run.attempts]
+    return found.folder, [a.job_id for a in found.run.attempts]
 
 
 @click.command("resubmit", short_help="Run a failed run again from its latest checkpoint.")

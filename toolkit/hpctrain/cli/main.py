@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from hpctrain import __version__
+from hpctrain.spec.flags import FLAGS
 
 if TYPE_CHECKING:
     from hpctrain.plan.planner import Plan
@@ -31,36 +32,10 @@ def cli() -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Flags shared by `plan` and `submit`: each maps to one dotted spec key (see spec.resolve).
+# Flags shared by `plan` and `submit`: each sets one dotted spec key (the table is hpctrain.spec.flags).
 
-_SIMPLE_FLAGS: list[tuple[str, str, Any, str]] = [
-    ("--nodes", "resources.nodes", int, "Nodes to allocate."),
-    ("--gpus-per-node", "resources.gpus_per_node", int, "GPUs per node (0 = CPU ranks)."),
-    ("--cpus-per-task", "resources.cpus_per_task", int, "CPU cores per rank."),
-    ("--mem", "resources.mem", str, "Memory per node, SLURM syntax (64G)."),
-    ("--time", "resources.time", str, "Time limit (HH:MM:SS or D-HH:MM)."),
-    ("--partition", "resources.partition", str, "SLURM partition."),
-    ("--account", "resources.account", str, "SLURM account."),
-    ("--qos", "resources.qos", str, "SLURM QOS."),
-    ("--job-name", "name", str, "Run / job name."),
-    ("--zero", "parallel.zero", click.Choice(["0", "1", "2", "3", "auto"]), "ZeRO stage, or auto."),
-    ("--offload", "parallel.offload", click.Choice(["none", "optimizer", "param", "all"]), "What to offload."),
-    ("--offload-ratio", "parallel.offload_ratio", str,
-     "ZeRO-3 optimizer offload: fraction of the optimizer state on the CPU, 0 < r <= 1, or auto."),
-    ("--offload-device", "parallel.offload_device", click.Choice(["cpu", "nvme"]), "Offload target."),
-    ("--nvme-path", "parallel.nvme_path", str, "Local NVMe folder for --offload-device nvme."),
-    ("--precision", "train.precision", click.Choice(["bf16", "fp16", "fp32"]), "Training precision."),
-    ("--micro-batch", "train.micro_batch", int, "Micro-batch per rank."),
-    ("--grad-accum", "train.grad_accum", int, "Gradient accumulation steps."),
-    ("--global-batch", "train.global_batch", int, "Global batch (micro x accum x dp)."),
-    ("--pp", "parallel.pp", int, "Pipeline-parallel degree."),
-    ("--tp", "parallel.tp", int, "Tensor-parallel degree."),
-    ("--launcher", "launch.launcher", click.Choice(["srun", "deepspeed"]), "How ranks start."),
-    ("--executor", "launch.executor", click.Choice(["slurm", "local", "auto"]), "Where the job runs."),
-    ("--steps", "train.steps", int, "Optimizer steps."),
-    ("--retries", "launch.retries", int, "Automatic resubmissions after a failure (0 = off; capped at 10)."),
-    ("--data", "data.source", str, "Data: 'synthetic', a .jsonl/.txt file or a folder."),
-]
+def _click_type(kind: type | tuple[str, ...]) -> Any:
+    return click.Choice(list(kind)) if isinstance(kind, tuple) else kind
 
 
 def spec_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -76,8 +51,8 @@ def spec_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      help="Recompute activations in the backward pass (--set train.activation_checkpointing=auto: "
                           "only when the run does not fit without it)."),
     ]
-    for flag, _key, typ, help_text in reversed(_SIMPLE_FLAGS):
-        fn = click.option(flag, default=None, type=typ, help=help_text)(fn)
+    for f in reversed(FLAGS):
+        fn = click.option(f.flag, default=None, type=_click_type(f.kind), help=f.help)(fn)
     for opt in reversed(extra):
         fn = opt(fn)
     return click.argument("runfile", required=False, type=click.Path(dir_okay=False))(fn)
@@ -89,10 +64,10 @@ def flags_from_options(opts: dict[str, Any]) -> dict[str, Any]:
     from hpctrain.spec.presets import PRESETS
 
     flags: dict[str, Any] = {}
-    for flag, key, _typ, _help in _SIMPLE_FLAGS:
-        value = opts.get(flag.lstrip("-").replace("-", "_"))
+    for f in FLAGS:
+        value = opts.get(f.flag.lstrip("-").replace("-", "_"))
         if value is not None:
-            flags[key] = value
+            flags[f.key] = value
     if opts.get("activation_checkpointing") is not None:
         flags["train.activation_checkpointing"] = opts["activation_checkpointing"]
     model = opts.get("model")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 
@@ -30,90 +30,16 @@ def _registry() -> Registry:
 
 
 def _find(reg: Registry, ref: str) -> Run:
+    """The registered run `ref` names (see hpctrain.runs.resolve for what a reference may be)."""
     from hpctrain.errors import HpcUsageError
-    from hpctrain.runs.registry import RunNotFound
+    from hpctrain.runs.resolve import resolve_run
 
-    try:
-        return reg.get_run(ref)
-    except RunNotFound as exc:
-        if exc.ambiguous:
-            raise HpcUsageError(f"RUN = {ref!r}: matches several runs: {', '.join(exc.close)}. "
-                                "Fix: give more of the run id") from None
-        hint = f" Close matches: {', '.join(exc.close)}." if exc.close else ""
-        raise HpcUsageError(f"RUN = {ref!r}: no such run in {reg.path}.{hint} "
-                            "Fix: pick a run id from `hpctrain list --all`") from None
-
-
-def refresh(reg: Registry, runs: list[Run]) -> list[str]:
-    """Bring non-final attempts up to date: ONE sacct call for all SLURM jobs, /proc for local ones.
-
-    Finished attempts are not asked about again once settled (SETTLE_S after their end): their
-    state is cached in the registry.
-    Returns warnings (e.g. sacct unavailable) instead of failing: cached states are still useful.
-    """
-    from hpctrain.runs import folder as runs_mod
-    from hpctrain.runs.registry import FINAL_STATES
-
-    now = time.time()
-    pending = [(r, a) for r in runs for a in r.attempts if _unsettled(r.executor, a, now)]
-    if not pending:
-        return []
-    warnings: list[str] = []
-    fresh: dict[str, dict[str, Any]] = {}
-    slurm_ids = [a.job_id for r, a in pending if r.executor == "slurm"]
-    if slurm_ids:
-        from hpctrain.slurm import commands as _slurm
-
-        try:
-            for jid, rec in _slurm.sacct_states(slurm_ids).items():
-                fresh[jid] = {"state": rec.state, "nodes": rec.nodelist, "started": rec.start,
-                              "ended": rec.end, "exit_code": rec.exit_code or None}
-        except click.ClickException as exc:
-            warnings.append(f"states may be stale: {exc.format_message()}")
-    updates = []
-    for run, att in pending:
-        if run.executor == "local":
-            from pathlib import Path
-
-            from hpctrain.slurm.dispatch import local_state
-
-            # The reason (e.g. "see 123_0_result.pkl") is for humans; collect assigns failure classes.
-            state, _ = local_state(Path(run.folder), att.job_id)
-            fields: dict[str, Any] = {"state": state}
-            if state in FINAL_STATES:
-                fields["ended"] = time.time()
-        elif att.job_id in fresh:
-            fields = {k: v for k, v in fresh[att.job_id].items() if v not in (None, "")}
-        else:
-            continue  # sacct does not know it yet (just submitted): keep what we have
-        changed = {k: v for k, v in fields.items() if getattr(att, k) != v}
-        if not changed:
-            continue
-        updates.append((run.run_id, att.attempt, changed))
-        for k, v in changed.items():
-            setattr(att, k, v)
-        run.state = run.attempts[-1].state
-        if att.final:
-            line = {"attempt": att.attempt, "job_id": att.job_id, "state": att.state, "nodes": att.nodes,
-                   "started": att.started, "ended": att.ended, "exit_code": att.exit_code,
-                   "failure_class": att.failure_class}
-            try:
-                runs_mod.append_attempt(runs_mod.RunFolder(run.folder).attempts_jsonl, line)
-            except OSError:
-                pass  # the run folder may be gone; the registry still has it
-    reg.update_attempts(updates)
-    return warnings
-
-
-# slurmdbd can report a just-finished job as COMPLETED before its record is whole (seen: a 4-node
-# job listed on "node1" for a moment), so a SLURM attempt is re-read for this long after it ends.
-SETTLE_S = 60.0
-
-
-def _unsettled(executor: str, att: Any, now: float) -> bool:
-    if not att.final:
-        return True
-    return executor == "slurm" and (att.ended is None or now - att.ended < SETTLE_S)
+    found = resolve_run(reg, ref)
+    if found.run is None:
+        raise HpcUsageError(f"RUN = {ref!r}: the run folder {found.folder} is not in the registry {reg.path}. "
+                            f"Fix: `hpctrain summary {found.folder}` reads such a folder; this command needs a "
+                            "registered run")
+    return found.run
 
 
 def _age(ts: float | None) -> str:
@@ -143,6 +69,8 @@ def _warn(warnings: list[str]) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def list_runs(show_all: bool, as_json: bool) -> None:
     """List runs from the registry, newest first, with states refreshed from SLURM."""
+    from hpctrain.slurm.refresh import refresh
+
     reg = _registry()
     runs = reg.list_runs(limit=None if show_all else 20)
     warnings = refresh(reg, runs)
@@ -167,6 +95,8 @@ def list_runs(show_all: bool, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def status(run: str, as_json: bool) -> None:
     """Show RUN (id or unique prefix): state, folder, and every attempt, refreshed from SLURM."""
+    from hpctrain.slurm.refresh import refresh
+
     reg = _registry()
     rec = _find(reg, run)
     warnings = refresh(reg, [rec])
@@ -189,6 +119,8 @@ def cancel(run: str, as_json: bool) -> None:
     """Cancel RUN's unfinished attempts (scancel, or stop the local job) and record CANCELLED."""
     import os
     import signal
+
+    from hpctrain.slurm.refresh import refresh
 
     reg = _registry()
     rec = _find(reg, run)

@@ -344,10 +344,11 @@ def cached(inp: RunInput) -> dict[str, Any] | None:
 def resolve_refs(reg: Registry, refs: list[str], all_runs: bool) -> tuple[list[RunInput], list[str], list[str]]:
     """(runs in view, errors for refs that match nothing, warnings such as "sacct is down").
 
-    A ref may be a run id, a unique prefix, or a run folder path (for runs this registry never saw).
-    Unknown refs do not stop the others from being summarised.
+    A ref is what hpctrain.runs.resolve accepts (id, prefix, name, `last`, or a run folder path, also for
+    runs this registry never saw). Unknown refs do not stop the others from being summarised.
     """
-    from hpctrain.runs.registry import RunNotFound
+    from hpctrain.errors import HpcUsageError
+    from hpctrain.runs.resolve import resolve_run
 
     errors: list[str] = []
     warnings: list[str] = []
@@ -360,23 +361,18 @@ def resolve_refs(reg: Registry, refs: list[str], all_runs: bool) -> tuple[list[R
     found: list[Run] = []
     loose: list[RunInput] = []
     for ref in refs:
-        if not ref.strip():
-            errors.append("RUN = '': empty run id. Pick a run id from `hpctrain list --all`.")
-            continue
         try:
-            found.append(reg.get_run(ref))
-        except RunNotFound as exc:
-            p = Path(ref)
-            if p.is_dir() and ((p / "attempts.jsonl").exists() or (p / "spec.toml").exists()):
-                loose.append(from_folder(p.resolve()))
-            elif exc.ambiguous:
-                errors.append(f"RUN = {ref!r}: matches several runs: {', '.join(exc.close)}. Give more of the id.")
-            else:
-                hint = f" Close matches: {', '.join(exc.close)}." if exc.close else ""
-                errors.append(f"RUN = {ref!r}: no such run in {reg.path}.{hint} "
-                              "Pick a run id from `hpctrain list --all`, or give the run folder's path.")
+            got = resolve_run(reg, ref)
+        except HpcUsageError as exc:
+            errors.append(exc.format_message())
+            continue
         except Exception as exc:  # noqa: BLE001 - any registry failure becomes the run's error line
             errors.append(f"RUN = {ref!r}: cannot read the run registry {reg.path}: {exc}")
+            continue
+        if got.run is None:
+            loose.append(from_folder(got.folder.resolve()))
+        else:
+            found.append(got.run)
     return _inputs(reg, found, warnings) + loose, errors, warnings
 
 
@@ -384,7 +380,7 @@ def _inputs(reg: Registry, runs: list[Run], warnings: list[str]) -> list[RunInpu
     """ONE sacct call for every unfinished SLURM attempt in view (the job-state refresh), and the
     registry keeps final states so the next refresh skips them."""
     try:
-        from hpctrain.cli.runs import refresh
+        from hpctrain.slurm.refresh import refresh
 
         warnings.extend(refresh(reg, runs))
     except Exception as exc:  # noqa: BLE001 - sacct missing, slurmdbd down, registry locked: stale states help

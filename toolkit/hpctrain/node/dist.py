@@ -12,7 +12,7 @@ import os
 import socket
 from collections.abc import Mapping, MutableMapping
 
-from hpctrain.slurm.nodelist import expand
+from hpctrain.slurm.nodelist import expand, rendezvous_port
 
 TORCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 
@@ -33,41 +33,58 @@ class DistEnv:
                 "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
 
 
-def port_from_job_id(job_id: str) -> int:
-    """A port every rank of one job derives alike (no communication needed), 20000-31998.
-
-    Kept below Linux's ephemeral range (32768+), whose ports outgoing connections take again soon;
-    the pre-flight binds MASTER_PORT+1, so both stay under 32000.
-    """
-    digits = "".join(ch for ch in job_id if ch.isdigit()) or "0"
-    return 20000 + int(digits[-8:]) % 11999
-
-
 def first_host(nodelist: str) -> str:
     """First host of a SLURM nodelist ("node[1-4]" -> "node1")."""
     return expand(nodelist)[0]
 
 
-def detect(env: Mapping[str, str] | None = None) -> DistEnv:
-    """Rank/world/master from whichever launcher started this process (first match wins)."""
-    env = os.environ if env is None else env
-    if all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
-        return DistEnv(int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"]),
-                       env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500")), "torch",
-                       env.get("SLURM_JOB_ID", ""), int(env.get("GROUP_RANK", env.get("SLURM_NODEID", "0"))))
-    if "SUBMITIT_LOCAL_GLOBALID" in env:
+def _int(env: Mapping[str, str], name: str, default: str = "") -> int:
+    try:
+        return int(env.get(name, "").strip() or default)
+    except ValueError:
+        raise ValueError(f"{name}={env.get(name, '')!r} is not an integer") from None
+
+
+def from_env(env: Mapping[str, str]) -> DistEnv | None:
+    """Rank/world/master from whichever launcher started this process, first match wins: torch's
+    variables (torchrun, DeepSpeed's runner), submitit's local executor, then srun's. None if none did.
+
+    MASTER_ADDR, when set, wins; else rank 0 lives on the first host of the nodelist. MASTER_PORT, when set,
+    wins; else it derives from the job id (the batch script exports the same value, see rendezvous_port).
+    """
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+    job = env.get("SLURM_JOB_ID", "")
+    if env.get("RANK", "").strip() and env.get("WORLD_SIZE", "").strip():
+        rank, local, world, source = (_int(env, "RANK"), _int(env, "LOCAL_RANK", env.get("SLURM_LOCALID") or "0"),
+                                      _int(env, "WORLD_SIZE"), "torch")
+        node = _int(env, "GROUP_RANK", env.get("SLURM_NODEID") or "0")
+        master = env.get("MASTER_ADDR") or (first_host(nodelist) if nodelist else "127.0.0.1")
+        port = rendezvous_port(job) if job else 29500  # torch's own default outside a job
+    elif "SUBMITIT_LOCAL_GLOBALID" in env:
         job = env.get("SUBMITIT_LOCAL_JOB_ID", "0")
-        return DistEnv(int(env["SUBMITIT_LOCAL_GLOBALID"]), int(env["SUBMITIT_LOCAL_LOCALID"]),
-                       int(env["SUBMITIT_LOCAL_NTASKS"]), "127.0.0.1",
-                       int(env.get("MASTER_PORT") or port_from_job_id(job)), "submitit-local", job)
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        job = env.get("SLURM_JOB_ID", "0")
-        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "localhost"
-        return DistEnv(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", "0")), int(env["SLURM_NTASKS"]),
-                       env.get("MASTER_ADDR") or first_host(nodelist),
-                       int(env.get("MASTER_PORT") or port_from_job_id(job)), "slurm", job,
-                       int(env.get("SLURM_NODEID", "0")))
-    return DistEnv(0, 0, 1, "127.0.0.1", int(env.get("MASTER_PORT") or free_port()), "single")
+        rank, local, world, source = (_int(env, "SUBMITIT_LOCAL_GLOBALID"), _int(env, "SUBMITIT_LOCAL_LOCALID", "0"),
+                                      _int(env, "SUBMITIT_LOCAL_NTASKS"), "submitit-local")
+        node, master, port = 0, "127.0.0.1", rendezvous_port(job)
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        rank, local, world, source = (_int(env, "SLURM_PROCID"), _int(env, "SLURM_LOCALID", "0"),
+                                      _int(env, "SLURM_NTASKS"), "slurm")
+        node = _int(env, "SLURM_NODEID", "0")
+        master, port = env.get("MASTER_ADDR") or first_host(nodelist or "localhost"), rendezvous_port(job or "0")
+    else:
+        return None
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside world size {world} ({source} launcher variables)")
+    return DistEnv(rank, local, world, master, _int(env, "MASTER_PORT", str(port)), source, job, node)
+
+
+def detect(env: Mapping[str, str] | None = None) -> DistEnv:
+    """This process's place in the job (from_env), or a single process on this host."""
+    env = os.environ if env is None else env
+    found = from_env(env)
+    if found is not None:
+        return found
+    port = _int(env, "MASTER_PORT") if env.get("MASTER_PORT", "").strip() else free_port()
+    return DistEnv(0, 0, 1, "127.0.0.1", port, "single")
 
 
 def free_port() -> int:

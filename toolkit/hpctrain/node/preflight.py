@@ -6,7 +6,7 @@ have joined, rank 0 sends the sum of the values back (a tiny all-reduce) and eac
 If someone is missing at the deadline, every rank raises `PreflightError` naming the missing ranks
 and the hosts they were expected on -- in seconds, instead of a 30-minute NCCL timeout.
 
-Stdlib only: runs first on every rank, before torch is imported.
+Torch-free: runs first on every rank, before torch is imported.
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from hpctrain.node import dist
+from hpctrain.slurm.nodelist import expand
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -51,25 +54,6 @@ class Layout:
 
 
 # -- reading the environment ------------------------------------------------------------------
-def _first_int(env: Mapping[str, str], *names: str) -> int | None:
-    for name in names:
-        value = env.get(name, "").strip()
-        if value:
-            try:
-                return int(value)
-            except ValueError:
-                raise PreflightError(f"{name}={value!r} is not an integer") from None
-    return None
-
-
-def _expand_nodelist(text: str) -> list[str]:
-    try:
-        from hpctrain.slurm.nodelist import expand
-    except ImportError:  # pragma: no cover - only if the package is partially installed
-        return [h for h in text.split(",") if h]
-    return expand(text)
-
-
 def expand_tasks_per_node(text: str) -> list[int]:
     """SLURM_TASKS_PER_NODE: "2(x4)" -> [2,2,2,2]; "3(x2),1" -> [3,3,1]."""
     counts: list[int] = []
@@ -105,7 +89,7 @@ def _expected_hosts(env: Mapping[str, str], world: int) -> list[str]:
     """Host of each rank: from SLURM's task layout, else a hostfile, else an even split of the
     nodelist (DeepSpeed's launcher: one srun task per node, then WORLD_SIZE ranks from its runner)."""
     nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
-    hosts = _expand_nodelist(nodelist) if nodelist else []
+    hosts = expand(nodelist) if nodelist else []
     tpn = env.get("SLURM_TASKS_PER_NODE") or env.get("SLURM_STEP_TASKS_PER_NODE") or ""
     if hosts and tpn:
         placed = hosts_by_rank(hosts, expand_tasks_per_node(tpn))
@@ -121,37 +105,24 @@ def _expected_hosts(env: Mapping[str, str], world: int) -> list[str]:
     return []
 
 
-def default_port(job_id: str | None) -> int:
-    """A port derived from the job id, so two jobs sharing a node do not collide: 20000..31998
-    (below the ephemeral range; the same formula as node/dist.py and sbatch.sh.j2)."""
-    digits = re.sub(r"\D", "", job_id or "")
-    return 20000 + (int(digits[-8:]) % 11999 if digits else 0)
-
-
 def layout_from_env(env: Mapping[str, str] | None = None) -> Layout:
-    """Rank, world size, rendezvous address/port and expected hosts from the job's environment."""
+    """Rank, world size, rendezvous address/port (node.dist's reading) and expected hosts from the job's
+    environment. The rendezvous listens on MASTER_PORT + 1 (MASTER_PORT is torch.distributed's), or on
+    $HPCTRAIN_PREFLIGHT_PORT."""
     env = os.environ if env is None else env
-    rank = _first_int(env, "RANK", "SLURM_PROCID", "SUBMITIT_LOCAL_GLOBALID")
-    world = _first_int(env, "WORLD_SIZE", "SLURM_NTASKS", "SUBMITIT_LOCAL_NTASKS")
-    if rank is None or world is None:
+    try:
+        d = dist.from_env(env)
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from None
+    explicit = env.get("HPCTRAIN_PREFLIGHT_PORT", "").strip()
+    if explicit and not explicit.isdigit():
+        raise PreflightError(f"HPCTRAIN_PREFLIGHT_PORT={explicit!r} is not an integer")
+    if d is None:
         raise PreflightError("cannot tell this process's rank: set RANK and WORLD_SIZE, or run under "
                              "srun (SLURM_PROCID/SLURM_NTASKS)")
-    if not 0 <= rank < world:
-        raise PreflightError(f"rank {rank} is outside world size {world}")
-    expected = _expected_hosts(env, world)
-    master = env.get("MASTER_ADDR", "").strip()
-    if not master:
-        nodelist = env.get("SLURM_JOB_NODELIST", "")
-        master = _expand_nodelist(nodelist)[0] if nodelist else "127.0.0.1"
-    explicit = _first_int(env, "HPCTRAIN_PREFLIGHT_PORT")
-    master_port = _first_int(env, "MASTER_PORT")
-    if explicit is not None:
-        port = explicit
-    elif master_port is not None:
-        port = master_port + 1  # MASTER_PORT itself belongs to torch.distributed, next
-    else:
-        port = default_port(env.get("SLURM_JOB_ID") or env.get("SUBMITIT_LOCAL_JOB_ID")) + 1
-    return Layout(rank=rank, world_size=world, master=master, port=port, expected_hosts=expected)
+    return Layout(rank=d.rank, world_size=d.world_size, master=d.master_addr,
+                  port=int(explicit) if explicit else d.master_port + 1,
+                  expected_hosts=_expected_hosts(env, d.world_size))
 
 
 # -- the rendezvous ---------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from hpctrain.plan.memory import (
 )
 from hpctrain.spec.model import Model, Spec
 from hpctrain.spec.presets import PRESETS
-from hpctrain.spec.rules import how_to_set
+from hpctrain.spec.rules import Kind, how_to_set, zero_choices
 
 OFFLOADS_IN_ORDER = ("none", "optimizer", "param", "all")
 
@@ -160,31 +160,6 @@ def _shape(spec: Spec, arch: dict[str, Any], params: int, dp: int) -> Shape:
                  wb=4 if spec.train.precision == "fp32" else 2, gpu=gpu, ranks_per_node=ranks_per_node(spec),
                  device_cap=(r.gpu_mem_gb or DEFAULT_GPU_GB) * GiB if gpu else float("inf"),
                  host_cap=(parse_mem_gb(r.mem) or DEFAULT_HOST_GB) * GiB)
-
-
-Kind = tuple[int, str, "float | str"]  # (zero stage, offload, offload ratio or "auto")
-
-
-def candidates(spec: Spec) -> list[Kind]:
-    """Choices in order of speed: no offload by rising stage, then ZeRO-3 with part of the optimizer
-    on the CPU (the GPU's Adam is far faster than CPU Adam), then full optimizer offload, then all.
-
-    Explicit offload restricts the list to it; pipeline parallelism allows ZeRO 0-1 only; on CPU
-    ranks offload moves nothing, so it is never chosen automatically.
-    """
-    p, gpu = spec.parallel, spec.resources.gpus_per_node > 0
-    partial: float | str = p.offload_ratio if p.offload_ratio == "auto" or p.offload_ratio < 1 else "auto"
-    order: list[Kind] = [(0, "none", 1.0), (1, "none", 1.0), (2, "none", 1.0), (3, "none", 1.0)]
-    if gpu:
-        order += [(1, "optimizer", 1.0), (2, "optimizer", 1.0), (3, "optimizer", 1.0), (3, "all", 1.0)] \
-            if p.pp > 1 else [(3, "optimizer", partial), (2, "optimizer", 1.0), (3, "optimizer", 1.0), (3, "all", 1.0)]
-    if p.offload == "optimizer" and p.offload_ratio != 1.0:  # partial first: it beats any full offload
-        order = [(3, "optimizer", p.offload_ratio), (1, "optimizer", 1.0), (2, "optimizer", 1.0), (3, "optimizer", 1.0)]
-    elif p.offload != "none":
-        order = [(z, p.offload, 1.0) for z in (1, 2, 3) if p.offload == "optimizer" or z == 3]
-    if p.pp > 1:
-        order = [k for k in order if k[0] <= 1]
-    return order
 
 
 def _micro_options(spec: Spec, dp: int) -> list[int] | None:
@@ -342,10 +317,7 @@ def make_plan(spec: Spec) -> Plan:
         reasons.append("CPU ranks: DS_ACCELERATOR=cpu with gloo; the 'device' is host RAM")
     sh = _shape(spec, arch, params, dp)
     acs = [False, True] if t.activation_checkpointing == "auto" else [bool(t.activation_checkpointing)]
-    kinds = candidates(spec)
-    if spec.parallel.zero != "auto":  # the requested choice first; the others stay in the table for comparison
-        asked: Kind = (int(spec.parallel.zero), spec.parallel.offload, spec.parallel.offload_ratio)
-        kinds = [asked, *(k for k in kinds if k != asked)]
+    kinds = zero_choices(spec.parallel, gpu=bool(r.gpus_per_node))  # an explicit choice first, then the rest
     chosen, options = _choose(spec, sh, kinds, micros or [micro], acs, reasons)
     if micros:
         micro, accum = chosen.micro_batch, glob // (chosen.micro_batch * dp)

@@ -20,8 +20,9 @@ from hpctrain import __version__
 from hpctrain.errors import HpcUsageError, bad_value
 from hpctrain.plan.memory import SUB_GROUP_SIZE
 from hpctrain.render import containers
+from hpctrain.slurm.nodelist import rendezvous_port_shell
 from hpctrain.spec.model import Spec
-from hpctrain.spec.rules import secret_names
+from hpctrain.spec.rules import partial_offload_ok, secret_names
 
 if TYPE_CHECKING:
     import jinja2
@@ -75,9 +76,10 @@ def environment(spec: Spec | None = None) -> jinja2.Environment:
 # --------------------------------------------------------------------------------------------------
 # Hostfile and submitit command
 
-def render_hostfile(hosts: Sequence[str], slots: int) -> str:
-    """DeepSpeed hostfile, one `host slots=N` line per host. Empty or duplicate hosts are errors:
-    DeepSpeed would otherwise fall back to local devices or double-book a node."""
+def render_hostfile(hosts: Sequence[str], slots: int, spec: Spec | None = None) -> str:
+    """DeepSpeed hostfile, one `host slots=N` line per host (hostfile.j2, the format's one definition).
+    Empty or duplicate hosts are errors: DeepSpeed would otherwise fall back to local devices or
+    double-book a node."""
     if not hosts:
         raise HpcUsageError("hostfile hosts = []: no hosts. Fix: pass a nodelist such as 'node[1-4]'")
     seen: set[str] = set()
@@ -89,7 +91,25 @@ def render_hostfile(hosts: Sequence[str], slots: int) -> str:
         seen.add(h)
     if slots < 1:
         raise bad_value("hostfile slots", slots, "must be at least 1", "pass --slots with the ranks per node")
-    return environment().get_template("hostfile.j2").render(hosts=list(hosts), slots=slots)
+    return environment(spec).get_template("hostfile.j2").render(hosts=list(hosts), slots=slots)
+
+
+_HOST_MARK = "hpctrain-host-mark"
+
+
+def hostfile_awk(slots: int, spec: Spec | None = None) -> str:
+    """The awk program (one quoted shell word) with which the batch script turns `scontrol show hostnames`
+    into the hostfile: hostfile.j2 rendered for a marker host, so the job writes exactly what
+    render_hostfile writes. A host listed twice stops the job, as render_hostfile refuses it."""
+    text = render_hostfile([_HOST_MARK], slots, spec)
+    line = text.removesuffix("\n")
+    before, mark, after = line.partition(_HOST_MARK)
+    if not mark or "\n" in line or _HOST_MARK in after or any(c in line for c in '"\\'):
+        raise bad_value("hostfile.j2", text, "must render one line per host, without quotes or backslashes",
+                        "write it like `{% for host in hosts %}{{ host }} slots={{ slots }}` + a newline per host")
+    program = ('NF == 0 { next } seen[$1]++ { print "hpctrain: host " $1 " is listed twice in the allocation; '
+               f'refusing to start" > "/dev/stderr"; exit 1 }} {{ print "{before}" $1 "{after}" }}')
+    return shlex.quote(program)
 
 
 def submitit_command(python: str, folder: str) -> str:
@@ -250,7 +270,8 @@ def render_sbatch(spec: Spec, plan: Plan, run_dir: Path, command: str, *, array:
         version=__version__, name=spec.name, directives=sbatch_directives(spec, plan, folder, array),
         modules=list(spec.launch.modules), env=env, secret_names=list(secrets), run_dir_expr=_shell_path(run_dir),
         run_dirs=[str(d) for d in dirs] if run_dirs else [], cpu=plan.device == "cpu",
-        slots=plan.ranks_per_node, launch_line=launch_line, launcher_note=note,
+        slots=plan.ranks_per_node, master_port=rendezvous_port_shell(),
+        hostfile_awk=hostfile_awk(plan.ranks_per_node, spec), launch_line=launch_line, launcher_note=note,
         runtime=spec.container.runtime,
         container_check=containers.prelaunch_lines(spec, container_binds(spec, dirs)),
         watchdog=_watchdog_line(spec, plan, command, python), hang_timeout=spec.launch.hang_timeout_s,
@@ -294,7 +315,7 @@ def _zero_block(spec: Spec, plan: Plan) -> dict[str, Any]:
                      "stage3_gather_16bit_weights_on_model_save": True})
     if plan.offload in ("optimizer", "all"):
         zero["offload_optimizer"] = _offload_block(spec)
-        if stage == 3 and plan.offload_ratio < 1:
+        if plan.offload_ratio < 1 and partial_offload_ok(stage, plan.offload, spec.parallel.offload_device):
             # Partial offload (ZeRO-3 only): DeepSpeed keeps the first int((1 - ratio) * n) of its n optimizer
             # sub-groups on the GPU. The plan's estimate counted whole sub-groups of this size: say it.
             zero["offload_optimizer"]["ratio"] = plan.offload_ratio

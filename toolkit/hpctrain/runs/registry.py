@@ -24,6 +24,8 @@ from typing import Any, TypeVar
 
 import click
 
+from hpctrain.spec.rules import is_secret_name
+
 T = TypeVar("T")
 
 # States after which SLURM will not change its mind: never re-queried (the "cache" of finished states).
@@ -31,7 +33,6 @@ FINAL_STATES = frozenset(
     {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY",
      "BOOT_FAIL", "DEADLINE"}
 )
-_SECRET_MARKERS = ("TOKEN", "SECRET", "PASSWORD", "API_KEY", "APIKEY", "CREDENTIAL")
 _ATTEMPT_FIELDS = frozenset({"job_id", "state", "nodes", "submitted", "started", "ended",
                              "exit_code", "failure_class"})
 _BUSY_TIMEOUT_MS = 10_000
@@ -278,6 +279,16 @@ class Registry:
 
         return self._read(q)
 
+    def newest(self, name: str | None = None) -> Run | None:
+        """The run created last (of that name, when given); None if there is none."""
+
+        def q(c: sqlite3.Connection) -> Run | None:
+            where, args = (" WHERE name=?", (name,)) if name is not None else ("", ())
+            row = c.execute(f"SELECT * FROM runs{where} ORDER BY created DESC, rowid DESC LIMIT 1", args).fetchone()
+            return _with_attempts(c, [_run(row)])[0] if row else None
+
+        return self._read(q)
+
     def get_run(self, ref: str) -> Run:
         """A run by id or unique id prefix; RunNotFound (with close matches) otherwise."""
 
@@ -345,7 +356,7 @@ def _strip_secrets(obj: Any) -> Any:
     """Drop any key that looks secret, at any depth: belt and braces behind dispatch's own filter."""
     if isinstance(obj, dict):
         return {k: _strip_secrets(v) for k, v in obj.items()
-                if not any(m in str(k).upper() for m in _SECRET_MARKERS)}
+                if not is_secret_name(str(k))}
     if isinstance(obj, (list, tuple)):
         return [_strip_secrets(v) for v in obj]
     return obj

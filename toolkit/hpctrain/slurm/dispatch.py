@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from hpctrain.errors import HpcUsageError
 from hpctrain.runs import folder as runs_mod
+from hpctrain.spec.rules import secret_names
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.plan.planner import Plan
     from hpctrain.spec.model import Spec
 
-ALWAYS_SECRET = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY")
 SWEEPS_DIR = ".sweeps"
 
 
@@ -112,11 +112,6 @@ def submit_attempt(run_dir: Path, spec: Spec, plan: Plan, attempt: int, mode: st
 
 
 # -- recording ----------------------------------------------------------------------------------
-def secret_names(spec: Spec) -> tuple[str, ...]:
-    names = getattr(spec, "secret_env", ()) or ()
-    return tuple(dict.fromkeys((*ALWAYS_SECRET, *names)))
-
-
 def secret_values(spec: Spec) -> list[str]:
     """Values of the secret variables set in this environment (to prove none was written)."""
     return [v for n in secret_names(spec) if len(v := os.environ.get(n, "")) >= 4]

@@ -1,4 +1,5 @@
-"""SLURM hostlist expansion, pure Python (no `scontrol`), so the login node and tests can use it.
+"""SLURM hostlist expansion and the rendezvous port, pure Python (no `scontrol`), for the login node,
+the ranks and tests alike.
 
 Grammar handled: top-level comma lists (`a,b`), bracket ranges with comma lists inside
 (`node[1-4,7]`), zero padding taken from the low bound (`n[08-10]` -> n08 n09 n10), and several
@@ -12,6 +13,22 @@ import re
 from hpctrain.errors import HpcUsageError
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+# MASTER_PORT derives from the job id, so every rank computes it alone and two jobs sharing a node differ.
+# 20000-31998: below Linux's ephemeral range (32768+), whose ports outgoing connections soon take again;
+# the pre-flight binds MASTER_PORT + 1, so both stay under 32000.
+PORT_BASE, PORT_SPAN = 20000, 11999
+
+
+def rendezvous_port(job_id: str) -> int:
+    """The job's MASTER_PORT (its digits only: a local job id may carry other characters)."""
+    digits = "".join(ch for ch in job_id if ch.isdigit()) or "0"
+    return PORT_BASE + int(digits) % PORT_SPAN
+
+
+def rendezvous_port_shell(job_id_var: str = "SLURM_JOB_ID") -> str:
+    """rendezvous_port as a bash arithmetic expansion, for the batch script (a SLURM job id is all digits)."""
+    return f"$(({PORT_BASE} + {job_id_var} % {PORT_SPAN}))"
 
 
 def _split_top(text: str) -> list[str]:

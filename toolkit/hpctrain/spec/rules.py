@@ -15,6 +15,7 @@ from dataclasses import MISSING, fields
 from typing import TYPE_CHECKING, Any, Literal, Union
 
 from hpctrain.errors import bad_value
+from hpctrain.spec.flags import FLAG_FOR
 
 if TYPE_CHECKING:
     from hpctrain.spec.model import (
@@ -35,19 +36,6 @@ SECTION_CLASSES = ("Resources", "Launch", "Model", "Data", "Train", "Parallel", 
 # These variables are secret whatever the site says: they reach ranks by name through --export=ALL.
 ALWAYS_SECRET = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY")
 
-FLAG_FOR: dict[str, str] = {
-    "resources.nodes": "--nodes", "resources.gpus_per_node": "--gpus-per-node",
-    "resources.cpus_per_task": "--cpus-per-task", "resources.mem": "--mem", "resources.time": "--time",
-    "resources.partition": "--partition", "resources.account": "--account", "resources.qos": "--qos",
-    "name": "--job-name", "parallel.zero": "--zero", "parallel.offload": "--offload",
-    "parallel.offload_device": "--offload-device", "parallel.nvme_path": "--nvme-path",
-    "train.precision": "--precision", "train.micro_batch": "--micro-batch", "train.grad_accum": "--grad-accum",
-    "train.global_batch": "--global-batch", "parallel.pp": "--pp", "parallel.tp": "--tp",
-    "parallel.offload_ratio": "--offload-ratio", "train.activation_checkpointing": "--activation-checkpointing",
-    "launch.launcher": "--launcher", "launch.executor": "--executor", "site": "--site",
-    "train.steps": "--steps", "model.path": "--model", "data.source": "--data",
-}
-
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SECRET_NAME_PARTS = {"TOKEN", "SECRET", "PASSWORD", "PASSWD", "APIKEY", "CREDENTIAL", "CREDENTIALS"}
 _SECRET_VALUE = re.compile(
@@ -61,11 +49,12 @@ _SLURM_WORD = re.compile(r"^[A-Za-z0-9_.,:@+\-\[\]|&*!()]*$")
 
 
 def how_to_set(key: str, example: object) -> str:
-    """The fix half of a message: the CLI flag if there is one, and the run-file spelling."""
+    """The fix half of a message: the CLI flag (spec.flags) or `--set`, and the run-file spelling."""
     section, _, name = key.rpartition(".")
     where = f"[{section}] {name} = {example}" if section else f"{name} = {example}"
     flag = FLAG_FOR.get(key)
-    return f"pass {flag} {example} or set {where} in the run file" if flag else f"set {where} in the run file"
+    return f"pass {flag} {example} or set {where} in the run file" if flag else (
+        f"pass --set {key}={example} or set {where} in the run file")
 
 
 def secret_names(spec: Spec) -> tuple[str, ...]:
@@ -73,11 +62,14 @@ def secret_names(spec: Spec) -> tuple[str, ...]:
     return tuple(dict.fromkeys((*ALWAYS_SECRET, *spec.secret_env)))
 
 
+def is_secret_name(name: str) -> bool:
+    """Whether a variable or key name says it holds a credential (HF_TOKEN, DB_PASSWORD, WANDB_API_KEY)."""
+    return bool(set(name.upper().split("_")) & _SECRET_NAME_PARTS) or name.upper().endswith("API_KEY")
+
+
 def looks_secret(name: str, value: str) -> bool:
     """Guess whether an [env] entry carries a credential, by its name or the shape of its value."""
-    parts = set(name.upper().split("_"))
-    return bool(parts & _SECRET_NAME_PARTS) or name.upper().endswith("API_KEY") or bool(
-        _SECRET_VALUE.match(value.strip()))
+    return is_secret_name(name) or bool(_SECRET_VALUE.match(value.strip()))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -231,6 +223,62 @@ def _rules_train(t: Train) -> None:
     need(t.peak_tflops >= 0, "train.peak_tflops", t.peak_tflops, "cannot be negative", "set it to 0 (unknown)")
 
 
+# --------------------------------------------------------------------------------------------------
+# ZeRO and offload: what DeepSpeed implements. The spec checks, the planner's choices (zero auto) and the
+# DeepSpeed config all use these, so a rule is changed here or nowhere.
+
+ZERO_STAGES = (0, 1, 2, 3)
+PIPELINE_ZERO = (0, 1)  # DeepSpeed's pipeline engine (pp > 1) supports ZeRO 0 and 1 only
+# A ratio < 1 splits the optimizer state between GPU and CPU: DeepSpeed implements it only at ZeRO-3, for
+# optimizer offload to the CPU (stages 1-2 ignore the ratio; NVMe offload does not split).
+PARTIAL_OFFLOAD_ZERO, PARTIAL_OFFLOAD_DEVICE = 3, "cpu"
+
+Kind = tuple[int, str, "float | str"]  # (zero stage, offload, offload ratio or "auto")
+
+
+def offload_stages(offload: str) -> tuple[int, ...]:
+    """The ZeRO stages at which DeepSpeed can offload `offload` (parameters only at stage 3)."""
+    return {"none": ZERO_STAGES, "optimizer": (1, 2, 3)}.get(offload, (3,))
+
+
+def zero_fits_pipeline(zero: int, pp: int) -> bool:
+    return pp == 1 or zero in PIPELINE_ZERO
+
+
+def partial_offload_ok(zero: int, offload: str, device: str) -> bool:
+    return zero == PARTIAL_OFFLOAD_ZERO and offload == "optimizer" and device == PARTIAL_OFFLOAD_DEVICE
+
+
+def kind_allowed(kind: Kind, pp: int, device: str) -> bool:
+    """Whether DeepSpeed can run this (zero, offload, ratio) choice with pipeline degree `pp`."""
+    zero, offload, ratio = kind
+    return (zero in offload_stages(offload) and zero_fits_pipeline(zero, pp)
+            and (ratio == 1.0 or partial_offload_ok(zero, offload, device)))
+
+
+def zero_choices(p: Parallel, gpu: bool) -> list[Kind]:
+    """What `zero` may resolve to, in order of speed: no offload by rising stage, then ZeRO-3 with part of
+    the optimizer on the CPU (the GPU's Adam is far faster than CPU Adam), then full optimizer offload,
+    then all. An explicit offload restricts the list to it; an explicit zero puts the asked choice first
+    (the planner keeps it and shows the others for comparison). On CPU ranks offload moves nothing, so
+    zero auto never chooses it. Only choices DeepSpeed allows (kind_allowed) are added.
+    """
+    partial: float | str = p.offload_ratio if p.offload_ratio == "auto" or p.offload_ratio < 1 else "auto"
+    order: list[Kind] = [(z, "none", 1.0) for z in ZERO_STAGES]
+    if gpu:
+        order += [(1, "optimizer", 1.0), (2, "optimizer", 1.0), (3, "optimizer", 1.0), (3, "all", 1.0)] \
+            if p.pp > 1 else [(3, "optimizer", partial), (2, "optimizer", 1.0), (3, "optimizer", 1.0), (3, "all", 1.0)]
+    if p.offload == "optimizer" and p.offload_ratio != 1.0:  # partial first: it beats any full offload
+        order = [(3, "optimizer", p.offload_ratio), (1, "optimizer", 1.0), (2, "optimizer", 1.0), (3, "optimizer", 1.0)]
+    elif p.offload != "none":
+        order = [(z, p.offload, 1.0) for z in offload_stages(p.offload)]
+    order = [k for k in order if kind_allowed(k, p.pp, p.offload_device)]
+    if p.zero != "auto":  # validated above (_rules_parallel): DeepSpeed allows it
+        asked: Kind = (int(p.zero), p.offload, p.offload_ratio)
+        order = [asked, *(k for k in order if k != asked)]
+    return order
+
+
 def _rules_offload_ratio(p: Parallel) -> None:
     """Partial optimizer offload: a fraction in (0, 1], or auto; only where DeepSpeed implements it."""
     r = p.offload_ratio
@@ -244,35 +292,41 @@ def _rules_offload_ratio(p: Parallel) -> None:
         if r == 1:
             return
     what = r
-    need(p.zero in (3, "auto"), "parallel.offload_ratio", what,
+    need(p.zero in (PARTIAL_OFFLOAD_ZERO, "auto"), "parallel.offload_ratio", what,
          f"partial optimizer offload exists only at ZeRO stage 3 (zero is {p.zero}); DeepSpeed ignores the ratio "
          "at stages 1 and 2", "pass --zero 3, or --offload-ratio 1")
     need(p.offload in ("optimizer", "none") and (p.offload == "optimizer" or p.zero == "auto"),
          "parallel.offload_ratio", what,
          "a ratio splits the optimizer state between GPU and CPU, so it needs --offload optimizer "
          f"(offload is {p.offload!r})", "pass --offload optimizer (or --zero auto), or --offload-ratio 1")
-    need(p.offload_device == "cpu", "parallel.offload_ratio", what,
+    need(zero_fits_pipeline(PARTIAL_OFFLOAD_ZERO, p.pp), "parallel.offload_ratio", what,
+         f"partial optimizer offload needs ZeRO stage 3, which DeepSpeed's pipeline engine (pp={p.pp}) does not "
+         "support", "pass --offload-ratio 1, or --pp 1")
+    need(p.offload_device == PARTIAL_OFFLOAD_DEVICE, "parallel.offload_ratio", what,
          "partial offload keeps part of the state in CPU RAM; DeepSpeed does not split it with NVMe",
          "pass --offload-device cpu, or --offload-ratio 1")
 
 
 def _rules_parallel(p: Parallel) -> None:
     _rules_offload_ratio(p)
-    need(p.zero == "auto" or p.zero in (0, 1, 2, 3), "parallel.zero", p.zero,
+    need(p.zero == "auto" or p.zero in ZERO_STAGES, "parallel.zero", p.zero,
           "DeepSpeed ZeRO stages are 0, 1, 2 and 3", how_to_set("parallel.zero", 3) + " (or auto)")
     need(p.pp >= 1, "parallel.pp", p.pp, "pipeline degree must be at least 1", how_to_set("parallel.pp", 1))
     need(p.tp >= 1, "parallel.tp", p.tp, "tensor degree must be at least 1", how_to_set("parallel.tp", 1))
     if p.offload in ("param", "all"):
-        need(p.zero in (3, "auto"), "parallel.offload", p.offload,
+        need(p.zero == "auto" or p.zero in offload_stages(p.offload), "parallel.offload", p.offload,
               f"parameter offload needs ZeRO stage 3 (zero is {p.zero})",
               "pass --zero 3, or --offload optimizer")
+        need(any(zero_fits_pipeline(z, p.pp) for z in offload_stages(p.offload)), "parallel.offload", p.offload,
+             f"parameter offload needs ZeRO stage 3, which DeepSpeed's pipeline engine (pp={p.pp}) does not support",
+             "pass --offload optimizer, or --pp 1")
     if p.offload == "optimizer":
-        need(p.zero != 0, "parallel.offload", p.offload, "optimizer offload needs ZeRO stage 1, 2 or 3",
-              "pass --zero 1 (or higher), or --offload none")
+        need(p.zero == "auto" or p.zero in offload_stages(p.offload), "parallel.offload", p.offload,
+              "optimizer offload needs ZeRO stage 1, 2 or 3", "pass --zero 1 (or higher), or --offload none")
     if p.offload != "none" and p.offload_device == "nvme":
         need(bool(p.nvme_path), "parallel.nvme_path", p.nvme_path, "NVMe offload needs a local NVMe folder",
               how_to_set("parallel.nvme_path", "/local/nvme"))
-    need(p.pp == 1 or p.zero in (0, 1, "auto"), "parallel.zero", p.zero,
+    need(p.zero == "auto" or zero_fits_pipeline(p.zero, p.pp), "parallel.zero", p.zero,
           f"DeepSpeed's pipeline engine (pp={p.pp}) supports ZeRO 0 and 1 only",
           "pass --zero 1, or --pp 1")
     _no_controls("parallel.nvme_path", p.nvme_path)
