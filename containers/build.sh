@@ -57,7 +57,10 @@ engine() {
 pip_conf() { # pip_conf KEY: a value from pip's configuration (find-links, cert), first one wins
   local pip=(python3 -m pip)
   command -v pip >/dev/null && pip=(pip)
-  "${pip[@]}" config list 2>/dev/null | sed -n "s/^[a-z:]*\.$1='\([^' ]*\).*/\1/p" | head -n 1
+  # Read it all first: `| head -n 1` could end sed with SIGPIPE, and pipefail would end the build.
+  local conf
+  conf="$("${pip[@]}" config list 2>/dev/null)" || return 0
+  sed -n "/^[a-z:]*\.$1='/{s/^[a-z:]*\.$1='\([^' ]*\).*/\1/p;q;}" <<<"$conf"
 }
 
 cmd_deps() {

@@ -288,3 +288,86 @@ def test_flag_table_drives_options_hints_and_docs() -> None:
         "pass --set launch.hang_timeout_s=300 or set [launch] hang_timeout_s = 300 in the run file")
     docs = (Path(__file__).resolve().parents[1] / "docs" / "flags.md").read_text(encoding="utf-8")
     assert markdown_table() in docs, "docs/flags.md is stale: regenerate its table from spec.flags.markdown_table()"
+
+
+# --------------------------------------------------------------------------------------------------
+# Option injection, for every container runtime; paths that SLURM or submitit read specially; template_dir
+
+IMAGE_FOR = {"apptainer": "/i.sif", "pyxis": "nvcr.io#nvidia/pytorch:24.05-py3", "podman": "localhost/x:1",
+             "charliecloud": "/var/tmp/img"}
+
+
+@pytest.mark.parametrize("runtime", ["none", "apptainer", "pyxis", "podman", "charliecloud"])
+@pytest.mark.parametrize(("args", "field"), [
+    (["--container", "{rt}:--privileged"], "container.image"),
+    (["--set", "container.mounts=--privileged"], "container.mounts"),
+    (["--set", "container.mounts=/scratch:-v"], "container.mounts"),
+    (["--set", "launch.modules=-purge"], "launch.modules"),
+    (["--model=--help"], "model.path"),
+    (["--data=-x"], "data.source"),
+    (["--set", "data.tokenizer=--tok"], "data.tokenizer"),
+])
+def test_leading_dash_refused_for_every_runtime(runtime: str, args: list[str], field: str,
+                                                no_dispatch: list[Any]) -> None:
+    """`--container podman:--privileged` put --privileged on the podman line; every value that becomes a command
+    argument is refused with a leading '-', whatever the runtime, at plan, dry run and submit."""
+    if field.startswith("container.") and runtime == "none":
+        pytest.skip("no container: no image or mounts")
+    container = [] if runtime == "none" else ["--container", f"{runtime}:{IMAGE_FOR[runtime]}"]
+    args = [a.replace("{rt}", runtime) for a in args]
+    model = [] if field == "model.path" else TINY
+    for command in (["plan"], ["submit", "--dry-run"], ["submit"]):
+        res = invoke(*command, *model, *container, *args)
+        assert res.exit_code != 0 and f"Error: {field} = " in res.output and "starts with '-'" in res.output, \
+            res.output
+    assert no_dispatch == []
+
+
+@pytest.mark.parametrize(("where", "odd", "why"), [
+    ("HPCTRAIN_RUNS_DIR", "runs %a", "%a"), ("HPCTRAIN_RUNS_DIR", "runs-%j", "%j"),
+    ("HPCTRAIN_RUNS_DIR", "back\\slash", "backslash"), ("--out", "out %A", "%A"), ("--out", "o\\ut", "backslash"),
+])
+def test_runs_dir_and_out_refused_when_slurm_or_submitit_would_misread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str, odd: str, why: str,
+        no_dispatch: list[Any]) -> None:
+    """submitit refuses %a outside an array (and replaces %j/%t/%A in its folder); `set -u` killed the job on
+    ${SLURM_ARRAY_TASK_ID}; sbatch drops a backslash. The same refusal at submit and at --dry-run."""
+    path = tmp_path / odd
+    if where == "HPCTRAIN_RUNS_DIR":
+        monkeypatch.setenv("HPCTRAIN_RUNS_DIR", str(path))
+        attempts = [["submit", *TINY], ["submit", *TINY, "--dry-run"]]
+    else:
+        attempts = [["submit", *TINY, "--dry-run", "--out", str(path)]]
+    for args in attempts:
+        res = invoke(*args)
+        assert res.exit_code != 0 and f"Error: {where} = " in res.output and why in res.output, res.output
+        assert "Fix: " in res.output and "Traceback" not in res.output
+    assert not path.exists() and no_dispatch == []
+
+
+def test_runs_dir_with_percent_space_and_quote_renders_escaped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               no_dispatch: list[Any]) -> None:
+    runs = tmp_path / "50% it's ü"
+    monkeypatch.setenv("HPCTRAIN_RUNS_DIR", str(runs))
+    res = invoke("submit", *TINY, "--dry-run", "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    (run_dir,) = data["run_dirs"]
+    assert run_dir.startswith(str(runs) + "/")
+    output = next(ln for ln in data["sbatch"].splitlines() if ln.startswith("#SBATCH --output="))
+    assert "50%% it" in output and "%j_0_log.out" in output
+    res = invoke("submit", *TINY)
+    assert res.exit_code == 0, res.output
+    (call,) = no_dispatch
+    assert call[0][0].parent == runs.absolute()
+
+
+def test_missing_template_dir_in_site_profile_is_refused(tmp_path: Path, no_dispatch: list[Any]) -> None:
+    sites = tmp_path / "config" / "sites"
+    sites.mkdir(parents=True)
+    (sites / "lab.toml").write_text(f'template_dir = "{tmp_path / "no-such-templates"}"\n')
+    for args in (["submit", "--dry-run"], ["submit"]):
+        res = invoke(*args, *TINY, "--site", "lab")
+        assert res.exit_code != 0 and "Error: launch.template_dir = " in res.output and "not a folder" in res.output
+        assert "no-such-templates" in res.output and "Traceback" not in res.output
+    assert no_dispatch == [] and not (tmp_path / "runs").exists()

@@ -434,6 +434,19 @@ def test_build_sh_dry_run_podman_flags(tmp_path: Path) -> None:
     assert any(a.startswith("nofile=") for a in cmd) and cmd[-1] == str(REPO)
 
 
+def test_build_sh_pip_conf_survives_a_long_pip_config(tmp_path: Path) -> None:
+    """pip_conf piped sed into `head -n 1`: with many matching lines sed got SIGPIPE, and under pipefail the
+    function failed (141). It must print the first value and succeed."""
+    lines = "".join(f"global.find-links='/wheels/{i}'\\n" for i in range(20000))
+    _fake_bin(tmp_path, "pip", f'[ "$1 $2" = "config list" ] && printf "{lines}"')
+    build = (REPO / "containers" / "build.sh").read_text()
+    func = build[build.index("pip_conf() {"):build.index("\n}\n", build.index("pip_conf() {")) + 3]
+    script = f"set -euo pipefail\n{func}pip_conf find-links\n"
+    res = subprocess.run(["bash", "-c", script], check=False, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"})
+    assert (res.returncode, res.stdout) == (0, "/wheels/0\n"), res.stderr
+
+
 def test_entrypoint_dispatch(tmp_path: Path) -> None:
     ep = REPO / "containers" / "entrypoint.sh"
     res = subprocess.run(["bash", str(ep), "echo", "hi there"], check=False, capture_output=True, text=True, timeout=30)

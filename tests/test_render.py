@@ -16,6 +16,7 @@ import difflib
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -240,13 +241,101 @@ def test_template_override_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_strict_undefined(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import jinja2
-
+    """An undefined variable in a user's template is an error (StrictUndefined), read as hpctrain's own: the
+    template file, the line and the fix, no Jinja traceback."""
     tdir = tmp_path / "config" / "templates"
     tdir.mkdir(parents=True)
-    (tdir / "hostfile.j2").write_text("{{ nosuchvar }}")
-    with pytest.raises(jinja2.UndefinedError):
+    (tdir / "hostfile.j2").write_text("{% for h in hosts %}{{ h }}\n{% endfor %}\n{{ nosuchvar }}\n")
+    with pytest.raises(HpcUsageError) as exc:
         render_hostfile(["a"], 2)
+    assert str(exc.value).startswith(f"template {tdir / 'hostfile.j2'}, line 3: 'nosuchvar' is undefined. Fix: ")
+    assert "hosts, slots" in str(exc.value)
+
+
+def test_template_syntax_error_names_file_and_line(tmp_path: Path) -> None:
+    tdir = tmp_path / "tpl"
+    tdir.mkdir()
+    (tdir / "sbatch.sh.j2").write_text("#!/bin/bash\n{{ name }}\n{% for x in %}\n")
+    spec = Spec(model=Model(config="llama-tiny"), launch=Launch(template_dir=str(tdir)))
+    with pytest.raises(HpcUsageError) as exc:
+        render_sbatch(spec, make_plan(spec), RUN, "true")
+    assert str(exc.value).startswith(f"template {tdir / 'sbatch.sh.j2'}, line 3: ") and "Fix: " in str(exc.value)
+    assert exc.value.__cause__ is None and exc.value.__suppress_context__  # no Jinja traceback attached
+
+
+def test_missing_template_dir_is_refused(tmp_path: Path) -> None:
+    """A template_dir that is not a folder (a typo) used to render the shipped templates without a word."""
+    spec = Spec(model=Model(config="llama-tiny"), launch=Launch(template_dir=str(tmp_path / "no-such-dir")))
+    with pytest.raises(HpcUsageError, match=r"^launch\.template_dir = '.*no-such-dir': not a folder\. Fix: "):
+        render_sbatch(spec, make_plan(spec), RUN, "true")
+    (tmp_path / "a-file").write_text("")
+    spec = Spec(model=Model(config="llama-tiny"), launch=Launch(template_dir=str(tmp_path / "a-file")))
+    with pytest.raises(HpcUsageError, match="launch.template_dir"):
+        render_sbatch(spec, make_plan(spec), RUN, "true")
+
+
+# -- paths that SLURM and submitit read specially ---------------------------------------------------
+
+# Allowed: shell-special, spaces, unicode, and '%' that is not one of submitit's tags (escaped as %% for SLURM).
+ODD_PATHS = ["a'; echo foo", "50% done", "%x %N %5j", "sp ace", "ünï cødé", "#hash", 'dq"uote', "$(touch PWNED)"]
+
+
+def _directive_value(script: str, key: str) -> str:
+    (line,) = [ln for ln in script.splitlines() if ln.startswith(f"#SBATCH --{key}=")]
+    (word,) = shlex.split(line[len("#SBATCH "):])  # sbatch 22.05 parses #SBATCH values with shell quoting
+    return word.split("=", 1)[1]
+
+
+def _slurm_expand(pattern: str) -> str:
+    """SLURM's filename patterns (sbatch/srun man pages): %% is '%'; %j/%A job 77, %a and %t 0; any other
+    (%x job name, %N node, %5j ...) becomes <x> here, so a '%' left unescaped shows."""
+    def one(m: re.Match[str]) -> str:
+        if m.group(0) == "%%":
+            return "%"
+        return {"j": "77", "A": "77", "a": "0", "t": "0"}.get(m.group(2), f"<{m.group(2)}>") if not m.group(1) \
+            else f"<{m.group(0)}>"
+    return re.sub(r"%%|%(\d*)([AabJjNnstuxX])", one, pattern)
+
+
+@pytest.mark.parametrize("odd", ODD_PATHS)
+def test_odd_run_paths_render_and_reach_slurm_literally(odd: str, tmp_path: Path) -> None:
+    run = tmp_path / odd / "r1"
+    spec, _ = CASES["tiny"]
+    script = render_sbatch(spec, make_plan(spec), run, submitit_command(PY, str(run / "submitit")))
+    path = tmp_path / "sbatch.sh"
+    path.write_text(script)
+    subprocess.run(["bash", "-n", str(path)], check=True, timeout=30)
+    if SHELLCHECK.exists():
+        res = subprocess.run([str(SHELLCHECK), "-s", "bash", "-S", "warning", str(path)], check=False,
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stdout
+    # What SLURM makes of --output is the literal folder plus submitit's file name.
+    assert _slurm_expand(_directive_value(script, "output")) == f"{run}/submitit/77_0_log.out"
+    srun = shlex.split(script.strip().splitlines()[-1])
+    assert _slurm_expand(srun[srun.index("--output") + 1]) == f"{run}/submitit/77_0_log.out"
+    if "%" in odd:
+        assert "%%" in _directive_value(script, "error")
+
+
+def test_odd_runs_dir_in_a_sweep_keeps_the_array_pattern(tmp_path: Path) -> None:
+    runs = tmp_path / "50% off"
+    dirs = [runs / "a", runs / "b"]
+    spec, _ = CASES["tiny"]
+    script = render_sbatch(spec, make_plan(spec), dirs[0], "python3 -c pass", array="0-1", run_dirs=dirs,
+                           submitit_folder=runs / ".sweeps" / "a" / "%a" / "submitit")
+    assert _directive_value(script, "output") == f"{tmp_path}/50%% off/.sweeps/a/%a/submitit/%A_%a_0_log.out"
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True, timeout=30)
+
+
+@pytest.mark.parametrize(("odd", "why"), [
+    ("runs%a", "%a"), ("x%j", "%j"), ("t%t", "%t"), ("A%A", "%A"), ("back\\slash", "backslash"),
+    ("new\nline", "control character")])
+def test_path_characters_slurm_or_submitit_misread_are_refused(odd: str, why: str, tmp_path: Path) -> None:
+    spec, _ = CASES["tiny"]
+    with pytest.raises(HpcUsageError) as exc:
+        render_sbatch(spec, make_plan(spec), tmp_path / odd / "r1", "true")
+    text = str(exc.value)
+    assert text.startswith("run folder = ") and why in text and "Fix: " in text and repr(str(tmp_path / odd))[1:-1] in text
 
 
 def test_templates_ship_in_package() -> None:

@@ -50,8 +50,9 @@ def _spec(**res: object) -> Spec:
 
 
 def _shared_tmp(tmp_path: Path) -> Path:
-    """A folder every slurmd sees (the namespaces share the filesystem), with a hostile name."""
-    d = tmp_path / "run dir 'q'"
+    """A folder every slurmd sees (the namespaces share the filesystem), with a hostile name: quotes, spaces,
+    non-ASCII, and '%' that SLURM would expand in --output (%x is the job name) unless escaped."""
+    d = tmp_path / "run dir 'q' 50%x ü"
     (d / "submitit").mkdir(parents=True)
     return d
 
@@ -108,3 +109,6 @@ def test_rendered_script_runs_on_two_nodes(tmp_path: Path) -> None:
     assert all(line.endswith(" slots=2") for line in (run / "hostfile").read_text().splitlines())
     assert not (tmp_path / "pwned").exists() and not (run / "pwned").exists()
     assert (run / "submitit" / f"{job}_0_log.out").exists()  # submitit's path names, expanded by SLURM
+    # srun's per-task logs too (its --output expands the same patterns): in the literal folder, one per task.
+    assert sorted(p.name for p in (run / "submitit").glob(f"{job}_*_log.err")) == [
+        f"{job}_{t}_log.err" for t in range(4)]

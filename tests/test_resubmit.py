@@ -177,6 +177,9 @@ def test_supervisor_script(tmp_path: Path) -> None:
     assert "#SBATCH --dependency=afterany:42" in text and "#SBATCH --kill-on-invalid-dep=yes" in text
     assert "#SBATCH --partition=debug" in text and "--ntasks=1" in text
     assert text.rstrip().endswith(f"exec /py -m hpctrain supervise '{tmp_path}/r 1' --job 42")
+    # SLURM expands '%' in --output (%x = the job name): a runs dir holding one keeps its literal name.
+    text = supervise.supervisor_script(tmp_path / "50% x" / "r1", "42", spec, python="/py")
+    assert f"#SBATCH --output='{tmp_path}/50%% x/r1/logs/supervisor.log'\n" in text
 
 
 def test_history_survives_a_broken_collector(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

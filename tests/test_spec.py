@@ -284,3 +284,34 @@ def test_site_profile_tables_are_checked() -> None:
         site_to_overrides("s", {"env": "NCCL_DEBUG=INFO"})
     assert site_to_overrides("s", {"template_dir": "/t", "env": {"A": "1"}}) == {
         "launch.template_dir": "/t", "env.A": "1"}
+
+
+# --------------------------------------------------------------------------------------------------
+# Option injection: every value that becomes a command argument of its own
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("launch.modules", ["-purge"]), ("launch.template_dir", "--x"), ("model.path", "-r"),
+    ("model.config", "--help.json"), ("data.source", "-"), ("data.tokenizer", "--tok"),
+    ("parallel.nvme_path", "-nvme"), ("container.image", "--privileged"),
+    ("container.mounts", ["--privileged"]), ("container.mounts", ["/scratch:--privileged"]),
+])
+def test_leading_dash_refused_in_command_arguments(key: str, value: object) -> None:
+    flags: dict[str, object] = {"model.config": "llama-tiny", key: value}
+    if key.startswith("container.") and key != "container.image":
+        flags |= {"container.runtime": "podman", "container.image": "localhost/x"}
+    if key == "container.image":
+        flags["container.runtime"] = "podman"
+    if key == "model.path":
+        flags["model.config"] = ""
+    with pytest.raises(HpcUsageError) as exc:
+        S.resolve(None, flags, check=False)
+    msg = str(exc.value)
+    assert msg.startswith(f"{key} = ") and "starts with '-'" in msg and "option" in msg and "Fix: " in msg, msg
+
+
+def test_dash_inside_or_after_a_path_start_is_fine(tmp_path: Path) -> None:
+    (tmp_path / "-data.jsonl").write_text('{"text": "hi"}\n')
+    spec = S.resolve(None, {"model.config": "llama-tiny", "data.source": "./-data.jsonl",
+                            "launch.modules": "gcc/12-x,cuda-12", "container.runtime": "podman",
+                            "container.image": "localhost/my-image:1", "container.mounts": "/a-b:/c-d"})
+    assert spec.data.source == str(tmp_path / "-data.jsonl") and spec.launch.modules == ("gcc/12-x", "cuda-12")

@@ -270,6 +270,32 @@ def test_hostile_runs_dir_single_and_sweep(cluster: Any, tmp_path: Path, monkeyp
         _cancel_all(tmp_path / "state")
 
 
+def test_runs_dir_with_percent_and_space_submits_and_completes(cluster: Any, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runs dir holding '%' (SLURM's pattern character: %x is the job name) and a space, through the CLI: the
+    job completes and submitit's logs and results are in the literal folder. A '%j' there is refused before
+    anything is submitted."""
+    runs = tmp_path / "50%x of runs ü"
+    monkeypatch.setenv("HPCTRAIN_RUNS_DIR", str(runs))
+    monkeypatch.setenv("HPCTRAIN_STATE_DIR", str(tmp_path / "state"))
+    try:
+        proc = _hpctrain("submit", TINY, "--nodes", "1", "--preflight", "--executor", "slurm", "--json")
+        assert proc.returncode == 0, proc.stderr
+        (sub,) = json.loads(proc.stdout)
+        run_dir, job_id = Path(sub["run_dir"]), sub["job_id"]
+        assert run_dir.parent == runs
+        rec = _wait_final(sub["run_id"])
+        assert rec["state"] == "COMPLETED", rec
+        assert len(list((run_dir / "submitit").glob(f"{job_id}_*_result.pkl"))) == 2
+        assert (run_dir / "submitit" / f"{job_id}_0_log.out").is_file()
+        monkeypatch.setenv("HPCTRAIN_RUNS_DIR", str(tmp_path / "runs-%j"))
+        proc = _hpctrain("submit", TINY, "--nodes", "1", "--preflight", "--executor", "slurm")
+        assert proc.returncode == 2 and "HPCTRAIN_RUNS_DIR = " in proc.stderr and "%j" in proc.stderr, proc.stderr
+        assert not (tmp_path / "runs-%j").exists()
+    finally:
+        _cancel_all(tmp_path / "state")
+
+
 @pytest.mark.parametrize(("flags", "expect"), [
     (["--nodes", "9"], "resources.nodes = 9: partition debug has 4 node"),
     (["--mem", "999999M"], "resources.mem = '999999M'"),

@@ -42,14 +42,16 @@ if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
 fi
 
 # Rendezvous: rank 0 lives on the first host; the port derives from the job id so that jobs
-# sharing a node do not collide.
-MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+# sharing a node do not collide. The whole list is read before taking its first line: a pipe into
+# `head -n 1` would end scontrol with SIGPIPE on a large allocation, and pipefail would end the job.
+HPCTRAIN_HOSTS="$(scontrol show hostnames "$SLURM_JOB_NODELIST")"
+MASTER_ADDR="${HPCTRAIN_HOSTS%%$'\n'*}"
 export MASTER_ADDR
 export MASTER_PORT=$((20000 + SLURM_JOB_ID % 11999))  # below the ephemeral range; +1 is the pre-flight's
 
 # DeepSpeed hostfile for this allocation, in hostfile.j2's format (as `hpctrain hostfile` prints it), written
 # aside then renamed; no host, or one listed twice, means a broken allocation.
-scontrol show hostnames "$SLURM_JOB_NODELIST" | awk 'NF == 0 { next } seen[$1]++ { print "hpctrain: host " $1 " is listed twice in the allocation; refusing to start" > "/dev/stderr"; exit 1 } { print "" $1 " slots=8" }' > "$HPCTRAIN_RUN_DIR/hostfile.tmp"
+awk 'NF == 0 { next } seen[$1]++ { print "hpctrain: host " $1 " is listed twice in the allocation; refusing to start" > "/dev/stderr"; exit 1 } { print "" $1 " slots=8" }' <<<"$HPCTRAIN_HOSTS" > "$HPCTRAIN_RUN_DIR/hostfile.tmp"
 if [ ! -s "$HPCTRAIN_RUN_DIR/hostfile.tmp" ]; then
   echo "hpctrain: SLURM_JOB_NODELIST gave no hosts; refusing to start" >&2
   exit 1

@@ -223,6 +223,7 @@ def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry
 
         raise bad_value("--out", out, "only a dry run writes into a chosen folder",
                         "add --dry-run, or set HPCTRAIN_RUNS_DIR to choose where run folders are created")
+    _check_run_parent(out)
     grid = parse_sweep(list(sweep)) if sweep else [{}]
     points = [_resolve(runfile, opts, p) for p in grid]
     _check_sweep_binds(points)
@@ -261,6 +262,18 @@ def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry
             runs.remove_run_folder(d)
         raise
     _report(subs, as_json)
+
+
+def _check_run_parent(out: str | None) -> None:
+    """The folder that run folders go into reaches #SBATCH --output and submitit's folder: refuse what SLURM or
+    submitit would read as something else (the same check at submit and --dry-run)."""
+    from hpctrain.render.sbatch import check_job_path
+    from hpctrain.runs import folder as runs
+
+    if out:
+        check_job_path("--out", Path(out).absolute())
+    else:
+        check_job_path("HPCTRAIN_RUNS_DIR", runs.runs_dir_default().absolute())
 
 
 def _check_sweep_binds(points: list[tuple[Spec, Plan]]) -> None:

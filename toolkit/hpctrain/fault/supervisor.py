@@ -156,10 +156,13 @@ def _registry_failure(run_id: str, attempt: int, failure_class: str) -> None:
 
 def supervisor_script(run_dir: Path, job_id: str, spec: Spec, python: str | None = None) -> str:
     """The supervisor's batch script: 1 task, 1 CPU, a few minutes, after the training job ends."""
+    from hpctrain.render.sbatch import slurm_filename  # SLURM expands '%' in --output: escaped
+
     r = spec.resources
+    log = slurm_filename(run_dir / "logs" / "supervisor.log")
     flags = [f"--job-name={_name(spec.name)}-supervise", f"--dependency=afterany:{job_id}",
              "--kill-on-invalid-dep=yes", "--nodes=1", "--ntasks=1", "--cpus-per-task=1",
-             f"--time={SUPERVISOR_TIME_MIN}", f"--output={shlex.quote(str(run_dir / 'logs' / 'supervisor.log'))}",
+             f"--time={SUPERVISOR_TIME_MIN}", f"--output={shlex.quote(log)}",
              "--open-mode=append", "--requeue", "--export=ALL"]
     flags += [f"--{k}={shlex.quote(v)}" for k, v in (("partition", r.partition), ("account", r.account),
                                                      ("qos", r.qos)) if v]

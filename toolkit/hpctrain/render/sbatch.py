@@ -4,11 +4,13 @@ Jinja2 lives here only. The environment uses StrictUndefined (a missing variable
 empty string) and a `shquote` filter: every value that reaches the shell goes through shlex.quote,
 so names, paths and env values holding quotes, `$()`, backticks, `;` or newlines stay data.
 Templates ship inside the wheel as `hpctrain.templates`; a file of the same name in the spec's
-`launch.template_dir` or in $HPCTRAIN_CONFIG_DIR/templates overrides the shipped one.
+`launch.template_dir` (which must exist) or in $HPCTRAIN_CONFIG_DIR/templates overrides the shipped one; an
+error in such a template reads as a usage error naming its file and line.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shlex
@@ -52,17 +54,29 @@ def template_dirs(spec: Spec | None = None) -> list[Path]:
 
     dirs = []
     if spec is not None and spec.launch.template_dir:
-        dirs.append(Path(spec.launch.template_dir).expanduser())
+        chosen = Path(spec.launch.template_dir).expanduser()
+        if not chosen.is_dir():  # a typo would otherwise render the shipped templates without a word
+            raise bad_value("launch.template_dir", spec.launch.template_dir, "not a folder",
+                            "set template_dir (run file [launch], or the site profile) to an existing folder of "
+                            "*.j2 overrides, or remove it to use the shipped templates")
+        dirs.append(chosen)
     dirs += [config_dir() / "templates", shipped_templates()]
     return [d for d in dirs if d.is_dir()]
 
 
 def environment(spec: Spec | None = None) -> jinja2.Environment:
     """The one Jinja2 environment: strict, newline-preserving, with `shquote`."""
+    return _environment(tuple(str(d) for d in template_dirs(spec)))
+
+
+@functools.lru_cache(maxsize=16)
+def _environment(dirs: tuple[str, ...]) -> jinja2.Environment:
+    """One environment per search path, so templates compile once (Jinja still reloads a template whose file
+    changed: auto_reload)."""
     import jinja2
 
     env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader([str(d) for d in template_dirs(spec)]),
+        loader=jinja2.FileSystemLoader(list(dirs)),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         trim_blocks=True,
@@ -71,6 +85,41 @@ def environment(spec: Spec | None = None) -> jinja2.Environment:
     )
     env.filters["shquote"] = lambda v: shlex.quote(str(v))
     return env
+
+
+def render_template(env: jinja2.Environment, template: str, /, **context: Any) -> str:
+    """Render `template`; a broken template (often a user's override) is a usage error naming its file
+    and line, not a Jinja traceback."""
+    import jinja2
+
+    try:
+        return env.get_template(template).render(**context)
+    except jinja2.TemplateSyntaxError as exc:
+        raise HpcUsageError(f"template {exc.filename or template}, line {exc.lineno}: {exc.message}. Fix: correct "
+                            "the template, or remove it to use the shipped one") from None
+    except jinja2.TemplateError as exc:
+        path, line = _template_frame(exc, env, template)
+        known = ", ".join(sorted(context))
+        raise HpcUsageError(f"template {path}, line {line}: {exc.message or type(exc).__name__}. Fix: use only "
+                            f"the variables hpctrain passes ({known}), or remove the template to use the shipped "
+                            "one") from None
+
+
+def _template_frame(exc: BaseException, env: jinja2.Environment, name: str) -> tuple[str, int | str]:
+    """(file, line) of the template frame that raised: Jinja maps its frames back to the template source."""
+    found: tuple[str, int | str] = ("", "?")
+    tb = exc.__traceback__
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if filename.endswith(".j2"):
+            found = (filename, tb.tb_lineno)
+        tb = tb.tb_next
+    if not found[0]:
+        try:
+            found = (env.get_template(name).filename or name, "?")
+        except Exception:  # noqa: BLE001 - the error message still names the template
+            found = (name, "?")
+    return found
 
 
 # --------------------------------------------------------------------------------------------------
@@ -91,7 +140,7 @@ def render_hostfile(hosts: Sequence[str], slots: int, spec: Spec | None = None) 
         seen.add(h)
     if slots < 1:
         raise bad_value("hostfile slots", slots, "must be at least 1", "pass --slots with the ranks per node")
-    return environment(spec).get_template("hostfile.j2").render(hosts=list(hosts), slots=slots)
+    return render_template(environment(spec), "hostfile.j2", hosts=list(hosts), slots=slots)
 
 
 _HOST_MARK = "hpctrain-host-mark"
@@ -193,9 +242,41 @@ def _directive(key: str, value: object = True) -> str:
 
 
 def _log_pattern(folder: Path, array: str | None, task: str) -> str:
-    """submitit's log names (utils.JobPaths): %j_%t_log.out, or %A_%a_%t_log.out in an array."""
+    """submitit's log names (utils.JobPaths): %j_%t_log.out, or %A_%a_%t_log.out in an array; the folder's own
+    '%' escaped for SLURM (see slurm_filename)."""
     job = "%A_%a" if array else "%j"
-    return str(folder / f"{job}_{task}_log")
+    return slurm_filename(folder) + f"/{job}_{task}_log"
+
+
+# submitit replaces these in its folder (JobPaths._format_id), and hpctrain's sweep folders use %a for the
+# array index: in a runs dir or an --out folder they would point submitit and the ranks elsewhere.
+SUBMITIT_TAGS = ("%j", "%t", "%A", "%a")
+
+
+def check_job_path(key: str, path: Path | str, *, array_pattern: bool = False) -> None:
+    """Refuse a folder that sbatch, SLURM or submitit would read as something else than the path itself.
+
+    Spaces, quotes, `$`, `;`, `#` and non-ASCII are fine (the #SBATCH value is shell-quoted, which sbatch
+    parses, and srun gets it as one word); another '%' is escaped as '%%' (slurm_filename). `array_pattern`:
+    the path is a sweep's own `.../%a` pattern."""
+    text = str(path)
+    tags = [t for t in SUBMITIT_TAGS if t in text and not (array_pattern and t == "%a")]
+    if tags:
+        raise bad_value(key, text, f"holds {' and '.join(tags)}, which submitit replaces with a job, task or array "
+                        "id in its folder (and SLURM in #SBATCH --output)",
+                        "choose a folder without %j, %t, %A or %a (another '%' is fine), e.g. rename it")
+    if "\\" in text:
+        raise bad_value(key, text, "holds a backslash: sbatch removes it from #SBATCH lines, and in a log name it "
+                        "stops SLURM from expanding %j", "choose a folder without '\\'")
+    if any(ord(c) < 32 or ord(c) == 127 for c in text):
+        raise bad_value(key, text, "contains a newline or control character, which ends an #SBATCH line",
+                        "choose a folder without control characters")
+
+
+def slurm_filename(path: Path | str) -> str:
+    """A path as SLURM's --output/--error read it: SLURM expands %j, %x, %N, ... and '%%' is a plain '%'.
+    A sweep's %a (the array index) stays a pattern; check_job_path refuses a literal one."""
+    return "%a".join(piece.replace("%", "%%") for piece in str(path).split("%a"))
 
 
 def sbatch_directives(spec: Spec, plan: Plan, folder: Path, array: str | None) -> list[str]:
@@ -263,11 +344,16 @@ def render_sbatch(spec: Spec, plan: Plan, run_dir: Path, command: str, *, array:
     dirs = [Path(d) for d in run_dirs] if run_dirs else [run_dir]
     if array and not run_dirs and "%a" not in str(run_dir):
         raise ValueError("render_sbatch: an array needs run_dirs, or a run_dir pattern holding %a")
+    checks = [("run folder", run_dir, bool(array) and not run_dirs), ("submitit folder", folder, bool(array)),
+              *(("run folder", d, False) for d in run_dirs or ())]
+    for key, path, pattern in checks:
+        check_job_path(key, path, array_pattern=pattern)
     launch_line, note = _launch_line(spec, plan, folder, array, command, dirs, python, mode)
     secrets = secret_names(spec)
     env = [(k, v) for k, v in sorted(spec.env.items()) if k not in secrets]
-    return environment(spec).get_template("sbatch.sh.j2").render(
-        version=__version__, name=spec.name, directives=sbatch_directives(spec, plan, folder, array),
+    return render_template(
+        environment(spec), "sbatch.sh.j2", version=__version__, name=spec.name,
+        directives=sbatch_directives(spec, plan, folder, array),
         modules=list(spec.launch.modules), env=env, secret_names=list(secrets), run_dir_expr=_shell_path(run_dir),
         run_dirs=[str(d) for d in dirs] if run_dirs else [], cpu=plan.device == "cpu",
         slots=plan.ranks_per_node, master_port=rendezvous_port_shell(),

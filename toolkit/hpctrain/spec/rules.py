@@ -136,6 +136,7 @@ def check(obj: Any) -> None:
     rule = _RULES.get(type(obj).__name__)
     if rule:
         rule(obj)
+    _no_leading_dash(obj)
 
 
 def _example(hint: Any, default: object) -> str:
@@ -379,3 +380,36 @@ _RULES: dict[str, Any] = {
     "Train": _rules_train, "Parallel": _rules_parallel, "Checkpoint": _rules_checkpoint,
     "Container": _rules_container, "Spec": _rules_spec,
 }
+
+
+# --------------------------------------------------------------------------------------------------
+# Option injection: values that become command arguments.
+
+# Every field whose value reaches a command line as an argument of its own: `module load NAME`, the image and
+# the binds of podman/apptainer/ch-run/enroot, the paths bound into the container (model, data, tokenizer, NVMe
+# folder, template folder), the image's python. A leading '-' there is read as an option
+# (`--container podman:--privileged` would run a privileged container). Flags hpctrain writes as `--flag=VALUE`
+# (partition, account, pyxis' --container-*) cannot be misread and are checked by their own rules.
+COMMAND_ARGUMENTS: dict[str, tuple[str, ...]] = {
+    "Launch": ("modules", "template_dir"), "Model": ("path", "config"), "Data": ("source", "tokenizer"),
+    "Parallel": ("nvme_path",), "Container": ("image", "mounts", "python"),
+}
+_DASH_FIX = {
+    "launch.modules": "module names do not start with '-'; pass module options in the site's module setup",
+    "container.image": "give the image's path or name (e.g. localhost/hpctrain:cpu, /images/train.sif)",
+    "container.mounts": "write SRC[:DST] with absolute paths (e.g. /scratch:/scratch)",
+    "container.python": "give the python's path or name inside the image (e.g. python3)",
+}
+
+
+def _no_leading_dash(obj: Any) -> None:
+    """Refuse a leading '-' in every value listed in COMMAND_ARGUMENTS (each side of a mount's ':' too)."""
+    cls = type(obj).__name__
+    for name in COMMAND_ARGUMENTS.get(cls, ()):
+        key = f"{cls.lower()}.{name}"
+        value = getattr(obj, name, "")
+        for item in value if isinstance(value, tuple) else (value,):
+            parts = str(item).split(":") if key == "container.mounts" else [str(item)]
+            need(not any(p.startswith("-") for p in parts), key, item,
+                 "starts with '-', so the command it is passed to would read it as an option",
+                 _DASH_FIX.get(key, "give an absolute path, or write ./NAME for a relative one"))
