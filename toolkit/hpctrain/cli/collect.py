@@ -116,7 +116,7 @@ def _log_sources(inp: RunInput) -> tuple[Callable[[], list[LogFile]], Callable[[
 
 def _finished_check(inp: RunInput, reg: Registry, every_s: float = 10.0) -> Callable[[], bool]:
     """True once the run's latest attempt is final; asks sacct at most every `every_s` seconds."""
-    from hpctrain.collect.summary import FINAL
+    from hpctrain.states import is_final
 
     last = {"t": 0.0, "done": False}
 
@@ -129,12 +129,12 @@ def _finished_check(inp: RunInput, reg: Registry, every_s: float = 10.0) -> Call
 
             run = reg.get_run(inp.run_id)
             refresh(reg, [run])
-            last["done"] = bool(run.attempts) and run.attempts[-1].state in FINAL
+            last["done"] = bool(run.attempts) and is_final(run.attempts[-1].state)
         except Exception:  # noqa: BLE001 - not in the registry, or sacct down: trust attempts.jsonl
             from hpctrain.collect.summary import from_folder
 
             atts = from_folder(inp.folder).attempts
-            last["done"] = bool(atts) and str(atts[-1].get("state")) in FINAL
+            last["done"] = bool(atts) and is_final(str(atts[-1].get("state")))
         return bool(last["done"])
 
     return finished

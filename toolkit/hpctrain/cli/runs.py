@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from hpctrain.states import JobState, is_final
+
 if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.runs.registry import Registry, Run
 
@@ -52,7 +54,6 @@ def refresh(reg: Registry, runs: list[Run]) -> list[str]:
     Returns warnings (e.g. sacct unavailable) instead of failing: cached states are still useful.
     """
     from hpctrain.runs import folder as runs_mod
-    from hpctrain.runs.registry import FINAL_STATES
 
     now = time.time()
     pending = [(r, a) for r in runs for a in r.attempts if _unsettled(r.executor, a, now)]
@@ -80,7 +81,7 @@ def refresh(reg: Registry, runs: list[Run]) -> list[str]:
             # The reason (e.g. "see 123_0_result.pkl") is for humans; collect assigns failure classes.
             state, _ = local_state(Path(run.folder), att.job_id)
             fields: dict[str, Any] = {"state": state}
-            if state in FINAL_STATES:
+            if is_final(state):
                 fields["ended"] = time.time()
         elif att.job_id in fresh:
             fields = {k: v for k, v in fresh[att.job_id].items() if v not in (None, "")}
@@ -205,9 +206,9 @@ def cancel(run: str, as_json: bool) -> None:
             except (OSError, ValueError):
                 pass
     now = time.time()
-    reg.update_attempts([(rec.run_id, a.attempt, {"state": "CANCELLED", "ended": now}) for a in live])
+    reg.update_attempts([(rec.run_id, a.attempt, {"state": JobState.CANCELLED, "ended": now}) for a in live])
     out = {"run_id": rec.run_id, "cancelled": [a.job_id for a in live],
-           "state": "CANCELLED" if live else rec.state}
+           "state": JobState.CANCELLED if live else rec.state}
     if as_json:
         click.echo(json.dumps(out))
     elif live:

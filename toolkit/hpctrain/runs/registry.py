@@ -24,13 +24,10 @@ from typing import Any, TypeVar
 
 import click
 
+from hpctrain.states import JobState, is_final
+
 T = TypeVar("T")
 
-# States after which SLURM will not change its mind: never re-queried (the "cache" of finished states).
-FINAL_STATES = frozenset(
-    {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY",
-     "BOOT_FAIL", "DEADLINE"}
-)
 _SECRET_MARKERS = ("TOKEN", "SECRET", "PASSWORD", "API_KEY", "APIKEY", "CREDENTIAL")
 _ATTEMPT_FIELDS = frozenset({"job_id", "state", "nodes", "submitted", "started", "ended",
                              "exit_code", "failure_class"})
@@ -85,7 +82,7 @@ class Attempt:
     run_id: str
     attempt: int
     job_id: str
-    state: str = "PENDING"
+    state: str = JobState.PENDING
     nodes: str = ""
     submitted: float | None = None
     started: float | None = None
@@ -95,7 +92,7 @@ class Attempt:
 
     @property
     def final(self) -> bool:
-        return self.state in FINAL_STATES
+        return is_final(self.state)  # SLURM will not change its mind: never re-queried
 
 
 @dataclass
@@ -210,7 +207,7 @@ class Registry:
 
     # -- writes -------------------------------------------------------------------------------
     def add_run(self, run_id: str, name: str, folder: str, executor: str, spec: dict[str, Any],
-                created: float | None = None, state: str = "PENDING") -> None:
+                created: float | None = None, state: str = JobState.PENDING) -> None:
         spec_text = json.dumps(_strip_secrets(spec), sort_keys=True, default=str)
         when = time.time() if created is None else created
         self._write(lambda c: c.execute(
