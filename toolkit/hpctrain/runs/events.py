@@ -53,7 +53,9 @@ class Event:
                                "exception": _cut(self.exception), "message": _cut(self.message),
                                "exit_code": self.exit_code, "signal": self.signal,
                                "traceback": [_cut(ln, 300) for ln in self.traceback[-_MAX_LINES:]]}
-        return {**self.extra, **{k: v for k, v in out.items() if v not in (None, "", [])}}
+        # The fields every reader may count on are always there (null when unknown); the rest only when set.
+        always = ("time", "kind", "class", "rank", "host", "job_id", "attempt", "message", "exit_code")
+        return {**self.extra, **{k: v for k, v in out.items() if k in always or v not in (None, "", [])}}
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Event | None:
