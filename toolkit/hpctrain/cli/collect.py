@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from hpctrain.states import FailureClass, is_final
+
 if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.collect.logs import LogFile
     from hpctrain.collect.summary import RunInput
@@ -116,7 +118,6 @@ def _log_sources(inp: RunInput) -> tuple[Callable[[], list[LogFile]], Callable[[
 
 def _finished_check(inp: RunInput, reg: Registry, every_s: float = 10.0) -> Callable[[], bool]:
     """True once the run's latest attempt is final; asks sacct at most every `every_s` seconds."""
-    from hpctrain.states import is_final
 
     last = {"t": 0.0, "done": False}
 
@@ -260,7 +261,7 @@ def _print_failures(run: dict[str, Any]) -> None:
                                      f"on {f['host']}" if f["host"] else "") if x)
         click.echo(f"{run['run_id']} a{a['attempt']} (job {a['job_id']}): {f['failure_class']}"
                    f"{' ' + where if where else ''}: {f['message']}")
-        for ln in f["last_lines"][-4:] if f["failure_class"] == "python_exception" else []:
+        for ln in f["last_lines"][-4:] if f["failure_class"] == FailureClass.PYTHON_EXCEPTION else []:
             click.echo(f"    {ln}")
         if f["source"]:
             click.echo(f"    log: {Path(run['folder']) / f['source']}")

@@ -77,7 +77,7 @@ class RunInput:
     folder: Path
     name: str = ""
     executor: str = ""
-    state: str = "UNKNOWN"
+    state: str = JobState.UNKNOWN
     created: float | None = None
     attempts: list[dict[str, Any]] = field(default_factory=list)
     spec: dict[str, Any] = field(default_factory=dict)
@@ -107,7 +107,7 @@ def from_folder(folder: Path) -> RunInput:
             latest.setdefault(k, {}).update({key: v for key, v in rec.items() if v not in (None, "")})
     atts = [latest[k] for k in sorted(latest)]
     executor = str(atts[0].get("executor", "")) if atts else ""
-    state = str(atts[-1].get("state", "UNKNOWN")) if atts else "UNKNOWN"
+    state = str(atts[-1].get("state", JobState.UNKNOWN)) if atts else JobState.UNKNOWN
     return RunInput(folder.name, folder, folder.name, executor, state, None, atts)
 
 
@@ -164,7 +164,7 @@ def _attempt_row(inp: RunInput, a: dict[str, Any], files: list[cl.LogFile], recs
     from hpctrain.collect import classify as cc
 
     k = int(a["attempt"])
-    state = str(a.get("state") or "UNKNOWN")
+    state = str(a.get("state") or JobState.UNKNOWN)
     start, end = _float(a.get("started")), _float(a.get("ended"))
     m = cm.attempt_metrics(recs, earlier, ckpts)
     if start is None and m.first_time is not None:
