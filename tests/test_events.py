@@ -181,7 +181,48 @@ def test_stop_event_is_a_resumable_time_limit(tmp_path: Path) -> None:
     for rank, sig in ((0, 0), (1, 12)):
         events.append_event(run, Event(kind=events.STOP, time=1000.0, rank=rank, host=f"node{rank + 1}", attempt=0,
                                        job_id="123", failure_class="time_limit" if sig else None, signal=sig,
-                                       exit_code=3, message=f"signal {sig}: stopped on signal at step 5"))
+                                       exit_code=3, message=f"signal {sig}: stopped on signal at step 5",
+                                       extra={"checkpointed": True}))
     f = _summarize(run)["failure"]
     assert (f["failure_class"], f["rank"]) == ("time_limit", 1)
     assert "resumable" in f["message"]
+
+
+@pytest.mark.parametrize("signum, cls", [(12, "time_limit"), (15, "preempted"), (0, None)])
+def test_stop_on_signal_is_a_stop_event(tmp_path: Path, signum: int, cls: str | None,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """StopRequested, and submitit declining to requeue (its UncompletedJobError, known by class), are stops
+    on the signal: a `stop` event with the signal's class, never a python_exception."""
+    from hpctrain.node import main
+    from hpctrain.node.runconf import RunPaths
+    from hpctrain.node.train import StopRequested
+
+    class UncompletedJobError(Exception):
+        pass
+
+    fake = types.ModuleType("submitit.core.utils")
+    fake.UncompletedJobError = UncompletedJobError  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "submitit.core.utils", fake)
+    where = main._Where(1, 0, "55")
+    paths = RunPaths(tmp_path)
+    assert main._fail(StopRequested("stopped on signal at step 5"), paths, where, signum) == ExitCode.STOPPED
+    refused = UncompletedJobError("Job not requeued because: checkpoint function returned None.")
+    assert main._fail(refused, paths, where, signum) == ExitCode.ERROR
+    evs = events.read_events(tmp_path)
+    # submitit's handler runs on USR2 only: without a signal of its own the rank got it before StopFlag was
+    # installed, straight from SLURM (nothing saved yet).
+    refused_as = (cls, signum, True) if signum else ("time_limit", 12, False)
+    assert [(e.kind, e.failure_class, e.signal, e.exit_code, e.extra["checkpointed"]) for e in evs] == [
+        (events.STOP, cls, signum, 3, True), (events.STOP, *refused_as[:2], 1, refused_as[2])]
+
+
+def test_signal_before_training_is_a_time_limit_without_checkpoint(tmp_path: Path) -> None:
+    """SLURM's USR2 can come while the ranks still start (seen on the local cluster, 27 s into a 60 s job
+    with --signal=USR2@20): submitit's handler refuses the requeue; time_limit, and nothing is resumable."""
+    run = _run_folder(tmp_path, exit_code="9:0")
+    events.append_event(run, Event(kind=events.STOP, time=1000.0, rank=0, host="node1", attempt=0, job_id="123",
+                                   failure_class="time_limit", signal=12, exit_code=1, extra={"checkpointed": False},
+                                   message="Job not requeued because: checkpoint function returned None."))
+    f = _summarize(run)["failure"]
+    assert (f["failure_class"], f["rank"], f["host"]) == ("time_limit", 0, "node1")
+    assert "resumable" not in f["message"]

@@ -59,7 +59,8 @@ _TB_HEAD = "Traceback (most recent call last):"
 # The line that ends a traceback: `pkg.module.Name: message` or a bare `Name`, not indented.
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Failed|Failure|Requested|"
                        r"Timeout|Warning|Fault|Abort)|[A-Za-z_][\w.]*\.[A-Z]\w*)(?::\s?(.*))?$")
-# The one line the node prints on stderr when a rank fails (node/main.py).
+# The one line the node prints on stderr when a rank fails (node/main.py): read only where no event says it
+# (run folders from before events.jsonl, or a rank that could not write its event).
 _NODE_FAILED = re.compile(r"hpctrain: rank (\d+) failed: ([\w.]+): (.*?)(?: \(traceback in .*\))?$")
 # The node checkpointed on SLURM's pre-timeout signal (USR2) or a preemption (TERM) and exited 3.
 _SIGNAL_STOP = re.compile(r"signal (\d+): checkpointed at step (\d+), stopping for requeue")
@@ -169,6 +170,7 @@ class _Evidence:
     last_lines: list[str] = field(default_factory=list)
     time: float | None = None  # timestamp of the evidence (or of the nearest timed line before it)
     signal: int | None = None  # a stop: the signal the rank got (from its event)
+    checkpointed: bool = False  # a stop: the rank saved a checkpoint first
 
 
 def _kind_of_exception(exc: str) -> str:
@@ -225,7 +227,7 @@ def _scan(src: LogSource) -> list[_Evidence]:
             out.append(_Evidence(_kind_of_exception(exc), exc, src, exc, [exc]))
     stop = _first(_SIGNAL_STOP, lines)
     if stop is not None:
-        out.append(_Evidence("signal_stop", stop.strip(), src))
+        out.append(_Evidence("signal_stop", stop.strip(), src, checkpointed=True))
     killed = _first(_KILLED, lines)
     if killed is not None:
         out.append(_Evidence("killed", killed.strip(), src))
@@ -242,7 +244,8 @@ def _from_events(evs: Iterable[Event]) -> list[_Evidence]:
         src = LogSource(EVENTS, "", e.rank, e.host or None, e.job_id or None)
         if e.kind == STOP:
             out.append(_Evidence("signal_stop", e.message or f"stopped on signal {e.signal}", src, time=e.time,
-                                 signal=e.signal if e.signal is not None else 0))
+                                 signal=e.signal if e.signal is not None else 0,
+                                 checkpointed=e.extra.get("checkpointed") is True))
         elif e.kind == FAILURE and e.failure_class:
             cls = e.failure_class
             if cls == FC.PYTHON_EXCEPTION:
@@ -356,7 +359,7 @@ def _signal_stop(evidence: list[_Evidence], state: str) -> Failure:
     words = " ".join(e.line for e in evidence)
     timed_out = state in (JobState.TIMEOUT, JobState.DEADLINE) or "timed-out" in words or sig in (10, 12)
     cls = FC.PREEMPTED if state == JobState.PREEMPTED or (not timed_out) else FC.TIME_LIMIT
-    note = " (checkpointed: resumable)" if sig is not None else ""
+    note = " (checkpointed: resumable)" if ev.checkpointed else ""
     return Failure(cls, _tidy(ev.line) + note, rank=ev.src.rank, host=ev.src.host, source=ev.src.name)
 
 

@@ -116,13 +116,36 @@ def failure_of(exc: BaseException) -> tuple[FailureClass | None, ExitCode]:
     return FailureClass.PYTHON_EXCEPTION, ExitCode.ERROR
 
 
+def _stop_class(signum: int) -> FailureClass | None:
+    """USR1/USR2: SLURM's pre-timeout signal; TERM: preemption; 0: this rank learned of the stop from a peer."""
+    if signum in (signal.SIGUSR1, signal.SIGUSR2):
+        return FailureClass.TIME_LIMIT
+    return FailureClass.PREEMPTED if signum == signal.SIGTERM else None
+
+
+def _submitit_refused_requeue(exc: BaseException) -> bool:
+    """submitit's UncompletedJobError, by class; submitit is looked up, not imported (no job, no submitit)."""
+    utils = sys.modules.get("submitit.core.utils")
+    return utils is not None and isinstance(exc, getattr(utils, "UncompletedJobError", ()))
+
+
 def _fail(exc: Exception, paths: RunPaths, where: _Where, signum: int) -> ExitCode:
     """Log the failure, print its one line on stderr, append its event; the exit code."""
     if isinstance(exc, StopRequested):
-        cls = FailureClass.TIME_LIMIT if signum in (signal.SIGUSR1, signal.SIGUSR2) else (
-            FailureClass.PREEMPTED if signum == signal.SIGTERM else None)  # 0: learned of it from a peer
-        _event(paths.root, where, events.STOP, cls, message=str(exc), exit_code=ExitCode.STOPPED, signum=signum)
+        _event(paths.root, where, events.STOP, _stop_class(signum), message=str(exc), exit_code=ExitCode.STOPPED,
+               signum=signum, extra={"checkpointed": True})
         return ExitCode.STOPPED
+    if _submitit_refused_requeue(exc):
+        # submitit's requeue handler runs on its signal, USR2 (hpctrain's --signal=USR2@N), and declined to
+        # requeue (no retries wanted): a stop on the signal, not a bug. Either StopFlag.chain handed it the
+        # signal after the checkpoint (signum set), or the signal came before StopFlag was installed and
+        # called it directly (signum 0): then nothing was saved. The exit code stays 1, as before.
+        sig = signum or int(signal.SIGUSR2)
+        log.info("stopped on signal %d (%s); submitit did not requeue: %s", sig,
+                 "after a checkpoint" if signum else "before training, nothing saved", exc)
+        _event(paths.root, where, events.STOP, _stop_class(sig), message=str(exc), exit_code=ExitCode.ERROR,
+               signum=sig, extra={"checkpointed": bool(signum)})
+        return ExitCode.ERROR
     cls, code = failure_of(exc)
     exc_line = traceback.format_exception_only(type(exc), exc)[-1].strip()
     tb: tuple[str, ...] = ()
