@@ -6,6 +6,7 @@ import pytest
 
 from hpctrain.collect import classify as cc
 from hpctrain.collect.logs import last_timestamp, parse_time
+from hpctrain.states import FailureClass as FC
 
 HEAD = "2026-11-29T10:00:01 rank{r} INFO hpctrain node: mode train, rank {r}/4 (local {r}) via slurm, master node1:21234\n"
 
@@ -83,7 +84,7 @@ def src(text: str, name: str = "logs/attempt-0.rank-0.log", rank: int | None = 0
 def test_gpu_oom_names_rank_and_host() -> None:
     f = cc.classify("FAILED", [src(GPU_OOM, "logs/attempt-0.rank-1.log", 1, "node1"),
                                src(PEER_CLOSED, "logs/attempt-0.rank-0.log", 0, "node1")], exit_code="1:0")
-    assert f.failure_class == cc.GPU_OOM
+    assert f.failure_class == FC.GPU_OOM
     assert (f.rank, f.host, f.source) == (1, "node1", "logs/attempt-0.rank-1.log")
     assert f.exception and f.exception.startswith("torch.OutOfMemoryError: CUDA out of memory")
 
@@ -96,19 +97,19 @@ def test_gpu_oom_names_rank_and_host() -> None:
 ])
 def test_host_oom(state: str, exit_code: str, text: str) -> None:
     f = cc.classify(state, [src(text, "submitit/1234_2_log.err", 2, "node3")], exit_code=exit_code)
-    assert f.failure_class == cc.HOST_OOM
+    assert f.failure_class == FC.HOST_OOM
 
 
 def test_bare_killed_after_scancel_is_not_oom() -> None:
     f = cc.classify("CANCELLED", [src("slurmstepd: error: *** STEP 12.0 ON node1 CANCELLED AT 2026-11-29T10:00:00 ***\n"
                                       "Killed\n")], exit_code="0:15")
-    assert f.failure_class == cc.CANCELLED
+    assert f.failure_class == FC.CANCELLED
 
 
 @pytest.mark.parametrize("text", [NCCL_TIMEOUT, GLOO_TIMEOUT, PEER_CLOSED])
 def test_comm_timeouts(text: str) -> None:
     f = cc.classify("FAILED", [src(text, rank=2, host="node2")], exit_code="1:0")
-    assert f.failure_class == cc.COMM_TIMEOUT
+    assert f.failure_class == FC.COMM_TIMEOUT
     assert f.rank == 2
 
 
@@ -116,7 +117,7 @@ def test_user_exception_beats_peers_connection_closed() -> None:
     """Rank 1 raised; rank 0 only saw its peer vanish. The root cause is rank 1's exception."""
     f = cc.classify("FAILED", [src(PEER_CLOSED, "logs/attempt-0.rank-0.log", 0, "node1"),
                                src(USER_EXC, "logs/attempt-0.rank-1.log", 1, "node2")], exit_code="1:0")
-    assert f.failure_class == cc.PYTHON_EXCEPTION
+    assert f.failure_class == FC.PYTHON_EXCEPTION
     assert (f.rank, f.host) == (1, "node2")
     assert f.exception == "ValueError: HPCTRAIN_FAIL_AT_STEP: failing on purpose at step 7"
     assert f.last_lines[-1] == f.exception
@@ -126,13 +127,13 @@ def test_user_exception_beats_peers_connection_closed() -> None:
 @pytest.mark.parametrize("text", [APPTAINER, PYXIS, PODMAN, CHRUN])
 def test_container_errors(text: str) -> None:
     f = cc.classify("FAILED", [src(text, "submitit/77_0_log.err", 0, "node2")], exit_code="255:0")
-    assert f.failure_class == cc.CONTAINER_ERROR
+    assert f.failure_class == FC.CONTAINER_ERROR
     assert f.host == "node2"
 
 
 def test_preflight_names_missing_host() -> None:
     f = cc.classify("FAILED", [src(PREFLIGHT, "submitit/12_0_log.err", 0, "node1")], exit_code="4:0")
-    assert f.failure_class == cc.PREFLIGHT
+    assert f.failure_class == FC.PREFLIGHT
     assert f.host == "node4"
     assert "did not join" in f.message
 
@@ -142,12 +143,12 @@ def test_hang_from_heartbeat() -> None:
     assert not cc.is_hang(1000.0, 1000.0 + 60, 2.0)
     assert not cc.is_hang(None, 5000.0, 2.0)
     f = cc.classify("CANCELLED", [src(HEAD.format(r=0))], hang=True, hang_message="no step for 60 min")
-    assert f.failure_class == cc.HANG and "60 min" in f.message
+    assert f.failure_class == FC.HANG and "60 min" in f.message
 
 
-@pytest.mark.parametrize("state,cls", [("COMPLETED", None), ("TIMEOUT", cc.TIME_LIMIT), ("PREEMPTED", cc.PREEMPTED),
-                                       ("CANCELLED", cc.CANCELLED), ("OUT_OF_MEMORY", cc.HOST_OOM),
-                                       ("NODE_FAIL", cc.NODE_FAIL), ("FAILED", cc.UNKNOWN), ("RUNNING", None)])
+@pytest.mark.parametrize("state,cls", [("COMPLETED", None), ("TIMEOUT", FC.TIME_LIMIT), ("PREEMPTED", FC.PREEMPTED),
+                                       ("CANCELLED", FC.CANCELLED), ("OUT_OF_MEMORY", FC.HOST_OOM),
+                                       ("NODE_FAIL", FC.NODE_FAIL), ("FAILED", FC.UNKNOWN), ("RUNNING", None)])
 def test_slurm_states_stay_distinct(state: str, cls: str | None) -> None:
     assert cc.classify(state, [src(HEAD.format(r=0))]).failure_class == cls
 
@@ -157,17 +158,17 @@ def test_survivors_comm_errors_do_not_hide_node_fail() -> None:
     alive = src("2026-11-29T10:00:01 rank0 INFO step 5 | loss 9.0\n2026-11-29T10:10:01 rank0 ERROR x\n" + PEER_CLOSED,
                 "logs/attempt-0.rank-0.log", 0, "node1")
     f = cc.classify("NODE_FAIL", [alive, dead])
-    assert f.failure_class == cc.NODE_FAIL
+    assert f.failure_class == FC.NODE_FAIL
     assert f.host == "node2"
 
 
 def test_timeout_with_signal_stop_is_time_limit() -> None:
     text = HEAD.format(r=0) + "2026-11-29T10:00:02 rank0 INFO signal 12: checkpointed at step 40, stopping for requeue\n"
-    assert cc.classify("TIMEOUT", [src(text)]).failure_class == cc.TIME_LIMIT
+    assert cc.classify("TIMEOUT", [src(text)]).failure_class == FC.TIME_LIMIT
 
 
-@pytest.mark.parametrize("signum,state,cls", [(12, "FAILED", cc.TIME_LIMIT), (15, "FAILED", cc.PREEMPTED),
-                                              (12, "TIMEOUT", cc.TIME_LIMIT), (15, "PREEMPTED", cc.PREEMPTED)])
+@pytest.mark.parametrize("signum,state,cls", [(12, "FAILED", FC.TIME_LIMIT), (15, "FAILED", FC.PREEMPTED),
+                                              (12, "TIMEOUT", FC.TIME_LIMIT), (15, "PREEMPTED", FC.PREEMPTED)])
 def test_stopped_on_signal_after_checkpoint(signum: int, state: str, cls: str) -> None:
     text = HEAD.format(r=0) + f"2026-11-29T10:00:02 rank0 INFO signal {signum}: checkpointed at step 40, stopping for requeue\n"
     f = cc.classify(state, [src(text, host="node1")], exit_code="3:0")
@@ -183,11 +184,11 @@ def test_submitit_refusing_requeue_is_time_limit() -> None:
     r1 = HEAD.format(r=1) + "2026-11-29T17:03:47 rank1 INFO signal 12: checkpointed at step 35, stopping for requeue\n"
     f = cc.classify("FAILED", [src(r0, rank=0, host="node1"), src(r1, "logs/attempt-0.rank-1.log", 1, "node2")],
                     exit_code="3:0")
-    assert f.failure_class == cc.TIME_LIMIT and "step 35" in f.message
+    assert f.failure_class == FC.TIME_LIMIT and "step 35" in f.message
     r0 = r0.replace("timed-out and not checkpointable", "checkpoint function returned None")
     f = cc.classify("FAILED", [src(r0, rank=0, host="node1"), src(r1, "logs/attempt-0.rank-1.log", 1, "node2")],
                     exit_code="9:0")
-    assert f.failure_class == cc.TIME_LIMIT
+    assert f.failure_class == FC.TIME_LIMIT
 
 
 def test_interleaved_traceback_with_binary_junk() -> None:
@@ -197,14 +198,14 @@ def test_interleaved_traceback_with_binary_junk() -> None:
            b'  File "/x/train.py", line 3, in f\n\x00\x00\xff\xfe\x01garbage\n    raise KeyError("tokenizer")\n'
            b"[rank1]: KeyError: 'tokenizer'\n")
     f = cc.classify("FAILED", [src(cc.clean_text(raw), rank=1)], exit_code="1:0")
-    assert f.failure_class == cc.PYTHON_EXCEPTION
+    assert f.failure_class == FC.PYTHON_EXCEPTION
     assert f.exception == "KeyError: 'tokenizer'"
 
 
 def test_truncated_traceback() -> None:
     text = HEAD.format(r=0) + 'Traceback (most recent call last):\n  File "/x/train.py", line 3, in f\n    run('
     f = cc.classify("FAILED", [src(text)], exit_code="1:0")
-    assert f.failure_class == cc.PYTHON_EXCEPTION
+    assert f.failure_class == FC.PYTHON_EXCEPTION
     assert f.exception == "(traceback truncated)"
 
 
@@ -216,13 +217,13 @@ def test_earliest_exception_wins_and_node_line_comm_errors_are_comm() -> None:
                                src("hpctrain: rank 0 failed: RuntimeError: [pair.cc:553] Connection closed by peer "
                                    "[10.77.0.2]:17603 (traceback in /r/logs)\n", "submitit/10_0_log.err", 0)],
                     exit_code="1:0")
-    assert f.failure_class == cc.PYTHON_EXCEPTION and f.rank == 1 and f.exception.startswith("ValueError")
+    assert f.failure_class == FC.PYTHON_EXCEPTION and f.rank == 1 and f.exception.startswith("ValueError")
 
 
 def test_node_stderr_line_without_traceback() -> None:
     f = cc.classify("FAILED", [src("hpctrain: rank 3 failed: RuntimeError: loss is NaN (traceback in /r/logs)\n",
                                    "submitit/9_3_log.err", None, "node2")], exit_code="1:0")
-    assert f.failure_class == cc.PYTHON_EXCEPTION
+    assert f.failure_class == FC.PYTHON_EXCEPTION
     assert f.rank == 3 and f.exception == "RuntimeError: loss is NaN"
 
 
@@ -270,7 +271,7 @@ def test_lost_host_from_peer_and_silence() -> None:
     assert cc.lost_host([quiet_alive, dead], resolve=False) == "node4"  # the only host whose log just stops
     assert cc.lost_host([dead], resolve=False) is None
     f = cc.classify("REQUEUED", [alive, dead])
-    assert (f.failure_class, f.host) == (cc.NODE_FAIL, "node4")
+    assert (f.failure_class, f.host) == (FC.NODE_FAIL, "node4")
 
 
 def test_peer_lost_before_slurm_noticed() -> None:
@@ -285,6 +286,6 @@ def test_peer_lost_before_slurm_noticed() -> None:
     logs = [src(r0, rank=0, host="node3"), src(r1, "logs/attempt-0.rank-1.log", 1, "node4")]
     f = cc.classify("FAILED", [*logs, src(err, "submitit/1651_0_log.err", 0, "node3")], exit_code="1:0",
                     hosts=["node3", "node4"])
-    assert (f.failure_class, f.host) == (cc.NODE_FAIL, "node4")
+    assert (f.failure_class, f.host) == (FC.NODE_FAIL, "node4")
     f = cc.classify("FAILED", logs, exit_code="1:0")  # without srun's line: the silent named peer
-    assert (f.failure_class, f.host) == (cc.NODE_FAIL, "node4") and "lost its peer" in f.message
+    assert (f.failure_class, f.host) == (FC.NODE_FAIL, "node4") and "lost its peer" in f.message

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -169,7 +170,10 @@ def test_time_limit(lab: dict[str, Any]) -> None:
     run = final_summary(sub["run_id"], job)
     a = run["attempts"][0]
     assert a["state"] in ("REQUEUED", "TIMEOUT", "FAILED") and a["failure_class"] == "time_limit", a
-    assert a["lost_steps"] == 0 and "checkpointed at step" in a["failure"]["message"], a
+    # From the ranks' stop event ("stopped on signal at step N (checkpointed: resumable)"), else their log
+    # line ("signal 12: checkpointed at step N, stopping for requeue").
+    msg = a["failure"]["message"]
+    assert a["lost_steps"] == 0 and "checkpointed" in msg and re.search(r"at step \d+", msg), a
 
 
 def _sacct_history(job: str) -> list[str]:

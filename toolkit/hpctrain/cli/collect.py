@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from hpctrain.states import FailureClass, is_final
+
 if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.collect.logs import LogFile
     from hpctrain.collect.summary import RunInput
@@ -116,7 +118,6 @@ def _log_sources(inp: RunInput) -> tuple[Callable[[], list[LogFile]], Callable[[
 
 def _finished_check(inp: RunInput, reg: Registry, every_s: float = 10.0) -> Callable[[], bool]:
     """True once the run's latest attempt is final; asks sacct at most every `every_s` seconds."""
-    from hpctrain.collect.summary import FINAL
 
     last = {"t": 0.0, "done": False}
 
@@ -129,12 +130,12 @@ def _finished_check(inp: RunInput, reg: Registry, every_s: float = 10.0) -> Call
 
             run = reg.get_run(inp.run_id)
             refresh(reg, [run])
-            last["done"] = bool(run.attempts) and run.attempts[-1].state in FINAL
+            last["done"] = bool(run.attempts) and is_final(run.attempts[-1].state)
         except Exception:  # noqa: BLE001 - not in the registry, or sacct down: trust attempts.jsonl
             from hpctrain.collect.summary import from_folder
 
             atts = from_folder(inp.folder).attempts
-            last["done"] = bool(atts) and str(atts[-1].get("state")) in FINAL
+            last["done"] = bool(atts) and is_final(str(atts[-1].get("state")))
         return bool(last["done"])
 
     return finished
@@ -260,7 +261,7 @@ def _print_failures(run: dict[str, Any]) -> None:
                                      f"on {f['host']}" if f["host"] else "") if x)
         click.echo(f"{run['run_id']} a{a['attempt']} (job {a['job_id']}): {f['failure_class']}"
                    f"{' ' + where if where else ''}: {f['message']}")
-        for ln in f["last_lines"][-4:] if f["failure_class"] == "python_exception" else []:
+        for ln in f["last_lines"][-4:] if f["failure_class"] == FailureClass.PYTHON_EXCEPTION else []:
             click.echo(f"    {ln}")
         if f["source"]:
             click.echo(f"    log: {Path(run['folder']) / f['source']}")

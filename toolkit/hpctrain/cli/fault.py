@@ -54,12 +54,12 @@ def resubmit_cmd(run: str, exclude_failed_nodes: bool, extra_exclude: str, max_r
     attempt; the ranks resume from the latest complete checkpoint. Refused while an attempt still runs."""
     import fcntl
 
-    from hpctrain.collect.summary import FINAL
     from hpctrain.errors import HpcUsageError, bad_value
     from hpctrain.fault import policy as pol
     from hpctrain.fault import supervisor as sup
     from hpctrain.runs import folder as runs_mod
     from hpctrain.spec.model import read_resolved
+    from hpctrain.states import is_final
 
     if max_retries is not None and max_retries < 0:
         raise bad_value("--max-retries", max_retries, "cannot be negative", "pass --max-retries 0 or more")
@@ -84,7 +84,8 @@ def resubmit_cmd(run: str, exclude_failed_nodes: bool, extra_exclude: str, max_r
                                 "the run first")
         hist, summary = sup.history(run_dir, last_job)
         row = summary["attempts"][-1] if summary["attempts"] else None
-        if row is not None and row["state"] not in FINAL:
+        # The last row is the job's current state: a REQUEUED job runs again, so it is not over yet.
+        if row is not None and not is_final(row["state"]):
             raise HpcUsageError(f"RUN = {run!r}: attempt {row['attempt']} (job {row['job_id']}) is still "
                                 f"{row['state']}. Fix: wait for it to end, or `hpctrain cancel {run}` first")
         spec = read_resolved(run_dir)

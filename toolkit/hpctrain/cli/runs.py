@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import click
 
+from hpctrain.states import JobState
+
 if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.runs.registry import Registry, Run
 
@@ -137,9 +139,9 @@ def cancel(run: str, as_json: bool) -> None:
             except (OSError, ValueError):
                 pass
     now = time.time()
-    reg.update_attempts([(rec.run_id, a.attempt, {"state": "CANCELLED", "ended": now}) for a in live])
+    reg.update_attempts([(rec.run_id, a.attempt, {"state": JobState.CANCELLED, "ended": now}) for a in live])
     out = {"run_id": rec.run_id, "cancelled": [a.job_id for a in live],
-           "state": "CANCELLED" if live else rec.state}
+           "state": JobState.CANCELLED if live else rec.state}
     if as_json:
         click.echo(json.dumps(out))
     elif live:

@@ -16,30 +16,21 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from hpctrain.collect.logs import clean_text  # re-exported: callers and tests use cc.clean_text
+from hpctrain.runs.events import EVENTS, FAILURE, STOP, Event
+from hpctrain.states import (
+    CLASS_OF_STATE,
+    STOPPED_FROM_OUTSIDE,
+    FailureClass,
+    JobState,
+    class_of_exit,
+    normalize_state,
+)
 
-# Failure classes (the `failure_class` field of summary.json; docs/summary.md explains each).
-GPU_OOM = "gpu_oom"
-HOST_OOM = "host_oom"
-COMM_TIMEOUT = "comm_timeout"
-HANG = "hang"
-PYTHON_EXCEPTION = "python_exception"
-CONTAINER_ERROR = "container_error"
-PREFLIGHT = "preflight"
-NODE_FAIL = "node_fail"
-TIME_LIMIT = "time_limit"
-PREEMPTED = "preempted"
-CANCELLED = "cancelled"
-UNKNOWN = "unknown"
-CLASSES = (GPU_OOM, HOST_OOM, COMM_TIMEOUT, HANG, PYTHON_EXCEPTION, CONTAINER_ERROR, PREFLIGHT, NODE_FAIL,
-           TIME_LIMIT, PREEMPTED, CANCELLED, UNKNOWN)
+FC = FailureClass
 
-# SLURM states after which nothing went wrong / the job was stopped from outside.
-_STATE_CLASS = {"TIMEOUT": TIME_LIMIT, "PREEMPTED": PREEMPTED, "NODE_FAIL": NODE_FAIL,
-                "CANCELLED": CANCELLED, "OUT_OF_MEMORY": HOST_OOM, "BOOT_FAIL": NODE_FAIL,
-                "DEADLINE": TIME_LIMIT}
-# States where the job was stopped from outside: what the ranks logged while dying (peers gone,
-# SIGKILL) is a consequence, not the cause, so comm errors and a bare "Killed" do not win here.
-_EXTERNAL_STOP = frozenset({"CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "DEADLINE", "BOOT_FAIL", "REQUEUED"})
+# The failure classes, the SLURM states and which of those mean "stopped from outside" are hpctrain.states';
+# what is here is the evidence: the node's events first, then patterns for the text that the ranks, SLURM and
+# third-party libraries (torch, NCCL, gloo, container runtimes, the OOM killer) print.
 
 _GPU_OOM = re.compile(r"OutOfMemoryError|CUDA out of memory|CUDA error: out of memory|"
                       r"HIP out of memory|NCCL.*\bout of memory|cudaErrorMemoryAllocation")
@@ -68,7 +59,8 @@ _TB_HEAD = "Traceback (most recent call last):"
 # The line that ends a traceback: `pkg.module.Name: message` or a bare `Name`, not indented.
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Failed|Failure|Requested|"
                        r"Timeout|Warning|Fault|Abort)|[A-Za-z_][\w.]*\.[A-Z]\w*)(?::\s?(.*))?$")
-# The one line the node prints on stderr when a rank fails (node/main.py).
+# The one line the node prints on stderr when a rank fails (node/main.py): read only where no event says it
+# (run folders from before events.jsonl, or a rank that could not write its event).
 _NODE_FAILED = re.compile(r"hpctrain: rank (\d+) failed: ([\w.]+): (.*?)(?: \(traceback in .*\))?$")
 # The node checkpointed on SLURM's pre-timeout signal (USR2) or a preemption (TERM) and exited 3.
 _SIGNAL_STOP = re.compile(r"signal (\d+): checkpointed at step (\d+), stopping for requeue")
@@ -177,6 +169,8 @@ class _Evidence:
     exception: str | None = None
     last_lines: list[str] = field(default_factory=list)
     time: float | None = None  # timestamp of the evidence (or of the nearest timed line before it)
+    signal: int | None = None  # a stop: the signal the rank got (from its event)
+    checkpointed: bool = False  # a stop: the rank saved a checkpoint first
 
 
 def _kind_of_exception(exc: str) -> str:
@@ -184,12 +178,12 @@ def _kind_of_exception(exc: str) -> str:
     if _SUBMITIT_STOP.search(exc):
         return "signal_stop"
     if _GPU_OOM.search(exc):
-        return GPU_OOM
+        return FC.GPU_OOM
     if _COMM.search(exc):
-        return COMM_TIMEOUT
+        return FC.COMM_TIMEOUT
     if _PREFLIGHT.search(exc):
-        return PREFLIGHT
-    return PYTHON_EXCEPTION
+        return FC.PREFLIGHT
+    return FC.PYTHON_EXCEPTION
 
 
 def _time_at(lines: list[str], index: int) -> float | None:
@@ -214,8 +208,8 @@ def _scan(src: LogSource) -> list[_Evidence]:
     lines = clean_text(src.text).split("\n")
     out: list[_Evidence] = []
     tb = find_traceback(lines)
-    for cls, pattern in ((PREFLIGHT, _PREFLIGHT), (GPU_OOM, _GPU_OOM), (HOST_OOM, _HOST_OOM),
-                         (CONTAINER_ERROR, _CONTAINER), (NODE_FAIL, _NODE_LOST), (COMM_TIMEOUT, _COMM)):
+    for cls, pattern in ((FC.PREFLIGHT, _PREFLIGHT), (FC.GPU_OOM, _GPU_OOM), (FC.HOST_OOM, _HOST_OOM),
+                         (FC.CONTAINER_ERROR, _CONTAINER), (FC.NODE_FAIL, _NODE_LOST), (FC.COMM_TIMEOUT, _COMM)):
         hit = _first(pattern, lines)
         if hit is not None:
             out.append(_Evidence(cls, hit.strip(), src, tb[0] if tb else None, tb[1] if tb else [],
@@ -233,72 +227,101 @@ def _scan(src: LogSource) -> list[_Evidence]:
             out.append(_Evidence(_kind_of_exception(exc), exc, src, exc, [exc]))
     stop = _first(_SIGNAL_STOP, lines)
     if stop is not None:
-        out.append(_Evidence("signal_stop", stop.strip(), src))
+        out.append(_Evidence("signal_stop", stop.strip(), src, checkpointed=True))
     killed = _first(_KILLED, lines)
     if killed is not None:
         out.append(_Evidence("killed", killed.strip(), src))
     return out
 
 
-# Root causes first: a failed pre-flight explains everything after it; OOMs explain the exception
-# they raise; a real exception on one rank explains its peers' "connection closed" errors.
-_PRIORITY = (PREFLIGHT, GPU_OOM, HOST_OOM, CONTAINER_ERROR, NODE_FAIL, PYTHON_EXCEPTION, COMM_TIMEOUT)
+def _from_events(evs: Iterable[Event]) -> list[_Evidence]:
+    """The ranks' own account (events.jsonl): class, rank, host and exact time of each failure and stop.
+    The node names the class by the exception's type; a plain exception that carries another library's
+    text (gloo's "Connection closed by peer", an OOM inside NCCL) is refined by the patterns above. A
+    failure event without a class is a rank that stopped because another failed: a consequence, skipped."""
+    out: list[_Evidence] = []
+    for e in evs:
+        src = LogSource(EVENTS, "", e.rank, e.host or None, e.job_id or None)
+        if e.kind == STOP:
+            out.append(_Evidence("signal_stop", e.message or f"stopped on signal {e.signal}", src, time=e.time,
+                                 signal=e.signal if e.signal is not None else 0,
+                                 checkpointed=e.extra.get("checkpointed") is True))
+        elif e.kind == FAILURE and e.failure_class:
+            cls = e.failure_class
+            if cls == FC.PYTHON_EXCEPTION:
+                cls = _kind_of_exception(e.exception)
+            line = e.message if cls == FC.INPUT_ERROR else (e.exception or e.message)
+            out.append(_Evidence(cls, line, src, e.exception or None, list(e.traceback[-8:]) or [line], e.time))
+    return out
+
+
+# Root causes first: a failed pre-flight explains everything after it, and a refused input everything the
+# ranks did not do; OOMs explain the exception they raise; a real exception on one rank explains its
+# peers' "connection closed" errors.
+_PRIORITY = (FC.PREFLIGHT, FC.INPUT_ERROR, FC.GPU_OOM, FC.HOST_OOM, FC.CONTAINER_ERROR, FC.NODE_FAIL,
+             FC.PYTHON_EXCEPTION, FC.COMM_TIMEOUT)
 
 
 def classify(state: str | None, sources: Iterable[LogSource], *, exit_code: str | None = None,
-             hang: bool = False, hang_message: str = "", hosts: list[str] | None = None) -> Failure:
-    """One failure class for one attempt from its SLURM state, logs and heartbeat verdict.
+             hang: bool = False, hang_message: str = "", hosts: list[str] | None = None,
+             events: Iterable[Event] = ()) -> Failure:
+    """One failure class for one attempt from its SLURM state, the ranks' events, logs and heartbeat verdict.
 
     `state` is SLURM's (or the local executor's) final state; None/RUNNING/PENDING mean still going.
-    COMPLETED with no error evidence gives failure_class None.
+    COMPLETED with no error evidence gives failure_class None. `events` are this attempt's lines of
+    events.jsonl: read first, and preferred over the same evidence found in the logs.
     """
-    state = (state or "").upper()
+    state = normalize_state(state or "") if state else ""
     srcs = [identify(s) for s in sources]
-    found = [e for s in srcs for e in _scan(s)]
-    external = state in _EXTERNAL_STOP
+    found = _from_events(events) + [e for s in srcs for e in _scan(s)]
+    external = state in STOPPED_FROM_OUTSIDE
     by_cls: dict[str, list[_Evidence]] = {}
     for e in found:
         by_cls.setdefault(e.cls, []).append(e)
     for cls in _PRIORITY:
         if cls not in by_cls:
             continue
-        if external and cls == COMM_TIMEOUT:
+        if external and cls == FC.COMM_TIMEOUT:
             break  # survivors' complaints about a peer that was cancelled / lost / timed out
-        if state == "COMPLETED" and cls in (COMM_TIMEOUT, CONTAINER_ERROR, NODE_FAIL):
+        if state == JobState.COMPLETED and cls in (FC.COMM_TIMEOUT, FC.CONTAINER_ERROR, FC.NODE_FAIL):
             continue  # a warning the job survived
-        if cls == NODE_FAIL:
+        if cls == FC.NODE_FAIL:
             return _node_lost(by_cls[cls], srcs, hosts or [])
-        if cls == COMM_TIMEOUT:
+        if cls == FC.COMM_TIMEOUT:
             dead = _silent_peer(srcs)
             if dead:  # the peer the survivors lost logged nothing more: its node or process died
                 ev = _culprit(by_cls[cls])
-                return Failure(NODE_FAIL, f"rank {ev.src.rank} on {ev.src.host} lost its peer on {dead}, whose ranks "
+                return Failure(FC.NODE_FAIL, f"rank {ev.src.rank} on {ev.src.host} lost its peer on {dead}, whose ranks "
                                "stopped without an error (node or process died)", rank=ev.src.rank, host=dead,
                                source=ev.src.name, exception=ev.exception, last_lines=ev.last_lines)
         return _failure(cls, _culprit(by_cls[cls]))
-    if state == "OUT_OF_MEMORY" or ("killed" in by_cls and not external and _is_kill_exit(exit_code, state)):
+    if state == JobState.OUT_OF_MEMORY or ("killed" in by_cls and not external and _is_kill_exit(exit_code, state)):
         killed = by_cls.get("killed")
-        return _failure(HOST_OOM, killed[0] if killed else None, default=f"SLURM state {state or '?'}, exit {exit_code or '?'}: "
+        return _failure(FC.HOST_OOM, killed[0] if killed else None, default=f"SLURM state {state or '?'}, exit {exit_code or '?'}: "
                                                 "killed (host memory exhausted?)")
-    if "signal_stop" in by_cls and state not in ("CANCELLED", "NODE_FAIL"):
+    if "signal_stop" in by_cls and state not in (JobState.CANCELLED, JobState.NODE_FAIL):
         return _signal_stop(by_cls["signal_stop"], state)
-    if hang and state not in ("COMPLETED",):
-        return Failure(HANG, hang_message or "heartbeat stopped long before the job ended")
-    if state == "REQUEUED":  # an earlier run of a requeued job: SLURM lost a node or preempted it
+    if hang and state != JobState.COMPLETED:
+        return Failure(FC.HANG, hang_message or "heartbeat stopped long before the job ended")
+    if state == JobState.REQUEUED:  # an earlier run of a requeued job: SLURM lost a node or preempted it
         host = lost_host(srcs)
         if host:
-            return Failure(NODE_FAIL, f"SLURM requeued the job; {host} went away", host=host)
-        return Failure(PREEMPTED, "SLURM requeued the job (preemption or a node failure)")
-    if state in _STATE_CLASS:
-        cls = _STATE_CLASS[state]
-        if cls == NODE_FAIL:
+            return Failure(FC.NODE_FAIL, f"SLURM requeued the job; {host} went away", host=host)
+        return Failure(FC.PREEMPTED, "SLURM requeued the job (preemption or a node failure)")
+    if state in CLASS_OF_STATE:
+        cls = CLASS_OF_STATE[JobState(state)]
+        if cls == FC.NODE_FAIL:
             host = lost_host(srcs)
-            return Failure(NODE_FAIL, f"SLURM lost a node{f' ({host})' if host else ''}", host=host)
+            return Failure(FC.NODE_FAIL, f"SLURM lost a node{f' ({host})' if host else ''}", host=host)
         return Failure(cls, f"SLURM state {state}")
-    if state == "FAILED" or (exit_code and exit_code not in ("0", "0:0")):
-        if COMM_TIMEOUT in by_cls:
-            return _failure(COMM_TIMEOUT, _culprit(by_cls[COMM_TIMEOUT]))
-        return Failure(UNKNOWN, f"SLURM state {state or '?'}, exit {exit_code or '?'}; no error found in the logs")
+    if state == JobState.FAILED or (exit_code and exit_code not in ("0", "0:0")):
+        if FC.COMM_TIMEOUT in by_cls:
+            return _failure(FC.COMM_TIMEOUT, _culprit(by_cls[FC.COMM_TIMEOUT]))
+        by_exit = class_of_exit(exit_code)  # the node's exit code names it (2: bad input, 4: pre-flight)
+        if by_exit is not None:
+            return Failure(by_exit, f"SLURM state {state or '?'}, exit {exit_code}: the node's exit code for "
+                                    f"{by_exit}; no log or event says more")
+        return Failure(FC.UNKNOWN, f"SLURM state {state or '?'}, exit {exit_code or '?'}; no error found in the logs")
     return Failure(None)
 
 
@@ -312,7 +335,7 @@ def _node_lost(evidence: list[_Evidence], srcs: list[LogSource], hosts: list[str
     elif m and (m.group(2) or m.group(3)):
         host = m.group(2) or m.group(3)
     host = host or lost_host(srcs)
-    return Failure(NODE_FAIL, f"{_tidy(ev.line)}" + (f" ({host})" if host else ""), host=host, source=ev.src.name)
+    return Failure(FC.NODE_FAIL, f"{_tidy(ev.line)}" + (f" ({host})" if host else ""), host=host, source=ev.src.name)
 
 
 def _silent_peer(srcs: list[LogSource]) -> str | None:
@@ -328,28 +351,38 @@ def _silent_peer(srcs: list[LogSource]) -> str | None:
 
 def _signal_stop(evidence: list[_Evidence], state: str) -> Failure:
     """The job stopped on SLURM's pre-timeout signal (USR1/USR2) or a preemption (TERM)."""
-    stops = [e for e in evidence if _SIGNAL_STOP.search(e.line)]
-    # "signal 0" is a rank that only learned of the stop from its peers: prefer the one that got it.
-    ev = next((e for e in stops if not re.search(r"signal 0:", e.line)), stops[0] if stops else evidence[0])
-    m = _SIGNAL_STOP.search(ev.line)
+    # The ranks' stop events first, then their log lines; signal 0 is a rank that only learned of the stop
+    # from its peers: prefer one that got the signal.
+    stops = sorted((e for e in evidence if _signum(e) is not None), key=lambda e: e.src.name != EVENTS)
+    ev = next((e for e in stops if _signum(e) != 0), stops[0] if stops else evidence[0])
+    sig = _signum(ev)
     words = " ".join(e.line for e in evidence)
-    timed_out = state in ("TIMEOUT", "DEADLINE") or "timed-out" in words or (m is not None and m.group(1) in ("10", "12"))
-    cls = PREEMPTED if state == "PREEMPTED" or (not timed_out) else TIME_LIMIT
-    note = " (checkpointed: resumable)" if m else ""
+    timed_out = state in (JobState.TIMEOUT, JobState.DEADLINE) or "timed-out" in words or sig in (10, 12)
+    cls = FC.PREEMPTED if state == JobState.PREEMPTED or (not timed_out) else FC.TIME_LIMIT
+    note = " (checkpointed: resumable)" if ev.checkpointed else ""
     return Failure(cls, _tidy(ev.line) + note, rank=ev.src.rank, host=ev.src.host, source=ev.src.name)
+
+
+def _signum(e: _Evidence) -> int | None:
+    if e.signal is not None:
+        return e.signal
+    m = _SIGNAL_STOP.search(e.line)
+    return int(m.group(1)) if m else None
 
 
 def _is_kill_exit(exit_code: str | None, state: str) -> bool:
     """137 = 128 + SIGKILL; sacct writes "0:9" when the signal killed the step. Without an exit
     code (sacct down) a bare "Killed" on a FAILED job is still the best guess."""
     if not exit_code:
-        return state in ("FAILED", "")
+        return state in (JobState.FAILED, "")
     return exit_code.split(":")[0] == "137" or exit_code.endswith(":9")
 
 
 def _culprit(evidence: list[_Evidence]) -> _Evidence:
     """The rank that showed this evidence FIRST (its peers fail after it: "another rank failed"),
-    then the lowest rank; rank logs before submitit's, which repeat them without timestamps."""
+    then the lowest rank; rank logs before submitit's, which repeat them without timestamps. The ranks'
+    events, where there are any for this class, are the account to trust: they are used alone."""
+    evidence = [e for e in evidence if e.src.name == EVENTS] or evidence
     timed = [e.time for e in evidence if e.time is not None]
     first = min(timed) if timed else None
     # Lines carry whole seconds: evidence within the same second counts as simultaneous.
@@ -361,14 +394,14 @@ def _culprit(evidence: list[_Evidence]) -> _Evidence:
 def _failure(cls: str, ev: _Evidence | None, default: str = "") -> Failure:
     if ev is None:
         return Failure(cls, default)
-    msg = ev.line if cls != PYTHON_EXCEPTION else (ev.exception or ev.line)
-    if cls == PREFLIGHT:
+    msg = ev.line if cls != FC.PYTHON_EXCEPTION else (ev.exception or ev.line)
+    if cls == FC.PREFLIGHT:
         hosts = _HOSTS_IN_PREFLIGHT.search(msg) or next(
             (h for h in (_HOSTS_IN_PREFLIGHT.search(ln) for ln in ev.src.text.splitlines()) if h), None)
         host = (hosts.group(1) or hosts.group(2)).strip() if hosts else ev.src.host
         return Failure(cls, _tidy(msg), rank=ev.src.rank, host=host, source=ev.src.name)
     return Failure(cls, _tidy(msg), rank=ev.src.rank, host=ev.src.host, source=ev.src.name,
-                   exception=ev.exception if cls in (PYTHON_EXCEPTION, GPU_OOM, COMM_TIMEOUT) else None,
+                   exception=ev.exception if cls in (FC.PYTHON_EXCEPTION, FC.GPU_OOM, FC.COMM_TIMEOUT) else None,
                    last_lines=ev.last_lines)
 
 

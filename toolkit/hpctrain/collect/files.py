@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.collect import logs as cl
+from hpctrain.states import JobState
 
 
 def hosts_of(nodelist: str) -> list[str]:
@@ -81,7 +82,7 @@ def expand_requeues(atts: list[dict[str, Any]], files: list[cl.LogFile]) -> list
                 row["_requeued"] = True
             if k != nums[-1]:
                 first, last = _log_span(mine)
-                row.update(state="REQUEUED", started=first, ended=last, exit_code=None, failure_class=None)
+                row.update(state=JobState.REQUEUED, started=first, ended=last, exit_code=None, failure_class=None)
             elif row.get("started") is None and mine:
                 row["started"] = _log_span(mine)[0]
             out.append(row)

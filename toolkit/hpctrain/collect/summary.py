@@ -30,6 +30,9 @@ from hpctrain.collect.files import (
     submitit_to_last_run,
     text_of,
 )
+from hpctrain.runs import events as run_events
+from hpctrain.states import RUN_ENDED_STATES as ENDED
+from hpctrain.states import FailureClass, JobState, is_final
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.runs.registry import Attempt, Registry, Run
@@ -43,17 +46,17 @@ def _collector_version() -> str:
     import hashlib
 
     h = hashlib.sha1()
-    for name in ("summary.py", "classify.py", "metrics.py", "logs.py", "files.py"):
+    here = Path(__file__).parent
+    for path in (*(here / n for n in ("summary.py", "classify.py", "metrics.py", "logs.py", "files.py")),
+                 here.parent / "states.py", here.parent / "runs" / "events.py"):
         try:
-            h.update((Path(__file__).parent / name).read_bytes())
+            h.update(path.read_bytes())
         except OSError:
-            h.update(name.encode())
+            h.update(path.name.encode())
     return f"collect-{h.hexdigest()[:12]}"
 
 
 COLLECTOR = _collector_version()
-FINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY",
-                   "BOOT_FAIL", "DEADLINE", "REQUEUED"})  # REQUEUED: a finished earlier run of a requeued job
 
 
 @dataclass
@@ -74,7 +77,7 @@ class RunInput:
     folder: Path
     name: str = ""
     executor: str = ""
-    state: str = "UNKNOWN"
+    state: str = JobState.UNKNOWN
     created: float | None = None
     attempts: list[dict[str, Any]] = field(default_factory=list)
     spec: dict[str, Any] = field(default_factory=dict)
@@ -104,7 +107,7 @@ def from_folder(folder: Path) -> RunInput:
             latest.setdefault(k, {}).update({key: v for key, v in rec.items() if v not in (None, "")})
     atts = [latest[k] for k in sorted(latest)]
     executor = str(atts[0].get("executor", "")) if atts else ""
-    state = str(atts[-1].get("state", "UNKNOWN")) if atts else "UNKNOWN"
+    state = str(atts[-1].get("state", JobState.UNKNOWN)) if atts else JobState.UNKNOWN
     return RunInput(folder.name, folder, folder.name, executor, state, None, atts)
 
 
@@ -156,19 +159,19 @@ def _int(*vals: Any, default: int) -> int:
 # -- one attempt ------------------------------------------------------------------------------------
 def _attempt_row(inp: RunInput, a: dict[str, Any], files: list[cl.LogFile], recs: list[dict[str, Any]],
                  earlier: list[dict[str, Any]], ckpts: list[int], shape: Shape, is_last: bool,
-                 heartbeat: dict[str, Any] | None, now: float) -> dict[str, Any]:
+                 heartbeat: dict[str, Any] | None, now: float, evs: list[run_events.Event]) -> dict[str, Any]:
     # Imported here: its ~40 regexes cost more than reading a cached summary, the common case.
     from hpctrain.collect import classify as cc
 
     k = int(a["attempt"])
-    state = str(a.get("state") or "UNKNOWN")
+    state = str(a.get("state") or JobState.UNKNOWN)
     start, end = _float(a.get("started")), _float(a.get("ended"))
     m = cm.attempt_metrics(recs, earlier, ckpts)
     if start is None and m.first_time is not None:
         start = m.first_time - (m.step_interval_s or 0)
-    if end is None and state in FINAL and m.last_time is not None:
+    if end is None and state in ENDED and m.last_time is not None:
         end = m.last_time
-    elapsed = (end if end is not None else (now if state not in FINAL else None))
+    elapsed = (end if end is not None else (now if state not in ENDED else None))
     elapsed_s = max(0.0, elapsed - start) if (elapsed is not None and start is not None) else None
     hosts = hosts_of(str(a.get("nodes") or ""))
     nodes = len(hosts) or shape.nodes
@@ -181,19 +184,19 @@ def _attempt_row(inp: RunInput, a: dict[str, Any], files: list[cl.LogFile], recs
     beat = m.last_time
     if is_last and heartbeat and _float(heartbeat.get("time")):
         beat = max(beat or 0.0, float(heartbeat["time"]))
-    hang_end = end if state in FINAL else now
-    hang = cc.is_hang(beat, hang_end, m.step_interval_s) if state not in ("COMPLETED", "PENDING") else False
+    hang_end = end if state in ENDED else now
+    hang = cc.is_hang(beat, hang_end, m.step_interval_s) if state not in (JobState.COMPLETED, JobState.PENDING) else False
     hang_msg = (f"no step for {((hang_end or 0) - (beat or 0)) / 60:.0f} min before "
-                f"{'the job ended' if state in FINAL else 'now'} (last step {m.last_step})") if hang else ""
+                f"{'the job ended' if state in ENDED else 'now'} (last step {m.last_step})") if hang else ""
     watch = a.get("hang") if isinstance(a.get("hang"), dict) else None  # the hang watchdog's verdict
-    if watch and state in FINAL and state != "COMPLETED":
+    if watch and state in ENDED and state != JobState.COMPLETED:
         hang, hang_msg = True, str(watch.get("message") or hang_msg)
-    failure = cc.classify(state if state in FINAL or hang else None, sources, exit_code=a.get("exit_code"),
-                          hang=hang, hang_message=hang_msg, hosts=hosts)
+    failure = cc.classify(state if state in ENDED or hang else None, sources, exit_code=a.get("exit_code"),
+                          hang=hang, hang_message=hang_msg, hosts=hosts, events=evs)
     lost = a.get("peer_lost") if isinstance(a.get("peer_lost"), dict) else None
-    if lost and state in FINAL and state != "COMPLETED":  # the watchdog cancelled it: a node died, not a person
+    if lost and state in ENDED and state != JobState.COMPLETED:  # the watchdog cancelled it: a node died, not a person
         failure = _peer_lost_failure(lost, failure)
-    if watch and failure.failure_class == cc.HANG:
+    if watch and failure.failure_class == FailureClass.HANG:
         silent, silent_hosts = watch.get("silent_ranks") or [], watch.get("silent_hosts") or []
         failure.rank = silent[0] if len(silent) == 1 else failure.rank
         failure.host = silent_hosts[0] if len(silent_hosts) == 1 else failure.host
@@ -213,7 +216,7 @@ def _peer_lost_failure(lost: dict[str, Any], found: Any) -> Any:
     from hpctrain.collect import classify as cc
 
     hosts, ranks = lost.get("silent_hosts") or [], lost.get("silent_ranks") or []
-    return cc.Failure(cc.NODE_FAIL, str(lost.get("message") or "a peer's node went away"),
+    return cc.Failure(FailureClass.NODE_FAIL, str(lost.get("message") or "a peer's node went away"),
                       rank=ranks[0] if len(ranks) == 1 else None, host=hosts[0] if len(hosts) == 1 else None,
                       source="metrics/watchdog.jsonl", exception=getattr(found, "exception", None))
 
@@ -270,11 +273,13 @@ def build_run(inp: RunInput, now: float | None = None) -> dict[str, Any]:
     files = submitit_to_last_run(files, atts)
     per = cm.split_by_attempt(records, [_float(a.get("started")) for a in atts]) if atts else []
     heartbeat = _read_json(inp.folder / "metrics" / "heartbeat") if folder_ok else None
+    evs = run_events.read_events(inp.folder) if folder_ok else []
     rows: list[dict[str, Any]] = []
     earlier: list[dict[str, Any]] = []
     for i, a in enumerate(atts):
         recs = per[i] if i < len(per) else []
-        rows.append(_attempt_row(inp, a, files, recs, earlier, ckpts, shape, i == len(atts) - 1, heartbeat, now))
+        rows.append(_attempt_row(inp, a, files, recs, earlier, ckpts, shape, i == len(atts) - 1, heartbeat, now,
+                                 run_events.of_attempt(evs, int(a["attempt"]), str(a.get("job_id") or ""))))
         earlier = earlier + recs
     state = rows[-1]["state"] if rows else inp.state
     return {
@@ -282,7 +287,7 @@ def build_run(inp: RunInput, now: float | None = None) -> dict[str, Any]:
         "folder_exists": folder_ok, "executor": inp.executor, "state": state,
         "failure_class": rows[-1]["failure_class"] if rows else None,
         "gpus_per_node": shape.gpus_per_node, "ranks_per_node": shape.ranks_per_node,
-        "complete": bool(rows) and all(r["state"] in FINAL for r in rows),
+        "complete": bool(rows) and all(r["state"] in ENDED for r in rows),
         "updated": now, "attempts": rows, "totals": _totals(rows), "warnings": warnings,
     }
 
@@ -329,7 +334,7 @@ def write_summary(record: dict[str, Any]) -> str | None:
 def cached(inp: RunInput) -> dict[str, Any] | None:
     """A final summary.json that still matches the run's attempts: reused as is (old runs cost a
     file read, no log scan)."""
-    if not inp.attempts or any(str(a.get("state")) not in FINAL for a in inp.attempts):
+    if not inp.attempts or not all(is_final(str(a.get("state"))) for a in inp.attempts):
         return None
     old = _read_json(inp.folder / "summary.json")
     if not old or not old.get("complete") or old.get("collector") != COLLECTOR:
@@ -415,7 +420,7 @@ def store_failure_classes(reg: Registry, records: list[dict[str, Any]]) -> None:
         for row in rec["attempts"]:
             state, old = known.get(row["attempt"], (None, None))
             # Only rows that ARE the registry's attempt (not a REQUEUED run of it), and only changes.
-            if row["state"] == state and row["state"] in FINAL and row.get("failure_class") not in (None, old):
+            if row["state"] == state and is_final(row["state"]) and row.get("failure_class") not in (None, old):
                 updates.append((rec["run_id"], row["attempt"], {"failure_class": row["failure_class"]}))
     if updates:
         try:
@@ -431,8 +436,8 @@ def update_folder_summary(run_dir: Path | str, running: bool = False) -> None:
     cost a training step."""
     try:
         inp = from_folder(Path(run_dir))
-        if running and inp.attempts and str(inp.attempts[-1].get("state")) not in FINAL:
-            inp.attempts[-1]["state"] = "RUNNING"
+        if running and inp.attempts and not is_final(str(inp.attempts[-1].get("state"))):
+            inp.attempts[-1]["state"] = JobState.RUNNING
         write_summary(build_run(inp))
     except Exception:  # noqa: BLE001, S110 - best effort by contract
         pass

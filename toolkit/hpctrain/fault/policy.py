@@ -24,14 +24,18 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from hpctrain.states import (
+    OUTSIDE_EVENTS,
+    RETRYABLE,
+    STOPPED_BY_PERSON,
+    USER_ERRORS,
+    FailureClass,
+    JobState,
+    class_of_exit,
+)
+
 # The retry budget a spec may ask for is capped: a run that failed ten times needs a person.
 MAX_RETRIES_CAP = 10
-
-# Failure classes (hpctrain.collect.classify) by what a retry can do about them.
-RETRY_CLASSES = frozenset({"node_fail", "preempted", "time_limit", "hang", "comm_timeout", "preflight", "unknown"})
-USER_CLASSES = frozenset({"python_exception", "gpu_oom", "host_oom", "container_error", "input_error"})
-# Exit code 2 is the node's "bad input" (node/main.py EXIT_INPUT: a config or data file to fix).
-INPUT_ERROR_EXIT = "2"
 
 Action = Literal["retry", "stop", "done"]
 
@@ -102,14 +106,14 @@ class Decision:
 
 
 def effective_class(rec: AttemptRecord) -> str | None:
-    """The failure class the policy acts on: the node's bad-input exit (2) is a user error even
-    when no traceback names it."""
-    if rec.state == "COMPLETED" and not rec.failure_class:
+    """The failure class the policy acts on: where no evidence named one, the node's exit code does (2: bad
+    input, a user error even when no traceback names it; 4: the pre-flight)."""
+    if rec.state == JobState.COMPLETED and not rec.failure_class:
         return None
-    code = (rec.exit_code or "").split(":")[0]
-    if code == INPUT_ERROR_EXIT and rec.failure_class in (None, "unknown"):
-        return "input_error"
-    return rec.failure_class or ("unknown" if rec.state != "COMPLETED" else None)
+    by_exit = class_of_exit(rec.exit_code)
+    if by_exit is not None and rec.failure_class in (None, FailureClass.UNKNOWN):
+        return by_exit
+    return rec.failure_class or (FailureClass.UNKNOWN if rec.state != JobState.COMPLETED else None)
 
 
 def decide(history: Sequence[AttemptRecord], policy: Policy, fit: Fit) -> Decision:
@@ -123,13 +127,13 @@ def decide(history: Sequence[AttemptRecord], policy: Policy, fit: Fit) -> Decisi
     def end(action: Action, reason: str) -> Decision:
         return Decision(action, reason, exclude=last.excluded, failure_class=cls, retries_used=used)
 
-    if last.state == "COMPLETED" and cls is None:
+    if last.state == JobState.COMPLETED and cls is None:
         return end("done", f"attempt {last.attempt} (job {last.job_id}) completed")
     what = _describe(last, cls)
-    if cls in USER_CLASSES:
+    if cls in USER_ERRORS:
         return end("stop", f"{what}: a user error (code, config or sizing); not retried, it would fail the "
                         f"same way. Fix it, then `hpctrain resubmit` the run.")
-    if cls == "cancelled":
+    if cls in STOPPED_BY_PERSON:
         return end("stop", f"{what}: cancelled from outside (not by hpctrain's watchdog); not retried")
     if len(history) >= 2 and _same_failure(history[-2], last):
         return end("stop", f"{what}: the same failure as attempt {history[-2].attempt} (same class, message "
@@ -141,7 +145,7 @@ def decide(history: Sequence[AttemptRecord], policy: Policy, fit: Fit) -> Decisi
                         f"{'none' if ck is None else f'step {ck}'}); stopping early")
     if used >= policy.max_retries:
         return end("stop", f"{what}: retry budget spent ({used} of {policy.max_retries} retries used)")
-    if cls not in RETRY_CLASSES:
+    if cls not in RETRYABLE:
         return end("stop", f"{what}: no retry rule for failure class {cls!r}")
     exclude, added, kept, notes = exclusions(last, policy, fit)
     resume = "the start" if last.checkpoint_step is None else f"checkpoint step {last.checkpoint_step}"
@@ -168,7 +172,7 @@ def _same_failure(a: AttemptRecord, b: AttemptRecord) -> bool:
     """Identical repeats: only for failures that carry a message (a bare NODE_FAIL twice is bad luck)."""
     if not (a.exception or a.message) or effective_class(a) != effective_class(b):
         return False
-    if effective_class(b) in ("node_fail", "preempted", "time_limit"):
+    if effective_class(b) in OUTSIDE_EVENTS:
         return False  # outside events: they repeat without saying anything about the run
     return (a.exception, a.message, a.last_step) == (b.exception, b.message, b.last_step)
 

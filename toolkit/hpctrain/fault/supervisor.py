@@ -49,6 +49,7 @@ from hpctrain.fault.watchdog import (
 )
 from hpctrain.fault.watchdog import main as watchdog_main
 from hpctrain.runs import folder as runs_mod
+from hpctrain.states import IMPLICATES_HOST, FailureClass, JobState, class_of_state, is_final
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.spec.model import Spec
@@ -217,7 +218,6 @@ def _scrub_slurm_env() -> None:
 
 def wait_final(job_id: str, timeout_s: float = 120.0) -> Any:
     """sacct's record of the job once final (afterany fired, but slurmdbd may lag a moment)."""
-    from hpctrain.runs.registry import FINAL_STATES
     from hpctrain.slurm import commands as _slurm
 
     deadline = time.monotonic() + timeout_s
@@ -227,7 +227,7 @@ def wait_final(job_id: str, timeout_s: float = 120.0) -> Any:
             rec = _slurm.sacct_states([job_id]).get(job_id)
         except Exception:  # noqa: BLE001 - slurmdbd hiccup: try again until the deadline
             rec = None
-        if rec is not None and rec.state in FINAL_STATES:
+        if rec is not None and is_final(rec.state):
             return rec
         time.sleep(3)
     return rec
@@ -265,16 +265,17 @@ def history(run_dir: Path, job_id: str, sacct_rec: Any = None) -> tuple[list[pol
             out = []  # a person resubmitted: a fresh retry budget from here
         fail = row.get("failure") or {}
         cls, msg, exc = row.get("failure_class"), fail.get("message", ""), fail.get("exception")
-        implicated = [fail["host"]] if fail.get("host") and cls in ("node_fail", "preflight", "hang") else []
+        implicated = [fail["host"]] if fail.get("host") and cls in IMPLICATES_HOST else []
         state = row["state"]
         if jid == str(job_id) and sacct_rec is not None:
             state = sacct_rec.state
         hang = watchdog_records(run_dir, jid)
         if hang:  # the watchdog's verdict: a hang, or a peer lost (its node died) -> node_fail
-            cls = "node_fail" if hang[-1].get("event") == "peer_lost" else "hang"
+            # A lost peer is a node failure: its host goes into --exclude (hpctrain.states.FailureClass).
+            cls = FailureClass.NODE_FAIL if hang[-1].get("event") == "peer_lost" else FailureClass.HANG
             msg, exc = hang[-1]["message"], None
             implicated = list(hang[-1].get("silent_hosts", []))
-        if jid == str(job_id) and sacct_rec is not None and state == "NODE_FAIL":
+        if jid == str(job_id) and sacct_rec is not None and state == JobState.NODE_FAIL:
             implicated += down_hosts(sacct_rec.nodelist)
         ck = note.get("checkpoint_step", row.get("last_checkpoint_step"))
         if jid == str(job_id):
@@ -287,10 +288,6 @@ def history(run_dir: Path, job_id: str, sacct_rec: Any = None) -> tuple[list[pol
     return out, summary
 
 
-_STATE_CLASS = {"NODE_FAIL": "node_fail", "BOOT_FAIL": "node_fail", "TIMEOUT": "time_limit", "DEADLINE": "time_limit",
-                "PREEMPTED": "preempted", "CANCELLED": "cancelled", "OUT_OF_MEMORY": "host_oom", "FAILED": "unknown"}
-
-
 def _plain_summary(run_dir: Path, job_id: str, sacct_rec: Any, exc: BaseException) -> dict[str, Any]:
     """The collector failed: one row per job from attempts.jsonl and sacct's state alone."""
     rows: dict[str, dict[str, Any]] = {}
@@ -301,7 +298,7 @@ def _plain_summary(run_dir: Path, job_id: str, sacct_rec: Any, exc: BaseExceptio
     if sacct_rec is not None and str(job_id) in rows:
         rows[str(job_id)].update(state=sacct_rec.state, exit_code=sacct_rec.exit_code)
     for row in rows.values():
-        row["failure_class"] = _STATE_CLASS.get(str(row.get("state")))
+        row["failure_class"] = class_of_state(str(row.get("state")))
         row["failure"] = {"message": f"SLURM state {row.get('state')} (collector unavailable: {exc})"}
     return {"attempts": sorted(rows.values(), key=lambda x: int(x["attempt"]))}
 
@@ -409,7 +406,7 @@ def take_over(run_dir: Path, job_id: str) -> dict[str, Any] | None:
     armed = any(str(r.get("supervises")) == str(job_id) for r in notes)
     if not armed:
         return None
-    return supervise(run_dir, job_id, ending="CANCELLED")
+    return supervise(run_dir, job_id, ending=JobState.CANCELLED)
 
 
 def fit_of(spec: Spec) -> policy_mod.Fit:

@@ -28,6 +28,7 @@ from typing import Any
 
 from hpctrain.runs import folder as runs_mod
 from hpctrain.runs.beats import PHASES, read_beats, read_failures
+from hpctrain.states import JobState
 
 PEER_POLL_S = 1.0  # the peer-lost check is one directory listing: cheap enough every second
 WATCHDOG_FILE = "watchdog.jsonl"
@@ -181,7 +182,7 @@ class Watchdog:
         try:
             from hpctrain.slurm import commands as _slurm
 
-            return _slurm.queue_state(self.job) == "RUNNING"
+            return _slurm.queue_state(self.job) == JobState.RUNNING
         except Exception:  # noqa: BLE001 - slurmctld not answering: act on the ranks' evidence
             return True
 

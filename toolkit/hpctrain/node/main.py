@@ -1,25 +1,28 @@
 """`run(run_dir, mode)`: the node entrypoint. Owns teardown (try/except/else) and exit codes.
 
-Exit codes (every rank): 0 done, 2 bad input (message on rank 0 names the file and the fix),
-3 stopped on SLURM's pre-timeout/preemption signal after a checkpoint (resubmit resumes), 4 preflight
-failed, 1 anything else (traceback in logs/attempt-K.rank-R.log).
+Exit codes (every rank; hpctrain.states.ExitCode): 0 done, 2 bad input (message on rank 0 names the file
+and the fix), 3 stopped on SLURM's pre-timeout/preemption signal after a checkpoint (resubmit resumes),
+4 preflight failed, 1 anything else (traceback in logs/attempt-K.rank-R.log). A rank that fails or stops
+also appends one event to the run folder's events.jsonl (hpctrain.runs.events): the collector classifies
+the attempt from it, rank logs or not.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
 import sys
+import time
 import traceback
 from pathlib import Path
 
 from hpctrain.node import dist, preflight
 from hpctrain.node.metrics import attempt_number, log, setup_logging
 from hpctrain.node.runconf import NodeInputError, RunPaths, read_spec
-
-EXIT_OK, EXIT_ERROR, EXIT_INPUT, EXIT_STOPPED, EXIT_PREFLIGHT = 0, 1, 2, 3, 4
-
-
-class PreflightFailed(Exception):
-    pass
+from hpctrain.node.train import OtherRankFailed, StopFlag, StopRequested
+from hpctrain.runs import events
+from hpctrain.states import ExitCode, FailureClass
 
 
 def run(run_dir: str, mode: str = "train") -> int:
@@ -34,8 +37,12 @@ def run(run_dir: str, mode: str = "train") -> int:
     setup_logging(paths.logs, d.rank, attempt_number())
     log.info("hpctrain node: mode %s, rank %d/%d (local %d) via %s, master %s:%d", mode, d.rank, d.world_size,
              d.local_rank, d.source, d.master_addr, d.master_port)
-    code = EXIT_OK
+    code = ExitCode.OK
     initialized = False
+    stop: StopFlag | None = None
+    where = _Where(d.rank, attempt_number(), d.job_id)
+    if d.rank == 0:
+        _event(paths.root, where, events.START, extra={"mode": mode, "world_size": d.world_size})
     try:
         if mode not in ("train", "preflight"):
             raise NodeInputError(f"mode {mode!r}: use 'train' or 'preflight'.")
@@ -45,7 +52,7 @@ def run(run_dir: str, mode: str = "train") -> int:
                                  cpus_per_task=max(1, spec.resources.cpus_per_task))
         _preflight(spec.launch.preflight_timeout_s)
         if mode == "preflight":
-            return EXIT_OK
+            return ExitCode.OK
         from hpctrain.node import train
 
         prep = train.prepare(paths.root, d)  # every input checked before any collective can hang
@@ -59,31 +66,118 @@ def run(run_dir: str, mode: str = "train") -> int:
         # left to interpreter shutdown, gloo's threads were once torn down out of order (see _teardown).
         del engine, state
         gc.collect()
-    except NodeInputError as exc:
-        code = EXIT_INPUT
-        _report(d.rank, f"hpctrain: {exc}", str(exc))
-    except PreflightFailed as exc:
-        code = EXIT_PREFLIGHT
-        _report(d.rank, f"hpctrain: preflight failed: {exc}", str(exc))
-    except Exception as exc:  # noqa: BLE001 - the entrypoint owns every failure: log it, exit non-zero
-        name = type(exc).__name__
-        if name == "StopRequested":
-            code = EXIT_STOPPED
-        elif name == "OtherRankFailed":
-            code = EXIT_ERROR
-            log.error("stopping: another rank failed (see the rank-0 log)")
-        else:
-            code = EXIT_ERROR
-            log.error("training failed:\n%s", traceback.format_exc())
-            print(f"hpctrain: rank {d.rank} failed: {name}: {exc} (traceback in {paths.logs})", file=sys.stderr)
+    except Exception as exc:  # noqa: BLE001 - the entrypoint owns every failure: log it, event it, exit non-zero
+        code = _fail(exc, paths, where, stop.signum if stop is not None else 0)
     else:
         log.info("done")
     finally:
         if initialized:
-            _teardown(together=code == EXIT_OK)
-    if code != EXIT_OK:
-        raise SystemExit(code)
-    return EXIT_OK
+            _teardown(together=code == ExitCode.OK)
+    if code != ExitCode.OK:
+        raise SystemExit(int(code))
+    return ExitCode.OK
+
+
+class PreflightFailed(Exception):
+    pass
+
+
+class _Where:
+    """Who writes the event: rank, attempt K, the job id as the registry knows it (array task "A_i"), host."""
+
+    def __init__(self, rank: int, attempt: int, job_id: str) -> None:
+        array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+        self.rank, self.attempt = rank, attempt
+        self.job_id = f"{array}_{task}" if array and task else job_id
+        # SLURM's name for the node (what --exclude takes), else the machine's.
+        self.host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def failure_of(exc: BaseException) -> tuple[FailureClass | None, ExitCode]:
+    """A rank's exception -> (failure class, exit code), by the exception's class. None: this rank stopped
+    because another rank failed (that rank's event names the cause). torch is looked up, not imported: an
+    OOM or a collective's error can only come from it once it is loaded."""
+    if isinstance(exc, NodeInputError):
+        return FailureClass.INPUT_ERROR, ExitCode.INPUT
+    if isinstance(exc, PreflightFailed):
+        return FailureClass.PREFLIGHT, ExitCode.PREFLIGHT
+    if isinstance(exc, OtherRankFailed):
+        return None, ExitCode.ERROR
+    if isinstance(exc, MemoryError):
+        return FailureClass.HOST_OOM, ExitCode.ERROR
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(exc, getattr(torch, "OutOfMemoryError", ())):
+        return FailureClass.GPU_OOM, ExitCode.ERROR
+    tdist = sys.modules.get("torch.distributed")
+    if tdist is not None and isinstance(exc, getattr(tdist, "DistError", ())):
+        return FailureClass.COMM_TIMEOUT, ExitCode.ERROR
+    # Anything else is the user's code or config. A RuntimeError that carries gloo's or NCCL's text (a lost
+    # peer, a timeout) is told apart by the collector, which owns the patterns for third-party messages.
+    return FailureClass.PYTHON_EXCEPTION, ExitCode.ERROR
+
+
+def _stop_class(signum: int) -> FailureClass | None:
+    """USR1/USR2: SLURM's pre-timeout signal; TERM: preemption; 0: this rank learned of the stop from a peer."""
+    if signum in (signal.SIGUSR1, signal.SIGUSR2):
+        return FailureClass.TIME_LIMIT
+    return FailureClass.PREEMPTED if signum == signal.SIGTERM else None
+
+
+def _submitit_refused_requeue(exc: BaseException) -> bool:
+    """submitit's UncompletedJobError, by class; submitit is looked up, not imported (no job, no submitit)."""
+    utils = sys.modules.get("submitit.core.utils")
+    return utils is not None and isinstance(exc, getattr(utils, "UncompletedJobError", ()))
+
+
+def _fail(exc: Exception, paths: RunPaths, where: _Where, signum: int) -> ExitCode:
+    """Log the failure, print its one line on stderr, append its event; the exit code."""
+    if isinstance(exc, StopRequested):
+        _event(paths.root, where, events.STOP, _stop_class(signum), message=str(exc), exit_code=ExitCode.STOPPED,
+               signum=signum, extra={"checkpointed": True})
+        return ExitCode.STOPPED
+    if _submitit_refused_requeue(exc):
+        # submitit's requeue handler runs on its signal, USR2 (hpctrain's --signal=USR2@N), and declined to
+        # requeue (no retries wanted): a stop on the signal, not a bug. Either StopFlag.chain handed it the
+        # signal after the checkpoint (signum set), or the signal came before StopFlag was installed and
+        # called it directly (signum 0): then nothing was saved. The exit code stays 1, as before.
+        sig = signum or int(signal.SIGUSR2)
+        log.info("stopped on signal %d (%s); submitit did not requeue: %s", sig,
+                 "after a checkpoint" if signum else "before training, nothing saved", exc)
+        _event(paths.root, where, events.STOP, _stop_class(sig), message=str(exc), exit_code=ExitCode.ERROR,
+               signum=sig, extra={"checkpointed": bool(signum)})
+        return ExitCode.ERROR
+    cls, code = failure_of(exc)
+    exc_line = traceback.format_exception_only(type(exc), exc)[-1].strip()
+    tb: tuple[str, ...] = ()
+    if cls == FailureClass.INPUT_ERROR:
+        _report(where.rank, f"hpctrain: {exc}", str(exc))
+    elif cls == FailureClass.PREFLIGHT:
+        _report(where.rank, f"hpctrain: preflight failed: {exc}", str(exc))
+    elif cls is None:
+        log.error("stopping: another rank failed (see the rank-0 log)")
+    else:
+        text = traceback.format_exc()
+        tb = tuple(text.rstrip().splitlines()[-12:])
+        log.error("training failed:\n%s", text)
+        print(f"hpctrain: rank {where.rank} failed: {type(exc).__name__}: {exc} (traceback in {paths.logs})",
+              file=sys.stderr)
+    _event(paths.root, where, events.FAILURE, cls, exception=exc_line if cls is not None else "",
+           message=str(exc) or exc_line if cls is not None else "another rank failed", exit_code=code, tb=tb)
+    return code
+
+
+def _event(root: Path, where: _Where, kind: str, cls: FailureClass | None = None, *, exception: str = "",
+           message: str = "", exit_code: int | None = None, signum: int | None = None, tb: tuple[str, ...] = (),
+           extra: dict[str, object] | None = None) -> None:
+    """Append one event; a folder that cannot take it (read-only, full) costs a log line, never the exit code."""
+    ev = events.Event(kind=kind, time=time.time(), rank=where.rank, host=where.host, job_id=where.job_id,
+                      attempt=where.attempt, failure_class=cls, exception=exception, message=message,
+                      exit_code=None if exit_code is None else int(exit_code), signal=signum, traceback=tb,
+                      extra=dict(extra or {}))
+    try:
+        events.append_event(root, ev)
+    except OSError as err:
+        log.warning("could not append to %s: %s", events.events_path(root), err)
 
 
 def _report(rank: int, loud: str, quiet: str) -> None:

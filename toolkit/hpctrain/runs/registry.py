@@ -25,14 +25,9 @@ from typing import Any, TypeVar
 import click
 
 from hpctrain.spec.rules import is_secret_name
+from hpctrain.states import JobState, is_final
 
 T = TypeVar("T")
-
-# States after which SLURM will not change its mind: never re-queried (the "cache" of finished states).
-FINAL_STATES = frozenset(
-    {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY",
-     "BOOT_FAIL", "DEADLINE"}
-)
 _ATTEMPT_FIELDS = frozenset({"job_id", "state", "nodes", "submitted", "started", "ended",
                              "exit_code", "failure_class"})
 _BUSY_TIMEOUT_MS = 10_000
@@ -86,7 +81,7 @@ class Attempt:
     run_id: str
     attempt: int
     job_id: str
-    state: str = "PENDING"
+    state: str = JobState.PENDING
     nodes: str = ""
     submitted: float | None = None
     started: float | None = None
@@ -96,7 +91,7 @@ class Attempt:
 
     @property
     def final(self) -> bool:
-        return self.state in FINAL_STATES
+        return is_final(self.state)  # SLURM will not change its mind: never re-queried
 
 
 @dataclass
@@ -211,7 +206,7 @@ class Registry:
 
     # -- writes -------------------------------------------------------------------------------
     def add_run(self, run_id: str, name: str, folder: str, executor: str, spec: dict[str, Any],
-                created: float | None = None, state: str = "PENDING") -> None:
+                created: float | None = None, state: str = JobState.PENDING) -> None:
         spec_text = json.dumps(_strip_secrets(spec), sort_keys=True, default=str)
         when = time.time() if created is None else created
         self._write(lambda c: c.execute(

@@ -18,6 +18,8 @@ from datetime import datetime
 
 import click
 
+from hpctrain.states import normalize_state
+
 # Messages meaning "the daemon did not answer", not "your request is wrong": worth retrying.
 _TRANSIENT = re.compile(
     r"socket timed out|unable to contact slurm controller|connection refused|"
@@ -30,9 +32,6 @@ _TRANSIENT = re.compile(
 _SBATCH_RETRYABLE = re.compile(r"unable to contact slurm controller \(connect failure\)|connection refused",
                                re.IGNORECASE)
 
-KNOWN_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY",
-                "REQUEUED", "RUNNING", "PENDING", "COMPLETING", "SUSPENDED", "BOOT_FAIL", "DEADLINE",
-                "RESIZING", "REVOKED", "REQUEUE_HOLD", "REQUEUE_FED", "SPECIAL_EXIT", "STOPPED")
 
 # sbatch's rejection messages -> the spec field a user should change.
 _REJECTIONS: tuple[tuple[str, str], ...] = (
@@ -202,12 +201,6 @@ def parse_sacct(text: str) -> dict[str, SacctRecord]:
                                nodelist=last.nodelist, start=last.start, end=last.end,
                                history=tuple(r.state for r in recs))
     return out
-
-
-def normalize_state(raw: str) -> str:
-    """"CANCELLED by 1000" -> CANCELLED, "COMPLETED+" -> COMPLETED; unknown words are kept."""
-    word = raw.strip().split(" ", 1)[0].rstrip("+").upper()
-    return word or "UNKNOWN"
 
 
 def _parse_time(text: str) -> float | None:

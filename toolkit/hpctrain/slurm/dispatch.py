@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from hpctrain.errors import HpcUsageError
 from hpctrain.runs import folder as runs_mod
 from hpctrain.spec.rules import secret_names
+from hpctrain.states import JobState
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.plan.planner import Plan
@@ -101,10 +102,10 @@ def submit_attempt(run_dir: Path, spec: Spec, plan: Plan, attempt: int, mode: st
     sub = submit_one([d], spec, plan, mode)[0]
     now = time.time()
     runs_mod.append_attempt(folder.attempts_jsonl,
-                            {**(record or {}), "attempt": attempt, "job_id": sub.job_id, "state": "PENDING",
+                            {**(record or {}), "attempt": attempt, "job_id": sub.job_id, "state": JobState.PENDING,
                              "submitted": now, "executor": executor, "mode": mode})
     try:
-        Registry().add_attempt(Attempt(run_id=d.name, attempt=attempt, job_id=sub.job_id, state="PENDING",
+        Registry().add_attempt(Attempt(run_id=d.name, attempt=attempt, job_id=sub.job_id, state=JobState.PENDING,
                                        submitted=now))
     except Exception:  # noqa: BLE001,S110 - the job IS queued; attempts.jsonl holds the record
         pass
@@ -142,12 +143,12 @@ def _record(subs: list[Submitted], spec: Spec, plan: Plan, mode: str) -> None:
     items = []
     for i, s in enumerate(subs):
         point = _point_summary(s, summary) if i else summary
-        rec = {"attempt": 0, "job_id": s.job_id, "state": "PENDING", "submitted": now,
+        rec = {"attempt": 0, "job_id": s.job_id, "state": JobState.PENDING, "submitted": now,
                "executor": s.executor, "mode": mode}
         runs_mod.append_attempt(runs_mod.RunFolder(s.run_dir).attempts_jsonl, rec)
         items.append(({"run_id": s.run_id, "name": spec.name, "folder": str(s.run_dir), "executor": s.executor,
                        "created": now, "spec": {**point, "array_index": s.array_index}},
-                      Attempt(run_id=s.run_id, attempt=0, job_id=s.job_id, state="PENDING", submitted=now)))
+                      Attempt(run_id=s.run_id, attempt=0, job_id=s.job_id, state=JobState.PENDING, submitted=now)))
     try:
         reg.add_submitted_many(items)  # one transaction for a whole sweep
     except Exception as exc:
@@ -431,10 +432,10 @@ def local_state(run_dir: Path, job_id: str) -> tuple[str, str | None]:
     from submitit's result pickles (cached there by submitit, so this is cheap)."""
     pid = int(job_id) if job_id.isdigit() else -1
     if pid > 0 and _alive(pid) and _is_local_controller(pid, run_dir):
-        return "RUNNING", None
+        return JobState.RUNNING, None
     results = sorted((run_dir / "submitit").glob(f"{job_id}_*_result.pkl"))
     if not results:
-        return "FAILED", "no result file (killed?)"
+        return JobState.FAILED, "no result file (killed?)"
     import pickle
 
     for path in results:
@@ -442,10 +443,10 @@ def local_state(run_dir: Path, job_id: str) -> tuple[str, str | None]:
             with path.open("rb") as fh:
                 status, _ = pickle.load(fh)
         except Exception:  # noqa: BLE001 - any unreadable pickle means the task did not finish cleanly
-            return "FAILED", f"unreadable {path.name}"
+            return JobState.FAILED, f"unreadable {path.name}"
         if status != "success":
-            return "FAILED", f"see {path.name}"
-    return "COMPLETED", None
+            return JobState.FAILED, f"see {path.name}"
+    return JobState.COMPLETED, None
 
 
 def _is_local_controller(pid: int, run_dir: Path) -> bool:

@@ -13,9 +13,10 @@ from typing import Any
 import click
 
 from hpctrain.runs.folder import RunFolder, append_attempt
-from hpctrain.runs.registry import FINAL_STATES, Registry, Run
+from hpctrain.runs.registry import Registry, Run
 from hpctrain.slurm import commands
 from hpctrain.slurm.dispatch import local_state
+from hpctrain.states import is_final
 
 
 def refresh(reg: Registry, runs: list[Run]) -> list[str]:
@@ -45,7 +46,7 @@ def refresh(reg: Registry, runs: list[Run]) -> list[str]:
             # The reason (e.g. "see 123_0_result.pkl") is for humans; collect assigns failure classes.
             state, _ = local_state(Path(run.folder), att.job_id)
             fields: dict[str, Any] = {"state": state}
-            if state in FINAL_STATES:
+            if is_final(state):
                 fields["ended"] = time.time()
         elif att.job_id in fresh:
             fields = {k: v for k, v in fresh[att.job_id].items() if v not in (None, "")}
