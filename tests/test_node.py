@@ -17,7 +17,7 @@ from hpctrain.node.data import IGNORE, DataSource, iter_epoch, tokenize_docs
 from hpctrain.node.runconf import NodeInputError
 from hpctrain.node.testing import make_run
 from hpctrain.node.tokenize import ByteTokenizer
-from hpctrain.slurm.nodelist import rendezvous_port
+from hpctrain.nodelist import rendezvous_port
 
 
 def _docs(n: int = 300, seq_len: int = 64) -> list[np.ndarray]:

@@ -1,4 +1,4 @@
-"""SLURM hostlist expansion (hpctrain.slurm.nodelist.expand), compared with `scontrol show hostnames`
+"""SLURM hostlist expansion (hpctrain.nodelist.expand), compared with `scontrol show hostnames`
 semantics: zero padding from the low bound, several ranges, top-level comma lists."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from hpctrain.errors import HpcUsageError
-from hpctrain.slurm.nodelist import expand, rendezvous_port, rendezvous_port_shell
+from hpctrain.nodelist import expand, rendezvous_port, rendezvous_port_shell
 
 CASES = {
     "node1": ["node1"],

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from hpctrain.nodelist import rendezvous_port
 from hpctrain.plan.planner import make_plan
 from hpctrain.render.sbatch import render_sbatch
-from hpctrain.slurm.nodelist import rendezvous_port
 from hpctrain.spec.model import Model, Resources, Spec
 
 pytestmark = pytest.mark.slurm

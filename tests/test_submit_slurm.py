@@ -318,7 +318,7 @@ def test_impossible_shapes_refused_cleanly(cluster: Any, env: dict[str, Path], f
 def test_preflight_names_the_node_that_did_not_join(cluster: Any) -> None:
     """3 real nodes, node3's task dies before the rendezvous: ranks on node1/node2 exit non-zero
     within the timeout, naming rank 2 and node3 -- instead of hanging in a collective."""
-    from hpctrain.slurm.nodelist import rendezvous_port_shell
+    from hpctrain.nodelist import rendezvous_port_shell
 
     code = ("import sys\nfrom hpctrain.node.preflight import run_from_env, PreflightError\n"
             "try:\n    run_from_env(8)\nexcept PreflightError as e:\n    print('PREFLIGHT', e)\n    sys.exit(4)\n")

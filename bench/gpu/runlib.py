@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "toolkit"))
 
 from hpctrain.node.testing import spec_toml
-from hpctrain.slurm.nodelist import rendezvous_port
+from hpctrain.nodelist import rendezvous_port
 
 # NVLink multicast stays off in every process on the shared multi-GPU hosts (device notes).
 NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}

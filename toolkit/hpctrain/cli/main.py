@@ -161,8 +161,8 @@ def print_plan(spec: Spec, plan: Plan) -> None:
 @click.option("--slots", required=True, type=int, help="Ranks per host (GPUs per node).")
 def hostfile_cmd(nodelist: str, slots: int) -> None:
     """Expand NODELIST and print `host slots=N` lines (duplicates and empty lists are errors)."""
+    from hpctrain.nodelist import expand
     from hpctrain.render.sbatch import render_hostfile
-    from hpctrain.slurm.nodelist import expand
 
     click.echo(render_hostfile(expand(nodelist), slots), nl=False)
 

@@ -19,7 +19,7 @@ def hosts_of(nodelist: str) -> list[str]:
     if not nodelist:
         return []
     try:
-        from hpctrain.slurm.nodelist import expand
+        from hpctrain.nodelist import expand
 
         return expand(nodelist)
     except Exception:  # noqa: BLE001 - a malformed nodelist: keep the plain names, never fail the collector

@@ -12,7 +12,7 @@ import os
 import socket
 from collections.abc import Mapping, MutableMapping
 
-from hpctrain.slurm.nodelist import expand, rendezvous_port
+from hpctrain.nodelist import expand, rendezvous_port
 
 TORCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 

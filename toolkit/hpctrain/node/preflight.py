@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpctrain.node import dist
-from hpctrain.slurm.nodelist import expand
+from hpctrain.nodelist import expand
 
 DEFAULT_TIMEOUT_S = 60.0
 

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 from hpctrain import __version__
 from hpctrain.errors import HpcUsageError, bad_value
+from hpctrain.nodelist import rendezvous_port_shell
 from hpctrain.plan.memory import SUB_GROUP_SIZE
 from hpctrain.render import containers
-from hpctrain.slurm.nodelist import rendezvous_port_shell
 from hpctrain.spec.model import Spec
 from hpctrain.spec.rules import partial_offload_ok, secret_names
 
