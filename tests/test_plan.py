@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from hpctrain.errors import HpcUsageError
 from hpctrain.plan.planner import (
+    Plan,
     batch_sizes,
     load_model_config,
     make_plan,
     model_arch,
     param_count,
-    read_plan,
 )
 from hpctrain.spec.model import Data, Model, Parallel, Resources, Spec, Train
 
@@ -156,11 +157,20 @@ def test_activation_checkpointing_reduces_activations() -> None:
     assert on < off / 3
 
 
-def test_plan_json_and_read_plan(tmp_path: Path) -> None:
+def test_plan_json_round_trips_through_from_json() -> None:
     p = make_plan(spec(resources=Resources(tasks_per_node=2)))
-    (tmp_path / "plan.json").write_text(p.to_json())
-    data = read_plan(tmp_path)
-    for key in ("world_size", "nodes", "ranks_per_node", "dp", "pp", "tp", "micro_batch", "grad_accum",
-                "global_batch", "zero_stage", "offload", "param_count", "memory", "reasons"):
-        assert key in data
-    assert data["zero_stage"] == 3 and p.to_json() == make_plan(spec(resources=Resources(tasks_per_node=2))).to_json()
+    assert Plan.from_json(p.to_json()) == p
+    assert p.zero_stage == 3 and p.to_json() == make_plan(spec(resources=Resources(tasks_per_node=2))).to_json()
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda d: d.pop("dp"), "dp"),
+    (lambda d: d.update(zero_stgae=3), "zero_stgae"),
+    (lambda d: d.update(micro_batch="2"), "micro_batch"),
+    (lambda d: d.update(activation_checkpointing=1), "activation_checkpointing"),
+])
+def test_plan_from_json_refuses_a_damaged_file(edit: Any, needle: str) -> None:
+    data = json.loads(make_plan(spec()).to_json())
+    edit(data)
+    with pytest.raises(ValueError, match=needle):
+        Plan.from_json(json.dumps(data))

@@ -23,10 +23,10 @@ def _run_dir(ref: str) -> tuple[Path, list[str]]:
     from hpctrain.errors import HpcUsageError
 
     p = Path(ref)
-    if p.is_dir() and (p / "spec.toml").is_file():
-        from hpctrain.runs.folder import read_attempts
+    from hpctrain.runs.folder import RunFolder
 
-        jobs = [str(r["job_id"]) for r in read_attempts(p / "attempts.jsonl") if r.get("job_id")]
+    if RunFolder(p).spec_toml.is_file():
+        jobs = [str(r["job_id"]) for r in RunFolder(p).read_attempts() if r.get("job_id")]
         return p.absolute(), list(dict.fromkeys(jobs))
     from hpctrain.cli.runs import _find, refresh
     from hpctrain.runs.registry import Registry
@@ -103,7 +103,7 @@ def resubmit_cmd(run: str, exclude_failed_nodes: bool, extra_exclude: str, max_r
         out = sup.resubmit_run(run_dir, exclude=tuple(exclude), time_limit=time_limit, retries=max_retries,
                                record={"manual": True, "resubmitted_after": last_job,
                                        "reason": "hpctrain resubmit (by hand)"})
-        runs_mod.append_attempt(run_dir / "attempts.jsonl", {
+        runs_mod.RunFolder(run_dir).append_attempt({
             "job_id": last_job, "checkpoint_step": ck,
             "decision": {"action": "manual", "reason": f"resubmitted by hand as attempt {out['attempt']}"},
             "next": {"attempt": out["attempt"], "job_id": out["job_id"], "supervisor": out["supervisor"]}})

@@ -31,7 +31,7 @@ from hpctrain.runs import folder as runs_mod
 
 RANKS_DIR = "ranks"
 PEER_POLL_S = 1.0  # the peer-lost check is one directory listing: cheap enough every second
-WATCHDOG_FILE = "watchdog.jsonl"
+WATCHDOG_FILE = runs_mod.WATCHDOG_JSONL
 PHASES = ("start", "compute", "reduce", "checkpoint", "done")  # order matters: later = further along
 # A collective failed because a peer's connection went away (gloo's TCP pair, NCCL's remote error): the
 # peer's process or node died. Not a timeout: that is a hang, named by the hang check.
@@ -157,7 +157,7 @@ def inject(where: str, step: int, step0: int, rank: int, log: Any = None) -> Non
                 if step0 >= step:
                     continue
             else:
-                marker = Path(run_dir) / "metrics" / "faults" / f"{f.kind}-step{step}-rank{rank}"
+                marker = runs_mod.RunFolder(run_dir).metrics_dir / "faults" / f"{f.kind}-step{step}-rank{rank}"
                 if marker.exists():
                     continue
                 marker.parent.mkdir(parents=True, exist_ok=True)
@@ -178,7 +178,7 @@ def read_beats(run_dir: Path, job: str | None = None, restart: str | None = None
     """Per-rank beats (of `job` and its run `restart` only, when given: files left by an earlier attempt
     or an earlier run of a requeued job are ignored)."""
     out = []
-    for p in sorted((Path(run_dir) / "metrics" / RANKS_DIR).glob("rank-*.json")):
+    for p in sorted((runs_mod.RunFolder(run_dir).metrics_dir / RANKS_DIR).glob("rank-*.json")):
         try:
             rec = json.loads(p.read_text())
         except (OSError, ValueError):
@@ -192,7 +192,7 @@ def read_beats(run_dir: Path, job: str | None = None, restart: str | None = None
 def read_failures(run_dir: Path, job: str, restart: str | None = None) -> list[dict[str, Any]]:
     """The failed-JOB-RESTART-R.json records ranks of this job (and run of it) left when training raised."""
     out = []
-    for p in sorted((Path(run_dir) / "metrics" / RANKS_DIR).glob(failed_name(job, restart or "*", "*"))):
+    for p in sorted((runs_mod.RunFolder(run_dir).metrics_dir / RANKS_DIR).glob(failed_name(job, restart or "*", "*"))):
         try:
             rec = json.loads(p.read_text())
         except (OSError, ValueError):
@@ -382,7 +382,7 @@ class Watchdog:
                 continue
             if cancel and rec["event"] == "peer_lost" and not self._running():
                 return None  # cancelled, timed out or preempted meanwhile: the dying ranks' errors say nothing
-            path = Path(self.run_dir) / "metrics" / WATCHDOG_FILE
+            path = runs_mod.RunFolder(self.run_dir).watchdog_jsonl
             runs_mod.append_attempt(path, rec)
             print(f"hpctrain watchdog: {rec['message']}; cancelling job {self.job}", file=sys.stderr, flush=True)
             if cancel and rec["event"] == "peer_lost":
@@ -395,7 +395,7 @@ class Watchdog:
 
 
 def watchdog_records(run_dir: Path, job: str) -> list[dict[str, Any]]:
-    return [r for r in runs_mod.read_attempts(Path(run_dir) / "metrics" / WATCHDOG_FILE)
+    return [r for r in runs_mod.read_attempts(runs_mod.RunFolder(run_dir).watchdog_jsonl)
             if str(r.get("job_id")) == str(job)]
 
 

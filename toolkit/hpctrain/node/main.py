@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import sys
 import traceback
-from pathlib import Path
 
 from hpctrain.node import dist
 from hpctrain.node.metrics import attempt_number, log, setup_logging
-from hpctrain.node.runconf import NodeInputError, RunPaths, read_spec
+from hpctrain.node.runconf import NodeInputError, read_spec
+from hpctrain.runs.folder import RunFolder
 
 EXIT_OK, EXIT_ERROR, EXIT_INPUT, EXIT_STOPPED, EXIT_PREFLIGHT = 0, 1, 2, 3, 4
 
@@ -30,8 +30,8 @@ def run(run_dir: str, mode: str = "train") -> int:
     # torch's c10d deprecation notices repeat on every collective of DeepSpeed's ZeRO-3 (pages of stderr).
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
     d = dist.detect()
-    paths = RunPaths(Path(run_dir))
-    setup_logging(paths.logs, d.rank, attempt_number())
+    paths = RunFolder(run_dir)
+    setup_logging(paths.logs_dir, d.rank, attempt_number())
     log.info("hpctrain node: mode %s, rank %d/%d (local %d) via %s, master %s:%d", mode, d.rank, d.world_size,
              d.local_rank, d.source, d.master_addr, d.master_port)
     code = EXIT_OK
@@ -39,7 +39,7 @@ def run(run_dir: str, mode: str = "train") -> int:
     try:
         if mode not in ("train", "preflight"):
             raise NodeInputError(f"mode {mode!r}: use 'train' or 'preflight'.")
-        spec = read_spec(paths.root)
+        spec = read_spec(paths)
         # Export MASTER_ADDR/PORT first: the preflight rendezvous listens on MASTER_PORT + 1.
         dist.prepare_process_env(d, use_gpu=spec.resources.gpus_per_node > 0,
                                  cpus_per_task=max(1, spec.resources.cpus_per_task))
@@ -48,7 +48,7 @@ def run(run_dir: str, mode: str = "train") -> int:
             return EXIT_OK
         from hpctrain.node import train
 
-        prep = train.prepare(paths.root, d)  # every input checked before any collective can hang
+        prep = train.prepare(paths.path, d)  # every input checked before any collective can hang
         dist.init_process_group(d, prep.use_gpu, timeout_min=float(_env_float("DEEPSPEED_TIMEOUT", 10)))
         initialized = True
         stop = train.StopFlag()
@@ -75,7 +75,7 @@ def run(run_dir: str, mode: str = "train") -> int:
         else:
             code = EXIT_ERROR
             log.error("training failed:\n%s", traceback.format_exc())
-            print(f"hpctrain: rank {d.rank} failed: {name}: {exc} (traceback in {paths.logs})", file=sys.stderr)
+            print(f"hpctrain: rank {d.rank} failed: {name}: {exc} (traceback in {paths.logs_dir})", file=sys.stderr)
     else:
         log.info("done")
     finally:
@@ -135,4 +135,4 @@ def _env_float(name: str, default: float) -> float:
         return default
 
 
-__all__ = ["RunPaths", "read_spec", "run"]
+__all__ = ["run"]
