@@ -181,6 +181,17 @@ def test_a_run_folder_not_written_by_submit_is_refused(tmp_path: Path, missing: 
     assert str(run / missing) in str(err.value) and "hpctrain submit" in str(err.value)
 
 
+def test_a_ds_config_without_its_batch_sizes_is_named(tmp_path: Path) -> None:
+    from hpctrain.node.train import prepare
+
+    run = make_run(tmp_path / "run")
+    cfg = json.loads((run / "ds_config.json").read_text())
+    del cfg["gradient_accumulation_steps"]
+    (run / "ds_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(NodeInputError, match="ds_config.json: gradient_accumulation_steps = None"):
+        prepare(run, dist.detect({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}))
+
+
 def test_dataset_without_text_field(tmp_path: Path) -> None:
     from hpctrain.node.train import prepare
 

@@ -134,3 +134,23 @@ def test_another_world_size_is_ds_config_json_plus_the_logged_edits(name: str, t
     assert changed == {"train_batch_size"}
     assert given["train_batch_size"] == 2 * rendered["train_batch_size"]
     assert f"ds_config: train_batch_size {rendered['train_batch_size']} -> {given['train_batch_size']}" in caplog.text
+
+
+@pytest.mark.parametrize("name", RUN_FILES)
+def test_deepspeeds_parser_accepts_each_examples_ds_config(name: str, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed's own config class reads the file submit wrote, with the batch sizes the plan says."""
+    cfgmod = pytest.importorskip("deepspeed.runtime.config")
+    run = _submit_dry_run(name, tmp_path, monkeypatch)
+    plan = json.loads(RunFolder(run).plan_json.read_text())
+
+    class MPU:  # DeepSpeedConfig reads dp from an mpu; no process group is needed
+        def get_data_parallel_world_size(self) -> int:
+            return int(plan["dp"])
+
+    monkeypatch.setattr(cfgmod.dist, "get_rank", lambda *a, **k: 0)
+    cfg = cfgmod.DeepSpeedConfig(json.loads(RunFolder(run).ds_config_json.read_text()), mpu=MPU())
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (
+        plan["global_batch"], plan["micro_batch"], plan["grad_accum"])
+    assert (cfg.zero_optimization_stage, cfg.optimizer_name) == (plan["zero_stage"], "adamw")
+    assert cfg.optimizer_params.get("torch_adam", False) is (plan["device"] == "cpu" or plan["offload"] == "none")

@@ -61,7 +61,14 @@ def read_ds_config(folder: RunFolder) -> dict[str, Any]:
     if not isinstance(cfg, dict) or not isinstance(cfg.get("zero_optimization"), dict):
         raise NodeInputError(f"{folder.ds_config_json}: not a DeepSpeed config (no zero_optimization block). "
                              f"Fix: {_RECREATE}.")
+    for key in _NEEDED_INTS:  # the node sizes its data reader and the batch product from them
+        if not isinstance(cfg.get(key), int) or isinstance(cfg.get(key), bool) or cfg[key] < 1:
+            raise NodeInputError(f"{folder.ds_config_json}: {key} = {cfg.get(key)!r}: must be a positive integer. "
+                                 f"Fix: set it, or {_RECREATE}.")
     return cfg
+
+
+_NEEDED_INTS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
 def effective_ds_config(rendered: dict[str, Any], *, dp: int, universal: bool, use_gpu: bool,
