@@ -21,8 +21,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "toolkit"))
+sys.path.insert(0, str(ROOT / "tests"))
 
-from hpctrain.node.testing import make_run, metrics, torchrun
+from runkit import make_run, metrics, torchrun
 
 
 def write_corpus(path: Path, n: int, seq: int, seed: int = 0) -> dict[str, float]:
@@ -62,7 +63,7 @@ def main() -> None:
                        train={"steps": a.steps + a.warmup, "micro_batch": a.mb, "grad_accum": 1,
                               "precision": "bf16", "lr": 3e-4, "min_lr": 3e-5},
                        parallel={"zero": 2})
-        # testing.node_env defaults to DS_ACCELERATOR=cpu (the CPU tests); a GPU run must say cuda.
+        # runkit.node_env defaults to DS_ACCELERATOR=cpu (the CPU tests); a GPU run must say cuda.
         proc = torchrun(run, 1, timeout=a.timeout, env={"DS_ACCELERATOR": "cuda"} if a.gpu else None)
         if proc.returncode:
             raise SystemExit(f"{mode}: rc {proc.returncode}\n{proc.stderr[-3000:]}")

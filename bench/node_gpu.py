@@ -54,7 +54,7 @@ def make_run_folder(a: argparse.Namespace, run: Path) -> None:
                                  peak_tflops=a.peak_tflops, extra={"parallel": {"offload_ratio": a.offload_ratio}})
     # --persist: one rank holds every parameter anyway, so ZeRO-3's per-layer gather/release can be skipped.
     zero = {"stage3_param_persistence_threshold": 10**12} if a.persist else None
-    runlib.write_run_folder(run, tables, render_config=not a.node_config, zero_overrides=zero)
+    runlib.write_run_folder(run, tables, zero_overrides=zero)
 
 
 def run_entry(a: argparse.Namespace, run: Path, log: Path) -> dict[str, Any]:
@@ -91,7 +91,6 @@ def main() -> None:
     ap.add_argument("--offload-ratio", type=float, default=1.0,
                     help="ZeRO-3 optimizer offload: fraction of the optimizer state on the CPU (1 = all)")
     ap.add_argument("--peak-tflops", type=float, default=788.0, help="measured bf16 matmul peak (H200: 788)")
-    ap.add_argument("--node-config", action="store_true", help="no rendered ds_config.json: the node's own")
     ap.add_argument("--no-ac", action="store_true", help="no activation checkpointing (both loops)")
     ap.add_argument("--persist", action="store_true", help="ZeRO-3 persistence threshold 1e12 (entrypoint only)")
     ap.add_argument("--only", choices=["plain", "entry", "both"], default="both")
@@ -102,7 +101,7 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = f"{a.model}-z{a.zero}-{a.offload}" + (f"{a.offload_ratio:g}" if a.offload_ratio < 1 else "") + \
-        f"-mb{a.mb}-s{a.seq}" + ("-nodecfg" if a.node_config else "") + ("-noac" if a.no_ac else "") + \
+        f"-mb{a.mb}-s{a.seq}" + ("-noac" if a.no_ac else "") + \
         ("-persist" if a.persist else "")
     rows = []
     if a.only in ("entry", "both"):

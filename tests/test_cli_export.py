@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from hpctrain.cli.main import cli
-from hpctrain.node.testing import make_run, torchrun
+from runkit import make_run, torchrun
 
 
 def test_unknown_run_is_a_usage_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

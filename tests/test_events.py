@@ -194,7 +194,7 @@ def test_stop_on_signal_is_a_stop_event(tmp_path: Path, signum: int, cls: str | 
     """StopRequested, and submitit declining to requeue (its UncompletedJobError, known by class), are stops
     on the signal: a `stop` event with the signal's class, never a python_exception."""
     from hpctrain.node import main
-    from hpctrain.node.runconf import RunPaths
+    from hpctrain.runs.folder import RunFolder
     from hpctrain.node.train import StopRequested
 
     class UncompletedJobError(Exception):
@@ -204,7 +204,7 @@ def test_stop_on_signal_is_a_stop_event(tmp_path: Path, signum: int, cls: str | 
     fake.UncompletedJobError = UncompletedJobError  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "submitit.core.utils", fake)
     where = main._Where(1, 0, "55")
-    paths = RunPaths(tmp_path)
+    paths = RunFolder(tmp_path)
     assert main._fail(StopRequested("stopped on signal at step 5"), paths, where, signum) == ExitCode.STOPPED
     refused = UncompletedJobError("Job not requeued because: checkpoint function returned None.")
     assert main._fail(refused, paths, where, signum) == ExitCode.ERROR

@@ -54,13 +54,8 @@ def _names(path: Path) -> set[str]:
     return out
 
 
-# until merged (runfolder): the node's fallback DeepSpeed builder and its re-plan go; it reads plan.json.
-REPLANS_UNTIL_MERGED = {"runconf.py"}
-
-
 def test_node_never_plans_again() -> None:
     """The node reads the plan written at submit (it may import the typed Plan), never calls make_plan."""
     node = ROOT / "toolkit" / "hpctrain" / "node"
     naming = {p.name for p in sorted(node.rglob("*.py")) if "make_plan" in _names(p)}
-    assert naming - REPLANS_UNTIL_MERGED == set(), f"node modules that plan again: {sorted(naming)}"
-    assert REPLANS_UNTIL_MERGED <= naming, "runconf.py no longer plans: empty REPLANS_UNTIL_MERGED"
+    assert naming == set(), f"node modules that plan again: {sorted(naming)}"

@@ -15,9 +15,9 @@ from hpctrain.node import checkpoint as ckpt
 from hpctrain.node import dist
 from hpctrain.node.data import IGNORE, DataSource, iter_epoch, tokenize_docs
 from hpctrain.node.runconf import NodeInputError
-from hpctrain.node.testing import make_run
 from hpctrain.node.tokenize import ByteTokenizer
 from hpctrain.nodelist import rendezvous_port
+from runkit import make_run, spec_only
 
 
 def _docs(n: int = 300, seq_len: int = 64) -> list[np.ndarray]:
@@ -133,8 +133,10 @@ def test_cuda_arch_list_is_normalised() -> None:
 def test_warmup_cosine_schedule(tmp_path: Path) -> None:
     from hpctrain.node.runconf import read_spec
     from hpctrain.node.train import lr_lambda
+    from hpctrain.runs.folder import RunFolder
 
-    spec = read_spec(make_run(tmp_path, train={"steps": 100, "warmup_steps": 10, "lr": 1e-3, "min_lr": 1e-4}))
+    spec = read_spec(RunFolder(make_run(tmp_path, train={"steps": 100, "warmup_steps": 10, "lr": 1e-3,
+                                                         "min_lr": 1e-4})))
     fn = lr_lambda(spec)
     assert fn(0) == pytest.approx(0.1) and fn(9) == pytest.approx(1.0)
     assert fn(10) == pytest.approx(1.0) and fn(100) == pytest.approx(0.1)
@@ -143,11 +145,8 @@ def test_warmup_cosine_schedule(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------ bad input
 @pytest.mark.parametrize("sections, needle", [
-    ({"model": {"config": "", "path": "/nonexistent/model"}}, "/nonexistent/model"),
-    ({"model": {"config": "llama-huge"}}, "llama-tiny"),
     ({"data": {"source": "/nonexistent/data.jsonl"}}, "/nonexistent/data.jsonl"),
-    ({"parallel": {"tp": 2}}, "tp"),
-    ({"train": {"lr": 1e-4, "min_lr": 1e-3}}, "min_lr"),  # spec validation (spec/rules.py) -> same path
+    ({"parallel": {"tp": 2}}, "tp"),  # the plan has 2 ranks; this allocation has 1
 ])
 def test_bad_input_is_one_clear_message(tmp_path: Path, sections: dict, needle: str) -> None:
     from hpctrain.node.train import prepare
@@ -155,6 +154,43 @@ def test_bad_input_is_one_clear_message(tmp_path: Path, sections: dict, needle: 
     run = make_run(tmp_path / "run", **sections)
     with pytest.raises(NodeInputError, match=needle.replace("/", ".")):
         prepare(run, dist.detect({}))
+
+
+@pytest.mark.parametrize("sections, needle", [
+    ({"model": {"config": "", "path": "/nonexistent/model"}}, "/nonexistent/model"),
+    ({"model": {"config": "llama-huge"}}, "llama-tiny"),
+    ({"train": {"lr": 1e-4, "min_lr": 1e-3}}, "min_lr"),  # the spec's own validation, as on the login side
+])
+def test_a_spec_edited_after_submit_is_one_clear_message(tmp_path: Path, sections: dict, needle: str) -> None:
+    """Input `hpctrain submit` refuses, in a spec.toml edited by hand: the node names it the same way."""
+    from hpctrain.node.train import prepare
+
+    run = spec_only(tmp_path / "run", **sections)
+    with pytest.raises(NodeInputError, match=needle.replace("/", ".")):
+        prepare(run, dist.detect({}))
+
+
+@pytest.mark.parametrize("missing", ["spec.toml", "plan.json", "ds_config.json"])
+def test_a_run_folder_not_written_by_submit_is_refused(tmp_path: Path, missing: str) -> None:
+    """The node never plans or builds a DeepSpeed config: a missing file is named, with how to create it."""
+    from hpctrain.node.train import prepare
+
+    run = make_run(tmp_path / "run")
+    (run / missing).unlink()
+    with pytest.raises(NodeInputError) as err:
+        prepare(run, dist.detect({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}))
+    assert str(run / missing) in str(err.value) and "hpctrain submit" in str(err.value)
+
+
+def test_a_ds_config_without_its_batch_sizes_is_named(tmp_path: Path) -> None:
+    from hpctrain.node.train import prepare
+
+    run = make_run(tmp_path / "run")
+    cfg = json.loads((run / "ds_config.json").read_text())
+    del cfg["gradient_accumulation_steps"]
+    (run / "ds_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(NodeInputError, match="ds_config.json: gradient_accumulation_steps = None"):
+        prepare(run, dist.detect({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}))
 
 
 def test_dataset_without_text_field(tmp_path: Path) -> None:
@@ -225,16 +261,24 @@ def test_entry_is_torch_free() -> None:
     assert out.strip() == "[]"
 
 
-def test_gpu_ranks_use_fused_torch_adamw_unless_offloaded() -> None:
-    """No JIT-compiled FusedAdam on GPU ranks; DeepSpeedCPUAdam stays for offload (5x torch on the host)."""
-    from hpctrain.node.train import normalize_ds_config
+def test_allocation_edits_are_the_only_changes_to_the_rendered_config() -> None:
+    """Same allocation as planned: the config as rendered, no edits. Otherwise one line per change."""
+    from hpctrain.node.runconf import effective_ds_config
 
-    base = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 3}}
-    assert normalize_ds_config(base, 2, True)["optimizer"]["params"] == {"lr": 1e-4, "torch_adam": True,
-                                                                          "fused": True}
-    off = {**base, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
-    assert normalize_ds_config(off, 2, True)["optimizer"]["params"] == {"lr": 1e-4}
-    assert normalize_ds_config(off, 2, False)["optimizer"]["params"] == {"lr": 1e-4, "torch_adam": True}
+    base = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True, "fused": True}},
+            "zero_optimization": {"stage": 3}}
+    assert effective_ds_config(base, dp=2, universal=False, use_gpu=True, env={}) == (base, [])
+    cfg, edits = effective_ds_config(base, dp=4, universal=True, use_gpu=True, env={})
+    assert cfg["train_batch_size"] == 16 and cfg["checkpoint"] == {"load_universal": True}
+    assert [e.split(" ")[0] for e in edits] == ["train_batch_size", "checkpoint.load_universal"]
+    assert base["train_batch_size"] == 8 and "checkpoint" not in base  # the rendered dict is left alone
+    cfg, edits = effective_ds_config(base, dp=2, universal=False, use_gpu=True, env={"HPCTRAIN_DS_ADAM": "1"})
+    assert cfg["optimizer"]["params"] == {"lr": 1e-4} and len(edits) == 2
+    cfg, edits = effective_ds_config(base, dp=2, universal=False, use_gpu=False, env={})  # DS_ACCELERATOR=cpu
+    assert cfg["optimizer"]["params"] == {"lr": 1e-4, "torch_adam": True} and edits[0].startswith("optimizer")
+    tp = {k: v for k, v in base.items() if k != "train_batch_size"}  # AutoTP: DeepSpeed derives it
+    assert effective_ds_config(tp, dp=1, universal=False, use_gpu=True, env={}) == (tp, [])
 
 
 def test_fused_adamw_steps_follow_their_parameters() -> None:

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 
 from hpctrain.node import checkpoint as ckpt
 from hpctrain.node import ckpt_async
-from hpctrain.node.testing import events, losses_by_step, make_run, metrics, torchrun
+from runkit import events, losses_by_step, make_run, metrics, torchrun
 
 
 def _ok(proc: subprocess.CompletedProcess[str]) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hpctrain.collect import summary as collect
-from hpctrain.node.testing import make_run, torchrun
+from runkit import make_run, torchrun
 from hpctrain.runs import events
 
 pytestmark = pytest.mark.deepspeed

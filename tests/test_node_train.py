@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("deepspeed")
 torch = pytest.importorskip("torch")
 
-from hpctrain.node.testing import events, losses_by_step, make_run, metrics, node_env, torchrun
+from runkit import events, losses_by_step, make_run, metrics, node_env, torchrun
 
 pytestmark = pytest.mark.deepspeed
 
@@ -110,6 +110,14 @@ def test_resume_two_to_four_ranks_through_universal(tmp_path: Path) -> None:
     start = [e for e in events(run) if e["event"] == "start"][-1]
     assert (start["world_size"], start["resumed_from"]) == (4, "step-8")
     assert (run / "checkpoints" / "universal-step-8").is_dir()
+    # The allocation's edits, beside the config as submitted, and in the log.
+    rendered = json.loads((run / "ds_config.json").read_text())
+    effective = json.loads((run / "ds_config.effective.json").read_text())
+    assert {k for k in {*rendered, *effective} if rendered.get(k) != effective.get(k)} == {"train_batch_size",
+                                                                                          "checkpoint"}
+    assert (rendered["train_batch_size"], effective["train_batch_size"]) == (8, 16)
+    assert effective["checkpoint"] == {"load_universal": True}
+    assert "ds_config: train_batch_size 8 -> 16" in (run / "logs" / "attempt-0.rank-0.log").read_text()
 
 
 def test_zero2_resume_on_fewer_ranks_injects_universal_state(tmp_path: Path) -> None:
@@ -137,9 +145,7 @@ def test_pipeline_two_stages(tmp_path: Path) -> None:
 
 def test_fp16_dynamic_loss_scaling(tmp_path: Path) -> None:
     run = make_run(tmp_path / "run", train={"steps": 12, "precision": "fp16"}, parallel={"zero": 2})
-    from hpctrain.node.runconf import build_ds_config, read_spec
-
-    cfg = build_ds_config(read_spec(run), dp=2)
+    cfg = json.loads((run / "ds_config.json").read_text())  # as `hpctrain submit` wrote it; a user may edit it
     cfg["fp16"].update(initial_scale_power=22, loss_scale_window=2, hysteresis=1)  # start too high: overflow
     (run / "ds_config.json").write_text(json.dumps(cfg))
     _ok(torchrun(run, 2, env={"HPCTRAIN_CPU_FP16": "1"}))
@@ -178,7 +184,7 @@ def test_bad_data_path_fails_every_rank_with_one_message(tmp_path: Path) -> None
 def test_sigusr2_checkpoints_at_step_boundary_and_stops(tmp_path: Path, mode: str) -> None:
     """Ranks started by hand (RANK/WORLD_SIZE env): SIGUSR2 to one rank -> all agree, save, exit 3.
     Async: saves every 2 steps with slow background writes; the save on the signal waits for its write."""
-    from hpctrain.node.testing import free_port_pair
+    from runkit import free_port_pair
 
     extra: dict = {"checkpoint": {"every_steps": 2, "async_save": True}} if mode == "async" else {}
     run = make_run(tmp_path / "run", train={"steps": 100000}, **extra)
@@ -212,7 +218,7 @@ def test_deepspeed_launcher_path(tmp_path: Path) -> None:
     """`python -m hpctrain.node RUN --launcher deepspeed`: DeepSpeed's runner (no ssh) starts the ranks."""
     run = make_run(tmp_path / "run", train={"steps": 3})
     (run / "hostfile").write_text("localhost slots=2\n")
-    from hpctrain.node.testing import free_port_pair
+    from runkit import free_port_pair
 
     env = node_env({"MASTER_PORT": str(free_port_pair())})
     proc = subprocess.run([sys.executable, "-m", "hpctrain.node", str(run), "--launcher", "deepspeed"], env=env,
@@ -265,14 +271,15 @@ def test_tensor_parallel_autotp_matches_one_rank(tmp_path: Path) -> None:
 
 
 def test_auto_choices_come_from_the_plan(tmp_path: Path) -> None:
-    # No plan.json and no ds_config.json: the node derives the plan from the spec (as `submit` would)
-    # for zero auto, micro-batch auto and activation checkpointing auto.
+    # zero auto, micro-batch auto and activation checkpointing auto: the node runs what plan.json and
+    # ds_config.json say (it never plans again).
     run = make_run(tmp_path / "run", train={"steps": 2, "micro_batch": 0, "grad_accum": 0, "global_batch": 8,
                                             "activation_checkpointing": "auto"}, parallel={"zero": "auto"})
-    from hpctrain.node.runconf import read_planned, read_spec
+    from hpctrain.plan.planner import Plan
 
-    plan = read_planned(run, read_spec(run))
+    plan = Plan.from_json((run / "plan.json").read_text())
     _ok(torchrun(run, 2))
     start = next(e for e in events(run) if e.get("event") == "start")
-    assert start["zero"] == plan["zero_stage"] and plan["activation_checkpointing"] is False
+    assert start["zero"] == plan.zero_stage and plan.activation_checkpointing is False
     assert len(metrics(run)) == 2
+    assert not (run / "ds_config.effective.json").exists()  # the planned allocation: nothing to edit

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from hpctrain.errors import HpcUsageError
 from hpctrain.plan.planner import (
+    Plan,
     batch_sizes,
     load_model_config,
     make_plan,
     model_arch,
     param_count,
-    read_plan,
 )
 from hpctrain.spec.model import Data, Model, Parallel, Resources, Spec, Train
 
@@ -156,14 +157,23 @@ def test_activation_checkpointing_reduces_activations() -> None:
     assert on < off / 3
 
 
-def test_plan_json_and_read_plan(tmp_path: Path) -> None:
+def test_plan_json_round_trips_through_from_json() -> None:
     p = make_plan(spec(resources=Resources(tasks_per_node=2)))
-    (tmp_path / "plan.json").write_text(p.to_json())
-    data = read_plan(tmp_path)
-    for key in ("world_size", "nodes", "ranks_per_node", "dp", "pp", "tp", "micro_batch", "grad_accum",
-                "global_batch", "zero_stage", "offload", "param_count", "memory", "reasons"):
-        assert key in data
-    assert data["zero_stage"] == 3 and p.to_json() == make_plan(spec(resources=Resources(tasks_per_node=2))).to_json()
+    assert Plan.from_json(p.to_json()) == p
+    assert p.zero_stage == 3 and p.to_json() == make_plan(spec(resources=Resources(tasks_per_node=2))).to_json()
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda d: d.pop("dp"), "dp"),
+    (lambda d: d.update(zero_stgae=3), "zero_stgae"),
+    (lambda d: d.update(micro_batch="2"), "micro_batch"),
+    (lambda d: d.update(activation_checkpointing=1), "activation_checkpointing"),
+])
+def test_plan_from_json_refuses_a_damaged_file(edit: Any, needle: str) -> None:
+    data = json.loads(make_plan(spec()).to_json())
+    edit(data)
+    with pytest.raises(ValueError, match=needle):
+        Plan.from_json(json.dumps(data))
 
 
 # -- each ZeRO/offload rule once (spec.rules): the spec check, zero auto and ds_config agree ---------------
@@ -218,11 +228,11 @@ def test_zero_auto_chooses_only_allowed_kinds(pp: int, device: str, offload: str
 
 
 def test_ds_config_writes_a_ratio_only_where_the_rule_allows() -> None:
-    from hpctrain.render.sbatch import render_ds_config
+    from hpctrain.render.deepspeed import build_ds_config
 
     s = spec(resources=Resources(nodes=1, gpus_per_node=2),
              parallel=Parallel(zero=3, offload="optimizer", offload_ratio=0.5))
-    zero_block = render_ds_config(s, make_plan(s))["zero_optimization"]
+    zero_block = build_ds_config(s, make_plan(s))["zero_optimization"]
     assert zero_block["offload_optimizer"]["ratio"] == 0.5
     full = spec(resources=Resources(nodes=1, gpus_per_node=2), parallel=Parallel(zero=2, offload="optimizer"))
-    assert "ratio" not in render_ds_config(full, make_plan(full))["zero_optimization"]["offload_optimizer"]
+    assert "ratio" not in build_ds_config(full, make_plan(full))["zero_optimization"]["offload_optimizer"]

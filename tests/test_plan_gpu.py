@@ -11,10 +11,9 @@ from click.testing import CliRunner
 
 from hpctrain.cli.main import cli
 from hpctrain.errors import HpcUsageError
-from hpctrain.node.runconf import activation_checkpointing, build_ds_config, read_planned
 from hpctrain.plan import memory as M
 from hpctrain.plan.planner import load_model_config, make_plan, model_arch, param_count
-from hpctrain.render.sbatch import render_ds_config
+from hpctrain.render.deepspeed import build_ds_config
 from hpctrain.spec import model as S
 from hpctrain.spec.model import Data, Model, Parallel, Resources, Spec, Train
 
@@ -93,7 +92,7 @@ def test_8b_on_one_h200_trains_with_partial_offload() -> None:
     text = "\n".join(p.reasons)
     assert f"offload ratio auto -> {p.offload_ratio:g}" in text and "sub-groups" in text
     assert "micro-batch auto" in text and p.micro_batch * p.grad_accum == 16
-    cfg = render_ds_config(h200("llama-8b", parallel=Parallel(zero="auto"), train=Train(global_batch=16)), p)
+    cfg = build_ds_config(h200("llama-8b", parallel=Parallel(zero="auto"), train=Train(global_batch=16)), p)
     assert cfg["zero_optimization"]["offload_optimizer"]["ratio"] == p.offload_ratio
     assert cfg["zero_optimization"]["sub_group_size"] == M.SUB_GROUP_SIZE
 
@@ -141,7 +140,7 @@ def test_micro_batch_given_is_kept() -> None:
 
 def test_full_offload_ratio_renders_no_ratio() -> None:
     spec = h200("llama-3b", parallel=Parallel(zero=3, offload="optimizer"), train=Train(micro_batch=4))
-    zero = render_ds_config(spec, make_plan(spec))["zero_optimization"]
+    zero = build_ds_config(spec, make_plan(spec))["zero_optimization"]
     assert "ratio" not in zero["offload_optimizer"] and "sub_group_size" not in zero
 
 
@@ -218,17 +217,19 @@ def test_example_8b_on_the_h200_site(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 
 def test_node_uses_the_plans_auto_choices(tmp_path: Path) -> None:
+    """The run folder carries the plan's automatic choices; the node reads them, it does not plan again."""
+    from hpctrain.node.runconf import effective_ds_config, read_ds_config, read_plan
+    from hpctrain.render.runfolder import write_run_folder
+    from hpctrain.runs.folder import RunFolder
+
     spec = h200("llama-8b", parallel=Parallel(zero="auto"), train=Train(global_batch=16, activation_checkpointing="auto"))
     plan = make_plan(spec)
-    (tmp_path / "plan.json").write_text(plan.to_json())
-    facts = read_planned(tmp_path, spec)
-    assert activation_checkpointing(spec, facts) == plan.activation_checkpointing
-    cfg = build_ds_config(spec, 1, plan=facts)
+    folder = RunFolder(write_run_folder(tmp_path / "run", spec, plan))
+    assert read_plan(folder) == plan
+    cfg, edits = effective_ds_config(read_ds_config(folder), dp=plan.dp, universal=False, use_gpu=True, env={})
     zero = cfg["zero_optimization"]
-    assert zero["stage"] == 3 and zero["offload_optimizer"]["ratio"] == plan.offload_ratio
+    assert zero["stage"] == 3 and zero["offload_optimizer"]["ratio"] == plan.offload_ratio and edits == []
     assert cfg["train_micro_batch_size_per_gpu"] == plan.micro_batch
-    # Without plan.json the node derives the same plan from the spec.
-    assert read_planned(tmp_path / "missing", spec)["offload_ratio"] == plan.offload_ratio
 
 
 @pytest.mark.deepspeed
@@ -243,7 +244,7 @@ def test_deepspeed_reads_the_partial_offload_ratio(monkeypatch: pytest.MonkeyPat
             return plan.dp
 
     monkeypatch.setattr(cfgmod.dist, "get_rank", lambda *a, **k: 0)
-    cfg = cfgmod.DeepSpeedConfig(render_ds_config(spec, plan), mpu=MPU())
+    cfg = cfgmod.DeepSpeedConfig(build_ds_config(spec, plan), mpu=MPU())
     assert cfg.zero_optimization_stage == 3 and cfg.zero_config.offload_optimizer.device == "cpu"
     assert cfg.zero_config.offload_optimizer.ratio == plan.offload_ratio < 1
     assert cfg.zero_config.sub_group_size == M.SUB_GROUP_SIZE

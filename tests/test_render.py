@@ -26,7 +26,8 @@ import pytest
 
 from hpctrain.errors import HpcUsageError
 from hpctrain.plan.planner import make_plan
-from hpctrain.render.sbatch import render_ds_config, render_hostfile, render_sbatch, submitit_command
+from hpctrain.render.deepspeed import build_ds_config
+from hpctrain.render.sbatch import render_hostfile, render_sbatch, submitit_command
 from hpctrain.spec.model import (
     Checkpoint,
     Container,
@@ -102,7 +103,7 @@ def _render(name: str) -> tuple[str, dict[str, object]]:
     run_dir = Path(kw.pop("run_dir", RUN))  # type: ignore[arg-type]
     plan = make_plan(spec)
     script = render_sbatch(spec, plan, run_dir, submitit_command(PY, str(run_dir / "submitit")), **kw)  # type: ignore[arg-type]
-    return script, render_ds_config(spec, plan)
+    return script, build_ds_config(spec, plan)
 
 
 def _golden(path: Path, text: str) -> None:
@@ -353,7 +354,7 @@ def test_deepspeed_accepts_ds_config(name: str, monkeypatch: pytest.MonkeyPatch)
     cfgmod = pytest.importorskip("deepspeed.runtime.config")
     spec, _ = CASES[name]
     plan = make_plan(spec)
-    ds = render_ds_config(spec, plan)
+    ds = build_ds_config(spec, plan)
 
     class MPU:  # DeepSpeedConfig reads dp from an mpu; no process group is needed
         def get_data_parallel_world_size(self) -> int:
@@ -394,7 +395,7 @@ def test_deepspeed_accepts_tensor_and_pipeline_sections(monkeypatch: pytest.Monk
     spec = Spec(model=Model(config="llama-1b"), resources=Resources(nodes=2, gpus_per_node=4),
                 parallel=Parallel(zero=1, tp=2, pp=2))
     plan = make_plan(spec)
-    ds = render_ds_config(spec, plan)
+    ds = build_ds_config(spec, plan)
     assert ds["tensor_parallel"] == {"autotp_size": 2} and ds["pipeline"]["stages"] == 2
 
     class MPU:

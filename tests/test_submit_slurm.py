@@ -74,11 +74,10 @@ def _spec_plan(**flags: Any) -> tuple[Any, Any]:
 
 
 def _make_runs(sp: Any, pl: Any, runs_dir: Path, n: int = 1) -> list[Path]:
+    from hpctrain.render.runfolder import write_run_folder
     from hpctrain.runs import folder as runs
-    from hpctrain.spec import model as S
 
-    files = {"spec.toml": S.to_toml(sp), "plan.json": pl.to_json()}
-    return [runs.create_run_folder_atomically(runs_dir, runs.new_run_id(sp.name), files) for _ in range(n)]
+    return [write_run_folder(runs_dir / runs.new_run_id(sp.name), sp, pl, create=True) for _ in range(n)]
 
 
 def _hpctrain(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

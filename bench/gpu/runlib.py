@@ -26,9 +26,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "toolkit"))
+sys.path.insert(0, str(ROOT / "tests"))
 
-from hpctrain.node.testing import spec_toml
 from hpctrain.nodelist import rendezvous_port
+from runkit import spec_toml
 
 # NVLink multicast stays off in every process on the shared multi-GPU hosts (device notes).
 NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -56,26 +57,24 @@ def bench_tables(*, name: str, model: str, zero: int, gpus: int, mb: int, seq: i
     return tables
 
 
-def write_run_folder(run: Path, tables: dict[str, Any], *, render_config: bool = True,
+def write_run_folder(run: Path, tables: dict[str, Any], *,
                      zero_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """spec.toml + plan.json + ds_config.json as hpctrain writes them; returns the plan as a dict.
+    """spec.toml + plan.json + ds_config.json as `hpctrain submit` writes them; returns the plan as a dict.
     Keeps an existing checkpoints/ folder (a resume at another world size rewrites the rest).
-    `render_config=False` leaves ds_config.json out (the node then builds its own); `zero_overrides`
-    are merged into the rendered zero_optimization block (a variant under test)."""
+    `zero_overrides` are merged into the rendered zero_optimization block (a variant under test)."""
     from hpctrain.plan.planner import make_plan
-    from hpctrain.render.sbatch import render_ds_config
+    from hpctrain.render.deepspeed import build_ds_config, to_json
+    from hpctrain.render.runfolder import write_run_folder as write_folder
+    from hpctrain.runs.folder import RunFolder
     from hpctrain.spec.model import from_toml_text
 
-    run.mkdir(parents=True, exist_ok=True)
-    text = spec_toml(tables)
-    (run / "spec.toml").write_text(text)
-    spec = from_toml_text(text)
+    spec = from_toml_text(spec_toml(tables))
     plan = make_plan(spec)
-    (run / "plan.json").write_text(plan.to_json())
-    if render_config:
-        cfg = render_ds_config(spec, plan)
-        cfg["zero_optimization"].update(zero_overrides or {})
-        (run / "ds_config.json").write_text(json.dumps(cfg, indent=2))
+    write_folder(run, spec, plan)
+    if zero_overrides:
+        cfg = build_ds_config(spec, plan)
+        cfg["zero_optimization"].update(zero_overrides)
+        RunFolder(run).ds_config_json.write_text(to_json(cfg))
     return dict(json.loads(plan.to_json()))
 
 

@@ -40,7 +40,9 @@ def export_cmd(run: str, out: str | None, tag: str | None) -> None:
 
 def _run_dir(ref: str) -> Path:
     """A path to a run folder is taken as is; anything else is looked up in the registry."""
-    if Path(ref, "spec.toml").is_file():
+    from hpctrain.runs.folder import RunFolder
+
+    if RunFolder(ref).spec_toml.is_file():
         return Path(ref).resolve()
     from hpctrain.cli.runs import _find, _registry
 

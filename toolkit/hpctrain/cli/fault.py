@@ -21,7 +21,7 @@ def register(group: click.Group) -> None:
 def _run_dir(ref: str) -> tuple[Path, list[str]]:
     """(run folder, job ids of its attempts) from a run reference (hpctrain.runs.resolve); states refreshed."""
     from hpctrain.errors import HpcUsageError
-    from hpctrain.runs.folder import read_attempts
+    from hpctrain.runs.folder import RunFolder
     from hpctrain.runs.registry import Registry
     from hpctrain.runs.resolve import resolve_run
     from hpctrain.slurm.refresh import refresh
@@ -29,7 +29,7 @@ def _run_dir(ref: str) -> tuple[Path, list[str]]:
     reg = Registry()
     found = resolve_run(reg, ref)
     if found.run is None:
-        jobs = [str(r["job_id"]) for r in read_attempts(found.folder / "attempts.jsonl") if r.get("job_id")]
+        jobs = [str(r["job_id"]) for r in RunFolder(found.folder).read_attempts() if r.get("job_id")]
         return found.folder, list(dict.fromkeys(jobs))
     refresh(reg, [found.run])
     if not found.folder.is_dir():
@@ -102,7 +102,7 @@ def resubmit_cmd(run: str, exclude_failed_nodes: bool, extra_exclude: str, max_r
         out = sup.resubmit_run(run_dir, exclude=tuple(exclude), time_limit=time_limit, retries=max_retries,
                                record={"manual": True, "resubmitted_after": last_job,
                                        "reason": "hpctrain resubmit (by hand)"})
-        runs_mod.append_attempt(run_dir / "attempts.jsonl", {
+        runs_mod.RunFolder(run_dir).append_attempt({
             "job_id": last_job, "checkpoint_step": ck,
             "decision": {"action": "manual", "reason": f"resubmitted by hand as attempt {out['attempt']}"},
             "next": {"attempt": out["attempt"], "job_id": out["job_id"], "supervisor": out["supervisor"]}})

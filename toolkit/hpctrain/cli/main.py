@@ -170,23 +170,15 @@ def hostfile_cmd(nodelist: str, slots: int) -> None:
 # --------------------------------------------------------------------------------------------------
 # submit
 
-def run_files(spec: Spec, plan: Plan, script: str) -> dict[str, str]:
-    """The files a run folder starts with (the layout is in hpctrain.runs.folder)."""
-    from hpctrain.render.sbatch import render_ds_config
-    from hpctrain.spec.model import to_toml
-
-    return {"spec.toml": to_toml(spec), "plan.json": plan.to_json(),
-            "ds_config.json": json.dumps(render_ds_config(spec, plan), indent=2) + "\n", "sbatch.sh": script}
-
-
 def _script(spec: Spec, plan: Plan, run_dirs: list[Path], mode: str = "train") -> str:
     """The batch script as it would be submitted (one job, or one array over run_dirs)."""
     import shlex
 
     from hpctrain.render.sbatch import render_sbatch, submitit_command
+    from hpctrain.runs.folder import RunFolder
 
     first = run_dirs[0]
-    command = submitit_command(shlex.quote(sys.executable), str(first / "submitit"))
+    command = submitit_command(shlex.quote(sys.executable), str(RunFolder(first).submitit_dir))
     if len(run_dirs) == 1:
         return render_sbatch(spec, plan, first, command, mode=mode)
     return render_sbatch(spec, plan, first, command, array=f"0-{len(run_dirs) - 1}", run_dirs=run_dirs, mode=mode)
@@ -194,13 +186,13 @@ def _script(spec: Spec, plan: Plan, run_dirs: list[Path], mode: str = "train") -
 
 def _write_dry_run(out: Path, points: list[tuple[Spec, Plan]], script_for: Callable[[list[Path]], str]) -> list[Path]:
     """--dry-run --out DIR: the files of each run into DIR (one run) or DIR/point-<i> (a sweep)."""
+    from hpctrain.render.runfolder import write_run_folder
+
     out.mkdir(parents=True, exist_ok=True, mode=0o700)
     dirs = [out.absolute()] if len(points) == 1 else [(out / f"point-{i}").absolute() for i in range(len(points))]
     script = script_for(dirs)
     for d, (spec, plan) in zip(dirs, points):
-        d.mkdir(exist_ok=True, mode=0o700)
-        for name, text in run_files(spec, plan, script).items():
-            (d / name).write_text(text, encoding="utf-8")
+        write_run_folder(d, spec, plan, script)
     return dirs
 
 
@@ -241,11 +233,11 @@ def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry
             dirs = [(runs.runs_dir_default() / runs.new_run_id(s.name)).absolute() for s, _ in points]
         script = _script(spec, plan, dirs, mode)
         if as_json:
-            from hpctrain.render.sbatch import render_ds_config
+            from hpctrain.render.deepspeed import build_ds_config
 
             click.echo(json.dumps({"dry_run": True, "run_dirs": [str(d) for d in dirs], "sbatch": script,
                                    "plans": [json.loads(p.to_json()) for _, p in points],
-                                   "ds_configs": [render_ds_config(s, p) for s, p in points]}, indent=2))
+                                   "ds_configs": [build_ds_config(s, p) for s, p in points]}, indent=2))
         else:
             click.echo(script, nl=False)
         return
@@ -294,6 +286,7 @@ def _check_sweep_binds(points: list[tuple[Spec, Plan]]) -> None:
 
 def _create_runs(points: list[tuple[Spec, Plan]], mode: str) -> list[Path]:
     """One private run folder per point, each created whole (temp dir + rename) or not at all."""
+    from hpctrain.render.runfolder import write_run_folder
     from hpctrain.runs import folder as runs
 
     base = runs.runs_dir_default()
@@ -304,7 +297,7 @@ def _create_runs(points: list[tuple[Spec, Plan]], mode: str) -> list[Path]:
     made: list[Path] = []
     try:
         for run_id, (s, p) in zip(ids, points):
-            made.append(runs.create_run_folder_atomically(base, run_id, run_files(s, p, script)).absolute())
+            made.append(write_run_folder(base / run_id, s, p, script, create=True).absolute())
     except BaseException:
         for d in made:
             runs.remove_run_folder(d)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.collect import logs as cl
+from hpctrain.runs.folder import RunFolder
 from hpctrain.states import JobState
 
 
@@ -48,7 +49,8 @@ def rank_hosts(job_files: list[cl.LogFile], nodelist: str, ranks_per_node: int) 
 def attempt_files(folder: Path, attempts: list[dict[str, Any]]) -> list[cl.LogFile]:
     """Every rank log and every submitit task log of the run's attempts."""
     jobs = {str(a.get("job_id")): int(a["attempt"]) for a in attempts if a.get("job_id")}
-    return cl.rank_log_files(folder / "logs") + cl.submitit_log_files(folder / "submitit", jobs)
+    run = RunFolder(folder)
+    return cl.rank_log_files(run.logs_dir) + cl.submitit_log_files(run.submitit_dir, jobs)
 
 
 def expand_requeues(atts: list[dict[str, Any]], files: list[cl.LogFile]) -> list[dict[str, Any]]:

@@ -11,13 +11,12 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import re
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+from hpctrain.runs.checkpoints import complete_steps
 
 
 def read_metrics(path: Path) -> tuple[list[dict[str, Any]], int]:
@@ -43,17 +42,8 @@ def read_metrics(path: Path) -> tuple[list[dict[str, Any]], int]:
 
 
 def complete_checkpoints(ckpt_dir: Path) -> list[int]:
-    """Steps of checkpoints that finished writing (node/checkpoint.py: step-N/ with hpctrain.json)."""
-    try:
-        entries = list(ckpt_dir.iterdir())
-    except OSError:
-        return []
-    steps = []
-    for p in entries:
-        m = _STEP_DIR.match(p.name)
-        if m and (p / "hpctrain.json").is_file():
-            steps.append(int(m.group(1)))
-    return sorted(steps)
+    """Steps of checkpoints that finished writing (the rule of hpctrain.runs.checkpoints)."""
+    return complete_steps(ckpt_dir)
 
 
 def split_by_attempt(records: list[dict[str, Any]], starts: list[float | None]) -> list[list[dict[str, Any]]]:

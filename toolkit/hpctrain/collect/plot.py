@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.collect import metrics as cm
+from hpctrain.runs.folder import RunFolder
 
 
 class PlotUnavailable(RuntimeError):
@@ -18,7 +19,7 @@ class PlotUnavailable(RuntimeError):
 def series(run: dict[str, Any]) -> list[tuple[int, list[dict[str, Any]]]]:
     """(attempt, metrics records) for each attempt of a summary record, read from its folder."""
     folder = Path(run["folder"])
-    records, _ = cm.read_metrics(folder / "metrics" / "metrics.jsonl")
+    records, _ = cm.read_metrics(RunFolder(folder).metrics_jsonl)
     atts = run.get("attempts", [])
     per = cm.split_by_attempt(records, [a.get("start") for a in atts]) if atts else [records]
     keys = [a["attempt"] for a in atts] or [0]

@@ -31,6 +31,7 @@ from hpctrain.collect.files import (
     text_of,
 )
 from hpctrain.runs import events as run_events
+from hpctrain.runs.folder import RunFolder
 from hpctrain.states import RUN_ENDED_STATES as ENDED
 from hpctrain.states import FailureClass, JobState, is_final
 
@@ -101,7 +102,7 @@ def from_folder(folder: Path) -> RunInput:
     latest: dict[int, dict[str, Any]] = {}
     from hpctrain.runs.folder import read_attempts
 
-    for rec in read_attempts(folder / "attempts.jsonl"):
+    for rec in read_attempts(RunFolder(folder).attempts_jsonl):
         k = rec.get("attempt")
         if isinstance(k, int):
             latest.setdefault(k, {}).update({key: v for key, v in rec.items() if v not in (None, "")})
@@ -114,7 +115,7 @@ def from_folder(folder: Path) -> RunInput:
 def _shape(inp: RunInput) -> Shape:
     """From the registry's spec summary; spec.toml's [resources] fills what it lacks (cpus_per_task)."""
     s = inp.spec
-    res = _resources(inp.folder / "spec.toml", need_all=not all(k in s for k in ("nodes", "gpus_per_node",
+    res = _resources(RunFolder(inp.folder).spec_toml, need_all=not all(k in s for k in ("nodes", "gpus_per_node",
                                                                                    "ranks_per_node")))
     return Shape(nodes=_int(s.get("nodes"), res.get("nodes"), default=1),
                  gpus_per_node=_int(s.get("gpus_per_node"), res.get("gpus_per_node"), default=0),
@@ -228,11 +229,11 @@ def _with_fault_notes(folder: Path, atts: list[dict[str, Any]]) -> list[dict[str
     from hpctrain.runs.folder import read_attempts
 
     notes: dict[str, dict[str, Any]] = {}
-    for rec in read_attempts(folder / "attempts.jsonl"):
+    for rec in read_attempts(RunFolder(folder).attempts_jsonl):
         if rec.get("job_id") is not None:
             notes.setdefault(str(rec["job_id"]), {}).update(
                 {k: rec[k] for k in ("excluded", "hang", "peer_lost", "decision") if rec.get(k) is not None})
-    for rec in read_attempts(folder / "metrics" / "watchdog.jsonl"):
+    for rec in read_attempts(RunFolder(folder).watchdog_jsonl):
         key = "peer_lost" if rec.get("event") == "peer_lost" else "hang"
         if rec.get("job_id") is not None:
             note = notes.setdefault(str(rec["job_id"]), {})
@@ -262,17 +263,17 @@ def build_run(inp: RunInput, now: float | None = None) -> dict[str, Any]:
         warnings.append(f"run folder {inp.folder} is missing (moved, deleted, or its filesystem is not "
                         "mounted here); showing what the registry knows")
     shape = _shape(inp)
-    records, bad = cm.read_metrics(inp.folder / "metrics" / "metrics.jsonl") if folder_ok else ([], 0)
+    records, bad = cm.read_metrics(RunFolder(inp.folder).metrics_jsonl) if folder_ok else ([], 0)
     if bad:
         warnings.append(f"skipped {bad} unreadable line(s) in metrics/metrics.jsonl (cut mid-write?)")
-    ckpts = cm.complete_checkpoints(inp.folder / "checkpoints") if folder_ok else []
+    ckpts = cm.complete_checkpoints(RunFolder(inp.folder).checkpoints_dir) if folder_ok else []
     atts = sorted(inp.attempts, key=lambda a: int(a["attempt"]))
     files = attempt_files(inp.folder, atts) if folder_ok else []
     atts = expand_requeues(atts, files)
     atts = _with_fault_notes(inp.folder, atts) if folder_ok else atts
     files = submitit_to_last_run(files, atts)
     per = cm.split_by_attempt(records, [_float(a.get("started")) for a in atts]) if atts else []
-    heartbeat = _read_json(inp.folder / "metrics" / "heartbeat") if folder_ok else None
+    heartbeat = _read_json(RunFolder(inp.folder).heartbeat) if folder_ok else None
     evs = run_events.read_events(inp.folder) if folder_ok else []
     rows: list[dict[str, Any]] = []
     earlier: list[dict[str, Any]] = []
@@ -324,10 +325,10 @@ def write_summary(record: dict[str, Any]) -> str | None:
     try:
         # Compact: json's C encoder is used only without indent, and --all writes a thousand of these.
         tmp.write_text(json.dumps(record, sort_keys=True, separators=(",", ":")) + "\n", encoding="utf-8")
-        os.replace(tmp, folder / "summary.json")
+        os.replace(tmp, RunFolder(folder).summary_json)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        return f"could not write {folder / 'summary.json'}: {exc}"
+        return f"could not write {RunFolder(folder).summary_json}: {exc}"
     return None
 
 
@@ -336,7 +337,7 @@ def cached(inp: RunInput) -> dict[str, Any] | None:
     file read, no log scan)."""
     if not inp.attempts or not all(is_final(str(a.get("state"))) for a in inp.attempts):
         return None
-    old = _read_json(inp.folder / "summary.json")
+    old = _read_json(RunFolder(inp.folder).summary_json)
     if not old or not old.get("complete") or old.get("collector") != COLLECTOR:
         return None
     # Per job id, its final state (a requeued job has extra REQUEUED rows before its last one).

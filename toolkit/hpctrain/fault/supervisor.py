@@ -83,9 +83,9 @@ def next_attempt_number(run_dir: Path, registry_attempts: list[int] | None = Non
     """One past every attempt number seen: registry, attempts.jsonl, and logs/attempt-K.* (SLURM's own
     requeues number their logs by restart count, so those numbers are taken too)."""
     seen = list(registry_attempts or [])
-    seen += [int(r["attempt"]) for r in runs_mod.read_attempts(Path(run_dir) / "attempts.jsonl")
+    seen += [int(r["attempt"]) for r in runs_mod.RunFolder(run_dir).read_attempts()
              if isinstance(r.get("attempt"), int)]
-    for p in (Path(run_dir) / "logs").glob("attempt-*.rank-*.log"):
+    for p in runs_mod.RunFolder(run_dir).logs_dir.glob("attempt-*.rank-*.log"):
         m = re.match(r"attempt-(\d+)\.", p.name)
         if m:
             seen.append(int(m.group(1)))
@@ -93,9 +93,9 @@ def next_attempt_number(run_dir: Path, registry_attempts: list[int] | None = Non
 
 
 def latest_checkpoint(run_dir: Path) -> int | None:
-    from hpctrain.collect.metrics import complete_checkpoints
+    from hpctrain.runs.checkpoints import complete_steps
 
-    steps = complete_checkpoints(Path(run_dir) / "checkpoints")
+    steps = complete_steps(runs_mod.RunFolder(run_dir).checkpoints_dir)
     return steps[-1] if steps else None
 
 
@@ -107,8 +107,9 @@ def resubmit_run(run_dir: Path, *, exclude: tuple[str, ...] | None = None, time_
     import dataclasses as dc
 
     from hpctrain.plan.planner import make_plan
+    from hpctrain.render.runfolder import write_run_folder
     from hpctrain.slurm import dispatch
-    from hpctrain.spec.model import read_resolved, to_toml
+    from hpctrain.spec.model import read_resolved
 
     run_dir = Path(run_dir).absolute()
     spec = read_resolved(run_dir)
@@ -118,7 +119,8 @@ def resubmit_run(run_dir: Path, *, exclude: tuple[str, ...] | None = None, time_
                       launch=dc.replace(spec.launch, retries=spec.launch.retries if retries is None else retries))
     plan = make_plan(spec)
     attempt = next_attempt_number(run_dir, _registry_attempts(run_dir.name))
-    runs_mod.write_private(run_dir / "spec.toml", to_toml(spec))  # "exactly as dispatched": the latest attempt's request
+    # "exactly as dispatched": the latest attempt's request, its plan and DeepSpeed config
+    write_run_folder(run_dir, spec, plan)
     rec = {"excluded": list(spec.resources.exclude), "time": spec.resources.time, **(record or {})}
     old = os.environ.get("HPCTRAIN_ATTEMPT")
     os.environ["HPCTRAIN_ATTEMPT"] = str(attempt)  # sbatch --export=ALL: the ranks log as attempt-K
@@ -199,11 +201,10 @@ def arm(run_dir: Path, job_id: str, spec: Spec) -> str:
     from hpctrain.slurm import commands as _slurm
 
     run_dir = Path(run_dir).absolute()
-    path = run_dir / "submitit" / f"supervise-{job_id}.sh"
+    path = runs_mod.RunFolder(run_dir).submitit_dir / f"supervise-{job_id}.sh"
     runs_mod.write_private(path, supervisor_script(run_dir, job_id, spec))
     sup = _slurm.job_id_from_sbatch(_slurm.sbatch(str(path)))
-    runs_mod.append_attempt(run_dir / "attempts.jsonl", {"supervisor_job": sup, "supervises": job_id,
-                                                        "time": time.time()})
+    runs_mod.RunFolder(run_dir).append_attempt({"supervisor_job": sup, "supervises": job_id, "time": time.time()})
     return sup
 
 
@@ -234,7 +235,7 @@ def wait_final(job_id: str, timeout_s: float = 120.0) -> Any:
 
 
 def already_decided(run_dir: Path, job_id: str) -> dict[str, Any] | None:
-    for r in runs_mod.read_attempts(Path(run_dir) / "attempts.jsonl"):
+    for r in runs_mod.RunFolder(run_dir).read_attempts():
         if str(r.get("job_id")) == str(job_id) and "decision" in r:
             return r
     return None
@@ -253,7 +254,7 @@ def history(run_dir: Path, job_id: str, sacct_rec: Any = None) -> tuple[list[pol
     rows: dict[str, dict[str, Any]] = {}
     for row in summary["attempts"]:
         rows[str(row["job_id"])] = row  # a requeued job: its last run decides
-    notes = runs_mod.read_attempts(run_dir / "attempts.jsonl")
+    notes = runs_mod.RunFolder(run_dir).read_attempts()
     by_job: dict[str, dict[str, Any]] = {}
     for n in notes:
         if n.get("job_id") is not None:
@@ -291,7 +292,7 @@ def history(run_dir: Path, job_id: str, sacct_rec: Any = None) -> tuple[list[pol
 def _plain_summary(run_dir: Path, job_id: str, sacct_rec: Any, exc: BaseException) -> dict[str, Any]:
     """The collector failed: one row per job from attempts.jsonl and sacct's state alone."""
     rows: dict[str, dict[str, Any]] = {}
-    for r in runs_mod.read_attempts(Path(run_dir) / "attempts.jsonl"):
+    for r in runs_mod.RunFolder(run_dir).read_attempts():
         if r.get("job_id") is not None and isinstance(r.get("attempt"), int):
             rows.setdefault(str(r["job_id"]), {"job_id": str(r["job_id"]), "attempt": r["attempt"]}).update(
                 {k: r[k] for k in ("state", "exit_code") if r.get(k)})
@@ -353,7 +354,7 @@ def supervise(run_dir: Path, job_id: str, ending: str | None = None) -> dict[str
 
     run_dir = Path(run_dir).absolute()
     _scrub_slurm_env()
-    if not (run_dir / "spec.toml").is_file():  # the run folder was deleted meanwhile: nothing to resume
+    if not runs_mod.RunFolder(run_dir).spec_toml.is_file():  # the run folder was deleted meanwhile: nothing to resume
         return {"action": "stop", "reason": f"run folder {run_dir} is gone"}
     with open(run_dir / _LOCK, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a requeued supervisor must not act twice
@@ -388,7 +389,7 @@ def supervise(run_dir: Path, job_id: str, ending: str | None = None) -> dict[str
             except Exception as exc:  # noqa: BLE001 - say why in the record, then fail the supervisor job
                 note["decision"] = {**decision.to_dict(), "action": "stop",
                                     "reason": f"{decision.reason}; resubmission failed: {exc}"}
-        runs_mod.append_attempt(run_dir / "attempts.jsonl", note)
+        runs_mod.RunFolder(run_dir).append_attempt(note)
         if last is not None and decision.failure_class:
             _registry_failure(run_dir.name, last.attempt, decision.failure_class)
     _refresh_summary(run_dir)
@@ -402,7 +403,7 @@ def take_over(run_dir: Path, job_id: str) -> dict[str, Any] | None:
     satisfies `afterany` only once the cancelled job has stopped COMPLETING on every node, SlurmdTimeout
     later. That supervisor still runs afterwards and finds the decision made (one per job, under the lock).
     None when the run has no supervisor for this job (retries 0, a sweep, a local run): only the cancel."""
-    notes = runs_mod.read_attempts(Path(run_dir) / "attempts.jsonl")
+    notes = runs_mod.RunFolder(run_dir).read_attempts()
     armed = any(str(r.get("supervises")) == str(job_id) for r in notes)
     if not armed:
         return None

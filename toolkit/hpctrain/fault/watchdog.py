@@ -31,7 +31,7 @@ from hpctrain.runs.beats import PHASES, read_beats, read_failures
 from hpctrain.states import JobState
 
 PEER_POLL_S = 1.0  # the peer-lost check is one directory listing: cheap enough every second
-WATCHDOG_FILE = "watchdog.jsonl"
+WATCHDOG_FILE = runs_mod.WATCHDOG_JSONL
 # A collective failed because a peer's connection went away (gloo's TCP pair, NCCL's remote error): the
 # peer's process or node died. Not a timeout: that is a hang, named by the hang check.
 PEER_LOST = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe|Read error \[|Write error \[|"
@@ -223,7 +223,7 @@ class Watchdog:
                 continue
             if cancel and rec["event"] == "peer_lost" and not self._running():
                 return None  # cancelled, timed out or preempted meanwhile: the dying ranks' errors say nothing
-            path = Path(self.run_dir) / "metrics" / WATCHDOG_FILE
+            path = runs_mod.RunFolder(self.run_dir).watchdog_jsonl
             runs_mod.append_attempt(path, rec)
             print(f"hpctrain watchdog: {rec['message']}; cancelling job {self.job}", file=sys.stderr, flush=True)
             if cancel and rec["event"] == "peer_lost":
@@ -236,7 +236,7 @@ class Watchdog:
 
 
 def watchdog_records(run_dir: Path, job: str) -> list[dict[str, Any]]:
-    return [r for r in runs_mod.read_attempts(Path(run_dir) / "metrics" / WATCHDOG_FILE)
+    return [r for r in runs_mod.read_attempts(runs_mod.RunFolder(run_dir).watchdog_jsonl)
             if str(r.get("job_id")) == str(job)]
 
 

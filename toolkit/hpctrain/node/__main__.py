@@ -10,7 +10,6 @@ import argparse
 import os
 import shutil
 import sys
-from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -26,8 +25,9 @@ def _parser() -> argparse.ArgumentParser:
 def deepspeed_command(run_dir: str, mode: str, env: dict[str, str]) -> list[str]:
     """The per-node DeepSpeed runner command (no ssh: every node runs its own runner under srun)."""
     from hpctrain.node.dist import detect
+    from hpctrain.runs.folder import RunFolder
 
-    hostfile = Path(run_dir) / "hostfile"
+    hostfile = RunFolder(run_dir).hostfile
     if not hostfile.is_file() or not hostfile.read_text().strip():
         # DeepSpeed's runner would only warn and train on the local devices: refuse instead.
         raise SystemExit(f"hpctrain: {hostfile} is missing or empty; it is written on the allocation by the sbatch "

@@ -7,7 +7,8 @@ Layout under RUN/checkpoints/:
     step-N/hpctrain.json  the completion marker: step, world/dp/pp, zero stage, file sizes (manifest)
     latest                text "step-N", replaced atomically, written last
     universal-step-N/     DeepSpeed universal checkpoint, made on demand when the DP size changed
-Only folders with a marker count; a crash mid-save leaves a .tmp-* folder that is ignored and removed.
+Only folders with a marker count (the rule is hpctrain.runs.checkpoints, shared with the collector and
+the supervisor); a crash mid-save leaves a .tmp-* folder that is ignored and removed.
 Every file is fsynced before the marker is written. Async saves (node/ckpt_async.py) keep all of this:
 only the moment the marker appears moves, from inside save() to rank 0's writer thread.
 """
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -27,9 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.node.runconf import NodeInputError
-
-MARKER = "hpctrain.json"
-STEP_RE = re.compile(r"^step-(\d+)$")
+from hpctrain.runs.checkpoints import LATEST, MARKER, complete_steps, is_complete, latest_tag
 
 
 @dataclass(frozen=True)
@@ -44,25 +42,13 @@ class ResumePoint:
 
 
 # ------------------------------------------------------------------------------------------- finding
-def complete_steps(ckpt_dir: Path) -> list[int]:
-    """Steps of the complete checkpoints (marker present), ascending."""
-    if not ckpt_dir.is_dir():
-        return []
-    out = []
-    for p in ckpt_dir.iterdir():
-        m = STEP_RE.match(p.name)
-        if m and (p / MARKER).is_file():
-            out.append(int(m.group(1)))
-    return sorted(out)
-
-
 def find_resume(ckpt_dir: Path) -> ResumePoint | None:
     """The checkpoint to resume from: the one `latest` names (validated), else the newest complete one."""
-    latest = ckpt_dir / "latest"
-    if latest.is_file():
-        tag = latest.read_text().strip()
+    latest = ckpt_dir / LATEST
+    tag = latest_tag(ckpt_dir)
+    if tag is not None:
         path = ckpt_dir / tag
-        if not (path / MARKER).is_file():
+        if not is_complete(path):
             raise NodeInputError(
                 f"{latest} names {tag!r} but {path} is missing or incomplete (no {MARKER}). Fix: delete {latest} "
                 f"to resume from the newest complete checkpoint, or write an existing step-N folder name into it.")
@@ -263,7 +249,7 @@ def _finish(ckpt_dir: Path, tmp_tag: str, step: int, meta: dict[str, Any], keep:
         shutil.rmtree(final)
     os.replace(tmp, final)
     fsync_path(ckpt_dir)
-    _write_atomic(ckpt_dir / "latest", f"step-{step}\n")
+    _write_atomic(ckpt_dir / LATEST, f"step-{step}\n")
     fsync_path(ckpt_dir)
     prune(ckpt_dir, keep)
     return sum(files.values())

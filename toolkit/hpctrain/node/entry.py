@@ -31,13 +31,14 @@ class NodeJob:
         job is made requeueable here, right before submitit's `scontrol requeue`; the rerun's batch script
         turns it off again. In a container (no scontrol) the batch script's hand-off does both."""
         import os
-        from pathlib import Path
 
         import tomllib
         from submitit.helpers import DelayedSubmission
 
+        from hpctrain.runs.folder import RunFolder
+
         try:
-            spec = tomllib.loads((Path(self.run_dir) / "spec.toml").read_text(encoding="utf-8"))
+            spec = tomllib.loads(RunFolder(self.run_dir).spec_toml.read_text(encoding="utf-8"))
             if int(spec.get("launch", {}).get("retries", 1)) <= 0:
                 return None
         except (OSError, ValueError):

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.node import checkpoint as ckpt
-from hpctrain.node.runconf import NodeInputError, RunPaths, read_spec
+from hpctrain.node.runconf import NodeInputError, read_spec
+from hpctrain.runs.folder import RunFolder
 
 
 def export_hf(run_dir: str | Path, out: str | Path | None = None, tag: str | None = None) -> Path:
@@ -24,17 +25,17 @@ def export_hf(run_dir: str | Path, out: str | Path | None = None, tag: str | Non
     os.environ.setdefault("TQDM_DISABLE", "1")  # zero_to_fp32 and transformers draw progress bars on stderr
     from hpctrain.node.model import hf_config
 
-    paths = RunPaths(Path(run_dir))
-    spec = read_spec(paths.root)
+    paths = RunFolder(run_dir)
+    spec = read_spec(paths)
     point = _point(paths, tag)
     cfg = hf_config(spec.model)
     if int(point.meta.get("pp", 1)) > 1:
         cfg.tie_word_embeddings = False  # the pipeline trains an untied head (see pipeline.py)
-    sd = consolidated_state_dict(paths.checkpoints, point, cfg)
+    sd = consolidated_state_dict(paths.checkpoints_dir, point, cfg)
     return write_hf(paths, spec, cfg, sd, point.tag, point.step, out)
 
 
-def write_hf(paths: RunPaths, spec: Any, cfg: Any, sd: dict[str, Any], tag: str, step: int,
+def write_hf(paths: RunFolder, spec: Any, cfg: Any, sd: dict[str, Any], tag: str, step: int,
              out: str | Path | None = None) -> Path:
     """save_pretrained of a full state dict (HF names) into RUN/hf or `out`, written aside then renamed."""
     import torch
@@ -45,31 +46,31 @@ def write_hf(paths: RunPaths, spec: Any, cfg: Any, sd: dict[str, Any], tag: str,
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
-        raise NodeInputError(f"{paths.checkpoints / tag}: checkpoint does not match the model in spec.toml "
+        raise NodeInputError(f"{paths.checkpoints_dir / tag}: checkpoint does not match the model in spec.toml "
                              f"(missing {missing[:4]}, unexpected {unexpected[:4]}).")
     if cfg.tie_word_embeddings:
         model.tie_weights()
-    final = Path(out) if out else paths.export
+    final = Path(out) if out else paths.export_dir
     tmp = final.with_name(f".tmp-{final.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp), safe_serialization=True)
     _save_tokenizer(spec, tmp)
     (tmp / "hpctrain_export.json").write_text(json.dumps(
-        {"run": str(paths.root), "checkpoint": tag, "step": step, "time": time.time()}, indent=1) + "\n")
+        {"run": str(paths.path), "checkpoint": tag, "step": step, "time": time.time()}, indent=1) + "\n")
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     return final
 
 
-def _point(paths: RunPaths, tag: str | None) -> ckpt.ResumePoint:
+def _point(paths: RunFolder, tag: str | None) -> ckpt.ResumePoint:
     if tag is None:
-        point = ckpt.find_resume(paths.checkpoints)
+        point = ckpt.find_resume(paths.checkpoints_dir)
         if point is None:
-            raise NodeInputError(f"{paths.checkpoints}: no complete checkpoint to export. Train first "
+            raise NodeInputError(f"{paths.checkpoints_dir}: no complete checkpoint to export. Train first "
                                  "(checkpoints are written at the end of every run).")
         return point
-    path = paths.checkpoints / tag
+    path = paths.checkpoints_dir / tag
     meta = ckpt.read_marker(path)
     ckpt.validate_files(path, meta)
     return ckpt.ResumePoint(tag, path, meta)

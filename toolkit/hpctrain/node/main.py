@@ -19,9 +19,10 @@ from pathlib import Path
 
 from hpctrain.node import dist, preflight
 from hpctrain.node.metrics import attempt_number, log, setup_logging
-from hpctrain.node.runconf import NodeInputError, RunPaths, read_spec
+from hpctrain.node.runconf import NodeInputError, read_spec
 from hpctrain.node.train import OtherRankFailed, StopFlag, StopRequested
 from hpctrain.runs import events
+from hpctrain.runs.folder import RunFolder
 from hpctrain.states import ExitCode, FailureClass
 
 
@@ -33,8 +34,8 @@ def run(run_dir: str, mode: str = "train") -> int:
     # torch's c10d deprecation notices repeat on every collective of DeepSpeed's ZeRO-3 (pages of stderr).
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
     d = dist.detect()
-    paths = RunPaths(Path(run_dir))
-    setup_logging(paths.logs, d.rank, attempt_number())
+    paths = RunFolder(run_dir)
+    setup_logging(paths.logs_dir, d.rank, attempt_number())
     log.info("hpctrain node: mode %s, rank %d/%d (local %d) via %s, master %s:%d", mode, d.rank, d.world_size,
              d.local_rank, d.source, d.master_addr, d.master_port)
     code = ExitCode.OK
@@ -42,11 +43,11 @@ def run(run_dir: str, mode: str = "train") -> int:
     stop: StopFlag | None = None
     where = _Where(d.rank, attempt_number(), d.job_id)
     if d.rank == 0:
-        _event(paths.root, where, events.START, extra={"mode": mode, "world_size": d.world_size})
+        _event(paths.path, where, events.START, extra={"mode": mode, "world_size": d.world_size})
     try:
         if mode not in ("train", "preflight"):
             raise NodeInputError(f"mode {mode!r}: use 'train' or 'preflight'.")
-        spec = read_spec(paths.root)
+        spec = read_spec(paths)
         # Export MASTER_ADDR/PORT first: the preflight rendezvous listens on MASTER_PORT + 1.
         dist.prepare_process_env(d, use_gpu=spec.resources.gpus_per_node > 0,
                                  cpus_per_task=max(1, spec.resources.cpus_per_task))
@@ -55,7 +56,7 @@ def run(run_dir: str, mode: str = "train") -> int:
             return ExitCode.OK
         from hpctrain.node import train
 
-        prep = train.prepare(paths.root, d)  # every input checked before any collective can hang
+        prep = train.prepare(paths.path, d)  # every input checked before any collective can hang
         dist.init_process_group(d, prep.use_gpu, timeout_min=float(_env_float("DEEPSPEED_TIMEOUT", 10)))
         initialized = True
         stop = train.StopFlag()
@@ -129,10 +130,10 @@ def _submitit_refused_requeue(exc: BaseException) -> bool:
     return utils is not None and isinstance(exc, getattr(utils, "UncompletedJobError", ()))
 
 
-def _fail(exc: Exception, paths: RunPaths, where: _Where, signum: int) -> ExitCode:
+def _fail(exc: Exception, paths: RunFolder, where: _Where, signum: int) -> ExitCode:
     """Log the failure, print its one line on stderr, append its event; the exit code."""
     if isinstance(exc, StopRequested):
-        _event(paths.root, where, events.STOP, _stop_class(signum), message=str(exc), exit_code=ExitCode.STOPPED,
+        _event(paths.path, where, events.STOP, _stop_class(signum), message=str(exc), exit_code=ExitCode.STOPPED,
                signum=signum, extra={"checkpointed": True})
         return ExitCode.STOPPED
     if _submitit_refused_requeue(exc):
@@ -143,7 +144,7 @@ def _fail(exc: Exception, paths: RunPaths, where: _Where, signum: int) -> ExitCo
         sig = signum or int(signal.SIGUSR2)
         log.info("stopped on signal %d (%s); submitit did not requeue: %s", sig,
                  "after a checkpoint" if signum else "before training, nothing saved", exc)
-        _event(paths.root, where, events.STOP, _stop_class(sig), message=str(exc), exit_code=ExitCode.ERROR,
+        _event(paths.path, where, events.STOP, _stop_class(sig), message=str(exc), exit_code=ExitCode.ERROR,
                signum=sig, extra={"checkpointed": bool(signum)})
         return ExitCode.ERROR
     cls, code = failure_of(exc)
@@ -159,9 +160,9 @@ def _fail(exc: Exception, paths: RunPaths, where: _Where, signum: int) -> ExitCo
         text = traceback.format_exc()
         tb = tuple(text.rstrip().splitlines()[-12:])
         log.error("training failed:\n%s", text)
-        print(f"hpctrain: rank {where.rank} failed: {type(exc).__name__}: {exc} (traceback in {paths.logs})",
+        print(f"hpctrain: rank {where.rank} failed: {type(exc).__name__}: {exc} (traceback in {paths.logs_dir})",
               file=sys.stderr)
-    _event(paths.root, where, events.FAILURE, cls, exception=exc_line if cls is not None else "",
+    _event(paths.path, where, events.FAILURE, cls, exception=exc_line if cls is not None else "",
            message=str(exc) or exc_line if cls is not None else "another rank failed", exit_code=code, tb=tb)
     return code
 
@@ -227,4 +228,4 @@ def _env_float(name: str, default: float) -> float:
         return default
 
 
-__all__ = ["RunPaths", "read_spec", "run"]
+__all__ = ["run"]

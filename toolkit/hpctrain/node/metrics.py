@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpctrain.runs.folder import EVENTS_JSONL, HEARTBEAT, METRICS_JSONL
+
 log = logging.getLogger("hpctrain.node")
 
 
@@ -72,7 +74,7 @@ class MetricsWriter:
     def step(self, record: dict[str, Any]) -> None:
         if self.rank != 0:
             return
-        with open(self.dir / "metrics.jsonl", "a") as fh:
+        with open(self.dir / METRICS_JSONL, "a") as fh:
             fh.write(json.dumps(record, sort_keys=False) + "\n")
         self.heartbeat(int(record["step"]))
 
@@ -82,13 +84,13 @@ class MetricsWriter:
         tmp = self.dir / ".heartbeat.tmp"
         tmp.write_text(json.dumps({"step": step, "time": time.time(), "rank": self.rank, "host": self.host,
                                    "state": state}) + "\n")
-        os.replace(tmp, self.dir / "heartbeat")
+        os.replace(tmp, self.dir / HEARTBEAT)
 
     def event(self, record: dict[str, Any]) -> None:
         """Non-step facts (start, resume, checkpoint on signal, export) in metrics/events.jsonl."""
         if self.rank != 0:
             return
-        with open(self.dir / "events.jsonl", "a") as fh:
+        with open(self.dir / EVENTS_JSONL, "a") as fh:
             fh.write(json.dumps({"time": time.time(), **record}) + "\n")
 
 

@@ -1,186 +1,124 @@
-"""What the node reads from the run folder: the resolved spec, the DeepSpeed config, the paths.
+"""What the node reads from the run folder (the resolved spec, the plan, the DeepSpeed config) and the
+one place where the allocation adjusts that config.
 
-Torch-free on purpose: the input checks in `main.py` run before any heavy import, so a bad path fails
-in a second on every rank instead of after a minute of imports and a hung collective.
+The node only reads what `hpctrain submit` wrote (hpctrain.render.runfolder): it never plans and never
+builds a DeepSpeed config. Torch-free on purpose: the input checks in `main.py` run before any heavy
+import, so a bad file fails in a second on every rank instead of after a minute of imports and a hung
+collective.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import json
-import typing
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import tomllib
+from hpctrain.errors import HpcUsageError
+from hpctrain.plan.planner import Plan
+from hpctrain.runs.folder import RunFolder, json_text, write_private
+from hpctrain.spec.model import Spec, read_resolved
 
-from hpctrain.spec import model as specmod
-from hpctrain.spec.model import Spec
+_RECREATE = "create the run with `hpctrain submit` (or `hpctrain submit --dry-run --out DIR`)"
 
 
 class NodeInputError(Exception):
     """Bad user input found on the node. The message names the file and says how to fix it."""
 
 
-@dataclasses.dataclass(frozen=True)
-class RunPaths:
-    """The run folder layout (DESIGN.md). Kept local so the node does not depend on runs.py internals."""
-
-    root: Path
-
-    @property
-    def spec(self) -> Path:
-        return self.root / "spec.toml"
-
-    @property
-    def ds_config(self) -> Path:
-        return self.root / "ds_config.json"
-
-    @property
-    def logs(self) -> Path:
-        return self.root / "logs"
-
-    @property
-    def metrics(self) -> Path:
-        return self.root / "metrics"
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.root / "checkpoints"
-
-    @property
-    def export(self) -> Path:
-        return self.root / "hf"
-
-    @property
-    def hostfile(self) -> Path:
-        return self.root / "hostfile"
-
-
-def read_spec(run_dir: Path) -> Spec:
-    """The resolved spec of a run: CONTROL's `read_resolved` when present, else a local TOML reader."""
-    path = Path(run_dir) / "spec.toml"
-    if not path.is_file():
-        raise NodeInputError(f"{path}: no spec.toml in the run folder; create the run with `hpctrain submit`.")
-    reader = getattr(specmod, "read_resolved", None)
-    if reader is not None:
-        try:
-            return typing.cast(Spec, reader(Path(run_dir)))
-        except Exception as exc:
-            # CONTROL's validation errors (HpcUsageError, a click.UsageError) name the field and the fix.
-            if hasattr(exc, "format_message"):
-                raise NodeInputError(f"{path}: {exc.format_message()}") from exc
-            raise
+def _require(path: Path) -> str:
     try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise NodeInputError(f"{path}: not valid TOML ({exc}); re-create the run with `hpctrain submit`.") from exc
-    return typing.cast(Spec, _build(Spec, data, str(path)))
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise NodeInputError(f"{path}: no {path.name} in the run folder. Fix: {_RECREATE}.") from None
 
 
-def _build(cls: Any, data: dict[str, Any], where: str) -> Any:
-    """Dataclass from a TOML table (lists -> tuples, nested tables -> nested dataclasses)."""
-    hints = typing.get_type_hints(cls)
-    kwargs: dict[str, Any] = {}
-    names = {f.name for f in dataclasses.fields(cls)}
-    for key, value in data.items():
-        if key not in names:
-            if key == "sites":  # inline site profiles are resolved on the login node already
-                continue
-            raise NodeInputError(f"{where}: unknown key {key!r}; valid keys: {', '.join(sorted(names))}")
-        hint = hints[key]
-        if dataclasses.is_dataclass(hint) and isinstance(value, dict):
-            kwargs[key] = _build(hint, value, f"{where} [{key}]")
-        elif isinstance(value, list):
-            kwargs[key] = tuple(value)
-        else:
-            kwargs[key] = value
-    return cls(**kwargs)
-
-
-def read_ds_config(paths: RunPaths) -> dict[str, Any] | None:
-    """The rendered ds_config.json, or None when the run folder has none (tests build one from the spec)."""
-    if not paths.ds_config.is_file():
-        return None
+def read_spec(folder: RunFolder) -> Spec:
+    """The resolved spec (spec.toml), validated as on the login side."""
+    _require(folder.spec_toml)
     try:
-        return typing.cast(dict[str, Any], json.loads(paths.ds_config.read_text()))
+        return read_resolved(folder.path)
+    except HpcUsageError as exc:  # names the field and the fix
+        raise NodeInputError(f"{folder.spec_toml}: {exc.format_message()}") from exc
+
+
+def read_plan(folder: RunFolder) -> Plan:
+    """The plan written at submit (plan.json), typed."""
+    try:
+        return Plan.from_json(_require(folder.plan_json))
+    except ValueError as exc:  # json.JSONDecodeError included
+        raise NodeInputError(f"{folder.plan_json}: not a plan ({exc}). Fix: {_RECREATE}.") from exc
+
+
+def read_ds_config(folder: RunFolder) -> dict[str, Any]:
+    """The DeepSpeed config written at submit (ds_config.json)."""
+    try:
+        cfg = json.loads(_require(folder.ds_config_json))
     except json.JSONDecodeError as exc:
-        raise NodeInputError(f"{paths.ds_config}: not valid JSON ({exc}); re-render it with `hpctrain submit`.") from exc
-
-
-def read_planned(run_dir: Path, spec: Spec) -> dict[str, Any]:
-    """The plan's choices: RUN_DIR/plan.json, or, when the folder has none (tests), the plan derived again
-    from the spec (the planner is pure arithmetic, so it gives the answer `hpctrain submit` would have)."""
-    path = Path(run_dir) / "plan.json"
-    if path.is_file():
-        try:
-            return typing.cast(dict[str, Any], json.loads(path.read_text()))
-        except json.JSONDecodeError as exc:
-            raise NodeInputError(f"{path}: not valid JSON ({exc}); re-create the run with `hpctrain submit`.") from exc
-    from hpctrain.plan.planner import make_plan
-
-    return typing.cast(dict[str, Any], json.loads(make_plan(spec).to_json()))
-
-
-def activation_checkpointing(spec: Spec, plan: dict[str, Any] | None) -> bool:
-    """Recompute activations? The spec's true/false, or for "auto" the plan's choice."""
-    ac = spec.train.activation_checkpointing
-    if ac == "auto":
-        return bool((plan or {}).get("activation_checkpointing", False))
-    return bool(ac)
-
-
-def zero_stage(spec: Spec) -> int:
-    """The ZeRO stage to run: an explicit spec value, or for "auto" the plan's choice (3 if unknown)."""
-    if spec.parallel.zero != "auto":
-        return int(spec.parallel.zero)
-    return 3
-
-
-def build_ds_config(spec: Spec, dp: int, stage: int | None = None,
-                    plan: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A DeepSpeed config from the spec (and the plan's automatic choices, when given), used when the run
-    folder has no rendered ds_config.json."""
-    t, p = spec.train, spec.parallel
-    if stage is None:
-        stage = int(plan["zero_stage"]) if plan and spec.parallel.zero == "auto" else zero_stage(spec)
-    if p.pp > 1:
-        stage = min(stage, 1)  # DeepSpeed's pipeline engine supports ZeRO 0 and 1 only
-    micro = int(plan["micro_batch"]) if plan else t.micro_batch or 1
-    gas = int(plan["grad_accum"]) if plan else t.grad_accum or 1
-    # The plan's offload and ratio where it chose them (zero/ratio auto), else the spec's.
-    offload = str(plan.get("offload", p.offload)) if plan else p.offload
-    ratio = plan.get("offload_ratio", 1.0) if plan else p.offload_ratio
-    zero: dict[str, Any] = {"stage": stage}
-    if stage == 3:
-        zero["stage3_gather_16bit_weights_on_model_save"] = True
-    if offload in ("optimizer", "all"):
-        zero["offload_optimizer"] = _offload(spec)
-        if stage == 3 and isinstance(ratio, float) and ratio < 1:
-            from hpctrain.plan.memory import SUB_GROUP_SIZE  # the split the plan's estimate assumed
-
-            zero["offload_optimizer"]["ratio"] = ratio
-            zero["sub_group_size"] = SUB_GROUP_SIZE
-    if offload in ("param", "all") and stage == 3:
-        zero["offload_param"] = _offload(spec)
-    cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": gas,
-        "train_batch_size": micro * gas * dp,
-        "gradient_clipping": t.grad_clip,
-        "optimizer": {"type": "AdamW", "params": {"lr": t.lr, "betas": [0.9, 0.95], "eps": 1e-8,
-                                                  "weight_decay": t.weight_decay}},
-        "zero_optimization": zero,
-        "bf16": {"enabled": t.precision == "bf16"},
-        "fp16": {"enabled": t.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16,
-                 "loss_scale_window": 100, "hysteresis": 2, "min_loss_scale": 1},
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
+        raise NodeInputError(f"{folder.ds_config_json}: not valid JSON ({exc}). Fix: {_RECREATE}.") from exc
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("zero_optimization"), dict):
+        raise NodeInputError(f"{folder.ds_config_json}: not a DeepSpeed config (no zero_optimization block). "
+                             f"Fix: {_RECREATE}.")
+    for key in _NEEDED_INTS:  # the node sizes its data reader and the batch product from them
+        if not isinstance(cfg.get(key), int) or isinstance(cfg.get(key), bool) or cfg[key] < 1:
+            raise NodeInputError(f"{folder.ds_config_json}: {key} = {cfg.get(key)!r}: must be a positive integer. "
+                                 f"Fix: set it, or {_RECREATE}.")
     return cfg
 
 
-def _offload(spec: Spec) -> dict[str, Any]:
-    if spec.parallel.offload_device == "nvme":
-        return {"device": "nvme", "nvme_path": spec.parallel.nvme_path, "pin_memory": True}
-    return {"device": "cpu", "pin_memory": True}
+_NEEDED_INTS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def effective_ds_config(rendered: dict[str, Any], *, dp: int, universal: bool, use_gpu: bool,
+                        env: Mapping[str, str] | None = None) -> tuple[dict[str, Any], list[str]]:
+    """The config `deepspeed.initialize` gets on this allocation, and one line per edit of `rendered`.
+
+    Only what submit could not know is edited: the batch product when the data-parallel size differs
+    from the plan's (a resume on another number of ranks), `checkpoint.load_universal` when the resume
+    point was written at another size, and the AdamW implementation where the ranks run on other devices
+    than planned or an env-var knob asks for DeepSpeed's own (HPCTRAIN_CPU_ADAM on CPU ranks,
+    HPCTRAIN_DS_ADAM on GPU ranks). No edits: the config is `rendered`, unchanged.
+    """
+    env = os.environ if env is None else env
+    cfg = copy.deepcopy(rendered)
+    edits: list[str] = []
+    micro, gas = int(cfg["train_micro_batch_size_per_gpu"]), int(cfg["gradient_accumulation_steps"])
+    if "train_batch_size" in cfg and int(cfg["train_batch_size"]) != micro * gas * dp:
+        edits.append(f"train_batch_size {cfg['train_batch_size']} -> {micro * gas * dp}: this allocation has "
+                     f"dp {dp} (micro {micro} x accum {gas} x dp {dp})")
+        cfg["train_batch_size"] = micro * gas * dp
+    if universal:
+        cfg["checkpoint"] = {**cfg.get("checkpoint", {}), "load_universal": True}
+        edits.append("checkpoint.load_universal = true: the resume checkpoint was written at another "
+                     "data-parallel size")
+    edits += _adam_edits(cfg, use_gpu, env)
+    return cfg, edits
+
+
+def _adam_edits(cfg: dict[str, Any], use_gpu: bool, env: Mapping[str, str]) -> list[str]:
+    params = cfg.get("optimizer", {}).get("params")
+    if not isinstance(params, dict):
+        return []
+    drop: list[str] = []
+    why = ""
+    if not use_gpu and env.get("HPCTRAIN_CPU_ADAM"):
+        drop, why = ["torch_adam", "fused"], "HPCTRAIN_CPU_ADAM is set: DeepSpeed's own CPU Adam"
+    elif use_gpu and env.get("HPCTRAIN_DS_ADAM"):
+        drop, why = ["torch_adam", "fused"], "HPCTRAIN_DS_ADAM is set: DeepSpeed's own Adam"
+    elif not use_gpu and params.get("fused"):
+        drop, why = ["fused"], "planned for GPUs, running on CPU ranks (DS_ACCELERATOR=cpu): torch's foreach AdamW"
+    gone = [k for k in drop if k in params]
+    for k in gone:
+        del params[k]
+    return [f"optimizer.params.{k} removed: {why}" for k in gone]
+
+
+def record_effective(folder: RunFolder, cfg: dict[str, Any], edits: list[str]) -> None:
+    """ds_config.effective.json next to ds_config.json when the allocation edited the config; a stale one
+    from an earlier attempt is removed, so the file is there exactly when the two differ."""
+    if edits:
+        write_private(folder.ds_config_effective_json, json_text(cfg))
+    else:
+        folder.ds_config_effective_json.unlink(missing_ok=True)

@@ -16,14 +16,13 @@ from hpctrain.node.dist import DistEnv
 from hpctrain.node.metrics import MetricsWriter, host_mem_gb, host_peak_gb, log, step_line
 from hpctrain.node.runconf import (
     NodeInputError,
-    RunPaths,
-    activation_checkpointing,
-    build_ds_config,
+    effective_ds_config,
     read_ds_config,
-    read_planned,
+    read_plan,
     read_spec,
-    zero_stage,
+    record_effective,
 )
+from hpctrain.runs.folder import RunFolder
 from hpctrain.spec.model import Spec
 
 
@@ -46,11 +45,11 @@ class OtherRankFailed(Exception):
 class Prepared:
     """Everything checked and read before the process group exists (fast, no collective can hang)."""
 
-    paths: RunPaths
+    paths: RunFolder
     spec: Spec
     d: DistEnv
     use_gpu: bool
-    ds_config: dict[str, Any]
+    ds_config: dict[str, Any]  # exactly what deepspeed.initialize gets: ds_config.json + the allocation's edits
     zero: int
     dp: int
     micro: int
@@ -91,8 +90,8 @@ def prepare(run_dir: Path, d: DistEnv) -> Prepared:
     from hpctrain.node.model import check_model_inputs, hf_config
     from hpctrain.node.tokenize import load_tokenizer
 
-    paths = RunPaths(Path(run_dir))
-    spec = read_spec(paths.root)
+    paths = RunFolder(run_dir)
+    spec = read_spec(paths)
     use_gpu = spec.resources.gpus_per_node > 0 and os.environ.get("DS_ACCELERATOR", "") != "cpu"
     pp, tp = spec.parallel.pp, spec.parallel.tp
     if tp > 1 and pp > 1:
@@ -102,29 +101,34 @@ def prepare(run_dir: Path, d: DistEnv) -> Prepared:
                              "choose degrees dividing nodes * tasks_per_node.")
     dp = d.world_size // (pp * tp)
     check_model_inputs(spec.model)
+    plan = read_plan(paths)
     rendered = read_ds_config(paths)
-    # The plan's automatic choices matter only where the spec says "auto" (a rendered config has them).
-    autos = spec.train.activation_checkpointing == "auto" or rendered is None and "auto" in (
-        spec.parallel.zero, spec.parallel.offload_ratio)
-    plan = read_planned(paths.root, spec) if autos else None
-    cfg = rendered or build_ds_config(spec, dp, plan=plan)
-    zero = int(cfg.get("zero_optimization", {}).get("stage", zero_stage(spec)))
-    cfg = normalize_ds_config(cfg, dp, use_gpu)
-    if tp > 1:  # DeepSpeed's AutoTP shards the HF model's linear layers inside deepspeed.initialize
-        cfg["tensor_parallel"] = {**cfg.get("tensor_parallel", {}), "autotp_size": tp}
-        cfg.pop("train_batch_size", None)  # DeepSpeed checks it before it knows the tp groups: let it derive
-    micro, gas = int(cfg["train_micro_batch_size_per_gpu"]), int(cfg["gradient_accumulation_steps"])
-    resume = ckpt.find_resume(paths.checkpoints)
+    resume = ckpt.find_resume(paths.checkpoints_dir)
     universal = bool(resume) and ckpt.needs_universal(resume.meta, dp, pp, tp)  # type: ignore[union-attr]
-    if universal:
-        cfg["checkpoint"] = {**cfg.get("checkpoint", {}), "load_universal": True}
+    cfg = allocation_ds_config(paths, rendered, d, dp=dp, universal=universal, use_gpu=use_gpu)
+    zero = int(cfg["zero_optimization"]["stage"])
+    micro, gas = int(cfg["train_micro_batch_size_per_gpu"]), int(cfg["gradient_accumulation_steps"])
     if spec.train.precision == "fp16" and not use_gpu:
         _allow_cpu_fp16()
     hf_cfg = hf_config(spec.model)
     tok = load_tokenizer(spec.data.tokenizer)
     source = build_source(spec, tok, micro, int(hf_cfg.vocab_size), force_padded=pp > 1)
     return Prepared(paths, spec, d, use_gpu, cfg, zero, dp, micro, gas, hf_cfg, tok, source, resume, universal,
-                    activation_checkpointing(spec, plan))
+                    plan.activation_checkpointing)
+
+
+def allocation_ds_config(paths: RunFolder, rendered: dict[str, Any], d: DistEnv, *, dp: int, universal: bool,
+                         use_gpu: bool) -> dict[str, Any]:
+    """ds_config.json with this allocation's edits (runconf.effective_ds_config), each logged; rank 0
+    writes the result to ds_config.effective.json when there are any, so a user can diff the two."""
+    cfg, edits = effective_ds_config(rendered, dp=dp, universal=universal, use_gpu=use_gpu)
+    for edit in edits:
+        log.info("ds_config: %s", edit)
+    if d.rank == 0:
+        record_effective(paths, cfg, edits)
+        if edits:
+            log.info("ds_config: the config DeepSpeed gets is %s", paths.ds_config_effective_json)
+    return cfg
 
 
 def _allow_cpu_fp16() -> None:
@@ -142,38 +146,6 @@ def _allow_cpu_fp16() -> None:
         raise NodeInputError("[train] precision = \"fp16\": this CPU has no fp16 support and DeepSpeed refuses it. "
                              "Fix: use precision = \"bf16\" or \"fp32\" on CPU ranks.")
     acc.is_fp16_supported = lambda: True
-
-
-def normalize_ds_config(cfg: dict[str, Any], dp: int, use_gpu: bool) -> dict[str, Any]:
-    """Fix up a rendered config for this allocation: batch product, quiet logs, no JIT-built Adam on CPU."""
-    cfg = {**cfg}
-    micro = int(cfg.get("train_micro_batch_size_per_gpu", 1))
-    gas = int(cfg.get("gradient_accumulation_steps", 1))
-    cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"] = micro, gas
-    cfg["train_batch_size"] = micro * gas * dp  # the rendered value is wrong after a resume at another size
-    cfg.setdefault("steps_per_print", 10**9)
-    opt = cfg.get("optimizer")
-    if isinstance(opt, dict) and str(opt.get("type", "")).lower() in ("adam", "adamw"):
-        cfg["optimizer"] = {**opt, "params": {**opt.get("params", {}), **_torch_adam(cfg, use_gpu)}}
-    return cfg
-
-
-def _torch_adam(cfg: dict[str, Any], use_gpu: bool) -> dict[str, Any]:
-    """Optimizer params that make DeepSpeed build torch's AdamW instead of a JIT-compiled op.
-
-    DeepSpeed's FusedAdam (GPU) and DeepSpeedCPUAdam cost a JIT compile on every fresh node or container
-    (40-90 s, and nvcc on the compute node for FusedAdam). torch ships a fused CUDA AdamW that runs at the
-    same memory-bound pace, so GPU ranks without optimizer offload use it. With offload the optimizer
-    runs on the host, where DeepSpeedCPUAdam is ~5x faster than torch's (5.35 vs 0.97 Gparam/s on 16
-    H200-host cores), so it stays. CPU ranks: torch's (foreach) AdamW, unless HPCTRAIN_CPU_ADAM asks for
-    DeepSpeed's.
-    """
-    if not use_gpu:
-        return {} if os.environ.get("HPCTRAIN_CPU_ADAM") else {"torch_adam": True}
-    zero = cfg.get("zero_optimization") or {}
-    if zero.get("offload_optimizer") or os.environ.get("HPCTRAIN_DS_ADAM"):
-        return {}
-    return {"torch_adam": True, "fused": True}
 
 
 def lr_lambda(spec: Spec) -> Callable[[int], float]:
@@ -261,21 +233,21 @@ def resume(p: Prepared, engine: Any) -> tuple[int, int, float]:
             log.info("checkpoint %s has dp=%s, this run dp=%d: converting to a universal checkpoint",
                      tag, p.resume.meta.get("dp"), p.dp)
             try:
-                tag = ckpt.convert_universal(p.paths.checkpoints, tag, p.zero)
+                tag = ckpt.convert_universal(p.paths.checkpoints_dir, tag, p.zero)
             except Exception as exc:  # noqa: BLE001 - reported below, after every rank knows
                 error = exc
         if not agree(error is None):
             raise error or OtherRankFailed()
         tag = f"universal-{p.resume.tag}"
     try:
-        path, client = engine.load_checkpoint(str(p.paths.checkpoints), tag=tag, load_module_strict=True,
+        path, client = engine.load_checkpoint(str(p.paths.checkpoints_dir), tag=tag, load_module_strict=True,
                                               load_optimizer_states=True, load_lr_scheduler_states=True)
         if path is None:
-            raise NodeInputError(f"{p.paths.checkpoints / tag}: DeepSpeed found no checkpoint to load there.")
+            raise NodeInputError(f"{p.paths.checkpoints_dir / tag}: DeepSpeed found no checkpoint to load there.")
     except NodeInputError as exc:
         error = exc
     except Exception as exc:  # noqa: BLE001 - any load failure becomes one message, on every rank
-        error = NodeInputError(f"{p.paths.checkpoints / tag}: cannot load checkpoint ({type(exc).__name__}: {exc}). "
+        error = NodeInputError(f"{p.paths.checkpoints_dir / tag}: cannot load checkpoint ({type(exc).__name__}: {exc}). "
                                "Fix: delete that folder (and `latest`) to resume from an earlier checkpoint.")
     if not agree(error is None):
         raise error or OtherRankFailed()
@@ -333,7 +305,7 @@ def run_training(p: Prepared, stop: StopFlag) -> tuple[Any, LoopState]:
 
     # Per-rank beats for the hang watchdog (hpctrain.fault.watchdog): they name the rank that stops advancing.
     hang_s = float(getattr(p.spec.launch, "hang_timeout_s", 300) or 300)
-    beat = RankBeat(p.paths.metrics, p.d.rank, interval_s=min(10.0, max(1.0, hang_s / 5))).start()
+    beat = RankBeat(p.paths.metrics_dir, p.d.rank, interval_s=min(10.0, max(1.0, hang_s / 5))).start()
     try:
         return _train(p, stop, beat)
     except StopRequested:
@@ -353,7 +325,7 @@ def _train(p: Prepared, stop: StopFlag, beat: Any) -> tuple[Any, LoopState]:
     from hpctrain.node.model import flops_per_token
 
     engine, n_params = build_engine(p)
-    metrics = MetricsWriter(p.paths.metrics, p.d.rank)
+    metrics = MetricsWriter(p.paths.metrics_dir, p.d.rank)
     step0, cursor0, tokens_seen = resume(p, engine)
     st = LoopState(step0, cursor0, step0, tokens_seen, time.time(), beat=beat, io=install_writer(p, engine, n_params))
     beat.set(step0, "compute")
@@ -475,7 +447,7 @@ def save_now(p: Prepared, engine: Any, st: LoopState, wait: bool = True) -> ckpt
 
     # Test hook: HPCTRAIN_FAULT_INJECT="ckpt-crash:step=N" kills every rank with the checkpoint half written.
     midway = lambda: inject("checkpoint", st.step, st.step0, p.d.rank, log)
-    stats = ckpt.save(engine, p.paths.checkpoints, st.step, client, meta, p.spec.checkpoint.keep, midway=midway,
+    stats = ckpt.save(engine, p.paths.checkpoints_dir, st.step, client, meta, p.spec.checkpoint.keep, midway=midway,
                       io=st.io, wait=wait)
     if st.beat is not None:
         st.beat.set(st.step, "reduce")
@@ -545,7 +517,7 @@ def finish(p: Prepared, engine: Any, st: LoopState) -> None:
     """Final eval loss (the check an export must reproduce), then the HF export on rank 0."""
     import torch
 
-    metrics = MetricsWriter(p.paths.metrics, p.d.rank)
+    metrics = MetricsWriter(p.paths.metrics_dir, p.d.rank)
     cursor = st.cursor0 + (st.step - st.step0) * p.gas * p.dp
     eval_loss = None
     if p.spec.parallel.pp == 1:
@@ -569,7 +541,7 @@ def finish(p: Prepared, engine: Any, st: LoopState) -> None:
         from hpctrain.node.export import export_hf
 
         t0 = time.time()
-        out = export_hf(p.paths.root, tag=f"step-{st.step}")
+        out = export_hf(p.paths.path, tag=f"step-{st.step}")
         record.update(export=str(out), export_s=time.time() - t0)
         log.info("exported Hugging Face model to %s in %.1f s", out, record["export_s"])
     metrics.event(record)

@@ -11,7 +11,7 @@ Its purpose is to refuse hopeless plans and to pick the fastest setting that fit
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -235,6 +235,35 @@ class Plan:
         """Deterministic JSON (sorted keys) for plan.json and `hpctrain plan --json`."""
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
 
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """The Plan that `to_json` wrote. Raises ValueError naming what is wrong (not JSON, unknown or
+        missing keys, wrong types), so a reader can say which file to re-create."""
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"expected a JSON object, got {type(data).__name__}")  # noqa: TRY004 - one error type
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ValueError(f"unknown key(s) {unknown}; valid keys: {', '.join(sorted(known))}")
+        try:
+            plan = cls(**data)
+        except TypeError as exc:  # a required key missing
+            raise ValueError(str(exc)) from None
+        for name, f in known.items():
+            value = getattr(plan, name)
+            want = _JSON_TYPES[str(f.type)]
+            if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+                raise ValueError(f"{name} = {value!r}: expected {f.type!s}")
+        return plan
+
+
+# Plan's field annotations (strings under `from __future__ import annotations`) -> JSON value types.
+_JSON_TYPES: dict[str, type | tuple[type, ...]] = {
+    "int": int, "str": str, "bool": bool, "float": (int, float),
+    "dict[str, Any]": dict, "list[str]": list, "list[dict[str, Any]]": list,
+}
+
 
 def _degrees(spec: Spec) -> tuple[int, int, int]:
     p, r = spec.parallel, spec.resources
@@ -333,8 +362,3 @@ def make_plan(spec: Spec) -> Plan:
                 reasons=reasons, device="gpu" if r.gpus_per_node else "cpu", precision=t.precision,
                 model=arch, options=[asdict(e) for e in options], offload_ratio=chosen.offload_ratio,
                 activation_checkpointing=chosen.activation_checkpointing)
-
-
-def read_plan(run_dir: str | Path) -> dict[str, Any]:
-    """RUN_DIR/plan.json as a dict (the node reads zero_stage and batch sizes from it)."""
-    return dict(json.loads((Path(run_dir) / "plan.json").read_text(encoding="utf-8")))

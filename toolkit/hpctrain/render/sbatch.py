@@ -1,4 +1,4 @@
-"""Pure functions from (spec, plan) to the files a job runs: sbatch.sh, hostfile, ds_config.json.
+"""Pure functions from (spec, plan) to the job's scripts: sbatch.sh and the hostfile (ds_config.json: deepspeed.py).
 
 Jinja2 lives here only. The environment uses StrictUndefined (a missing variable is an error, not an
 empty string) and a `shquote` filter: every value that reaches the shell goes through shlex.quote,
@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any
 from hpctrain import __version__
 from hpctrain.errors import HpcUsageError, bad_value
 from hpctrain.nodelist import rendezvous_port_shell
-from hpctrain.plan.memory import SUB_GROUP_SIZE
 from hpctrain.render import containers
+from hpctrain.runs.folder import RunFolder
 from hpctrain.spec.model import Spec
-from hpctrain.spec.rules import partial_offload_ok, secret_names
+from hpctrain.spec.rules import secret_names
 
 if TYPE_CHECKING:
     import jinja2
@@ -340,7 +340,7 @@ def render_sbatch(spec: Spec, plan: Plan, run_dir: Path, command: str, *, array:
     where the node entry runs instead of submitit's pickled job.
     """
     run_dir = Path(run_dir)
-    folder = Path(submitit_folder) if submitit_folder else run_dir / "submitit"
+    folder = Path(submitit_folder) if submitit_folder else RunFolder(run_dir).submitit_dir
     dirs = [Path(d) for d in run_dirs] if run_dirs else [run_dir]
     if array and not run_dirs and "%a" not in str(run_dir):
         raise ValueError("render_sbatch: an array needs run_dirs, or a run_dir pattern holding %a")
@@ -372,71 +372,3 @@ def _watchdog_line(spec: Spec, plan: Plan, command: str, python: str | None) -> 
     py = shlex.quote(shlex.split(command)[0]) if command.strip() else str(python)
     return (f'{py} -m hpctrain.fault.supervisor watch "$HPCTRAIN_RUN_DIR" --timeout {spec.launch.hang_timeout_s} '
             f"--world {plan.world_size}")
-
-
-# --------------------------------------------------------------------------------------------------
-# ds_config.json
-
-def _offload_block(spec: Spec) -> dict[str, Any]:
-    p = spec.parallel
-    block: dict[str, Any] = {"device": p.offload_device, "pin_memory": True}
-    if p.offload_device == "nvme":
-        block["nvme_path"] = p.nvme_path
-    return block
-
-
-def _zero_block(spec: Spec, plan: Plan) -> dict[str, Any]:
-    """zero_optimization with bucket sizes scaled to the hidden size (HF's "auto" rule, h*h)."""
-    stage, h = plan.zero_stage, int(plan.model.get("hidden", 1024))
-    zero: dict[str, Any] = {"stage": stage}
-    if stage == 0:
-        return zero
-    zero.update({"overlap_comm": plan.device == "gpu", "contiguous_gradients": True,
-                 "reduce_bucket_size": h * h})
-    if stage in (1, 2):
-        zero.update({"allgather_partitions": True, "allgather_bucket_size": h * h, "reduce_scatter": True})
-    if stage == 3:
-        zero.update({"stage3_prefetch_bucket_size": int(0.9 * h * h), "stage3_param_persistence_threshold": 10 * h,
-                     "stage3_max_live_parameters": 10**9, "stage3_max_reuse_distance": 10**9,
-                     "stage3_gather_16bit_weights_on_model_save": True})
-    if plan.offload in ("optimizer", "all"):
-        zero["offload_optimizer"] = _offload_block(spec)
-        if plan.offload_ratio < 1 and partial_offload_ok(stage, plan.offload, spec.parallel.offload_device):
-            # Partial offload (ZeRO-3 only): DeepSpeed keeps the first int((1 - ratio) * n) of its n optimizer
-            # sub-groups on the GPU. The plan's estimate counted whole sub-groups of this size: say it.
-            zero["offload_optimizer"]["ratio"] = plan.offload_ratio
-            zero["sub_group_size"] = SUB_GROUP_SIZE
-    if plan.offload in ("param", "all"):
-        zero["offload_param"] = _offload_block(spec)
-    return zero
-
-
-def render_ds_config(spec: Spec, plan: Plan) -> dict[str, Any]:
-    """DeepSpeed config in DeepSpeed's own schema. The optimizer block stays minimal: the node
-    builds the LR schedule itself. On CPU ranks without CPU offload, "torch_adam" avoids
-    JIT-compiling FusedAdam (41 s and 2 GB on a CPU node)."""
-    t = spec.train
-    params: dict[str, Any] = {"lr": t.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": t.weight_decay}
-    if plan.device == "cpu" and plan.offload == "none":
-        params["torch_adam"] = True
-    cfg: dict[str, Any] = {
-        "train_batch_size": plan.global_batch,
-        "train_micro_batch_size_per_gpu": plan.micro_batch,
-        "gradient_accumulation_steps": plan.grad_accum,
-        "gradient_clipping": t.grad_clip,
-        "optimizer": {"type": "AdamW", "params": params},
-        "zero_optimization": _zero_block(spec, plan),
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
-    if t.precision == "bf16":
-        cfg["bf16"] = {"enabled": True}
-    elif t.precision == "fp16":
-        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
-                       "hysteresis": 2, "min_loss_scale": 1}
-    if plan.tp > 1:  # DeepSpeed AutoTP: shards Linear layers inside a node
-        cfg["tensor_parallel"] = {"autotp_size": plan.tp}
-    if plan.pp > 1:
-        cfg["pipeline"] = {"stages": plan.pp, "partition": "parameters", "seed_layers": False,
-                           "activation_checkpoint_interval": 1 if plan.activation_checkpointing else 0}
-    return cfg

@@ -1,13 +1,19 @@
 """Run folders: one private directory per run, created whole or not at all.
 
-Layout (DESIGN.md "Job folder"):
+Layout (the run folder is the contract between the login side and the ranks):
 
     <runs_dir>/<run_id>/
-      spec.toml plan.json sbatch.sh ds_config.json hostfile
-      submitit/ logs/ metrics/ checkpoints/
+      spec.toml                 the resolved request, exactly as dispatched
+      plan.json                 the plan (`Plan.from_json` reads it back)
+      ds_config.json            the DeepSpeed config as built at submit (hpctrain.render.deepspeed)
+      ds_config.effective.json  only when the allocation changed something; the node logs each edit
+      sbatch.sh                 the batch script
+      hostfile                  written on the allocation from SLURM_JOB_NODELIST
+      submitit/ logs/ metrics/ checkpoints/ hf/
       attempts.jsonl summary.json
 
-Stdlib only: the CLI imports this on the login node.
+Every path into a run folder goes through `RunFolder`; the checkpoint rules live in
+`hpctrain.runs.checkpoints`. Stdlib only: the CLI imports this on the login node, the ranks too.
 """
 
 from __future__ import annotations
@@ -23,8 +29,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+SPEC_TOML = "spec.toml"
+PLAN_JSON = "plan.json"
+DS_CONFIG_JSON = "ds_config.json"
+DS_CONFIG_EFFECTIVE_JSON = "ds_config.effective.json"
+SBATCH_SH = "sbatch.sh"
+HOSTFILE = "hostfile"
+ATTEMPTS_JSONL = "attempts.jsonl"
+SUMMARY_JSON = "summary.json"
+SUBMITIT, LOGS, METRICS, CHECKPOINTS, EXPORT = "submitit", "logs", "metrics", "checkpoints", "hf"
+# Inside metrics/: the rank-0 step records, the heartbeat, the node's structured events, the watchdog's verdicts.
+METRICS_JSONL, HEARTBEAT, EVENTS_JSONL, WATCHDOG_JSONL = "metrics.jsonl", "heartbeat", "events.jsonl", "watchdog.jsonl"
 # Sub-folders every run folder has from the start, so the node never races to create them.
-SUBDIRS = ("submitit", "logs", "metrics", "checkpoints")
+SUBDIRS = (SUBMITIT, LOGS, METRICS, CHECKPOINTS)
 _NAME_BAD = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
@@ -72,55 +89,77 @@ class RunFolder:
 
     @property
     def spec_toml(self) -> Path:
-        return self.path / "spec.toml"
+        return self.path / SPEC_TOML
 
     @property
     def plan_json(self) -> Path:
-        return self.path / "plan.json"
+        return self.path / PLAN_JSON
 
     @property
     def sbatch_sh(self) -> Path:
-        return self.path / "sbatch.sh"
+        return self.path / SBATCH_SH
 
     @property
     def ds_config_json(self) -> Path:
-        return self.path / "ds_config.json"
+        return self.path / DS_CONFIG_JSON
+
+    @property
+    def ds_config_effective_json(self) -> Path:
+        return self.path / DS_CONFIG_EFFECTIVE_JSON
 
     @property
     def hostfile(self) -> Path:
-        return self.path / "hostfile"
+        return self.path / HOSTFILE
 
     @property
     def submitit_dir(self) -> Path:
-        return self.path / "submitit"
+        return self.path / SUBMITIT
 
     @property
     def logs_dir(self) -> Path:
-        return self.path / "logs"
+        return self.path / LOGS
 
     @property
     def metrics_dir(self) -> Path:
-        return self.path / "metrics"
+        return self.path / METRICS
+
+    @property
+    def events_jsonl(self) -> Path:
+        """The node's structured events (start, checkpoint, signal, finished), next to its metrics."""
+        return self.metrics_dir / EVENTS_JSONL
+
+    @property
+    def watchdog_jsonl(self) -> Path:
+        return self.metrics_dir / WATCHDOG_JSONL
+
+    @property
+    def export_dir(self) -> Path:
+        """The consolidated Hugging Face model (`hpctrain export`, checkpoint.export_hf)."""
+        return self.path / EXPORT
 
     @property
     def metrics_jsonl(self) -> Path:
-        return self.metrics_dir / "metrics.jsonl"
+        return self.metrics_dir / METRICS_JSONL
 
     @property
     def heartbeat(self) -> Path:
-        return self.metrics_dir / "heartbeat"
+        return self.metrics_dir / HEARTBEAT
 
     @property
     def checkpoints_dir(self) -> Path:
-        return self.path / "checkpoints"
+        return self.path / CHECKPOINTS
 
     @property
     def attempts_jsonl(self) -> Path:
-        return self.path / "attempts.jsonl"
+        return self.path / ATTEMPTS_JSONL
 
     @property
     def summary_json(self) -> Path:
-        return self.path / "summary.json"
+        return self.path / SUMMARY_JSON
+
+    def is_run_folder(self) -> bool:
+        """A folder hpctrain made: it has a spec.toml (or, for an old run, an attempts.jsonl)."""
+        return self.path.is_dir() and (self.spec_toml.is_file() or self.attempts_jsonl.exists())
 
     def rank_log(self, attempt: int, rank: int) -> Path:
         return self.logs_dir / f"attempt-{attempt}.rank-{rank}.log"
@@ -132,6 +171,12 @@ class RunFolder:
         return read_attempts(self.attempts_jsonl)
 
 
+def json_text(obj: Any) -> str:
+    """The run folder's JSON files (ds_config.json, ds_config.effective.json): sorted keys, indented, so
+    two of them diff line by line."""
+    return json.dumps(obj, indent=2, sort_keys=True) + "\n"
+
+
 def write_private(path: Path, text: str) -> None:
     """Write `text` via a temp file + rename (readers never see half a file), mode 0600: run folders
     hold scripts and specs that are the user's alone."""
@@ -140,6 +185,20 @@ def write_private(path: Path, text: str) -> None:
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
         fh.write(text)
     os.replace(tmp, path)
+
+
+def write_run_files(path: Path | str, files: dict[str, str]) -> Path:
+    """Write `files` (relative name -> text) into the folder `path`, created when missing (mode 0700,
+    files 0600, each replaced atomically). What else is there stays (checkpoints, logs, metrics: a
+    resubmission, a test's run resumed with a changed spec); the ranks create the sub-folders they
+    write, so a dry run's --out folder holds the files alone."""
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for rel, text in files.items():
+        target = _inside(root, rel)
+        target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        write_private(target, text)
+    return root
 
 
 def create_run_folder_atomically(runs_dir: Path | str, run_id: str, files: dict[str, str]) -> Path:
@@ -195,12 +254,16 @@ def remove_run_folder(path: Path | str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _write_inside(root: Path, rel: str, text: str) -> None:
-    # The temp dir is fresh (no symlinks in it), so a lexical check is enough and avoids resolve().
+def _inside(root: Path, rel: str) -> Path:
+    # Names come from hpctrain itself; a lexical check is enough and avoids resolve().
     norm = os.path.normpath(rel)
     if os.path.isabs(norm) or norm == ".." or norm.startswith("../") or norm == ".":
         raise ValueError(f"run folder file name escapes the folder: {rel!r}")
-    target = root / norm
+    return root / norm
+
+
+def _write_inside(root: Path, rel: str, text: str) -> None:
+    target = _inside(root, rel)  # the temp dir is fresh: no symlinks in it
     target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as fh:

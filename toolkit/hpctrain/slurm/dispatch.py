@@ -202,10 +202,10 @@ def _submit_slurm(dirs: list[Path], spec: Spec, plan: Plan, mode: str) -> list[S
 
     _check_fits(spec, plan)
     if len(dirs) == 1:
-        folder, links = dirs[0] / "submitit", None
+        folder, links = runs_mod.RunFolder(dirs[0]).submitit_dir, None
     else:
         links = _make_sweep_links(dirs)
-        folder = links / "%a" / "submitit"
+        folder = runs_mod.RunFolder(links / "%a").submitit_dir
     try:
         job_ids = _submit_pickled(dirs, spec, plan, mode, folder, staging=links or folder)
     except _slurm.SbatchRejected as exc:
@@ -392,12 +392,12 @@ def _submit_local(dirs: list[Path], spec: Spec, plan: Plan, mode: str) -> list[S
 
     subs = []
     for d in dirs:
-        ex = submitit.LocalExecutor(folder=d / "submitit")
+        ex = submitit.LocalExecutor(folder=runs_mod.RunFolder(d).submitit_dir)
         ex.update_parameters(tasks_per_node=plan.ranks_per_node, nodes=1,
                              timeout_min=time_minutes(spec.resources.time),
                              gpus_per_node=spec.resources.gpus_per_node,
                              signal_delay_s=spec.resources.signal_seconds)
-        with _stdio_to(d / "submitit" / "controller.log"):
+        with _stdio_to(runs_mod.RunFolder(d).submitit_dir / "controller.log"):
             job = ex.submit(NodeJob(str(d), mode))
         subs.append(Submitted(run_id=d.name, run_dir=d, job_id=str(job.job_id), executor="local"))
     return subs
@@ -433,7 +433,7 @@ def local_state(run_dir: Path, job_id: str) -> tuple[str, str | None]:
     pid = int(job_id) if job_id.isdigit() else -1
     if pid > 0 and _alive(pid) and _is_local_controller(pid, run_dir):
         return JobState.RUNNING, None
-    results = sorted((run_dir / "submitit").glob(f"{job_id}_*_result.pkl"))
+    results = sorted(runs_mod.RunFolder(run_dir).submitit_dir.glob(f"{job_id}_*_result.pkl"))
     if not results:
         return JobState.FAILED, "no result file (killed?)"
     import pickle

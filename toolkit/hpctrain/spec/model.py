@@ -473,7 +473,9 @@ def from_toml_text(text: str) -> Spec:
 
 def read_resolved(run_dir: str | Path) -> Spec:
     """Read RUN_DIR/spec.toml, the request exactly as dispatched (used by the node)."""
-    return from_toml_text((Path(run_dir) / "spec.toml").read_text(encoding="utf-8"))
+    from hpctrain.runs.folder import RunFolder
+
+    return from_toml_text(RunFolder(run_dir).spec_toml.read_text(encoding="utf-8"))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,4 +1,8 @@
-"""Helpers for the node tests and the benchmarks: tiny run folders and multi-rank launches."""
+"""Helpers for the node tests and the benchmarks: tiny run folders and multi-rank launches.
+
+Run folders are written by `hpctrain.render.runfolder.write_run_folder`, the function `hpctrain submit`
+uses, so the node under test reads the spec.toml, plan.json and ds_config.json a real run has.
+"""
 
 from __future__ import annotations
 
@@ -66,16 +70,37 @@ TINY: dict[str, Any] = {
 }
 
 
-def make_run(root: Path, **sections: dict[str, Any]) -> Path:
-    """A run folder with spec.toml = TINY updated section by section."""
+def tiny_tables(**sections: Any) -> dict[str, Any]:
+    """TINY updated section by section (a section's keys replace TINY's; other keys stay)."""
     tables = {k: (dict(v) if isinstance(v, dict) else v) for k, v in TINY.items()}
     for name, body in sections.items():
         if isinstance(body, dict):
             tables.setdefault(name, {}).update(body)
         else:
             tables[name] = body
+    return tables
+
+
+def make_run(root: Path, **sections: Any) -> Path:
+    """The run folder `hpctrain submit` would write for TINY updated section by section: spec.toml,
+    plan.json, ds_config.json. On an existing folder (a resume with a changed spec) the three are
+    rewritten and the checkpoints, logs and metrics stay."""
+    from hpctrain.plan.planner import make_plan
+    from hpctrain.render.runfolder import write_run_folder
+    from hpctrain.spec.model import from_toml_text
+
+    spec = from_toml_text(spec_toml(tiny_tables(**sections)))
+    write_run_folder(root, spec, make_plan(spec))
+    return root
+
+
+def spec_only(root: Path, **sections: Any) -> Path:
+    """A folder holding only a spec.toml, as a user might have edited it: what the node does with input
+    that `hpctrain submit` would have refused."""
+    from hpctrain.runs.folder import RunFolder
+
     root.mkdir(parents=True, exist_ok=True)
-    (root / "spec.toml").write_text(spec_toml(tables))
+    RunFolder(root).spec_toml.write_text(spec_toml(tiny_tables(**sections)))
     return root
 
 
@@ -97,12 +122,16 @@ def torchrun(run_dir: Path, nproc: int, *, timeout: float = 180, env: dict[str, 
 
 
 def metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics" / "metrics.jsonl"
+    from hpctrain.runs.folder import RunFolder
+
+    path = RunFolder(run_dir).metrics_jsonl
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def events(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics" / "events.jsonl"
+    from hpctrain.runs.folder import RunFolder
+
+    path = RunFolder(run_dir).events_jsonl
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
