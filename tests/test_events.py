@@ -194,8 +194,8 @@ def test_stop_on_signal_is_a_stop_event(tmp_path: Path, signum: int, cls: str | 
     """StopRequested, and submitit declining to requeue (its UncompletedJobError, known by class), are stops
     on the signal: a `stop` event with the signal's class, never a python_exception."""
     from hpctrain.node import main
-    from hpctrain.runs.folder import RunFolder
     from hpctrain.node.train import StopRequested
+    from hpctrain.runs.folder import RunFolder
 
     class UncompletedJobError(Exception):
         pass

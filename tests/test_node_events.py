@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from hpctrain.collect import summary as collect
-from runkit import make_run, torchrun
 from hpctrain.runs import events
+from runkit import make_run, torchrun
 
 pytestmark = pytest.mark.deepspeed
 
