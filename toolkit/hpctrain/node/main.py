@@ -51,9 +51,7 @@ def run(run_dir: str, mode: str = "train") -> int:
         prep = train.prepare(paths.root, d)  # every input checked before any collective can hang
         dist.init_process_group(d, prep.use_gpu, timeout_min=float(_env_float("DEEPSPEED_TIMEOUT", 10)))
         initialized = True
-        stop = train.StopFlag()
-        stop.install()
-        engine, state = train.run_training(prep, stop)
+        engine, state = train.run_training(prep)
         train.finish(prep, engine, state)
         # Free the engine (and the process-group handles it holds) now, while the interpreter is whole:
         # left to interpreter shutdown, gloo's threads were once torn down out of order (see _teardown).
