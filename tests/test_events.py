@@ -92,7 +92,7 @@ def test_node_failure_on_bad_input_writes_the_event(tmp_path: Path, monkeypatch:
 def test_exceptions_are_classified_by_class_not_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     from hpctrain.node.main import PreflightFailed, failure_of
     from hpctrain.node.runconf import NodeInputError
-    from hpctrain.node.train import OtherRankFailed
+    from hpctrain.node.dist import OtherRankFailed
 
     class OutOfMemoryError(RuntimeError):
         pass
@@ -194,7 +194,7 @@ def test_stop_on_signal_is_a_stop_event(tmp_path: Path, signum: int, cls: str | 
     """StopRequested, and submitit declining to requeue (its UncompletedJobError, known by class), are stops
     on the signal: a `stop` event with the signal's class, never a python_exception."""
     from hpctrain.node import main
-    from hpctrain.node.train import StopRequested
+    from hpctrain.node.checkpointer import StopRequested
     from hpctrain.runs.folder import RunFolder
 
     class UncompletedJobError(Exception):

@@ -288,7 +288,7 @@ def test_fused_adamw_steps_follow_their_parameters() -> None:
 
     import torch
 
-    from hpctrain.node.train import align_optimizer_steps
+    from hpctrain.node.checkpointer import align_optimizer_steps
 
     p = torch.nn.Parameter(torch.zeros(4))
     opt = torch.optim.AdamW([p], fused=True)

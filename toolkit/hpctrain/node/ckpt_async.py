@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
-from hpctrain.node.checkpoint import fsync_path
+from hpctrain.node.checkpoint import fsync_path, write_file
 
 DONE_DIR = ".done"
 CHUNK = 64 << 20  # smallest host buffer allocated at once
@@ -146,58 +146,6 @@ def _copy_tensor(t: torch.Tensor, arena: Arena, memo: dict[Any, Any]) -> torch.T
     if t.requires_grad:
         out.requires_grad_(True)
     return out
-
-
-WRITEBACK = 256 << 20
-_CRC_LOCK = threading.Lock()
-
-
-class _Sink:
-    """What torch.save writes into: unbuffered os.write (the GIL is released while the kernel copies),
-    and every WRITEBACK bytes the kernel is told to start writing the pages out (POSIX_FADV_DONTNEED
-    starts writeback of dirty pages and drops clean ones). Without it the page cache holds up to
-    dirty_background_ratio of RAM (~12 GB on a 128 GB host) before any writeback starts, and the final
-    fsync then writes most of the checkpoint at disk speed after the copy instead of during it."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.pos = 0
-        self.hinted = 0
-
-    def write(self, data: Any) -> int:
-        mv = memoryview(data).cast("B")
-        off = 0
-        while off < len(mv):
-            off += os.write(self.fd, mv[off:off + (1 << 30)])
-        self.pos += off
-        if self.pos - self.hinted >= WRITEBACK and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(self.fd, self.hinted, self.pos - self.hinted, os.POSIX_FADV_DONTNEED)
-            self.hinted = self.pos
-        return off
-
-    def flush(self) -> None:
-        pass
-
-
-def write_file(state: Any, path: Path) -> int:
-    """torch.save (zip format, as DeepSpeed writes and loads it) + fsync; returns the file's size."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        sink = _Sink(fd)
-        # No CRC32 per record: it halves the write speed of one core (1.8 -> 0.6-1.0 GB/s measured here),
-        # and torch.load does not check it. Partial files are caught by the manifest's sizes and the
-        # zip directory check (checkpoint.validate_files). The option is global: restored right after.
-        with _CRC_LOCK:
-            crc = torch.serialization.get_crc32_options()
-            torch.serialization.set_crc32_options(False)
-            try:
-                torch.save(state, sink)  # type: ignore[arg-type]
-            finally:
-                torch.serialization.set_crc32_options(crc)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return sink.pos
 
 
 def wait_markers(tmp: Path, world: int, deadline: float) -> None:

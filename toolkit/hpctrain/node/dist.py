@@ -1,4 +1,4 @@
-"""Distributed start: who am I (rank, world, master) and the process group.
+"""Distributed start: who am I (rank, world, master), the process group, and the one agreement collective.
 
 Three launchers set three different environments; all five torch variables (RANK WORLD_SIZE
 MASTER_ADDR MASTER_PORT LOCAL_RANK) are exported before `deepspeed.init_distributed`, because with any
@@ -11,6 +11,7 @@ import dataclasses
 import os
 import socket
 from collections.abc import Mapping, MutableMapping
+from typing import Any
 
 from hpctrain.nodelist import expand, rendezvous_port
 
@@ -145,3 +146,27 @@ def init_process_group(d: DistEnv, use_gpu: bool, timeout_min: float) -> None:
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
                                timeout=datetime.timedelta(minutes=timeout_min), rank=d.rank,
                                world_size=d.world_size)
+
+
+class OtherRankFailed(Exception):
+    """Another rank hit an error; this rank stops without a message of its own."""
+
+
+def comm_device() -> Any:
+    """Where collective tensors must live: the GPU for NCCL, the host for gloo (init_process_group's choice)."""
+    import torch
+    import torch.distributed as tdist
+
+    if tdist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree(ok: bool) -> bool:
+    """All ranks learn whether every rank succeeded (one all_reduce), so none waits in a collective."""
+    import torch
+    import torch.distributed as tdist
+
+    flag = torch.tensor([0.0 if ok else 1.0], device=comm_device())
+    tdist.all_reduce(flag)
+    return flag.item() == 0

@@ -18,9 +18,10 @@ import traceback
 from pathlib import Path
 
 from hpctrain.node import dist, preflight
+from hpctrain.node.checkpointer import StopFlag, StopRequested
+from hpctrain.node.dist import OtherRankFailed
 from hpctrain.node.metrics import attempt_number, log, setup_logging
 from hpctrain.node.runconf import NodeInputError, read_spec
-from hpctrain.node.train import OtherRankFailed, StopFlag, StopRequested
 from hpctrain.runs import events
 from hpctrain.runs.folder import RunFolder
 from hpctrain.states import ExitCode, FailureClass
@@ -59,8 +60,8 @@ def run(run_dir: str, mode: str = "train") -> int:
         prep = train.prepare(paths.path, d)  # every input checked before any collective can hang
         dist.init_process_group(d, prep.use_gpu, timeout_min=float(_env_float("DEEPSPEED_TIMEOUT", 10)))
         initialized = True
-        stop = train.StopFlag()
-        stop.install()
+        stop = StopFlag()
+        stop.install()  # before the engine build: a signal during it is acted on at the first step boundary
         engine, state = train.run_training(prep, stop)
         train.finish(prep, engine, state)
         # Free the engine (and the process-group handles it holds) now, while the interpreter is whole:

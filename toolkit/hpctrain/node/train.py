@@ -1,18 +1,19 @@
-"""The training loop every rank runs: checks, DeepSpeed engine, steps, checkpoints, metrics, export."""
+"""The training loop every rank runs: checks, DeepSpeed engine, steps, metrics, export; checkpoints and resume
+through node/checkpointer.py."""
 
 from __future__ import annotations
 
 import math
 import os
-import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hpctrain.node import checkpoint as ckpt
-from hpctrain.node.dist import DistEnv
+from hpctrain.node.checkpointer import Checkpointer, Progress, StopFlag, StopRequested
+from hpctrain.node.dist import DistEnv, comm_device
 from hpctrain.node.metrics import MetricsWriter, host_mem_gb, host_peak_gb, log, step_line
 from hpctrain.node.runconf import (
     NodeInputError,
@@ -24,21 +25,6 @@ from hpctrain.node.runconf import (
 )
 from hpctrain.runs.folder import RunFolder
 from hpctrain.spec.model import Spec
-
-
-def main(run_dir: str) -> int:
-    """The contract's `hpctrain.node.train.main(run_dir)`: preflight + training, as `main.run(run_dir, "train")`."""
-    from hpctrain.node.main import run
-
-    return run(run_dir, "train")
-
-
-class StopRequested(Exception):
-    """Training stopped after a checkpoint because SLURM signalled (time limit near, or preemption)."""
-
-
-class OtherRankFailed(Exception):
-    """Another rank hit an error; this rank stops without a message of its own."""
 
 
 @dataclass
@@ -60,27 +46,6 @@ class Prepared:
     resume: ckpt.ResumePoint | None
     universal: bool
     checkpointing: bool = False  # activation checkpointing: the spec's value, or the plan's for "auto"
-
-
-@dataclass
-class StopFlag:
-    """Set from a signal handler; acted on at the next step boundary, when all ranks agree."""
-
-    signum: int = 0
-    previous: dict[int, Any] = field(default_factory=dict)
-
-    def install(self) -> None:
-        for sig in (signal.SIGUSR2, signal.SIGTERM):
-            self.previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.signum = signum
-
-    def chain(self) -> None:
-        """Hand the signal to whoever had it before (submitit requeues a preempted job from rank 0)."""
-        prev = self.previous.get(self.signum)
-        if callable(prev) and self.signum == signal.SIGUSR2:
-            prev(self.signum, None)
 
 
 # -------------------------------------------------------------------------------------------- prepare
@@ -200,110 +165,51 @@ def build_engine(p: Prepared) -> tuple[Any, int]:
     return engine, n_params
 
 
-def comm_device() -> Any:
-    """Where collective tensors must live: the GPU for NCCL, the host for gloo."""
-    import torch
-    from deepspeed.accelerator import get_accelerator
-
-    return torch.device(get_accelerator().current_device_name())
-
-
-def agree(ok: bool) -> bool:
-    """All ranks learn whether every rank succeeded (one all_reduce), so none waits in a collective."""
-    import torch
-    import torch.distributed as dist
-
-    flag = torch.tensor([0.0 if ok else 1.0], device=comm_device())
-    dist.all_reduce(flag)
-    return flag.item() == 0
-
-
-def resume(p: Prepared, engine: Any) -> tuple[int, int, float]:
-    """Load the resume point (converting to universal first when the DP size changed).
-
-    Returns (start step, data cursor, tokens seen)."""
-    import torch.distributed as dist
-
-    if p.resume is None:
-        return 0, 0, 0.0
-    tag = p.resume.tag
-    error: Exception | None = None
-    if p.universal:
-        if dist.get_rank() == 0:
-            log.info("checkpoint %s has dp=%s, this run dp=%d: converting to a universal checkpoint",
-                     tag, p.resume.meta.get("dp"), p.dp)
-            try:
-                tag = ckpt.convert_universal(p.paths.checkpoints_dir, tag, p.zero)
-            except Exception as exc:  # noqa: BLE001 - reported below, after every rank knows
-                error = exc
-        if not agree(error is None):
-            raise error or OtherRankFailed()
-        tag = f"universal-{p.resume.tag}"
-    try:
-        path, client = engine.load_checkpoint(str(p.paths.checkpoints_dir), tag=tag, load_module_strict=True,
-                                              load_optimizer_states=True, load_lr_scheduler_states=True)
-        if path is None:
-            raise NodeInputError(f"{p.paths.checkpoints_dir / tag}: DeepSpeed found no checkpoint to load there.")
-    except NodeInputError as exc:
-        error = exc
-    except Exception as exc:  # noqa: BLE001 - any load failure becomes one message, on every rank
-        error = NodeInputError(f"{p.paths.checkpoints_dir / tag}: cannot load checkpoint ({type(exc).__name__}: {exc}). "
-                               "Fix: delete that folder (and `latest`) to resume from an earlier checkpoint.")
-    if not agree(error is None):
-        raise error or OtherRankFailed()
-    align_optimizer_steps(engine)
-    same_world = int(p.resume.meta.get("world_size", -1)) == p.d.world_size
-    restored = same_world and ckpt.load_rng(p.resume.path / f"rng-rank-{p.d.rank}.pt")
-    step = int(client.get("step", p.resume.step))
-    cursor = int(client.get("cursor", 0))
-    log.info("resumed from %s at step %d (data cursor %d, rng %s)", tag, step, cursor,
-             "restored" if restored else "re-seeded")
-    return step, cursor, float(client.get("tokens_seen", 0.0))
-
-
-def align_optimizer_steps(engine: Any) -> int:
-    """Put every `step` of a fused torch AdamW's state on its parameter's device, as float32.
-
-    torch's fused kernel refuses a CPU `step` next to CUDA parameters, and DeepSpeed's universal-checkpoint
-    loader writes the optimizer state directly, with `step` as a CPU tensor (seen on H200s: a 4-GPU
-    checkpoint resumed on 2 failed in the first optimizer step). Returns how many were moved.
-    """
-    import torch
-
-    opt = getattr(engine.optimizer, "optimizer", engine.optimizer)
-    groups = getattr(opt, "param_groups", [])
-    if not any(g.get("fused") or g.get("capturable") for g in groups):
-        return 0
-    moved = 0
-    # Walk the state, not param_groups: ZeRO-3 puts a sub-group's fp32 partition into its group only
-    # for the duration of its optimizer step, so the groups are empty here.
-    for param, state in getattr(opt, "state", {}).items():
-        step = state.get("step") if isinstance(state, dict) else None
-        if torch.is_tensor(param) and torch.is_tensor(step) and \
-                (step.device != param.device or step.dtype != torch.float32):
-            state["step"] = step.to(device=param.device, dtype=torch.float32)
-            moved += 1
-    return moved
-
-
 # -------------------------------------------------------------------------------------------- loop
 @dataclass
 class LoopState:
+    """Where the loop stands; the data cursor follows from the steps done since the attempt started."""
+
     step: int
-    cursor0: int
-    step0: int
+    step0: int  # where this attempt started (0, or the step it resumed from)
+    cursor0: int  # the data cursor at step0
     tokens_seen: float
-    last_ckpt_time: float
-    last_saved: int = -1
-    beat: Any = None  # hpctrain.node.heartbeat.RankBeat
-    io: Any = None  # ckpt_async.CheckpointIO: the engine's checkpoint writer
+    per_step: int  # micro-batches one optimizer step consumes over all data-parallel ranks (gas x dp)
+    last_saved: int = -1  # the step of the attempt's last checkpoint (finish() exports only that one)
+
+    @property
+    def cursor(self) -> int:
+        return self.cursor0 + (self.step - self.step0) * self.per_step
+
+    def progress(self) -> Progress:
+        return Progress(self.step, self.cursor, self.tokens_seen)
+
+
+@dataclass(frozen=True)
+class RankRole:
+    """Which micro-batches this rank reads and whether it counts their tokens."""
+
+    pipe: bool
+    dp_rank: int
+    first_stage: bool
+
+
+@dataclass(frozen=True)
+class StepOut:
+    """One optimizer step, after its all_reduce: mean loss, tokens and padded slots over all ranks."""
+
+    loss: float
+    tokens: float
+    slots: float
+    votes: list[float]  # the checkpointer's, summed over ranks
 
 
 def run_training(p: Prepared, stop: StopFlag) -> tuple[Any, LoopState]:
-    """Train to spec.train.steps (or until a signal); returns the engine and the final loop state."""
+    """Train to spec.train.steps (or until `stop`, installed by the entry before the engine build, says a
+    signal came); returns the engine and the final loop state."""
     from hpctrain.node.heartbeat import RankBeat
 
-    # Per-rank beats for the hang watchdog (hpctrain.fault.watchdog): they name the rank that stops advancing.
+    # Per-rank beats for the hang watchdog (hpctrain.fault.supervisor): they name the rank that stops advancing.
     hang_s = float(getattr(p.spec.launch, "hang_timeout_s", 300) or 300)
     beat = RankBeat(p.paths.metrics_dir, p.d.rank, interval_s=min(10.0, max(1.0, hang_s / 5))).start()
     try:
@@ -318,76 +224,82 @@ def run_training(p: Prepared, stop: StopFlag) -> tuple[Any, LoopState]:
 
 
 def _train(p: Prepared, stop: StopFlag, beat: Any) -> tuple[Any, LoopState]:
-    import torch
-    import torch.distributed as dist
-
-    from hpctrain.node.faultinject import inject
+    """Engine, resume, then the loop: step, metrics, checkpoint when due, stop on the signal."""
     from hpctrain.node.model import flops_per_token
 
     engine, n_params = build_engine(p)
+    checkpointer = Checkpointer.for_run(engine, p.spec, p.paths.checkpoints_dir, stop, rank=p.d.rank,
+                                        world=p.d.world_size, dp=p.dp, zero=p.zero, use_gpu=p.use_gpu,
+                                        n_params=n_params, beat=beat)
+    start = checkpointer.load(p.resume, p.universal)
+    st = LoopState(start.step, start.step, start.cursor, start.tokens_seen, per_step=p.gas * p.dp)
     metrics = MetricsWriter(p.paths.metrics_dir, p.d.rank)
-    step0, cursor0, tokens_seen = resume(p, engine)
-    st = LoopState(step0, cursor0, step0, tokens_seen, time.time(), beat=beat, io=install_writer(p, engine, n_params))
-    beat.set(step0, "compute")
-    t = p.spec.train
-    pipe = p.spec.parallel.pp > 1
-    tp = p.spec.parallel.tp
+    role = _role(p, engine)
+    fpt = flops_per_token(p.hf_cfg, n_params, p.spec.data.seq_len)
+    beat.set(st.step, "compute")
+    _announce(p, metrics, n_params, st.step)
+    while st.step < p.spec.train.steps:
+        t0 = time.time()
+        lr = float(engine.get_lr()[0])
+        out = _step(p, engine, st, role, checkpointer, beat)
+        dt = time.time() - t0
+        saved = checkpointer.maybe_save(st.progress(), out.votes)
+        rec = _record(p, st, out, lr, dt, fpt, saved.blocking_s if saved else 0.0, engine)
+        rec.update(checkpointer.metrics_fields(saved))
+        metrics.step(rec)
+        log.info(step_line(rec))
+        if checkpointer.should_stop:
+            raise checkpointer.requeue(st.step, metrics)
+        _fail_hook(st.step, st.step0, checkpointer.io)
+    checkpointer.close(st.step)
+    st.last_saved = checkpointer.last_saved
+    metrics.heartbeat(st.step, "finished")
+    beat.stop("done")
+    return engine, st
+
+
+def _role(p: Prepared, engine: Any) -> RankRole:
     # AutoTP lays ranks out as (dp, tp): the tp peers of one data-parallel rank are contiguous and must
     # all see the same batch; only the first of them counts its tokens.
-    dp_rank = engine.grid.get_data_parallel_rank() if pipe else p.d.rank // tp
-    first_stage = engine.is_first_stage() if pipe else p.d.rank % tp == 0
-    fpt = flops_per_token(p.hf_cfg, n_params, p.spec.data.seq_len)
+    pipe, tp = p.spec.parallel.pp > 1, p.spec.parallel.tp
+    if pipe:
+        return RankRole(True, engine.grid.get_data_parallel_rank(), engine.is_first_stage())
+    return RankRole(False, p.d.rank // tp, p.d.rank % tp == 0)
+
+
+def _announce(p: Prepared, metrics: MetricsWriter, n_params: int, step0: int) -> None:
+    t = p.spec.train
     if p.d.rank == 0:
         metrics.event({"event": "start", "step": step0, "world_size": p.d.world_size, "dp": p.dp, "zero": p.zero,
                        "params": n_params, "resumed_from": p.resume.tag if p.resume else None})
     log.info("training %d params, world %d (dp %d pp %d), ZeRO %d, %s, micro %d x gas %d, steps %d -> %d",
              n_params, p.d.world_size, p.dp, p.spec.parallel.pp, p.zero, t.precision, p.micro, p.gas, step0, t.steps)
-    while st.step < t.steps:
-        t0 = time.time()
-        lr = float(engine.get_lr()[0])
-        batches = [p.source.batch(st.cursor0 + ((st.step - st.step0) * p.gas + m) * p.dp + dp_rank)
-                   for m in range(p.gas)]
-        beat.set(st.step + 1, "compute")
-        loss_sum = _train_step(engine, batches, pipe)
-        inject("step", st.step + 1, st.step0, p.d.rank, log)  # test hook: HPCTRAIN_FAULT_INJECT
-        beat.set(st.step + 1, "reduce")
-        tokens = sum(b.tokens for b in batches) if first_stage else 0
-        slots = sum(b.slots for b in batches) if first_stage else 0
-        ckpt_due = p.d.rank == 0 and p.spec.checkpoint.every_minutes > 0 and \
-            time.time() - st.last_ckpt_time >= 60 * p.spec.checkpoint.every_minutes
-        red = torch.tensor([loss_sum, float(tokens), float(slots), float(stop.signum > 0), float(ckpt_due)],
-                           dtype=torch.float64, device=comm_device())
-        dist.all_reduce(red)
-        vals: list[float] = red.tolist()  # the one device sync of the step
-        st.step += 1
-        loss = vals[0] / (p.gas * p.d.world_size) if not pipe else loss_sum
-        dt = time.time() - t0
-        st.tokens_seen += vals[1]
-        signalled = vals[3] > 0
-        saved = None
-        if signalled or vals[4] > 0 or _due(p, st.step) or (st.step == t.steps and _final_wanted(p)):
-            saved = save_now(p, engine, st, wait=signalled or st.step == t.steps)
-        rec = _record(p, st, loss, lr, vals, dt, fpt, saved.blocking_s if saved else 0.0, engine)
-        rec.update(_ckpt_fields(st, saved))
-        metrics.step(rec)
-        log.info(step_line(rec))
-        if signalled:
-            metrics.heartbeat(st.step, "stopped-on-signal")
-            metrics.event({"event": "stopped-on-signal", "step": st.step, "signal": stop.signum})
-            log.info("signal %d: checkpointed at step %d, stopping for requeue", stop.signum, st.step)
-            if p.d.rank == 0:
-                stop.chain()  # under submitit: requeues the job (scontrol requeue) and exits
-            elif os.environ.get("SLURM_JOB_ID"):
-                # srun --kill-on-bad-exit would end the step on our non-zero exit, possibly before rank 0
-                # has requeued the job; the requeue ends us anyway.
-                time.sleep(float(os.environ.get("HPCTRAIN_REQUEUE_GRACE_S", "20")))
-            raise StopRequested(f"stopped on signal at step {st.step}")
-        _fail_hook(st.step, st.step0, st.io)
-    beat.set(st.step, "checkpoint")
-    ckpt.drain(st.io)  # a background write still pending (the last save was not the final step's)
-    metrics.heartbeat(st.step, "finished")
-    beat.stop("done")
-    return engine, st
+
+
+def _step(p: Prepared, engine: Any, st: LoopState, role: RankRole, checkpointer: Checkpointer,
+          beat: Any) -> StepOut:
+    """One optimizer step and the step's one all_reduce (loss, tokens, slots, the checkpointer's votes,
+    read after the compute so that a signal during it counts at this boundary). Advances `st`."""
+    import torch
+    import torch.distributed as tdist
+
+    from hpctrain.node.faultinject import inject
+
+    batches = [p.source.batch(st.cursor + m * p.dp + role.dp_rank) for m in range(p.gas)]
+    beat.set(st.step + 1, "compute")
+    loss_sum = _train_step(engine, batches, role.pipe)
+    inject("step", st.step + 1, st.step0, p.d.rank, log)  # test hook: HPCTRAIN_FAULT_INJECT
+    beat.set(st.step + 1, "reduce")
+    tokens = sum(b.tokens for b in batches) if role.first_stage else 0
+    slots = sum(b.slots for b in batches) if role.first_stage else 0
+    red = torch.tensor([loss_sum, float(tokens), float(slots), *checkpointer.votes()], dtype=torch.float64,
+                       device=comm_device())
+    tdist.all_reduce(red)
+    vals: list[float] = red.tolist()  # the one device sync of the step
+    st.step += 1
+    st.tokens_seen += vals[1]
+    loss = vals[0] / (p.gas * p.d.world_size) if not role.pipe else loss_sum
+    return StepOut(loss, vals[1], vals[2], vals[3:])
 
 
 def _train_step(engine: Any, batches: list[Any], pipe: bool) -> float:
@@ -407,79 +319,12 @@ def _train_step(engine: Any, batches: list[Any], pipe: bool) -> float:
     return float(total.item()) if total is not None else 0.0  # the step's only host sync
 
 
-def _final_wanted(p: Prepared) -> bool:
-    """A checkpoint at the end unless the run asked for none at all (benchmarks: 15-50 GB saved)."""
-    c = p.spec.checkpoint
-    return c.every_steps > 0 or c.every_minutes > 0 or c.export_hf
-
-
-def _due(p: Prepared, step: int) -> bool:
-    n = p.spec.checkpoint.every_steps
-    return n > 0 and step % n == 0
-
-
-def install_writer(p: Prepared, engine: Any, n_params: int) -> Any:
-    """The engine's checkpoint engine becomes hpctrain's writer; async or not per [checkpoint] async_save."""
-    from hpctrain.node import ckpt_async
-
-    rank_bytes = ckpt.estimate_state_bytes(n_params, p.dp, p.zero, p.spec.train.precision)
-    per_node = max(1, min(p.d.world_size, p.spec.resources.tasks_per_node))
-    on, why = ckpt.choose_async(p.spec.checkpoint.async_save, p.use_gpu, rank_bytes, per_node,
-                                ckpt.host_available_bytes())
-    log.info("checkpoints: %s (%s)", "asynchronous" if on else "synchronous", why)
-    return ckpt_async.install(engine, async_mode=on, pin=on and p.use_gpu, rank=p.d.rank, world=p.d.world_size)
-
-
-def save_now(p: Prepared, engine: Any, st: LoopState, wait: bool = True) -> ckpt.SaveStats | None:
-    """Checkpoint at st.step (collective). `wait`: return only once it is complete (final save, signal)."""
-    if st.last_saved == st.step:
-        if wait:  # e.g. a signal right after an async save: that write must be complete before we stop
-            ckpt.drain(st.io)
-        return None
-    cursor = st.cursor0 + (st.step - st.step0) * p.gas * p.dp
-    client = {"step": st.step, "cursor": cursor, "tokens_seen": st.tokens_seen, "dp": p.dp,
-              "world_size": p.d.world_size}
-    meta = {"world_size": p.d.world_size, "dp": p.dp, "pp": p.spec.parallel.pp, "tp": p.spec.parallel.tp,
-            "zero": p.zero, "precision": p.spec.train.precision, "cursor": cursor}
-    if st.beat is not None:
-        st.beat.set(st.step, "checkpoint")
-    from hpctrain.node.faultinject import inject
-
-    # Test hook: HPCTRAIN_FAULT_INJECT="ckpt-crash:step=N" kills every rank with the checkpoint half written.
-    midway = lambda: inject("checkpoint", st.step, st.step0, p.d.rank, log)
-    stats = ckpt.save(engine, p.paths.checkpoints_dir, st.step, client, meta, p.spec.checkpoint.keep, midway=midway,
-                      io=st.io, wait=wait)
-    if st.beat is not None:
-        st.beat.set(st.step, "reduce")
-    st.last_saved, st.last_ckpt_time = st.step, time.time()
-    if stats.write_s is None:
-        log.info("checkpoint step-%d: state copied in %.2f s, writing in the background", st.step, stats.blocking_s)
-    else:
-        log.info("checkpoint step-%d written in %.2f s (%s)", st.step, stats.write_s, stats.mode)
-    return stats
-
-
-def _ckpt_fields(st: LoopState, saved: ckpt.SaveStats | None) -> dict[str, Any]:
-    """metrics.jsonl: ckpt_blocking_s on the saving step; ckpt_write_s/bytes/gbps on the step where rank 0
-    sees the checkpoint complete (the same step for a synchronous save)."""
-    out: dict[str, Any] = {}
-    if saved is not None:
-        out.update(ckpt_blocking_s=saved.blocking_s, ckpt_mode=saved.mode)
-        done = saved if saved.write_s is not None else saved.previous
-        if done is not None:
-            out.update(done.record())
-            return out
-    job = st.io.finished() if st.io is not None else None
-    if job is not None:
-        out.update(ckpt.SaveStats(job.step, "async", 0.0, job.write_s, job.total_bytes or None).record())
-    return out
-
-
-def _record(p: Prepared, st: LoopState, loss: float, lr: float, red: list[float], dt: float, fpt: float, ckpt_s: float,
+def _record(p: Prepared, st: LoopState, out: StepOut, lr: float, dt: float, fpt: float, ckpt_s: float,
             engine: Any) -> dict[str, Any]:
+    """The step's metrics.jsonl line (the checkpoint's fields are added by the checkpointer)."""
     import torch
 
-    tokens, slots = red[1], red[2]
+    loss, tokens, slots = out.loss, out.tokens, out.slots
     tps = tokens / dt if dt > 0 else 0.0
     tflops = fpt * tps / p.d.world_size / 1e12
     peak = p.spec.train.peak_tflops
@@ -518,7 +363,7 @@ def finish(p: Prepared, engine: Any, st: LoopState) -> None:
     import torch
 
     metrics = MetricsWriter(p.paths.metrics_dir, p.d.rank)
-    cursor = st.cursor0 + (st.step - st.step0) * p.gas * p.dp
+    cursor = st.cursor
     eval_loss = None
     if p.spec.parallel.pp == 1:
         g = cursor + p.d.rank // p.spec.parallel.tp  # the first micro-batch a next step would train on

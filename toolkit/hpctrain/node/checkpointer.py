@@ -1,0 +1,287 @@
+"""When the trainer checkpoints, how it saves, and how it resumes: the `Checkpointer` the loop talks to.
+
+The loop asks two things at each step boundary, `maybe_save(progress, votes)` and `should_stop`. Behind them:
+- a save every `[checkpoint] every_steps` steps, every `every_minutes` minutes, on SLURM's signal (USR2
+  before the time limit, TERM on a preemption) and at the last step (unless the run asked for no
+  checkpoints at all), never twice at one step;
+- the decision is the same on every rank without a collective of its own: each rank's votes (signal seen;
+  minutes elapsed, on rank 0's clock only) ride on the step's one all_reduce (`votes()`);
+- the writer is asynchronous or not per `[checkpoint] async_save` (node/ckpt_async.py); a save on the
+  signal or at the last step returns once the checkpoint is complete, and `close()` drains a background
+  write still pending at the end;
+- old checkpoints are pruned to `keep` as each new one completes (checkpoint.prune);
+- `load()` resumes from the point `checkpoint.find_resume` chose before the engine existed (the
+  universal flag must be in the DeepSpeed config), through a universal checkpoint when the DP size changed.
+The files, their crash safety and the "complete checkpoint" rule live in node/checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpctrain.node import checkpoint as ckpt
+from hpctrain.node.dist import OtherRankFailed, agree
+from hpctrain.node.metrics import MetricsWriter, log
+from hpctrain.node.runconf import NodeInputError
+from hpctrain.spec.model import Spec
+
+
+class StopRequested(Exception):
+    """Training stopped after a checkpoint because SLURM signalled (time limit near, or preemption)."""
+
+
+@dataclass
+class StopFlag:
+    """Set from a signal handler; acted on at the next step boundary, when all ranks agree."""
+
+    signum: int = 0
+    previous: dict[int, Any] = field(default_factory=dict)
+
+    def install(self) -> None:
+        for sig in (signal.SIGUSR2, signal.SIGTERM):
+            self.previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+
+    def chain(self) -> None:
+        """Hand the signal to whoever had it before (submitit requeues a preempted job from rank 0)."""
+        prev = self.previous.get(self.signum)
+        if callable(prev) and self.signum == signal.SIGUSR2:
+            prev(self.signum, None)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where training stands at a step boundary: what a checkpoint records and a resume restores."""
+
+    step: int  # optimizer steps done
+    cursor: int  # global index of the next micro-batch (node/data.py: batches are a function of it)
+    tokens_seen: float
+
+
+@dataclass
+class SavePolicy:
+    """When to save (no I/O, no collectives). `clock` is injectable so that the minutes rule is testable."""
+
+    every_steps: int  # 0 = off
+    every_minutes: float  # 0 = off
+    last_step: int  # spec.train.steps
+    final: bool  # save at the last step
+    clock: Callable[[], float] = time.time
+    since: float = 0.0  # clock at the last save, or when training started
+
+    def restart_timer(self) -> None:
+        self.since = self.clock()
+
+    def minutes_due(self) -> bool:
+        return self.every_minutes > 0 and self.clock() - self.since >= 60 * self.every_minutes
+
+    def due(self, step: int, *, signalled: bool, minutes: bool) -> bool:
+        by_steps = self.every_steps > 0 and step % self.every_steps == 0
+        return signalled or minutes or by_steps or (step == self.last_step and self.final)
+
+
+class Checkpointer:
+    """Owns saving and resuming for one attempt. Every method that saves or loads is collective."""
+
+    def __init__(self, engine: Any, ckpt_dir: Path, policy: SavePolicy, stop: StopFlag, *, rank: int, keep: int,
+                 layout: dict[str, Any], io: Any = None, beat: Any = None) -> None:
+        self.engine, self.dir, self.policy, self.stop = engine, ckpt_dir, policy, stop
+        self.rank, self.keep = rank, keep
+        self.layout = layout  # world_size, dp, pp, tp, zero, precision: what a resume must match or convert
+        self.io = io  # ckpt_async.CheckpointIO installed as the engine's checkpoint engine; None: plain sync saves
+        self.beat = beat  # the rank's heartbeat for the hang watchdog (its phase names a stuck save)
+        self.step0 = 0  # where this attempt started: the fault-injection hook fires only past it
+        self.last_saved = -1
+        self.signalled = False
+
+    @classmethod
+    def for_run(cls, engine: Any, spec: Spec, ckpt_dir: Path, stop: StopFlag, *, rank: int, world: int, dp: int,
+                zero: int, use_gpu: bool, n_params: int, beat: Any = None) -> Checkpointer:
+        """The run's policy, with hpctrain's writer installed as the engine's checkpoint engine."""
+        from hpctrain.node import ckpt_async
+
+        c = spec.checkpoint
+        rank_bytes = ckpt.estimate_state_bytes(n_params, dp, zero, spec.train.precision)
+        per_node = max(1, min(world, spec.resources.tasks_per_node))
+        on, why = ckpt.choose_async(c.async_save, use_gpu, rank_bytes, per_node, ckpt.host_available_bytes())
+        log.info("checkpoints: %s (%s)", "asynchronous" if on else "synchronous", why)
+        io = ckpt_async.install(engine, async_mode=on, pin=on and use_gpu, rank=rank, world=world)
+        # A checkpoint at the end unless the run asked for none at all (benchmarks: 15-50 GB saved).
+        final = c.every_steps > 0 or c.every_minutes > 0 or c.export_hf
+        policy = SavePolicy(c.every_steps, c.every_minutes, spec.train.steps, final)
+        layout = {"world_size": world, "dp": dp, "pp": spec.parallel.pp, "tp": spec.parallel.tp, "zero": zero,
+                  "precision": spec.train.precision}
+        return cls(engine, ckpt_dir, policy, stop, rank=rank, keep=c.keep, layout=layout, io=io, beat=beat)
+
+    # ---------------------------------------------------------------------------------------- saving
+    def votes(self) -> list[float]:
+        """This rank's say in the save at the coming step boundary, summed over ranks by the step's
+        all_reduce: [signal seen, minutes elapsed]. Only rank 0's clock votes, so the ranks cannot
+        disagree about the time."""
+        return [float(self.stop.signum > 0), float(self.rank == 0 and self.policy.minutes_due())]
+
+    def maybe_save(self, progress: Progress, votes: Sequence[float]) -> ckpt.SaveStats | None:
+        """Collective: save at this step boundary when the agreed `votes` or the step count say so.
+        A save on the signal or at the last step returns once the checkpoint is complete."""
+        self.signalled = votes[0] > 0
+        if not self.policy.due(progress.step, signalled=self.signalled, minutes=votes[1] > 0):
+            return None
+        return self.save(progress, wait=self.signalled or progress.step == self.policy.last_step)
+
+    @property
+    def should_stop(self) -> bool:
+        """True after the step boundary at which some rank had seen the signal (that step is saved)."""
+        return self.signalled
+
+    def save(self, progress: Progress, wait: bool = True) -> ckpt.SaveStats | None:
+        """Checkpoint at progress.step (collective). `wait`: return only once it is complete."""
+        step = progress.step
+        if self.last_saved == step:
+            if wait and self.io is not None:  # e.g. a signal right after an async save: it must be complete
+                ckpt.drain(self.io)
+            return None
+        client = {"step": step, "cursor": progress.cursor, "tokens_seen": progress.tokens_seen,
+                  "dp": self.layout["dp"], "world_size": self.layout["world_size"]}
+        meta = {**self.layout, "cursor": progress.cursor}
+        self._phase(step, "checkpoint")
+        from hpctrain.node.faultinject import inject
+
+        # Test hook: HPCTRAIN_FAULT_INJECT="ckpt-crash:step=N" kills every rank with the checkpoint half written.
+        midway = lambda: inject("checkpoint", step, self.step0, self.rank, log)
+        stats = ckpt.save(self.engine, self.dir, step, client, meta, self.keep, midway=midway, io=self.io,
+                          wait=wait)
+        self._phase(step, "reduce")
+        self.last_saved = step
+        self.policy.restart_timer()
+        if stats.write_s is None:
+            log.info("checkpoint step-%d: state copied in %.2f s, writing in the background", step, stats.blocking_s)
+        else:
+            log.info("checkpoint step-%d written in %.2f s (%s)", step, stats.write_s, stats.mode)
+        return stats
+
+    def metrics_fields(self, saved: ckpt.SaveStats | None) -> dict[str, Any]:
+        """metrics.jsonl: ckpt_blocking_s on the saving step; ckpt_write_s/bytes/gbps on the step where rank 0
+        sees the checkpoint complete (the same step for a synchronous save)."""
+        out: dict[str, Any] = {}
+        if saved is not None:
+            out.update(ckpt_blocking_s=saved.blocking_s, ckpt_mode=saved.mode)
+            done = saved if saved.write_s is not None else saved.previous
+            if done is not None:
+                out.update(done.record())
+                return out
+        job = self.io.finished() if self.io is not None else None
+        if job is not None:
+            out.update(ckpt.SaveStats(job.step, "async", 0.0, job.write_s, job.total_bytes or None).record())
+        return out
+
+    def requeue(self, step: int, metrics: MetricsWriter) -> StopRequested:
+        """After the save on the signal: record the stop, hand the job back to SLURM (rank 0), and return
+        the exception that ends this rank (node/main.py exits 3 for it)."""
+        metrics.heartbeat(step, "stopped-on-signal")
+        metrics.event({"event": "stopped-on-signal", "step": step, "signal": self.stop.signum})
+        log.info("signal %d: checkpointed at step %d, stopping for requeue", self.stop.signum, step)
+        if self.rank == 0:
+            self.stop.chain()  # under submitit: requeues the job (scontrol requeue) and exits
+        elif os.environ.get("SLURM_JOB_ID"):
+            # srun --kill-on-bad-exit would end the step on our non-zero exit, possibly before rank 0
+            # has requeued the job; the requeue ends us anyway.
+            time.sleep(float(os.environ.get("HPCTRAIN_REQUEUE_GRACE_S", "20")))
+        return StopRequested(f"stopped on signal at step {step}")
+
+    def close(self, step: int) -> None:
+        """End of training (collective): a background write still pending (the last save was not the
+        final step's) completes, or its failure is raised on every rank."""
+        self._phase(step, "checkpoint")
+        if self.io is not None:
+            ckpt.drain(self.io)
+
+    def _phase(self, step: int, phase: str) -> None:
+        if self.beat is not None:
+            self.beat.set(step, phase)
+
+    # ---------------------------------------------------------------------------------------- resuming
+    def load(self, point: ckpt.ResumePoint | None, universal: bool) -> Progress:
+        """Load `point` (None: a fresh start), converting it to a universal checkpoint first when
+        `universal` (the DP size changed). Collective; the minutes timer starts when it returns."""
+        if point is None:
+            self.policy.restart_timer()
+            return Progress(0, 0, 0.0)
+        tag = self._convert(point) if universal else point.tag
+        client = self._load_engine(tag)
+        align_optimizer_steps(self.engine)
+        same_world = int(point.meta.get("world_size", -1)) == self.layout["world_size"]
+        restored = same_world and ckpt.load_rng(point.path / f"rng-rank-{self.rank}.pt")
+        progress = Progress(int(client.get("step", point.step)), int(client.get("cursor", 0)),
+                            float(client.get("tokens_seen", 0.0)))
+        log.info("resumed from %s at step %d (data cursor %d, rng %s)", tag, progress.step, progress.cursor,
+                 "restored" if restored else "re-seeded")
+        self.step0 = progress.step
+        self.policy.restart_timer()
+        return progress
+
+    def _convert(self, point: ckpt.ResumePoint) -> str:
+        """Rank 0 runs ds_to_universal; every rank learns whether it worked. Returns the universal tag."""
+        error: Exception | None = None
+        if self.rank == 0:
+            log.info("checkpoint %s has dp=%s, this run dp=%d: converting to a universal checkpoint",
+                     point.tag, point.meta.get("dp"), self.layout["dp"])
+            try:
+                ckpt.convert_universal(self.dir, point.tag, int(self.layout["zero"]))
+            except Exception as exc:  # noqa: BLE001 - reported below, after every rank knows
+                error = exc
+        if not agree(error is None):
+            raise error or OtherRankFailed()
+        return f"universal-{point.tag}"
+
+    def _load_engine(self, tag: str) -> dict[str, Any]:
+        """engine.load_checkpoint with module, optimizer and scheduler; returns the client state.
+        Any failure becomes one NodeInputError naming the folder, on every rank."""
+        error: Exception | None = None
+        client: dict[str, Any] = {}
+        try:
+            path, loaded = self.engine.load_checkpoint(str(self.dir), tag=tag, load_module_strict=True,
+                                                       load_optimizer_states=True, load_lr_scheduler_states=True)
+            if path is None:
+                raise NodeInputError(f"{self.dir / tag}: DeepSpeed found no checkpoint to load there.")
+            client = dict(loaded or {})
+        except NodeInputError as exc:
+            error = exc
+        except Exception as exc:  # noqa: BLE001 - any load failure becomes one message, on every rank
+            error = NodeInputError(f"{self.dir / tag}: cannot load checkpoint ({type(exc).__name__}: {exc}). "
+                                   "Fix: delete that folder (and `latest`) to resume from an earlier checkpoint.")
+        if not agree(error is None):
+            raise error or OtherRankFailed()
+        return client
+
+
+def align_optimizer_steps(engine: Any) -> int:
+    """Put every `step` of a fused torch AdamW's state on its parameter's device, as float32.
+
+    torch's fused kernel refuses a CPU `step` next to CUDA parameters, and DeepSpeed's universal-checkpoint
+    loader writes the optimizer state directly, with `step` as a CPU tensor (seen on H200s: a 4-GPU
+    checkpoint resumed on 2 failed in the first optimizer step). Returns how many were moved.
+    """
+    import torch
+
+    opt = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    groups = getattr(opt, "param_groups", [])
+    if not any(g.get("fused") or g.get("capturable") for g in groups):
+        return 0
+    moved = 0
+    # Walk the state, not param_groups: ZeRO-3 puts a sub-group's fp32 partition into its group only
+    # for the duration of its optimizer step, so the groups are empty here.
+    for param, state in getattr(opt, "state", {}).items():
+        step = state.get("step") if isinstance(state, dict) else None
+        if torch.is_tensor(param) and torch.is_tensor(step) and \
+                (step.device != param.device or step.dtype != torch.float32):
+            state["step"] = step.to(device=param.device, dtype=torch.float32)
+            moved += 1
+    return moved
