@@ -152,7 +152,7 @@ def test_site_marked_secret_refused_in_env() -> None:
 
 
 def test_benign_env_allowed() -> None:
-    spec = S.Spec(env={"TOKENIZERS_PARALLELISM": "false", "NCCL_DEBUG": "WARN", "V": "it's $(x)\n"})
+    spec = S.Spec(env={"TOKENIZERS_PARALLELISM": "false", "NCCL_DEBUG": "WARN", "V": "it's $(x) `y`"})
     assert spec.env["TOKENIZERS_PARALLELISM"] == "false"
 
 
@@ -171,7 +171,7 @@ def full_spec() -> S.Spec:
         train=S.Train(lr=3e-05, min_lr=0.0, global_batch=256, micro_batch=2),
         parallel=S.Parallel(zero="auto", offload="optimizer"), checkpoint=S.Checkpoint(every_minutes=12.5),
         container=S.Container(runtime="apptainer", image="/i.sif", mounts=("/a:/b",)),
-        env={"A": "x\ty\"z'", "BC": "ünïcode"}, secret_env=("S1", "S2"))
+        env={"A": "x y\"z'", "BC": "ünïcode"}, secret_env=("S1", "S2"))
 
 
 def test_toml_round_trip_exact() -> None:

@@ -13,13 +13,27 @@ from typing import Any
 
 import click
 
+# Secret variable names of the request being handled (its secret_env), added by the CLI once the
+# spec is resolved, so that their values are redacted from every message too.
+_SECRET_NAMES: set[str] = set()
+
+
+def redact_also(names: Iterable[str]) -> None:
+    """Treat NAMES as secret in every message this process prints from now on."""
+    _SECRET_NAMES.update(names)
+
 
 class HpcUsageError(click.UsageError):
     """Bad input from the user: the message says which field, which value, and how to fix it."""
 
     def show(self, file: Any = None) -> None:
-        """One line, `Error: ...`, without click's usage banner: the message already says what to do."""
-        click.echo(f"Error: {self.format_message()}", file=file, err=True)
+        """One line, `Error: ...`, without click's usage banner: the message already says what to do.
+
+        The value of every secret variable of the environment is redacted, wherever the message got it.
+        """
+        from hpctrain.spec.rules import redact_environment
+
+        click.echo(f"Error: {redact_environment(self.format_message(), _SECRET_NAMES)}", file=file, err=True)
 
 
 def bad_value(field: str, value: object, why: str, fix: str) -> HpcUsageError:

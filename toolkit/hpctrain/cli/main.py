@@ -8,6 +8,7 @@ and a login node without torch runs every command.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +29,10 @@ RUNTIMES = ("none", "apptainer", "pyxis", "podman", "charliecloud")
 @click.version_option(__version__, prog_name="hpctrain")
 def cli() -> None:
     """Launch DeepSpeed training on SLURM clusters."""
+    # Everything hpctrain writes is private to the user (DESIGN.md: run folders are 0700/0600): the run
+    # folder's files, dry-run output, the registry; sbatch records this umask for the job (SLURM_UMASK),
+    # so the job's logs are created 0600 too, and the batch script and the node entry set it again.
+    os.umask(0o077)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -116,11 +121,14 @@ def flags_from_options(opts: dict[str, Any]) -> dict[str, Any]:
 
 def _resolve(runfile: str | None, opts: dict[str, Any], point: dict[str, Any] | None = None,
              check: bool = True) -> tuple[Spec, Plan]:
+    from hpctrain.errors import redact_also
     from hpctrain.plan.planner import make_plan
     from hpctrain.spec.model import resolve
+    from hpctrain.spec.rules import secret_names
 
     flags = {**flags_from_options(opts), **(point or {})}
     spec = resolve(runfile, flags, opts.get("site"), check=check)
+    redact_also(secret_names(spec))
     return spec, make_plan(spec)
 
 
@@ -196,12 +204,28 @@ def hostfile_cmd(nodelist: str, slots: int) -> None:
 # submit
 
 def run_files(spec: Spec, plan: Plan, script: str) -> dict[str, str]:
-    """The files a run folder starts with (DESIGN.md job folder)."""
+    """The files a run folder starts with (DESIGN.md job folder), checked before anything is written.
+
+    `check_rendered` is the one check of a dry run and a submit: no secret's value in any file, no CR
+    or other control character in the batch script.
+    """
     from hpctrain.render.sbatch import render_ds_config
     from hpctrain.spec.model import to_toml
+    from hpctrain.spec.rules import check_rendered
 
-    return {"spec.toml": to_toml(spec), "plan.json": plan.to_json(),
-            "ds_config.json": json.dumps(render_ds_config(spec, plan), indent=2) + "\n", "sbatch.sh": script}
+    files = {"spec.toml": to_toml(spec), "plan.json": plan.to_json(),
+             "ds_config.json": json.dumps(render_ds_config(spec, plan), indent=2) + "\n", "sbatch.sh": script}
+    check_rendered(files, spec)
+    return files
+
+
+def _writing(field: str, where: Path, fix: str) -> Callable[[OSError], Exception]:
+    """An OSError while creating run files -> a refusal naming the folder (never a traceback)."""
+    from hpctrain.errors import bad_value
+
+    def refuse(exc: OSError) -> Exception:
+        return bad_value(field, str(where), f"cannot write there ({exc.strerror or exc})", fix)
+    return refuse
 
 
 def _script(spec: Spec, plan: Plan, run_dirs: list[Path], mode: str = "train") -> str:
@@ -219,13 +243,17 @@ def _script(spec: Spec, plan: Plan, run_dirs: list[Path], mode: str = "train") -
 
 def _write_dry_run(out: Path, points: list[tuple[Spec, Plan]], script_for: Callable[[list[Path]], str]) -> list[Path]:
     """--dry-run --out DIR: the files of each run into DIR (one run) or DIR/point-<i> (a sweep)."""
-    out.mkdir(parents=True, exist_ok=True, mode=0o700)
     dirs = [out.absolute()] if len(points) == 1 else [(out / f"point-{i}").absolute() for i in range(len(points))]
     script = script_for(dirs)
-    for d, (spec, plan) in zip(dirs, points):
-        d.mkdir(exist_ok=True, mode=0o700)
-        for name, text in run_files(spec, plan, script).items():
-            (d / name).write_text(text, encoding="utf-8")
+    files = [run_files(spec, plan, script) for spec, plan in points]  # all checked before the first write
+    try:
+        out.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for d, texts in zip(dirs, files):
+            d.mkdir(exist_ok=True, mode=0o700)
+            for name, text in texts.items():
+                (d / name).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise _writing("--out", out, "pass --out with a new or writable folder")(exc) from None
     return dirs
 
 
@@ -264,6 +292,8 @@ def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry
         else:
             dirs = [(runs.runs_dir_default() / runs.new_run_id(s.name)).absolute() for s, _ in points]
         script = _script(spec, plan, dirs, mode)
+        for s, p in points:
+            run_files(s, p, script)  # the same check as a submit, though nothing is written
         if as_json:
             from hpctrain.render.sbatch import render_ds_config
 
@@ -313,10 +343,16 @@ def _create_runs(points: list[tuple[Spec, Plan]], mode: str) -> list[Path]:
     dirs = [(base / i).absolute() for i in ids]
     spec, plan = points[0]
     script = _script(spec, plan, dirs, mode)  # preview; dispatch replaces it with the script it submits
+    files = [run_files(s, p, script) for s, p in points]
     made: list[Path] = []
     try:
-        for run_id, (s, p) in zip(ids, points):
-            made.append(runs.create_run_folder_atomically(base, run_id, run_files(s, p, script)).absolute())
+        for run_id, texts in zip(ids, files):
+            made.append(runs.create_run_folder_atomically(base, run_id, texts).absolute())
+    except OSError as exc:
+        for d in made:
+            runs.remove_run_folder(d)
+        raise _writing("HPCTRAIN_RUNS_DIR", base, "set HPCTRAIN_RUNS_DIR to a writable folder (default ./runs)")(
+            exc) from None
     except BaseException:
         for d in made:
             runs.remove_run_folder(d)

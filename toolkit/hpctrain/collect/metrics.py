@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+_STEP_DIR = re.compile(r"step-(\d+)")
 
 
 def read_metrics(path: Path) -> tuple[list[dict[str, Any]], int]:
@@ -50,7 +50,7 @@ def complete_checkpoints(ckpt_dir: Path) -> list[int]:
         return []
     steps = []
     for p in entries:
-        m = _STEP_DIR.match(p.name)
+        m = _STEP_DIR.fullmatch(p.name)
         if m and (p / "hpctrain.json").is_file():
             steps.append(int(m.group(1)))
     return sorted(steps)

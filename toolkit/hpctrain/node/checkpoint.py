@@ -29,7 +29,7 @@ from typing import Any
 from hpctrain.node.runconf import NodeInputError
 
 MARKER = "hpctrain.json"
-STEP_RE = re.compile(r"^step-(\d+)$")
+STEP_RE = re.compile(r"step-(\d+)")
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def complete_steps(ckpt_dir: Path) -> list[int]:
         return []
     out = []
     for p in ckpt_dir.iterdir():
-        m = STEP_RE.match(p.name)
+        m = STEP_RE.fullmatch(p.name)
         if m and (p / MARKER).is_file():
             out.append(int(m.group(1)))
     return sorted(out)

@@ -442,7 +442,7 @@ def check_paths(spec: Spec) -> None:
 # spec.toml: an exact, deterministic round trip (tomllib reads; this small writer writes).
 
 def _toml_key(key: str) -> str:
-    return key if re.match(r"^[A-Za-z0-9_-]+$", key) else _toml_str(key)
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else _toml_str(key)
 
 
 def _toml_str(text: str) -> str:
