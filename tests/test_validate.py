@@ -341,4 +341,4 @@ def test_node_run_files_are_private(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert list((run / "checkpoints").iterdir()) and list((run / "metrics").iterdir())
     made = [p for p in (run / "logs", run / "metrics", run / "checkpoints", run / "events.jsonl") if p.exists()]
-    assert [x for p in made for x in (_loose(p) if p.is_dir() else _loose(p))] == []
+    assert [x for p in made for x in _loose(p)] == []
