@@ -23,6 +23,13 @@ def redact_also(names: Iterable[str]) -> None:
     _SECRET_NAMES.update(names)
 
 
+def redact(message: str) -> str:
+    """MESSAGE with the value of every secret variable of the environment replaced by <redacted:NAME>."""
+    from hpctrain.spec.rules import redact_environment
+
+    return redact_environment(message, _SECRET_NAMES)
+
+
 class HpcUsageError(click.UsageError):
     """Bad input from the user: the message says which field, which value, and how to fix it."""
 
@@ -31,9 +38,7 @@ class HpcUsageError(click.UsageError):
 
         The value of every secret variable of the environment is redacted, wherever the message got it.
         """
-        from hpctrain.spec.rules import redact_environment
-
-        click.echo(f"Error: {redact_environment(self.format_message(), _SECRET_NAMES)}", file=file, err=True)
+        click.echo(f"Error: {redact(self.format_message())}", file=file, err=True)
 
 
 def bad_value(field: str, value: object, why: str, fix: str) -> HpcUsageError:

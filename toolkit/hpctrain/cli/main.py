@@ -25,7 +25,21 @@ if TYPE_CHECKING:
 RUNTIMES = ("none", "apptainer", "pyxis", "podman", "charliecloud")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _RedactingGroup(click.Group):
+    """Click's own refusals quote the value typed ("'...' is not a valid integer"): the value of a secret
+    variable of the environment is redacted from them too, as from hpctrain's own (errors.HpcUsageError)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.ClickException as exc:
+            from hpctrain.errors import redact
+
+            exc.message = redact(exc.message)
+            raise
+
+
+@click.group(cls=_RedactingGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="hpctrain")
 def cli() -> None:
     """Launch DeepSpeed training on SLURM clusters."""
