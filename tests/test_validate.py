@@ -294,6 +294,8 @@ def test_error_messages_never_echo_secret_values(tmp_path: Path) -> None:
     # A message quoting a value the user typed: the environment's secret values are redacted.
     msg = refused(invoke("plan", run_file(tmp_path, TINY), "--time", TOKEN, env={"HF_TOKEN": TOKEN}), "resources.time")
     assert TOKEN not in msg and "<redacted" in msg
+    msg = refused(invoke("plan", run_file(tmp_path, TINY), "--nodes", TOKEN, env={"HF_TOKEN": TOKEN}), "--nodes")
+    assert TOKEN not in msg and "<redacted" in msg  # click's own refusal, redacted too
 
 
 def _loose(root: Path) -> list[str]:

@@ -35,7 +35,7 @@ class _RedactingGroup(click.Group):
         except click.ClickException as exc:
             from hpctrain.errors import redact
 
-            exc.message = redact(exc.message)
+            vars(exc)["message"] = redact(exc.message)  # `message` is Final in click's types; this is the one rewrite
             raise
 
 
