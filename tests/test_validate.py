@@ -251,6 +251,12 @@ def test_hostlist_expansion_is_bounded() -> None:
     assert len(expand(f"n[1-{MAX_HOSTS}]")) == MAX_HOSTS
     refused(invoke("hostfile", "--nodelist", "n[1-100000000]", "--slots", "1"), "nodelist")
     refused(invoke("hostfile", "--nodelist", "n[" + "9" * 400 + "]", "--slots", "1"), "nodelist")
+    refused(invoke("hostfile", "--nodelist", "n[1-2]", "--slots", "9" * 30), "--slots")
+
+
+def test_site_name_never_becomes_a_path(tmp_path: Path) -> None:
+    (tmp_path / "evil.toml").write_text('partition = "x"\n')
+    refused(invoke("plan", run_file(tmp_path, TINY), "--site", "../../evil"), "site")
 
 
 @pytest.mark.parametrize("jid", ["12_[1-]", "12_[-3]", "12_[5-2]", "12_[0-999999999]", "12_[1--2]", "12_[,]"])

@@ -208,8 +208,14 @@ def print_plan(spec: Spec, plan: Plan) -> None:
 @click.option("--slots", required=True, type=int, help="Ranks per host (GPUs per node).")
 def hostfile_cmd(nodelist: str, slots: int) -> None:
     """Expand NODELIST and print `host slots=N` lines (duplicates and empty lists are errors)."""
+    from hpctrain.errors import bad_value
     from hpctrain.render.sbatch import render_hostfile
     from hpctrain.slurm.nodelist import expand
+    from hpctrain.spec.rules import MAX_RANKS_PER_NODE
+
+    if slots > MAX_RANKS_PER_NODE:
+        raise bad_value("--slots", slots, f"more than the limit of {MAX_RANKS_PER_NODE} ranks per node",
+                        "pass --slots with the ranks per node (GPUs per node)")
 
     click.echo(render_hostfile(expand(nodelist), slots), nl=False)
 

@@ -495,11 +495,17 @@ def _rules_container(c: Container) -> None:
               "a mount is SRC[:DST[:OPTS]] without commas", "write one mount per list entry")
 
 
+def check_site_name(name: str) -> None:
+    """A site profile name is a file name in $HPCTRAIN_CONFIG_DIR/sites: no '/', no control characters."""
+    need(bool(_SITE_NAME.fullmatch(name)), "site", shown("site", name),
+         "site profile names are letters, digits, '_', '.', '-'", "rename the profile")
+
+
 def _rules_spec(s: Spec) -> None:
     need(bool(s.name.strip()), "name", s.name, "a run needs a name", how_to_set("name", "'my-run'"))
     need(len(s.name) <= 200, "name", s.name[:40] + "...", "longer than 200 characters", "shorten it")
-    need(s.site == "" or bool(_SITE_NAME.fullmatch(s.site)), "site", s.site,
-          "site profile names are letters, digits, '_', '.', '-'", "rename the profile")
+    if s.site:
+        check_site_name(s.site)
     secrets = secret_names(s)
     for name in s.secret_env:
         need(bool(_ENV_NAME.fullmatch(name)), "secret_env", name, "not an environment variable name",

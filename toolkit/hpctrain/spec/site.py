@@ -110,6 +110,9 @@ def load_site(name: str, inline: dict[str, Any] | None = None) -> dict[str, Any]
     Unknown site names are refused, listing the known ones; unknown keys inside a profile are
     refused by `site_to_overrides`.
     """
+    from hpctrain.spec.rules import check_site_name
+
+    check_site_name(name)  # before it becomes a path: '../x' would read any TOML file
     inline = inline or {}
     if name in inline:
         prof = inline[name]
