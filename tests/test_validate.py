@@ -181,6 +181,9 @@ def test_unreadable_run_files_are_refused(tmp_path: Path) -> None:
     assert str(MAX_TOML_BYTES) in refused(invoke("plan", str(big)), "run file")
     refused(invoke("plan", str(tmp_path / ("x" * 300) / "run.toml")), "run file")
     refused(invoke("plan", str(tmp_path / ("x" * 300))), "run file")
+    deep = tmp_path / "deep.toml"
+    deep.write_text("a = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    assert "deeply" in refused(invoke("plan", str(deep)), "run file")
     fifo = tmp_path / "fifo.toml"
     os.mkfifo(fifo)
     assert "regular file" in refused(invoke("plan", str(fifo)), "run file")  # refused, not blocked in open()

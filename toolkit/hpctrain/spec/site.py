@@ -93,6 +93,8 @@ def read_toml(path: Path, what: str) -> dict[str, Any]:
         raise refuse(f"not UTF-8 text (byte {exc.start})", "save the file as UTF-8") from None
     except tomllib.TOMLDecodeError as exc:
         raise refuse(f"invalid TOML ({exc})", "correct the syntax") from None
+    except RecursionError:  # tomllib parses nested arrays and tables recursively
+        raise refuse("nests arrays or tables too deeply", "flatten the nesting") from None
 
 
 def known_sites(inline: dict[str, Any]) -> list[str]:
