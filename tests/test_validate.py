@@ -240,6 +240,17 @@ def test_model_overrides_are_typed_per_key(override: str, field: str, tmp_path: 
     refused(invoke("plan", rf), f"model.overrides.{field}")
 
 
+def test_unreadable_model_config_is_refused(tmp_path: Path) -> None:
+    for config in ("/dev/zero", str(tmp_path), str(tmp_path / "missing.json")):
+        refused(invoke("plan", "--model", config if config.endswith(".json") else config + "/x.json"), "model.config")
+    refused(invoke("plan", run_file(tmp_path, '[model]\nconfig = "/dev/zero"\n')), "model.config")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    refused(invoke("plan", "--model", str(tmp_path / "list.json")), "model.config")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_bytes(b"\xff\xfe")
+    refused(invoke("plan", "--model", str(tmp_path / "m")), "model.path")
+
+
 def test_bad_config_json_is_refused_naming_the_key(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"hidden_size": "big", "num_attention_heads": 2, "num_hidden_layers": 1,'
                                           ' "vocab_size": 10}')

@@ -11,6 +11,8 @@ Its purpose is to refuse hopeless plans and to pick the fastest setting that fit
 from __future__ import annotations
 
 import json
+import os
+import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,12 +51,27 @@ def load_model_config(model: Model) -> dict[str, Any]:
             raise bad_value("model.path", "", "no model given",
                             "pass --model DIR or set [model] config = 'llama-tiny' (a preset or config.json)")
         try:
-            cfg = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
+            cfg = json.loads(_read_config(path))
+            if not isinstance(cfg, dict):
+                raise TypeError("not a JSON object")
+        except (OSError, ValueError, TypeError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError: ValueErrors
             raise bad_value(key, getattr(model, key.split(".")[1]), f"cannot read {path} ({exc})",
                             f"point it at a readable config.json (presets: {', '.join(PRESETS)})") from None
     cfg.update(model.overrides)
     return cfg
+
+
+MAX_CONFIG_BYTES = 16 << 20  # a config.json is kilobytes; /dev/zero or a weights file given by mistake is not read
+
+
+def _read_config(path: Path) -> str:
+    if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO or a device would block or never end
+        raise ValueError("not a regular file")
+    with open(path, "rb") as fh:
+        data = fh.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ValueError(f"larger than the limit of {MAX_CONFIG_BYTES} bytes")
+    return data.decode("utf-8")
 
 
 def model_arch(cfg: dict[str, Any], overridden: frozenset[str] | set[str] = frozenset()) -> dict[str, Any]:
