@@ -23,12 +23,13 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+import click
 import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hpctrain.cli.main import _SIMPLE_FLAGS, cli
+from hpctrain.cli.main import cli
 from hpctrain.spec import model as S
 from hpctrain.spec import rules
 
@@ -136,10 +137,15 @@ DOTTED = [*S.TOP_SCALARS, *(f"{s}.{f.name}" for s, c in S.SECTIONS.items() for f
           "env.NCCL_DEBUG", "env.HF_TOKEN", "model.overrides.hidden_size", "model.overrides.num_attention_heads"]
 
 
+# The options `plan` and `submit` share, read from the command itself (a new flag is covered by itself).
+OPTIONS = sorted(p.opts[0] for p in cli.commands["plan"].params
+                 if isinstance(p, click.Option) and not p.is_flag and p.opts[0] not in ("--set", "--container"))
+
+
 @st.composite
 def flags(draw: st.DrawFn) -> list[str]:
     args: list[str] = []
-    for flag, _key, _typ, _help in draw(st.lists(st.sampled_from(_SIMPLE_FLAGS), max_size=3, unique=True)):
+    for flag in draw(st.lists(st.sampled_from(OPTIONS), max_size=3, unique=True)):
         args += [flag, str(draw(st.one_of(text, ints.map(str), st.sampled_from(["auto", "1", "0", "3"]))))]
     for _ in range(draw(st.integers(0, 2))):
         args += ["--set", f"{draw(st.sampled_from(DOTTED))}={draw(st.one_of(text, ints.map(str)))}"]

@@ -193,6 +193,16 @@ def test_dev_zero_is_refused_without_reading_it_all() -> None:
     assert "regular file" in refused(invoke("plan", "/dev/zero"), "run file")
 
 
+@pytest.mark.parametrize("flag", ["--model", "--data", "--set data.tokenizer="])
+def test_unusable_input_paths_are_refused(flag: str, tmp_path: Path) -> None:
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    for path in (str(tmp_path / ("x" * 300)), str(loop / "x")):
+        args = [flag.split()[0], flag.split()[1] + path] if " " in flag else [flag, path]
+        result = invoke("submit", "--dry-run", run_file(tmp_path, TINY if flag != "--model" else ""), *args)
+        refused(result, {"--model": "model.path", "--data": "data.source"}.get(flag, "data.tokenizer"))
+
+
 def test_unwritable_out_and_runs_dir_are_refused(tmp_path: Path) -> None:
     rf = run_file(tmp_path, TINY)
     afile = tmp_path / "afile"
