@@ -119,7 +119,7 @@ def test_control_characters_refused_in_every_string_field(field: str, cls: type,
     if typing.get_origin(hint) is tuple:
         values = [("ok", bad)]
     elif typing.get_origin(hint) is dict:
-        values = [{"OK": bad}, {f"K{ch}": "v"}]
+        values = [{f"K{ch}": "v"}] if field in rules.TEXT_VALUES else [{"OK": bad}, {f"K{ch}": "v"}]
     else:
         values = [bad]
     for value in values:
@@ -134,7 +134,17 @@ def test_control_characters_refused_from_flags_sweeps_and_site_profiles(tmp_path
     refused(invoke("plan", rf, "--set", "data.text_field=a\rb"), "data.text_field")
     refused(invoke("submit", "--dry-run", rf, "--sweep", "data.text_field=a,b\x1bc"), "data.text_field")
     refused(invoke("plan", rf, "--set", "env.A=x\ny"), "env.A")
-    refused(invoke("plan", rf, "--set", "model.overrides.rope_scaling={type = \"a\\nb\"}"), "model.overrides")
+    refused(invoke("plan", rf, "--set", "model.overrides.a\nb=1"), "model.overrides")
+
+
+def test_model_override_values_may_hold_text(tmp_path: Path) -> None:
+    """The documented exception (rules.TEXT_VALUES): config.json text never reaches a script."""
+    rf = run_file(tmp_path, TINY + '[model.overrides]\nprompt = "line 1\\nline 2\\ttab"\n')
+    out = tmp_path / "out"
+    result = invoke("submit", "--dry-run", "--out", str(out), rf)
+    assert result.exit_code == 0, result.output
+    assert S.read_resolved(out).model.overrides["prompt"] == "line 1\nline 2\ttab"
+    assert "line 1" not in (out / "sbatch.sh").read_text()
 
 
 def test_crlf_run_file_parses_and_renders_lf(tmp_path: Path) -> None:

@@ -13,22 +13,6 @@ from typing import Any
 
 import click
 
-# Secret variable names of the request being handled (its secret_env), added by the CLI once the
-# spec is resolved, so that their values are redacted from every message too.
-_SECRET_NAMES: set[str] = set()
-
-
-def redact_also(names: Iterable[str]) -> None:
-    """Treat NAMES as secret in every message this process prints from now on."""
-    _SECRET_NAMES.update(names)
-
-
-def redact(message: str) -> str:
-    """MESSAGE with the value of every secret variable of the environment replaced by <redacted:NAME>."""
-    from hpctrain.spec.rules import redact_environment
-
-    return redact_environment(message, _SECRET_NAMES)
-
 
 class HpcUsageError(click.UsageError):
     """Bad input from the user: the message says which field, which value, and how to fix it."""
@@ -36,9 +20,9 @@ class HpcUsageError(click.UsageError):
     def show(self, file: Any = None) -> None:
         """One line, `Error: ...`, without click's usage banner: the message already says what to do.
 
-        The value of every secret variable of the environment is redacted, wherever the message got it.
+        (The CLI redacts secret values from the message before it is shown: cli.main._RedactingGroup.)
         """
-        click.echo(f"Error: {redact(self.format_message())}", file=file, err=True)
+        click.echo(f"Error: {self.format_message()}", file=file, err=True)
 
 
 def bad_value(field: str, value: object, why: str, fix: str) -> HpcUsageError:

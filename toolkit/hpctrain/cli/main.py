@@ -25,17 +25,24 @@ if TYPE_CHECKING:
 RUNTIMES = ("none", "apptainer", "pyxis", "podman", "charliecloud")
 
 
+# Secret variable names of the requests this process resolved (their secret_env): their values are
+# redacted from every message too, beside ALWAYS_SECRET and names that look secret.
+_SECRET_NAMES: set[str] = set()
+
+
 class _RedactingGroup(click.Group):
-    """Click's own refusals quote the value typed ("'...' is not a valid integer"): the value of a secret
-    variable of the environment is redacted from them too, as from hpctrain's own (errors.HpcUsageError)."""
+    """Every refusal this CLI prints, hpctrain's (errors.HpcUsageError) and click's own ("'...' is not a
+    valid integer"), has the value of every secret variable of the environment replaced by <redacted:NAME>,
+    wherever the message got it from."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except click.ClickException as exc:
-            from hpctrain.errors import redact
+            from hpctrain.spec.rules import redact_environment
 
-            vars(exc)["message"] = redact(exc.message)  # `message` is Final in click's types; this is the one rewrite
+            # `message` is Final in click's types; rewriting it here is the one place that does.
+            vars(exc)["message"] = redact_environment(exc.message, _SECRET_NAMES)
             raise
 
 
@@ -135,14 +142,13 @@ def flags_from_options(opts: dict[str, Any]) -> dict[str, Any]:
 
 def _resolve(runfile: str | None, opts: dict[str, Any], point: dict[str, Any] | None = None,
              check: bool = True) -> tuple[Spec, Plan]:
-    from hpctrain.errors import redact_also
     from hpctrain.plan.planner import make_plan
     from hpctrain.spec.model import resolve
     from hpctrain.spec.rules import secret_names
 
     flags = {**flags_from_options(opts), **(point or {})}
     spec = resolve(runfile, flags, opts.get("site"), check=check)
-    redact_also(secret_names(spec))
+    _SECRET_NAMES.update(secret_names(spec))
     return spec, make_plan(spec)
 
 
