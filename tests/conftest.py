@@ -141,6 +141,16 @@ def _slurm_sh(cmd: str, timeout: float) -> subprocess.CompletedProcess[str]:
         return subprocess.CompletedProcess(e.cmd, 124, out, err + f"\n(timed out after {timeout}s)")
 
 
+@pytest.fixture(autouse=True)
+def _restore_umask() -> Iterator[None]:
+    """The CLI sets umask 077 for its whole process (cli.main): an in-process CliRunner test must not
+    change the mode of files that later tests create."""
+    old = os.umask(0o022)
+    os.umask(old)
+    yield
+    os.umask(old)
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[SlurmCluster]:
     """The local 4-node SLURM cluster, up for the whole session (see module docstring)."""

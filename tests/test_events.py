@@ -90,9 +90,9 @@ def test_node_failure_on_bad_input_writes_the_event(tmp_path: Path, monkeypatch:
 
 
 def test_exceptions_are_classified_by_class_not_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpctrain.node.dist import OtherRankFailed
     from hpctrain.node.main import PreflightFailed, failure_of
     from hpctrain.node.runconf import NodeInputError
-    from hpctrain.node.dist import OtherRankFailed
 
     class OutOfMemoryError(RuntimeError):
         pass

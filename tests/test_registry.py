@@ -112,9 +112,9 @@ def test_twenty_concurrent_processes(tmp_path: Path) -> None:
 
 
 def test_registry_and_spec_share_one_secret_name_rule(tmp_path: Path) -> None:
-    """The registry drops exactly the keys the spec's [env] check calls secret (spec.rules.is_secret_name):
+    """The registry drops exactly the keys the spec's [env] check calls secret (hpctrain.secret.is_secret_name):
     DB_PASSWD and GH_APIKEY go, tokens_per_batch (a knob, not a token) stays."""
-    from hpctrain.spec.rules import is_secret_name
+    from hpctrain.secret import is_secret_name
 
     keys = {"DB_PASSWD": "x", "GH_APIKEY": "x", "MY_CREDENTIALS": "x", "tokens_per_batch": 4096, "nodes": 2}
     reg = Registry(tmp_path / "r.db")

@@ -180,7 +180,8 @@ def test_hostfile_rules() -> None:
 
 # -- hostile strings --------------------------------------------------------------------------------
 
-HOSTILE = "x'; touch {canary}; echo \"$(touch {canary})\" `touch {canary}` ;\n$(touch {canary})"
+# No newline: every control character is refused at validation (spec.rules.check_strings; tests/test_validate.py).
+HOSTILE = "x'; touch {canary}; echo \"$(touch {canary})\" `touch {canary}` ; $(touch {canary})"
 
 
 def test_hostile_strings_cannot_execute(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@
 #SBATCH --time=04:00:00
 
 set -eo pipefail
+umask 077  # run folder files stay private to the user (logs, hostfile, checkpoints)
 set -u
 
 # Plain environment from the spec and the site profile. Secrets (HF_TOKEN, HUGGING_FACE_HUB_TOKEN, WANDB_API_KEY)

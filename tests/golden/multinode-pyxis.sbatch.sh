@@ -20,6 +20,7 @@
 #SBATCH --time=2-00:00:00
 
 set -eo pipefail
+umask 077  # run folder files stay private to the user (logs, hostfile, checkpoints)
 
 # Site modules (loaded before `set -u`: module scripts often read unset variables).
 module load cuda/12.4

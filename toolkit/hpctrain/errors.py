@@ -18,7 +18,10 @@ class HpcUsageError(click.UsageError):
     """Bad input from the user: the message says which field, which value, and how to fix it."""
 
     def show(self, file: Any = None) -> None:
-        """One line, `Error: ...`, without click's usage banner: the message already says what to do."""
+        """One line, `Error: ...`, without click's usage banner: the message already says what to do.
+
+        (The CLI redacts secret values from the message before it is shown: cli.main._RedactingGroup.)
+        """
         click.echo(f"Error: {self.format_message()}", file=file, err=True)
 
 

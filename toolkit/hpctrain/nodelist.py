@@ -12,7 +12,15 @@ import re
 
 from hpctrain.errors import HpcUsageError
 
-_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+_RANGE = re.compile(r"(\d{1,18})(?:-(\d{1,18}))?")
+# No allocation has more hosts (spec.rules.MAX_NODES); the count is checked before anything is
+# expanded, so 'n[1-100000000]' is refused at once instead of building gigabytes of names.
+MAX_HOSTS = 100_000
+
+
+def _too_many(whole: str, count: int) -> HpcUsageError:
+    return HpcUsageError(f"nodelist = {whole[:80]!r}: expands to {count} hosts, more than the limit of {MAX_HOSTS}. "
+                         "Fix: pass the hostlist of a real allocation")
 
 # MASTER_PORT derives from the job id, so every rank computes it alone and two jobs sharing a node differ.
 # 20000-31998: below Linux's ephemeral range (32768+), whose ports outgoing connections soon take again;
@@ -59,17 +67,19 @@ def _split_top(text: str) -> list[str]:
 
 def _expand_ranges(body: str, whole: str) -> list[str]:
     """`1-3,07` -> ['1', '2', '3', '07'] keeping the low bound's width as padding."""
-    out: list[str] = []
+    bounds: list[tuple[str, int, int]] = []
     for item in body.split(","):
-        m = _RANGE.match(item.strip())
+        m = _RANGE.fullmatch(item.strip())
         if not m:
             raise HpcUsageError(f"nodelist = {whole!r}: bad range {item!r}. Fix: use N or N-M, e.g. 'node[1-4,7]'")
         lo, hi = m.group(1), m.group(2) or m.group(1)
         if int(hi) < int(lo):
             raise HpcUsageError(f"nodelist = {whole!r}: range {item!r} runs backwards. Fix: write {hi}-{lo}")
-        width = len(lo)
-        out.extend(str(i).zfill(width) for i in range(int(lo), int(hi) + 1))
-    return out
+        bounds.append((lo, int(lo), int(hi)))
+    count = sum(hi - lo + 1 for _, lo, hi in bounds)
+    if count > MAX_HOSTS:
+        raise _too_many(whole, count)
+    return [str(i).zfill(len(text)) for text, lo, hi in bounds for i in range(lo, hi + 1)]
 
 
 def _expand_one(name: str, whole: str) -> list[str]:
@@ -79,6 +89,8 @@ def _expand_one(name: str, whole: str) -> list[str]:
     for piece in pieces:
         if piece.startswith("["):
             values = _expand_ranges(piece[1:-1], whole)
+            if len(results) * len(values) > MAX_HOSTS:  # r[1-1000]n[1-1000]: the product counts
+                raise _too_many(whole, len(results) * len(values))
             results = [r + v for r in results for v in values]
         else:
             results = [r + piece for r in results]
@@ -102,4 +114,6 @@ def expand(nodelist: str) -> list[str]:
         if any(c.isspace() for c in part):
             raise HpcUsageError(f"nodelist = {nodelist!r}: host {part!r} contains whitespace. Fix: remove it")
         hosts.extend(_expand_one(part, nodelist))
+        if len(hosts) > MAX_HOSTS:
+            raise _too_many(nodelist, len(hosts))
     return hosts

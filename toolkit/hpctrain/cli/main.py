@@ -8,6 +8,7 @@ and a login node without torch runs every command.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -25,10 +26,35 @@ if TYPE_CHECKING:
 RUNTIMES = ("none", "apptainer", "pyxis", "podman", "charliecloud")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+# Secret variable names of the requests this process resolved (their secret_env): their values are
+# redacted from every message too, beside ALWAYS_SECRET and names that look secret.
+_SECRET_NAMES: set[str] = set()
+
+
+class _RedactingGroup(click.Group):
+    """Every refusal this CLI prints, hpctrain's (errors.HpcUsageError) and click's own ("'...' is not a
+    valid integer"), has the value of every secret variable of the environment replaced by <redacted:NAME>,
+    wherever the message got it from."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.ClickException as exc:
+            from hpctrain.secret import redact_environment
+
+            # `message` is Final in click's types; rewriting it here is the one place that does.
+            vars(exc)["message"] = redact_environment(exc.message, _SECRET_NAMES)
+            raise
+
+
+@click.group(cls=_RedactingGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="hpctrain")
 def cli() -> None:
     """Launch DeepSpeed training on SLURM clusters."""
+    # Everything hpctrain writes is private to the user (DESIGN.md: run folders are 0700/0600): the run
+    # folder's files, dry-run output, the registry; sbatch records this umask for the job (SLURM_UMASK),
+    # so the job's logs are created 0600 too, and the batch script and the node entry set it again.
+    os.umask(0o077)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -93,9 +119,11 @@ def _resolve(runfile: str | None, opts: dict[str, Any], point: dict[str, Any] | 
              check: bool = True) -> tuple[Spec, Plan]:
     from hpctrain.plan.planner import make_plan
     from hpctrain.spec.model import resolve
+    from hpctrain.spec.rules import secret_names
 
     flags = {**flags_from_options(opts), **(point or {})}
     spec = resolve(runfile, flags, opts.get("site"), check=check)
+    _SECRET_NAMES.update(secret_names(spec))
     return spec, make_plan(spec)
 
 
@@ -161,14 +189,29 @@ def print_plan(spec: Spec, plan: Plan) -> None:
 @click.option("--slots", required=True, type=int, help="Ranks per host (GPUs per node).")
 def hostfile_cmd(nodelist: str, slots: int) -> None:
     """Expand NODELIST and print `host slots=N` lines (duplicates and empty lists are errors)."""
+    from hpctrain.errors import bad_value
     from hpctrain.nodelist import expand
     from hpctrain.render.sbatch import render_hostfile
+    from hpctrain.spec.rules import MAX_RANKS_PER_NODE
+
+    if slots > MAX_RANKS_PER_NODE:
+        raise bad_value("--slots", slots, f"more than the limit of {MAX_RANKS_PER_NODE} ranks per node",
+                        "pass --slots with the ranks per node (GPUs per node)")
 
     click.echo(render_hostfile(expand(nodelist), slots), nl=False)
 
 
 # --------------------------------------------------------------------------------------------------
 # submit
+
+def _writing(field: str, where: Path, fix: str) -> Callable[[OSError], Exception]:
+    """An OSError while creating run files -> a refusal naming the folder (never a traceback)."""
+    from hpctrain.errors import bad_value
+
+    def refuse(exc: OSError) -> Exception:
+        return bad_value(field, str(where), f"cannot write there ({exc.strerror or exc})", fix)
+    return refuse
+
 
 def _script(spec: Spec, plan: Plan, run_dirs: list[Path], mode: str = "train") -> str:
     """The batch script as it would be submitted (one job, or one array over run_dirs)."""
@@ -186,13 +229,18 @@ def _script(spec: Spec, plan: Plan, run_dirs: list[Path], mode: str = "train") -
 
 def _write_dry_run(out: Path, points: list[tuple[Spec, Plan]], script_for: Callable[[list[Path]], str]) -> list[Path]:
     """--dry-run --out DIR: the files of each run into DIR (one run) or DIR/point-<i> (a sweep)."""
-    from hpctrain.render.runfolder import write_run_folder
+    from hpctrain.render.runfolder import run_files
+    from hpctrain.runs import folder as runs
 
-    out.mkdir(parents=True, exist_ok=True, mode=0o700)
     dirs = [out.absolute()] if len(points) == 1 else [(out / f"point-{i}").absolute() for i in range(len(points))]
     script = script_for(dirs)
-    for d, (spec, plan) in zip(dirs, points):
-        write_run_folder(d, spec, plan, script)
+    files = [run_files(spec, plan, script) for spec, plan in points]  # all checked before the first write
+    try:
+        out.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for d, texts in zip(dirs, files):
+            runs.write_run_files(d, texts)
+    except OSError as exc:
+        raise _writing("--out", out, "pass --out with a new or writable folder")(exc) from None
     return dirs
 
 
@@ -207,6 +255,7 @@ def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry
                as_json: bool, **opts: Any) -> None:
     """Resolve RUNFILE + flags into a spec and plan, write the run folder(s), submit one job
     (or one job array for --sweep). With --dry-run, print the sbatch script instead."""
+    from hpctrain.render.runfolder import run_files
     from hpctrain.runs import folder as runs
     from hpctrain.spec.model import parse_sweep
 
@@ -232,6 +281,8 @@ def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry
         else:
             dirs = [(runs.runs_dir_default() / runs.new_run_id(s.name)).absolute() for s, _ in points]
         script = _script(spec, plan, dirs, mode)
+        for s, p in points:
+            run_files(s, p, script)  # the same check as a submit, though nothing is written
         if as_json:
             from hpctrain.render.deepspeed import build_ds_config
 
@@ -286,7 +337,7 @@ def _check_sweep_binds(points: list[tuple[Spec, Plan]]) -> None:
 
 def _create_runs(points: list[tuple[Spec, Plan]], mode: str) -> list[Path]:
     """One private run folder per point, each created whole (temp dir + rename) or not at all."""
-    from hpctrain.render.runfolder import write_run_folder
+    from hpctrain.render.runfolder import run_files
     from hpctrain.runs import folder as runs
 
     base = runs.runs_dir_default()
@@ -294,10 +345,16 @@ def _create_runs(points: list[tuple[Spec, Plan]], mode: str) -> list[Path]:
     dirs = [(base / i).absolute() for i in ids]
     spec, plan = points[0]
     script = _script(spec, plan, dirs, mode)  # preview; dispatch replaces it with the script it submits
+    files = [run_files(s, p, script) for s, p in points]
     made: list[Path] = []
     try:
-        for run_id, (s, p) in zip(ids, points):
-            made.append(write_run_folder(base / run_id, s, p, script, create=True).absolute())
+        for run_id, texts in zip(ids, files):
+            made.append(runs.create_run_folder_atomically(base, run_id, texts).absolute())
+    except OSError as exc:
+        for d in made:
+            runs.remove_run_folder(d)
+        raise _writing("HPCTRAIN_RUNS_DIR", base, "set HPCTRAIN_RUNS_DIR to a writable folder (default ./runs)")(
+            exc) from None
     except BaseException:
         for d in made:
             runs.remove_run_folder(d)

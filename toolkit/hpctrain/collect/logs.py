@@ -20,8 +20,8 @@ from datetime import datetime
 from pathlib import Path
 
 _TS = re.compile(r"^(?:submitit \w+ \(|\[)?(\d{4}-\d\d-\d\d)[T ](\d\d:\d\d:\d\d)(?:[.,](\d{1,6}))?")
-_RANK_LOG = re.compile(r"^attempt-(\d+)\.rank-(\d+)\.log$")
-_SUBMITIT_LOG = re.compile(r"^(\d+(?:_\d+)?)_(\d+)_log\.(out|err)$")
+_RANK_LOG = re.compile(r"attempt-(\d+)\.rank-(\d+)\.log")
+_SUBMITIT_LOG = re.compile(r"(\d+(?:_\d+)?)_(\d+)_log\.(out|err)")
 _INF = float("inf")
 _CTRL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
@@ -117,7 +117,7 @@ def rank_log_files(logs_dir: Path) -> list[LogFile]:
     except OSError:
         return []
     for p in entries:
-        m = _RANK_LOG.match(p.name)
+        m = _RANK_LOG.fullmatch(p.name)
         if m:
             out.append(LogFile(p, int(m.group(1)), int(m.group(2))))
     return sorted(out, key=lambda f: (f.attempt, f.rank or 0))
@@ -132,7 +132,7 @@ def submitit_log_files(submitit_dir: Path, job_ids: dict[str, int]) -> list[LogF
     except OSError:
         return []
     for p in entries:
-        m = _SUBMITIT_LOG.match(p.name)
+        m = _SUBMITIT_LOG.fullmatch(p.name)
         if not m:
             continue
         job = m.group(1)

@@ -40,6 +40,7 @@ def deepspeed_command(run_dir: str, mode: str, env: dict[str, str]) -> list[str]
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.umask(0o077)  # rank logs, metrics, checkpoints: private to the user, whoever started this process
     args = _parser().parse_args(argv)
     if args.launcher == "deepspeed" and "HPCTRAIN_DS_CHILD" not in os.environ:
         cmd = deepspeed_command(args.run_dir, args.mode, dict(os.environ))

@@ -30,8 +30,12 @@ from hpctrain.states import ExitCode, FailureClass
 def run(run_dir: str, mode: str = "train") -> int:
     """Run on every rank. Returns 0, or raises SystemExit with a non-zero code on every rank."""
     import gc
+    import os
     import warnings
 
+    # Rank logs, metrics, checkpoints, summary: private to the user however this rank was started
+    # (submitit, srun, torchrun, DeepSpeed's runner); the docs promise 0600 files in the run folder.
+    os.umask(0o077)
     # torch's c10d deprecation notices repeat on every collective of DeepSpeed's ZeRO-3 (pages of stderr).
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
     d = dist.detect()

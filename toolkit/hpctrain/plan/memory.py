@@ -85,7 +85,7 @@ class Estimate:
 
 def parse_mem_gb(mem: str) -> float | None:
     """SLURM --mem in GiB ("125G" -> 125.0; unit-less is megabytes), None when unset or unreadable."""
-    m = re.match(r"^(\d+)([KMGT]?)$", mem)
+    m = re.fullmatch(r"(\d+)([KMGT]?)", mem)
     if not m:
         return None
     scale = {"K": 1 / 1024**2, "M": 1 / 1024, "": 1 / 1024, "G": 1.0, "T": 1024.0}[m.group(2)]

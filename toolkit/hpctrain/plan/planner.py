@@ -11,6 +11,8 @@ Its purpose is to refuse hopeless plans and to pick the fastest setting that fit
 from __future__ import annotations
 
 import json
+import os
+import stat
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -29,7 +31,15 @@ from hpctrain.plan.memory import (
 )
 from hpctrain.spec.model import Model, Spec
 from hpctrain.spec.presets import PRESETS
-from hpctrain.spec.rules import Kind, how_to_set, zero_choices
+from hpctrain.spec.rules import (
+    MODEL_BOOL_KEYS,
+    MODEL_SHAPE_KEYS,
+    Kind,
+    check_model_key,
+    how_to_set,
+    need,
+    zero_choices,
+)
 
 OFFLOADS_IN_ORDER = ("none", "optimizer", "param", "all")
 
@@ -49,40 +59,74 @@ def load_model_config(model: Model) -> dict[str, Any]:
             raise bad_value("model.path", "", "no model given",
                             "pass --model DIR or set [model] config = 'llama-tiny' (a preset or config.json)")
         try:
-            cfg = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
+            cfg = json.loads(_read_config(path))
+            if not isinstance(cfg, dict):
+                raise TypeError("not a JSON object")
+        except (OSError, ValueError, TypeError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError: ValueErrors
             raise bad_value(key, getattr(model, key.split(".")[1]), f"cannot read {path} ({exc})",
                             f"point it at a readable config.json (presets: {', '.join(PRESETS)})") from None
     cfg.update(model.overrides)
     return cfg
 
 
-def model_arch(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Normalise Llama/Mistral/Qwen2-style and GPT-2-style config keys to one shape."""
-    def get(*names: str, default: Any = None) -> Any:
+MAX_CONFIG_BYTES = 16 << 20  # a config.json is kilobytes; /dev/zero or a weights file given by mistake is not read
+
+
+def _read_config(path: Path) -> str:
+    if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO or a device would block or never end
+        raise ValueError("not a regular file")
+    with open(path, "rb") as fh:
+        data = fh.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ValueError(f"larger than the limit of {MAX_CONFIG_BYTES} bytes")
+    return data.decode("utf-8")
+
+
+def model_arch(cfg: dict[str, Any], overridden: frozenset[str] | set[str] = frozenset()) -> dict[str, Any]:
+    """Normalise Llama/Mistral/Qwen2-style and GPT-2-style config keys to one shape.
+
+    Every dimension is checked first (a positive whole number; heads divide the hidden size, kv heads
+    divide the heads): num_attention_heads = 0 used to divide by zero and hidden_size = -64 "fitted".
+    A refusal names `model.overrides.KEY` when the value came from an override (OVERRIDDEN).
+    """
+    def where(key: str) -> str:
+        return f"model.overrides.{key}" if key in overridden else f"model config.json {key}"
+
+    for key in sorted((MODEL_SHAPE_KEYS | MODEL_BOOL_KEYS) & set(cfg)):
+        if cfg[key] is not None:  # null in a config.json means "not set" (GPT-2's n_inner)
+            check_model_key(where(key), key, cfg[key])
+
+    def get(*names: str, default: Any = None) -> tuple[str, Any]:
         for n in names:
             if cfg.get(n) is not None:
-                return cfg[n]
+                return n, cfg[n]
         if default is None:
             raise HpcUsageError(f"model config: none of {names} found (model_type "
                                 f"{cfg.get('model_type')!r}). Fix: use a Llama, Mistral or GPT-2 style config.json")
-        return default
+        return names[0], default
 
     kind = str(cfg.get("model_type", "llama"))
-    hidden = int(get("hidden_size", "n_embd", "d_model"))
-    heads = int(get("num_attention_heads", "n_head"))
+    hidden_key, hidden = get("hidden_size", "n_embd", "d_model")
+    heads_key, heads = get("num_attention_heads", "n_head")
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    need(bool(cfg.get("head_dim")) or hidden % heads == 0, where(heads_key), heads,
+         f"{hidden_key} {hidden} is not divisible by {heads_key} {heads}",
+         f"choose {heads_key} among the divisors of {hidden} (or set head_dim)")
+    need(heads % kv_heads == 0, where("num_key_value_heads"), kv_heads,
+         f"{heads_key} {heads} is not a multiple of num_key_value_heads {kv_heads}",
+         f"choose num_key_value_heads among the divisors of {heads}")
     gpt2 = kind == "gpt2" or "n_embd" in cfg
     return {
         "model_type": kind,
         "style": "gpt2" if gpt2 else "llama",
-        "hidden": hidden,
-        "layers": int(get("num_hidden_layers", "n_layer")),
-        "heads": heads,
-        "kv_heads": int(cfg.get("num_key_value_heads") or heads),
+        "hidden": int(hidden),
+        "layers": int(get("num_hidden_layers", "n_layer")[1]),
+        "heads": int(heads),
+        "kv_heads": kv_heads,
         "head_dim": int(cfg.get("head_dim") or hidden // heads),
-        "intermediate": int(get("intermediate_size", "n_inner", default=0) or 4 * hidden),
-        "vocab": int(get("vocab_size")),
-        "positions": int(get("max_position_embeddings", "n_positions", default=0)),
+        "intermediate": int(get("intermediate_size", "n_inner", default=0)[1] or 4 * hidden),
+        "vocab": int(get("vocab_size")[1]),
+        "positions": int(get("max_position_embeddings", "n_positions", default=0)[1]),
         "tied": bool(cfg.get("tie_word_embeddings", gpt2)),
         "attention_bias": bool(cfg.get("attention_bias", kind == "qwen2")),
     }
@@ -104,6 +148,21 @@ def ranks_per_node(spec: Spec) -> int:
     """One rank per GPU; on CPU, tasks_per_node ranks (or 1)."""
     r = spec.resources
     return r.gpus_per_node or r.tasks_per_node or 1
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of n (>= 1) in increasing order, found in O(sqrt n): the spec bounds n (MAX_NODES,
+    MAX_BATCH), and a walk over every number up to n took 44 s for a global batch of 1e9."""
+    small: list[int] = []
+    large: list[int] = []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
 
 
 def _multiples(g: int, unit: int) -> str:
@@ -168,7 +227,7 @@ def _micro_options(spec: Spec, dp: int) -> list[int] | None:
     if not t.global_batch or t.micro_batch or t.grad_accum or t.global_batch % dp:
         return None
     per_rank = t.global_batch // dp
-    return [m for m in range(per_rank, 0, -1) if per_rank % m == 0]
+    return divisors(per_rank)[::-1]
 
 
 def _search(sh: Shape, kind: Kind, micros: list[int], acs: list[bool]) -> tuple[Estimate, bool]:
@@ -270,10 +329,11 @@ def _degrees(spec: Spec) -> tuple[int, int, int]:
     rpn = ranks_per_node(spec)
     world = r.nodes * rpn
     if world % (p.tp * p.pp):
-        valid = [d for d in range(1, world + 1) if world % d == 0]
+        found = divisors(world)
+        valid = ", ".join(map(str, found)) if len(found) <= 24 else ", ".join(map(str, found[:24])) + ", ..."
         raise bad_value("parallel.tp*pp", p.tp * p.pp,
                         f"world size {world} ({r.nodes} nodes x {rpn} ranks) is not divisible by tp {p.tp} x pp {p.pp}",
-                        f"choose tp*pp among {valid}, or change --nodes/--gpus-per-node so the world size is a "
+                        f"choose tp*pp among [{valid}], or change --nodes/--gpus-per-node so the world size is a "
                         f"multiple of {p.tp * p.pp}")
     if p.tp > rpn and p.tp > 1:
         raise bad_value("parallel.tp", p.tp, f"tensor parallelism must stay inside a node ({rpn} ranks per node)",
@@ -333,7 +393,7 @@ def make_plan(spec: Spec) -> Plan:
     rpn, world, dp = _degrees(spec)
     micros = _micro_options(spec, dp)
     micro, accum, glob = batch_sizes(spec, dp)
-    arch = model_arch(load_model_config(spec.model))
+    arch = model_arch(load_model_config(spec.model), set(spec.model.overrides))
     params = param_count(arch)
     r, t = spec.resources, spec.train
     reasons = [(f"world {world} = {r.nodes} nodes x {rpn} ranks; dp {dp} = world / "

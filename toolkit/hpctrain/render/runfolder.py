@@ -12,17 +12,23 @@ from typing import TYPE_CHECKING
 from hpctrain.render import deepspeed
 from hpctrain.runs import folder as runs
 from hpctrain.spec.model import Spec, to_toml
+from hpctrain.spec.rules import check_rendered
 
 if TYPE_CHECKING:
     from hpctrain.plan.planner import Plan
 
 
 def run_files(spec: Spec, plan: Plan, script: str | None = None) -> dict[str, str]:
-    """The files a run folder starts with, by name."""
+    """The files a run folder starts with, by name, checked before anything is written.
+
+    `check_rendered` is the one check of a dry run and a submit: no secret's value in any file, no CR
+    or other control character in the batch script.
+    """
     files = {runs.SPEC_TOML: to_toml(spec), runs.PLAN_JSON: plan.to_json(),
              runs.DS_CONFIG_JSON: deepspeed.to_json(deepspeed.build_ds_config(spec, plan))}
     if script is not None:
         files[runs.SBATCH_SH] = script
+    check_rendered(files, spec)
     return files
 
 

@@ -133,7 +133,7 @@ def render_hostfile(hosts: Sequence[str], slots: int, spec: Spec | None = None) 
         raise HpcUsageError("hostfile hosts = []: no hosts. Fix: pass a nodelist such as 'node[1-4]'")
     seen: set[str] = set()
     for h in hosts:
-        if not re.match(r"^[A-Za-z0-9_.\-]+$", h):
+        if not re.fullmatch(r"[A-Za-z0-9_.\-]+", h):
             raise bad_value("hostfile host", h, "not a host name", "use plain names such as node1")
         if h in seen:
             raise bad_value("hostfile host", h, "listed twice", "list every host once")

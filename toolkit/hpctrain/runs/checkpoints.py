@@ -15,7 +15,7 @@ from pathlib import Path
 
 MARKER = "hpctrain.json"
 LATEST = "latest"
-STEP_RE = re.compile(r"^step-(\d+)$")
+STEP_RE = re.compile(r"step-(\d+)")  # used with fullmatch: `$` also matches before a final newline
 
 
 def step_tag(step: int) -> str:
@@ -35,7 +35,7 @@ def complete_steps(ckpt_dir: Path) -> list[int]:
         return []
     steps = []
     for p in entries:
-        m = STEP_RE.match(p.name)
+        m = STEP_RE.fullmatch(p.name)
         if m and is_complete(p):
             steps.append(int(m.group(1)))
     return sorted(steps)

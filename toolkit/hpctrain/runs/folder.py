@@ -57,7 +57,7 @@ def sanitize_name(name: str) -> str:
 
 
 _ISSUED: set[str] = set()  # ids handed out by this process: a 100-point sweep shares one second
-_ID_SUFFIX = re.compile(r"^(.*-\d{8}-\d{6}-)[0-9a-f]{4}$")
+_ID_SUFFIX = re.compile(r"(.*-\d{8}-\d{6}-)[0-9a-f]{4}")
 
 
 def new_run_id(name: str, now: float | None = None) -> str:
@@ -216,7 +216,7 @@ def create_run_folder_atomically(runs_dir: Path | str, run_id: str, files: dict[
         try:
             return _create_once(runs, run_id, files)
         except FileExistsError:
-            m = _ID_SUFFIX.match(run_id)
+            m = _ID_SUFFIX.fullmatch(run_id)
             if not m:
                 raise
             run_id = f"{m.group(1)}{secrets.token_hex(2)}"

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import click
 
-from hpctrain.spec.rules import is_secret_name
+from hpctrain.secret import is_secret_name
 from hpctrain.states import JobState, is_final
 
 T = TypeVar("T")

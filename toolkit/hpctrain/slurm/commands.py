@@ -213,16 +213,29 @@ def _parse_time(text: str) -> float | None:
         return None
 
 
+# An array of more tasks than this is not one hpctrain submitted (a sweep is one task per point, and
+# SLURM's own MaxArraySize defaults to 1001); a range beyond it, or a malformed one, stays unexpanded.
+MAX_ARRAY_TASKS = 100_000
+
+
 def _expand_array_id(jid: str) -> list[str]:
-    """"12_[0-2,5%4]" (pending array tasks) -> 12_0 12_1 12_2 12_5; anything else unchanged."""
+    """"12_[0-2,5%4]" (pending array tasks) -> 12_0 12_1 12_2 12_5; anything else unchanged.
+
+    A malformed range ("1-", "-3", "5-2") or one beyond MAX_ARRAY_TASKS is left as the raw id: sacct's
+    answer is data, and a strange line must not stop (or hang) the reading of the others.
+    """
     m = re.fullmatch(r"(\d+)_\[([0-9,\-]+)(?:%\d+)?\]", jid)
     if not m:
         return [jid]
-    main, out = m.group(1), []
+    main, spans = m.group(1), []
     for part in m.group(2).split(","):
-        lo, _, hi = part.partition("-")
-        out += [f"{main}_{i}" for i in range(int(lo), int(hi or lo) + 1)]
-    return out
+        r = re.fullmatch(r"(\d{1,9})(?:-(\d{1,9}))?", part)
+        if not r or int(r.group(2) or r.group(1)) < int(r.group(1)):
+            return [jid]
+        spans.append((int(r.group(1)), int(r.group(2) or r.group(1))))
+    if sum(hi - lo + 1 for lo, hi in spans) > MAX_ARRAY_TASKS:
+        return [jid]
+    return [f"{main}_{i}" for lo, hi in spans for i in range(lo, hi + 1)]
 
 
 # -- scancel / sinfo / sbatch ------------------------------------------------------------------

@@ -407,6 +407,14 @@ def absolute_paths(spec: Spec) -> Spec:
     return dataclasses.replace(spec, model=model, data=data, launch=launch)
 
 
+def _exists(path: Path, kind: str = "") -> bool:
+    """Path.exists/is_dir/is_file that answer False, not raise, for a name too long, a symlink loop, ..."""
+    try:
+        return path.is_dir() if kind == "dir" else path.is_file() if kind == "file" else path.exists()
+    except (OSError, ValueError):  # ENAMETOOLONG, EACCES; ValueError: a NUL byte
+        return False
+
+
 def check_paths(spec: Spec) -> None:
     """Submit-time checks that need the filesystem: model and data must exist on the shared FS.
 
@@ -421,19 +429,19 @@ def check_paths(spec: Spec) -> None:
                         "'llama-tiny' (a preset or a config.json path)")
     if m.path:
         p = Path(m.path)
-        need(p.is_dir() and (p / "config.json").is_file(), "model.path", m.path,
+        need(_exists(p, "dir") and _exists(p / "config.json", "file"), "model.path", m.path,
               "not a local model folder with a config.json (compute nodes are offline: no hub ids)",
               "pass --model with the folder from `huggingface-cli download --local-dir DIR`")
     if m.config and m.config not in PRESETS:
-        need(Path(m.config).is_file(), "model.config", m.config,
+        need(_exists(Path(m.config), "file"), "model.config", m.config,
               "neither a preset nor an existing config.json", f"use a preset ({', '.join(PRESETS)}) or a path")
     src = spec.data.source
     if src != "synthetic":
-        need(Path(src).exists(), "data.source", src, "path does not exist",
+        need(_exists(Path(src)), "data.source", src, "path does not exist",
               "pass --data with an existing .jsonl/.txt file or folder, or 'synthetic'")
     tok = spec.data.tokenizer
     if tok != "byte":
-        need(Path(tok).is_dir(), "data.tokenizer", tok, "not a local tokenizer folder",
+        need(_exists(Path(tok), "dir"), "data.tokenizer", tok, "not a local tokenizer folder",
               "set [data] tokenizer = 'byte' or a folder holding tokenizer.json")
 
 

@@ -11,6 +11,7 @@ import functools
 import math
 import re
 import typing
+from collections.abc import Mapping
 from dataclasses import MISSING, fields
 from typing import TYPE_CHECKING, Any, Literal, Union
 
@@ -33,19 +34,20 @@ if TYPE_CHECKING:
 # Run-file sections are the dataclass names in lower case: Resources -> [resources].
 SECTION_CLASSES = ("Resources", "Launch", "Model", "Data", "Train", "Parallel", "Checkpoint", "Container")
 
-# These variables are secret whatever the site says: they reach ranks by name through --export=ALL.
-ALWAYS_SECRET = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY")
-
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_SECRET_NAME_PARTS = {"TOKEN", "SECRET", "PASSWORD", "PASSWD", "APIKEY", "CREDENTIAL", "CREDENTIALS"}
-_SECRET_VALUE = re.compile(
-    r"^(hf_[A-Za-z0-9]{20,}|(sk|pk|ghp|gho|ghs|github_pat|xox[abpr])[-_][A-Za-z0-9_-]{16,}"
-    r"|[0-9a-f]{40}|AKIA[0-9A-Z]{16}|-----BEGIN [A-Z ]*PRIVATE KEY-----.*)$",
-    re.DOTALL,
+from hpctrain.secret import (
+    ALWAYS_SECRET,
+    looks_secret,
+    secret_values,
 )
-_MEM = re.compile(r"^\d+[KMGT]?$")
-_TIME = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d{1,2}(:\d{1,2}(:\d{1,2})?)?)$")
-_SLURM_WORD = re.compile(r"^[A-Za-z0-9_.,:@+\-\[\]|&*!()]*$")
+
+# Every validation pattern is used with fullmatch: `$` also matches before a final newline, so
+# "WANDB_API_KEY\n" passed `re.match(r"^...$")` (issue 14, class 2).
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_MEM = re.compile(r"(\d+)([KMGT]?)")
+_TIME = re.compile(r"\d{1,9}|\d{1,9}:\d{1,2}|\d{1,9}:\d{1,2}:\d{1,2}|\d{1,7}-\d{1,2}(:\d{1,2}(:\d{1,2})?)?")
+_SLURM_WORD = re.compile(r"[A-Za-z0-9_.,:@+\-\[\]|&*!()]*")
+_HOSTLIST = re.compile(r"[A-Za-z0-9_.\-\[\],]+")
+_SITE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 def how_to_set(key: str, example: object) -> str:
@@ -62,14 +64,38 @@ def secret_names(spec: Spec) -> tuple[str, ...]:
     return tuple(dict.fromkeys((*ALWAYS_SECRET, *spec.secret_env)))
 
 
-def is_secret_name(name: str) -> bool:
-    """Whether a variable or key name says it holds a credential (HF_TOKEN, DB_PASSWORD, WANDB_API_KEY)."""
-    return bool(set(name.upper().split("_")) & _SECRET_NAME_PARTS) or name.upper().endswith("API_KEY")
+
+# --------------------------------------------------------------------------------------------------
+# Secret values: never in a rendered file, never in a message (issue 14, class 8).
 
 
-def looks_secret(name: str, value: str) -> bool:
-    """Guess whether an [env] entry carries a credential, by its name or the shape of its value."""
-    return is_secret_name(name) or bool(_SECRET_VALUE.match(value.strip()))
+
+def check_rendered(files: Mapping[str, str], spec: Spec) -> None:
+    """The one check of rendered run files before they are written (dry run) or submitted.
+
+    No secret's value may appear in any of them (the refusal names the variable, never the value),
+    and the batch script holds no CR or other control character: sbatch refuses "DOS line breaks"
+    and the refusal would otherwise read like a problem with the resources asked for.
+    """
+    from hpctrain.errors import HpcUsageError
+
+    found = secret_values(secret_names(spec))
+    for fname, text in files.items():
+        for name, value in found.items():
+            if value in text:
+                raise HpcUsageError(
+                    f"{fname}: the rendered file contains the value of the secret variable {name}. Fix: do not "
+                    f"put secrets in [env], flags or paths; export {name} in the submitting shell and list it in "
+                    "secret_env: it reaches the ranks through the environment")
+    script = files.get("sbatch.sh", "")
+    for lineno, line in enumerate(script.split("\n"), 1):
+        bad = _control_char(line.replace("\t", " "))
+        if bad:
+            raise bad_value("launch.template_dir", spec.launch.template_dir or "(shipped templates)",
+                            f"the rendered sbatch.sh has {bad} on line {lineno}, which sbatch refuses",
+                            "save the templates with Unix (LF) line endings and no control characters")
+
+
 
 
 # --------------------------------------------------------------------------------------------------
@@ -127,16 +153,91 @@ def check(obj: Any) -> None:
         value = getattr(obj, f.name)
         hint = field_types(typing.cast(type, type(obj)))[f.name]
         if not _type_ok(value, hint):
-            raise bad_value(prefix + f.name, value, f"must be {describe(hint)}",
+            raise bad_value(prefix + f.name, shown(prefix + f.name, value), f"must be {describe(hint)}",
                             how_to_set(prefix + f.name, _example(hint, f.default)))
         if hint is float and isinstance(value, int):
             object.__setattr__(obj, f.name, float(value))
-        if isinstance(value, str) and "\x00" in value:
-            raise bad_value(prefix + f.name, value, "contains a NUL byte", "remove it")
+        check_strings(prefix + f.name, value, _secret_keys(obj, f.name))
+        check_int_bounds(prefix + f.name, value)
     rule = _RULES.get(type(obj).__name__)
     if rule:
         rule(obj)
     _no_leading_dash(obj)
+
+
+# --------------------------------------------------------------------------------------------------
+# One rule for every string of the spec (issue 14, class 2): no control characters.
+#
+# Every string field, every item of a list field and every key and value of a table reaches a
+# script, a `#SBATCH` line, sbatch's command line or spec.toml, where a newline starts a new line
+# of shell or header and a CR makes sbatch refuse the whole script ("DOS line breaks").
+# The walk is driven by the dataclass fields, so a new field is covered without being listed here.
+# The one exception is TEXT_VALUES: a model.overrides value is config.json content (a prompt or
+# template string may well hold newlines); it reaches only spec.toml (escaped) and the model's config,
+# never a script or sbatch. Its keys are still checked.
+TEXT_VALUES = frozenset({"model.overrides"})
+
+def _control_char(text: str) -> str | None:
+    """The first C0 control character or DEL in text, as a readable name; None when clean."""
+    for ch in text:
+        if ord(ch) < 32 or ord(ch) == 127:
+            return {"\n": "a newline (LF)", "\r": "a carriage return (CR)", "\t": "a tab",
+                    "\x00": "a NUL byte"}.get(ch, f"the control character {ch!r}")
+    return None
+
+
+def check_strings(key: str, value: object, secret_keys: frozenset[str] = frozenset()) -> None:
+    """Refuse control characters anywhere in VALUE: strings, list items, table keys and values."""
+    if isinstance(value, str):
+        bad = _control_char(value)
+        need(bad is None, key, shown(key, value, secret_keys), f"contains {bad}; this value reaches the batch script, "
+             "an #SBATCH line or sbatch, where it would break the line",
+             "remove it (a run file saved with Windows line endings is fine; a CR or LF inside a value is not)")
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            check_strings(key, item, secret_keys)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            name = f"{key}.{k}" if _control_char(str(k)) is None else f"{key}.{str(k)!r}"
+            check_strings(name, str(k))
+            if key not in TEXT_VALUES:
+                check_strings(name, v, secret_keys)
+
+
+def _secret_keys(obj: object, name: str) -> frozenset[str]:
+    """Names whose values are secret, for the [env] table (secret_env may not be type-checked yet)."""
+    if name != "env" or type(obj).__name__ != "Spec":
+        return frozenset()
+    listed = getattr(obj, "secret_env", ())
+    return frozenset((*ALWAYS_SECRET, *(n for n in listed if isinstance(n, str)))) if isinstance(
+        listed, tuple) else frozenset(ALWAYS_SECRET)
+
+
+# Whole numbers beyond this are refused in every int field: 2**53 is exact as a float (the planner's
+# arithmetic, plan.json readers) and fits SQLite's integers, and no count of a training run nears it.
+INT_LIMIT = 2**53
+
+
+def check_int_bounds(key: str, value: object) -> None:
+    """Refuse ints so large that arithmetic on them overflows or a loop over them never ends."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        need(abs(value) <= INT_LIMIT, key, shown(key, value), f"beyond the limit of {INT_LIMIT} for any number",
+             how_to_set(key, 1) + " with a realistic value")
+
+
+def shown(key: str, value: object, secrets: frozenset[str] = frozenset()) -> object:
+    """VALUE as an error message may show it: secrets redacted, huge values cut (never a 400-digit echo).
+
+    KEY's last part is the variable name for [env] entries; SECRETS adds the spec's secret_env names.
+    """
+    name = key.rpartition(".")[2]
+    secret_name = name in ALWAYS_SECRET or name in secrets or looks_secret(name, "")
+    if secret_name or (isinstance(value, str) and looks_secret("", value)):
+        return "<redacted>"
+    text = repr(value)
+    if len(text) > 80:
+        return f"{text[:40]}... ({len(text)} characters)"
+    return value
 
 
 def _example(hint: Any, default: object) -> str:
@@ -152,11 +253,6 @@ def need(ok: bool, key: str, value: object, why: str, fix: str) -> None:
         raise bad_value(key, value, why, fix)
 
 
-def _no_controls(key: str, value: str, allow_newline: bool = False) -> None:
-    bad = [c for c in value if ord(c) < 32 and not (allow_newline and c in "\n\t")]
-    need(not bad, key, value, "contains control characters (newline, tab, ...)", "remove them")
-
-
 def _rules_resources(r: Resources) -> None:
     need(r.nodes >= 1, "resources.nodes", r.nodes, "a job needs at least one node", how_to_set("resources.nodes", 1))
     need(r.gpus_per_node >= 0, "resources.gpus_per_node", r.gpus_per_node, "cannot be negative",
@@ -169,22 +265,51 @@ def _rules_resources(r: Resources) -> None:
           f"set [resources] tasks_per_node = {r.gpus_per_node} or 0 (derive)")
     need(r.cpus_per_task >= 1, "resources.cpus_per_task", r.cpus_per_task, "must be at least 1",
           how_to_set("resources.cpus_per_task", 1))
-    need(r.mem == "" or bool(_MEM.match(r.mem)), "resources.mem", r.mem, "not a SLURM memory size",
+    need(r.mem == "" or bool(_MEM.fullmatch(r.mem)), "resources.mem", r.mem, "not a SLURM memory size",
           how_to_set("resources.mem", "64G") + " (digits with K/M/G/T, or empty for the default)")
-    need(bool(_TIME.match(r.time)), "resources.time", r.time, "not a SLURM time limit",
+    _mem_bound(r.mem)
+    need(bool(_TIME.fullmatch(r.time)), "resources.time", r.time, "not a SLURM time limit",
           how_to_set("resources.time", "04:00:00") + " (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS)")
     for key in ("partition", "account", "qos", "constraint"):
         value = getattr(r, key)
-        need(bool(_SLURM_WORD.match(value)), f"resources.{key}", value,
+        need(bool(_SLURM_WORD.fullmatch(value)), f"resources.{key}", value,
               "contains characters SLURM does not accept here (space, quote, $, ;, newline, ...)",
               how_to_set(f"resources.{key}", "NAME") + " with a plain name")
     for host in r.exclude:
-        need(bool(re.match(r"^[A-Za-z0-9_.\-\[\],]+$", host)), "resources.exclude", host,
+        need(bool(_HOSTLIST.fullmatch(host)), "resources.exclude", host,
               "not a host name or hostlist", "list plain host names such as 'node3'")
+    _rules_bounds(r)
     need(r.signal_seconds >= 1, "resources.signal_seconds", r.signal_seconds, "must be at least 1",
           "set [resources] signal_seconds = 90")
     need(r.gpu_mem_gb >= 0, "resources.gpu_mem_gb", r.gpu_mem_gb, "cannot be negative",
           "set [resources] gpu_mem_gb = 80 (or 0 to assume 80)")
+
+
+MEM_LIMIT_BYTES = 2**60  # 1 EiB: more than any node has; beyond it SLURM's own counters overflow
+_MEM_UNIT = {"K": 2**10, "M": 2**20, "": 2**20, "G": 2**30, "T": 2**40}  # SLURM: no suffix = megabytes
+
+
+def _mem_bound(mem: str) -> None:
+    m = _MEM.fullmatch(mem)
+    if m:
+        need(len(m.group(1)) <= 19 and int(m.group(1)) * _MEM_UNIT[m.group(2)] <= MEM_LIMIT_BYTES,
+             "resources.mem", shown("resources.mem", mem), "more than the limit of 1 EiB (2**60 bytes) per node",
+             how_to_set("resources.mem", "64G") + " with the node's real memory")
+
+
+# Counts that the planner searches over or expands (divisors of the world size and of the global
+# batch, hostlists): bounded so that no request makes a search or an expansion run for minutes.
+MAX_NODES = 100_000  # beyond the largest machines built; also the hostlist expansion limit
+MAX_RANKS_PER_NODE = 1024
+MAX_BATCH = 2**24  # sequences per global batch, micro-batch or accumulation steps
+
+
+def _rules_bounds(r: Resources) -> None:
+    need(r.nodes <= MAX_NODES, "resources.nodes", r.nodes, f"more than the limit of {MAX_NODES} nodes",
+         how_to_set("resources.nodes", 4))
+    for key in ("gpus_per_node", "tasks_per_node"):
+        need(getattr(r, key) <= MAX_RANKS_PER_NODE, f"resources.{key}", getattr(r, key),
+             f"more than the limit of {MAX_RANKS_PER_NODE} ranks per node", how_to_set(f"resources.{key}", 8))
 
 
 def _rules_launch(x: Launch) -> None:
@@ -194,7 +319,6 @@ def _rules_launch(x: Launch) -> None:
     need(x.preflight_timeout_s >= 1, "launch.preflight_timeout_s", x.preflight_timeout_s,
           "must be at least 1 second", "set [launch] preflight_timeout_s = 60")
     for m in x.modules:
-        _no_controls("launch.modules", m)
         need(bool(m.strip()), "launch.modules", m, "empty module name", "remove the empty entry")
 
 
@@ -202,6 +326,51 @@ def _rules_model(m: Model) -> None:
     need(not (m.path and m.config), "model.path", m.path,
           f"both model.path and model.config ({m.config!r}) are set; a run starts from exactly one",
           "keep path (pretrained weights) or config (fresh init), not both")
+    for key, value in m.overrides.items():
+        check_model_key(f"model.overrides.{key}", key, value)
+
+
+# config.json keys the planner and the node size the model from: positive whole numbers (at most
+# 2**31 - 1, the size type torch and the HF configs assume). The relations between them (heads
+# divide hidden size, ...) need the whole config and are checked by plan.planner.model_arch.
+MODEL_SHAPE_KEYS = frozenset({
+    "hidden_size", "n_embd", "d_model", "num_attention_heads", "n_head", "num_hidden_layers", "n_layer",
+    "num_key_value_heads", "head_dim", "intermediate_size", "n_inner", "vocab_size", "max_position_embeddings",
+    "n_positions"})
+MODEL_BOOL_KEYS = frozenset({"tie_word_embeddings", "attention_bias"})
+MODEL_INT_MAX = 2**31 - 1
+# The memory model walks every layer's tensors (as DeepSpeed cuts sub-groups): the layer count is
+# bounded far above real models (Llama 3 405B has 126 layers) so that the walk stays milliseconds.
+MODEL_KEY_MAX = {"num_hidden_layers": 1024, "n_layer": 1024}
+
+
+def check_model_key(field: str, key: str, value: object) -> None:
+    """One config.json entry (an override, or a key of the model's config.json): typed per key."""
+    if key in MODEL_SHAPE_KEYS:
+        top = MODEL_KEY_MAX.get(key, MODEL_INT_MAX)
+        need(isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= top, field,
+             shown(field, value), f"a model dimension is a whole number from 1 to {top}",
+             f"set [model.overrides] {key} = 64 (or remove it to keep the config's value)")
+    elif key in MODEL_BOOL_KEYS:
+        need(isinstance(value, bool), field, shown(field, value), "must be true or false",
+             f"set [model.overrides] {key} = true")
+    elif key == "model_type":
+        need(isinstance(value, str) and bool(value), field, value, "must be a model type name such as 'llama'",
+             "set [model.overrides] model_type = 'llama'")
+    else:
+        _finite_everywhere(field, value)
+
+
+def _finite_everywhere(field: str, value: object) -> None:
+    """Any other override is free-form TOML, but NaN and inf cannot be written to spec.toml or JSON."""
+    if isinstance(value, float):
+        need(math.isfinite(value), field, value, "not a finite number", "use a finite value")
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _finite_everywhere(field, v)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _finite_everywhere(f"{field}.{k}", v)
 
 
 def _rules_data(d: Data) -> None:
@@ -215,6 +384,8 @@ def _rules_train(t: Train) -> None:
     for key in ("micro_batch", "grad_accum", "global_batch"):
         need(getattr(t, key) >= 0, f"train.{key}", getattr(t, key), "cannot be negative",
               how_to_set(f"train.{key}", 1) + " (or 0 to derive it)")
+        need(getattr(t, key) <= MAX_BATCH, f"train.{key}", getattr(t, key), f"more than the limit of {MAX_BATCH}",
+             how_to_set(f"train.{key}", 64) + " (or 0 to derive it)")
     need(t.lr > 0, "train.lr", t.lr, "must be positive", "set [train] lr = 3e-4")
     need(0 <= t.min_lr <= t.lr, "train.min_lr", t.min_lr, f"must lie in [0, lr={t.lr}]",
           f"set [train] min_lr = {t.lr / 10:g}")
@@ -330,7 +501,6 @@ def _rules_parallel(p: Parallel) -> None:
     need(p.zero == "auto" or zero_fits_pipeline(p.zero, p.pp), "parallel.zero", p.zero,
           f"DeepSpeed's pipeline engine (pp={p.pp}) supports ZeRO 0 and 1 only",
           "pass --zero 1, or --pp 1")
-    _no_controls("parallel.nvme_path", p.nvme_path)
 
 
 def _rules_checkpoint(c: Checkpoint) -> None:
@@ -347,28 +517,32 @@ def _rules_container(c: Container) -> None:
     need(c.runtime != "none" or not c.image, "container.runtime", c.runtime,
           f"an image ({c.image!r}) is set but no runtime", "pass --container RUNTIME:IMAGE "
           "(apptainer, pyxis, podman or charliecloud)")
-    _no_controls("container.image", c.image)
     for m in c.mounts:
-        _no_controls("container.mounts", m)
         need(bool(m) and "," not in m and m.count(":") <= 2, "container.mounts", m,
               "a mount is SRC[:DST[:OPTS]] without commas", "write one mount per list entry")
+
+
+def check_site_name(name: str) -> None:
+    """A site profile name is a file name in $HPCTRAIN_CONFIG_DIR/sites: no '/', no control characters."""
+    need(bool(_SITE_NAME.fullmatch(name)), "site", shown("site", name),
+         "site profile names are letters, digits, '_', '.', '-'", "rename the profile")
 
 
 def _rules_spec(s: Spec) -> None:
     need(bool(s.name.strip()), "name", s.name, "a run needs a name", how_to_set("name", "'my-run'"))
     need(len(s.name) <= 200, "name", s.name[:40] + "...", "longer than 200 characters", "shorten it")
-    _no_controls("name", s.name)
-    need(s.site == "" or bool(re.match(r"^[A-Za-z0-9_.-]+$", s.site)), "site", s.site,
-          "site profile names are letters, digits, '_', '.', '-'", "rename the profile")
+    if s.site:
+        check_site_name(s.site)
     secrets = secret_names(s)
     for name in s.secret_env:
-        need(bool(_ENV_NAME.match(name)), "secret_env", name, "not an environment variable name",
+        need(bool(_ENV_NAME.fullmatch(name)), "secret_env", name, "not an environment variable name",
               "use letters, digits and '_'")
+    hidden = frozenset(secrets)
     for key, value in s.env.items():
-        need(bool(_ENV_NAME.match(key)), f"env.{key}", value, "not an environment variable name",
-              "use letters, digits and '_' (not starting with a digit)")
-        need(isinstance(value, str), f"env.{key}", value, "env values are strings",
-              f'write {key} = "{value}" in [env]')
+        need(bool(_ENV_NAME.fullmatch(key)), f"env.{key}", shown(f"env.{key}", value, hidden),
+             "not an environment variable name", "use letters, digits and '_' (not starting with a digit)")
+        need(isinstance(value, str), f"env.{key}", shown(f"env.{key}", value, hidden), "env values are strings",
+             f'write {key} = "..." in [env] (or, for a secret, export it and list it in secret_env)')
         need(key not in secrets and not looks_secret(key, value), f"env.{key}", "<redacted>",
               "looks like a secret, and [env] is written into spec.toml and sbatch.sh",
               f"remove it from [env], export {key} in the submitting shell, and list it in secret_env "

@@ -11,6 +11,7 @@ variables, container runtime) so that run files stay portable between clusters.
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -65,15 +66,35 @@ def config_dir() -> Path:
     return _home_fallback("HPCTRAIN_CONFIG_DIR", "XDG_CONFIG_HOME", ".config")
 
 
+# A run file or site profile is a few kilobytes; reading is capped so that /dev/zero or a huge file
+# given by mistake is refused at once instead of filling memory.
+MAX_TOML_BYTES = 1 << 20
+
+
 def read_toml(path: Path, what: str) -> dict[str, Any]:
-    """Parse a TOML file, turning syntax errors into a usage error that names the file and line."""
+    """Parse a TOML file, turning every reason it cannot be read into a usage error naming the file."""
+    def refuse(why: str, fix: str) -> HpcUsageError:
+        return HpcUsageError(f"{what} = {str(path)!r}: {why}. Fix: {fix}")
+
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # before open: opening a FIFO would block
+            raise refuse("not a regular file", "pass a TOML file")
         with open(path, "rb") as fh:
-            return tomllib.load(fh)
+            data = fh.read(MAX_TOML_BYTES + 1)
     except FileNotFoundError:
-        raise HpcUsageError(f"{what} = {str(path)!r}: file not found. Fix: check the path") from None
+        raise refuse("file not found", "check the path") from None
+    except OSError as exc:  # a loop of symlinks, a name too long, a folder, no permission, ...
+        raise refuse(f"cannot be read ({exc.strerror or exc})", "check the path and its permissions") from None
+    if len(data) > MAX_TOML_BYTES:
+        raise refuse(f"larger than the limit of {MAX_TOML_BYTES} bytes", "pass the run file itself")
+    try:
+        return tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise refuse(f"not UTF-8 text (byte {exc.start})", "save the file as UTF-8") from None
     except tomllib.TOMLDecodeError as exc:
-        raise HpcUsageError(f"{what} = {str(path)!r}: invalid TOML ({exc}). Fix: correct the syntax") from None
+        raise refuse(f"invalid TOML ({exc})", "correct the syntax") from None
+    except RecursionError:  # tomllib parses nested arrays and tables recursively
+        raise refuse("nests arrays or tables too deeply", "flatten the nesting") from None
 
 
 def known_sites(inline: dict[str, Any]) -> list[str]:
@@ -91,6 +112,9 @@ def load_site(name: str, inline: dict[str, Any] | None = None) -> dict[str, Any]
     Unknown site names are refused, listing the known ones; unknown keys inside a profile are
     refused by `site_to_overrides`.
     """
+    from hpctrain.spec.rules import check_site_name
+
+    check_site_name(name)  # before it becomes a path: '../x' would read any TOML file
     inline = inline or {}
     if name in inline:
         prof = inline[name]
