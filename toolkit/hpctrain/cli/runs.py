@@ -101,8 +101,14 @@ def refresh(reg: Registry, runs: list[Run]) -> list[str]:
                 runs_mod.append_attempt(runs_mod.RunFolder(run.folder).attempts_jsonl, line)
             except OSError:
                 pass  # the run folder may be gone; the registry still has it
-    reg.update_attempts(updates)
-    return warnings
+    return warnings + reg.cache_updates(updates)  # a busy registry must not block a read
+
+
+def _reconcile(reg: Registry, runs: list[Run]) -> list[str]:
+    """Submissions of unknown outcome -> their real job (hpctrain.slurm.uncertain); before refresh."""
+    from hpctrain.slurm.uncertain import reconcile
+
+    return reconcile(reg, runs)
 
 
 # slurmdbd can report a just-finished job as COMPLETED before its record is whole (seen: a 4-node
@@ -145,7 +151,7 @@ def list_runs(show_all: bool, as_json: bool) -> None:
     """List runs from the registry, newest first, with states refreshed from SLURM."""
     reg = _registry()
     runs = reg.list_runs(limit=None if show_all else 20)
-    warnings = refresh(reg, runs)
+    warnings = _reconcile(reg, runs) + refresh(reg, runs) + reg.warnings
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in runs], indent=2, default=str))
         _warn(warnings)
@@ -169,7 +175,7 @@ def status(run: str, as_json: bool) -> None:
     """Show RUN (id or unique prefix): state, folder, and every attempt, refreshed from SLURM."""
     reg = _registry()
     rec = _find(reg, run)
-    warnings = refresh(reg, [rec])
+    warnings = _reconcile(reg, [rec]) + refresh(reg, [rec]) + reg.warnings
     if as_json:
         click.echo(json.dumps(rec.to_dict(), indent=2, default=str))
         _warn(warnings)
@@ -192,6 +198,7 @@ def cancel(run: str, as_json: bool) -> None:
 
     reg = _registry()
     rec = _find(reg, run)
+    _reconcile(reg, [rec])  # an unanswered submission's job is cancelled too, once SLURM lists it
     refresh(reg, [rec])
     live = [a for a in rec.attempts if not a.final]
     if rec.executor == "slurm" and live:

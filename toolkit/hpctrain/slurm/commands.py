@@ -70,6 +70,7 @@ class SubmitUnknown(SlurmUnavailable):
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
+        self.kept: list[str] = []  # files the caller kept because the job may need them (its pickles)
         super().__init__(f"the outcome of sbatch is unknown: {reason}")
 
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from hpctrain.errors import HpcUsageError
 from hpctrain.runs import folder as runs_mod
+from hpctrain.slurm.uncertain import JobMayExist, drop_pickles, record_unknown, submission_tag
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.plan.planner import Plan
@@ -79,7 +80,12 @@ def submit(run_dirs: Sequence[Path], spec: Spec, plan: Plan, executor: str = "au
     if which == "local":
         subs = _submit_local(dirs, spec, plan, mode)
     else:
-        subs = _submit_slurm(dirs, spec, plan, mode)
+        from hpctrain.slurm import commands as _slurm
+
+        try:
+            subs = _submit_slurm(dirs, spec, plan, mode)
+        except _slurm.SubmitUnknown as exc:
+            raise record_unknown(dirs, spec, plan, mode, exc) from exc
     _record(subs, spec, plan, mode)
     return subs
 
@@ -97,7 +103,12 @@ def submit_attempt(run_dir: Path, spec: Spec, plan: Plan, attempt: int, mode: st
     first = folder.read_attempts()[:1]
     executor = str(first[0].get("executor", "slurm")) if first else resolve_executor(spec.launch.executor)
     submit_one = _submit_local if executor == "local" else _submit_slurm
-    sub = submit_one([d], spec, plan, mode)[0]
+    from hpctrain.slurm import commands as _slurm
+
+    try:
+        sub = submit_one([d], spec, plan, mode)[0]
+    except _slurm.SubmitUnknown as exc:
+        raise record_unknown([d], spec, plan, mode, exc, attempt=attempt, record=record) from exc
     now = time.time()
     runs_mod.append_attempt(folder.attempts_jsonl,
                             {**(record or {}), "attempt": attempt, "job_id": sub.job_id, "state": "PENDING",
@@ -157,8 +168,9 @@ def _record(subs: list[Submitted], spec: Spec, plan: Plan, mode: str) -> None:
     except Exception as exc:
         # The job IS queued: say so with its id instead of pretending nothing happened.
         ids = sorted({s.job_id.split("_")[0] for s in subs})
-        raise RuntimeError(f"job {', '.join(ids)} was submitted but could not be recorded in the registry "
-                           f"({exc}); cancel it with `scancel {' '.join(ids)}` or retry") from exc
+        raise JobMayExist(f"job {', '.join(ids)} was submitted but could not be recorded in the registry "
+                          f"({exc}); its run folder records it: `hpctrain registry rebuild` adds it to the "
+                          f"registry, or cancel it with `scancel {' '.join(ids)}`") from exc
 
 
 def _point_summary(sub: Submitted, first: dict[str, Any]) -> dict[str, Any]:
@@ -226,6 +238,8 @@ def _submit_slurm(dirs: list[Path], spec: Spec, plan: Plan, mode: str) -> list[S
         if links is not None:
             shutil.rmtree(links, ignore_errors=True)
         raise _explain_rejection(exc, spec) from None
+    except _slurm.SubmitUnknown:
+        raise  # the job may run: it resolves its files through the sweep links, so they stay
     except BaseException:
         if links is not None:
             shutil.rmtree(links, ignore_errors=True)
@@ -369,9 +383,8 @@ def _executor_class() -> type:
                 self.parameters["map_count"] = n
             try:
                 job_id, script = self._sbatch(self._submitit_command_str)
-            except BaseException:
-                for p in pickles:
-                    p.unlink(missing_ok=True)
+            except BaseException as exc:
+                drop_pickles(pickles, exc)
                 raise
             tasks = list(range(self._num_tasks()))
             ids = [job_id] if n == 1 else [f"{job_id}_{a}" for a in range(n)]
@@ -393,7 +406,7 @@ def _executor_class() -> type:
             path = indep / f".submission_file_{uuid.uuid4().hex}.sh"
             runs_mod.write_private(path, script)
             try:
-                out = _slurm.sbatch(str(path))
+                out = _slurm.sbatch(str(path), comment=submission_tag(self.run_dirs))
             finally:
                 path.unlink(missing_ok=True)
             return _slurm.job_id_from_sbatch(out), script
