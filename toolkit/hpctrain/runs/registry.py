@@ -134,15 +134,16 @@ class Registry:
 
     # -- plumbing -----------------------------------------------------------------------------
     @contextmanager
-    def _connect(self) -> Iterator[sqlite3.Connection]:
+    def _connect(self, budget_s: float) -> Iterator[sqlite3.Connection]:
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        busy_ms = int(min(_BUSY_TIMEOUT_MS, budget_s * 1000))  # one wait never outlasts the call's budget
         old = os.umask(0o077)  # the db and its -wal/-shm files are private to the user
         try:
-            conn = sqlite3.connect(self.path, timeout=_BUSY_TIMEOUT_MS / 1000, isolation_level=None)
+            conn = sqlite3.connect(self.path, timeout=busy_ms / 1000, isolation_level=None)
         finally:
             os.umask(old)
         try:
-            conn.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")
+            conn.execute(f"PRAGMA busy_timeout={busy_ms}")
             conn.execute("PRAGMA foreign_keys=ON")
             # WAL + NORMAL: a crash never corrupts the db; only a power cut can lose the last commit.
             conn.execute("PRAGMA synchronous=NORMAL")
@@ -171,12 +172,14 @@ class Registry:
         except (sqlite3.DatabaseError, OSError) as exc:
             raise RegistryUnavailable(self.path, exc) from exc
 
-    def _write(self, fn: Callable[[sqlite3.Connection], T], budget_s: float = _WRITE_BUDGET_S) -> T:
-        """Run `fn` in one BEGIN IMMEDIATE transaction, retried whole while the db stays locked."""
+    def _write(self, fn: Callable[[sqlite3.Connection], T], budget_s: float | None = None) -> T:
+        """Run `fn` in one BEGIN IMMEDIATE transaction, retried whole while the db stays locked
+        (for `budget_s` seconds in all, default _WRITE_BUDGET_S)."""
+        budget_s = _WRITE_BUDGET_S if budget_s is None else budget_s
 
         def once() -> T:
             self._repair_if_damaged()
-            with self._connect() as conn:
+            with self._connect(budget_s) as conn:
                 if not self._ready:
                     # Persistent in the file; a no-op once set. Outside the transaction (SQLite's rule).
                     conn.execute("PRAGMA journal_mode=WAL")
@@ -202,7 +205,7 @@ class Registry:
             if not self.path.exists():
                 return empty
             self._repair_if_damaged()
-            with self._connect() as conn:
+            with self._connect(_READ_BUDGET_S) as conn:
                 conn.execute("BEGIN DEFERRED")  # one snapshot for every SELECT of `fn`
                 try:
                     if not has_tables(conn):
