@@ -120,10 +120,6 @@ def default_db_path() -> Path:
     return state_dir() / "registry.sqlite3"
 
 
-class RegistryDamaged(sqlite3.DatabaseError):
-    """The file exists but holds no registry (empty, truncated, not SQLite): rebuild it."""
-
-
 class Registry:
     """Open per call: each method takes its own short connection so nothing is held between calls."""
 
@@ -167,8 +163,6 @@ class Registry:
             return _retry_locked(fn, budget_s)
         except sqlite3.IntegrityError:
             raise  # a duplicate run id is a caller bug, not an unusable registry
-        except RegistryDamaged:
-            raise
         except (sqlite3.DatabaseError, OSError) as exc:
             raise RegistryUnavailable(self.path, exc) from exc
 
