@@ -188,3 +188,19 @@ def test_submit_keeps_the_run_folder_when_the_job_may_exist(tmp_path: Path, monk
     res = CliRunner().invoke(cli, ["submit", str(runfile), "--executor", "local"])
     assert res.exit_code == 75 and "no answer" in res.output
     assert len(list((tmp_path / "runs").iterdir())) == 1
+
+
+def test_sbatch_without_srun_is_a_clear_error_and_leaves_no_folder(fake_slurm: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpctrain.cli.main import cli
+
+    (fake_slurm / "srun").unlink()
+    monkeypatch.setenv("PATH", str(fake_slurm))  # sbatch and sinfo, no srun anywhere
+    monkeypatch.setenv("HPCTRAIN_RUNS_DIR", str(tmp_path / "runs"))
+    runfile = Path(__file__).parents[1] / "examples" / "tiny.toml"
+    for _ in range(2):
+        res = CliRunner().invoke(cli, ["submit", str(runfile), "--executor", "slurm"])
+        assert res.exit_code == 1 and "`srun` is not on PATH" in res.output, res.output
+        assert res.exception is None or isinstance(res.exception, SystemExit)  # no traceback
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
+    assert not (fake_slurm / "counter").exists()  # nothing reached sbatch

@@ -216,6 +216,10 @@ def _submit_slurm(dirs: list[Path], spec: Spec, plan: Plan, mode: str) -> list[S
     from hpctrain.node.entry import NodeJob
     from hpctrain.slurm import commands as _slurm
 
+    if not shutil.which("srun"):  # submitit's SlurmExecutor refuses to start without it (a bare RuntimeError)
+        raise _slurm.SlurmUnavailable(
+            "`srun` is not on PATH although `sbatch` is: SLURM's client tools are incomplete here. Fix: submit "
+            "from a login node with SLURM's client tools installed, or use --executor local")
     _check_fits(spec, plan)
     cls = _executor_class()
     if len(dirs) == 1:
