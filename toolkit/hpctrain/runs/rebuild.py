@@ -1,6 +1,6 @@
 """Rebuild the run registry from the run folders on disk.
 
-The registry is an index; the run folders are the record (DESIGN.md: spec.toml, plan.json,
+The registry is an index; the run folders are the record (hpctrain.runs.folder: spec.toml, plan.json,
 attempts.jsonl, submitit/<job id>_submitted.pkl). So a registry file that is empty, truncated or no
 database at all is moved aside and rebuilt from them, automatically on first use, and on demand with
 `hpctrain registry rebuild` (which also adds folders a healthy registry lacks, keeping every row).
@@ -15,25 +15,32 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import tomllib
 
 from hpctrain.runs import folder as runs_mod
+from hpctrain.runs.schema import damage
 
-if TYPE_CHECKING:  # pragma: no cover
-    from hpctrain.runs.registry import Attempt, Registry
+# (run row, [attempt rows]) as plain dicts: hpctrain.runs.registry builds its records from them.
+Item = tuple[dict[str, Any], list[dict[str, Any]]]
+
+
+class Index(Protocol):
+    """What a rebuild needs of the registry (hpctrain.runs.registry.Registry)."""
+
+    path: Path
+
+    def import_runs(self, items: list[Item]) -> int: ...
 
 _PICKLE_ID = re.compile(r"(\d+(?:_\d+)?)_submitted\.pkl")
 
 
-def rebuild_registry(reg: Registry, reason: str | None = None, runs_dirs: list[Path] | None = None) -> list[str]:
+def rebuild_registry(reg: Index, reason: str | None = None, runs_dirs: list[Path] | None = None) -> list[str]:
     """Make `reg` usable again and index every run folder under `runs_dirs` (default: the runs dir).
 
     `reason` set: called because the file looked damaged; re-checked under a lock, so of several
     processes that saw it only the first moves it aside. Returns what was done, for the user."""
-    from hpctrain.runs.schema import damage
-
     dirs = runs_dirs or [runs_mod.runs_dir_default()]
     reg.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     with _locked(reg.path):
@@ -72,7 +79,7 @@ def _move_aside(db: Path) -> Path:
     return aside
 
 
-def scan(runs_dir: Path) -> list[tuple[dict[str, Any], list[Attempt]]]:
+def scan(runs_dir: Path) -> list[Item]:
     """(run, attempts) for every submitted run folder directly under `runs_dir`, oldest first.
     A folder with neither attempts.jsonl lines nor submitit job files was never queued: skipped."""
     if not runs_dir.is_dir():
@@ -87,10 +94,8 @@ def scan(runs_dir: Path) -> list[tuple[dict[str, Any], list[Attempt]]]:
     return sorted(out, key=lambda it: it[0]["created"])
 
 
-def read_run_folder(d: Path) -> tuple[dict[str, Any], list[Attempt]] | None:
+def read_run_folder(d: Path) -> Item | None:
     """What the registry held about one run, from its folder alone."""
-    from hpctrain.runs.registry import Attempt
-
     folder = runs_mod.RunFolder(d)
     merged: dict[int, dict[str, Any]] = {}
     for line in folder.read_attempts():  # a submission line, then state lines: later ones win
@@ -104,12 +109,12 @@ def read_run_folder(d: Path) -> tuple[dict[str, Any], list[Attempt]] | None:
         return None
     first = merged[min(merged)]
     created = _float(first.get("submitted")) or d.stat().st_mtime
-    attempts = [Attempt(run_id=d.name, attempt=i, job_id=str(a.get("job_id") or ""),
-                        state=str(a.get("state") or "PENDING"), nodes=str(a.get("nodes") or ""),
-                        submitted=_float(a.get("submitted")) or created, started=_float(a.get("started")),
-                        ended=_float(a.get("ended")),
-                        exit_code=None if a.get("exit_code") is None else str(a["exit_code"]),
-                        failure_class=a.get("failure_class"), note=a.get("note"), tag=a.get("tag"))
+    attempts = [{"run_id": d.name, "attempt": i, "job_id": str(a.get("job_id") or ""),
+                 "state": str(a.get("state") or "PENDING"), "nodes": str(a.get("nodes") or ""),
+                 "submitted": _float(a.get("submitted")) or created, "started": _float(a.get("started")),
+                 "ended": _float(a.get("ended")),
+                 "exit_code": None if a.get("exit_code") is None else str(a["exit_code"]),
+                 "failure_class": _str(a.get("failure_class")), "note": _str(a.get("note")), "tag": _str(a.get("tag"))}
                 for i, a in sorted(merged.items())]
     run = {"run_id": d.name, "name": _name(d), "folder": str(d), "executor": str(first.get("executor", "slurm")),
            "created": created, "spec": _summary(d, str(first.get("mode", "train")))}
@@ -119,6 +124,10 @@ def read_run_folder(d: Path) -> tuple[dict[str, Any], list[Attempt]] | None:
 def _id_key(job_id: str) -> tuple[int, int]:
     main, _, task = job_id.partition("_")
     return int(main), int(task or 0)
+
+
+def _str(v: Any) -> str | None:
+    return None if v is None else str(v)
 
 
 def _float(v: Any) -> float | None:

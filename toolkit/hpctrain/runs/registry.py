@@ -246,12 +246,14 @@ class Registry:
 
         self._write(tx)
 
-    def import_runs(self, items: list[tuple[dict[str, Any], list[Attempt]]]) -> int:
-        """Add runs (and their attempts) this registry does not have yet; returns how many were new."""
+    def import_runs(self, items: list[tuple[dict[str, Any], list[dict[str, Any]]]]) -> int:
+        """Add runs (and their attempts, as Attempt fields) this registry does not have yet; returns how
+        many were new (what hpctrain.runs.rebuild reads from the run folders)."""
 
         def tx(c: sqlite3.Connection) -> int:
             added = 0
-            for run, attempts in items:
+            for run, rows in items:
+                attempts = [Attempt(**row) for row in rows]
                 cur = c.execute(
                     "INSERT OR IGNORE INTO runs(run_id,name,folder,created,executor,spec,state) VALUES (?,?,?,?,?,?,?)",
                     (run["run_id"], run["name"], run["folder"], run["created"], run["executor"],

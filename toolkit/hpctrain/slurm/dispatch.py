@@ -85,7 +85,7 @@ def submit(run_dirs: Sequence[Path], spec: Spec, plan: Plan, executor: str = "au
         try:
             subs = _submit_slurm(dirs, spec, plan, mode)
         except _slurm.SubmitUnknown as exc:
-            raise record_unknown(dirs, spec, plan, mode, exc) from exc
+            raise record_unknown(dirs, spec.name, spec_summary(spec, plan, mode), mode, exc) from exc
     _record(subs, spec, plan, mode)
     return subs
 
@@ -108,7 +108,8 @@ def submit_attempt(run_dir: Path, spec: Spec, plan: Plan, attempt: int, mode: st
     try:
         sub = submit_one([d], spec, plan, mode)[0]
     except _slurm.SubmitUnknown as exc:
-        raise record_unknown([d], spec, plan, mode, exc, attempt=attempt, record=record) from exc
+        raise record_unknown([d], spec.name, spec_summary(spec, plan, mode), mode, exc, attempt=attempt,
+                             record=record) from exc
     now = time.time()
     runs_mod.append_attempt(folder.attempts_jsonl,
                             {**(record or {}), "attempt": attempt, "job_id": sub.job_id, "state": "PENDING",

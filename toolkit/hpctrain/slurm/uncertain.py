@@ -20,9 +20,7 @@ from hpctrain.runs import folder as runs_mod
 from hpctrain.slurm import commands as _slurm
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hpctrain.plan.planner import Plan
     from hpctrain.runs.registry import Attempt, Registry, Run
-    from hpctrain.spec.model import Spec
 
 
 class JobMayExist(click.ClickException):
@@ -42,15 +40,14 @@ def submission_tag(run_dirs: Sequence[Path]) -> str:
     return f"hpctrain:{Path(run_dirs[0]).name}"
 
 
-def record_unknown(dirs: list[Path], spec: Spec, plan: Plan, mode: str, exc: Any, attempt: int = 0,
-                    record: dict[str, Any] | None = None) -> SubmitUncertain:
+def record_unknown(dirs: list[Path], name: str, summary: dict[str, Any], mode: str, exc: Any, attempt: int = 0,
+                   record: dict[str, Any] | None = None) -> SubmitUncertain:
     """Keep the run folder(s) and record each run as SUBMIT_UNKNOWN, with the submission's tag, in
-    attempts.jsonl and the registry; returns the error to raise (it says what to do)."""
+    attempts.jsonl and the registry (`name`, `summary`: what dispatch records for a queued run);
+    returns the error to raise (it says what to do)."""
     from hpctrain.runs.registry import SUBMIT_UNKNOWN, Attempt, Registry
-    from hpctrain.slurm.dispatch import spec_summary
 
     now, tag, reason = time.time(), submission_tag(dirs), str(exc.reason)
-    summary = spec_summary(spec, plan, mode)
     attempts = [Attempt(run_id=d.name, attempt=attempt, job_id="", state=SUBMIT_UNKNOWN, submitted=now,
                         note=reason, tag=tag) for d in dirs]
     for i, d in enumerate(dirs):
@@ -65,7 +62,7 @@ def record_unknown(dirs: list[Path], spec: Spec, plan: Plan, mode: str, exc: Any
         if attempt:
             reg.add_attempt(attempts[0])
         else:
-            reg.add_submitted_many([({"run_id": d.name, "name": spec.name, "folder": str(d), "executor": "slurm",
+            reg.add_submitted_many([({"run_id": d.name, "name": name, "folder": str(d), "executor": "slurm",
                                       "created": now, "spec": {**summary, "array_index": i if len(dirs) > 1 else None}},
                                      a) for i, (d, a) in enumerate(zip(dirs, attempts))])
     except Exception as rexc:  # noqa: BLE001 - attempts.jsonl holds the record; `registry rebuild` reads it
