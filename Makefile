@@ -36,9 +36,12 @@ install-node: install-base
 install: install-node
 
 # Debian packages the tests need: SLURM + accounting (slurmdbd, MariaDB), munge, and tools for the cluster
-# namespaces (as root; skips apt when every program is present). shellcheck comes from the test extra.
+# namespaces; podman, runc, debootstrap and Charliecloud for the container tests (as root; each skips apt
+# when every program is present). Before pytest starts: tests that need podman check for it at collection,
+# so a fixture installing it later would leave them skipped on a fresh machine. shellcheck: the test extra.
 install-system:
 	bash $(CLUSTER) install
+	bash containers/build.sh deps
 
 # The local 4-node cluster (tests/cluster/slurm.sh; LAB=/tmp/hpctrain-slurm, nodes node1..node4, partition debug).
 .PHONY: cluster-status cluster-wipe

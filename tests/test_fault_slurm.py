@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,6 +36,12 @@ COMMON = ["--executor", "slurm", "--partition", "debug", "--set", "resources.tas
           "--set", "checkpoint.export_hf=false", "--set", "checkpoint.keep=3"]
 NOT3 = ["--set", "resources.exclude=node3"]
 INTERVAL = 4
+SIGNAL_S = 75
+LONG_LIMIT_MIN = 30
+# Enough steps to still be training a minute after the limit moves (steps take ~0.4 s here); the losses
+# are compared with the reference's first REF_STEPS (they do not depend on the run's length).
+TIMELIMIT_STEPS = 400
+REF_STEPS = 120
 
 
 class Campaign:
@@ -42,6 +49,7 @@ class Campaign:
         self.env = {**os.environ, "HPCTRAIN_RUNS_DIR": str(root / "runs"), "HPCTRAIN_STATE_DIR": str(root / "state")}
         self.env.pop("HPCTRAIN_FAULT_INJECT", None)
         self.runs: dict[str, Path] = {}
+        self.clock: TimeLimitClock | None = None
 
     def submit(self, name: str, *flags: str, fault: str = "") -> Path:
         env = dict(self.env, **({"HPCTRAIN_FAULT_INJECT": fault} if fault else {}))
@@ -59,6 +67,64 @@ class Campaign:
             for r in notes(run):
                 ids += [str(r[k]) for k in ("job_id", "supervisor_job") if r.get(k)]
         return sorted(set(ids))
+
+
+class TimeLimitClock(threading.Thread):
+    """Times the time-limit signal from what the job is seen doing, not from constants (a busy 2-core CI
+    machine took 39 s to start a rank, and a fixed 2-minute limit signalled the requeued attempt before it
+    had loaded its checkpoint). Submitted with a limit no attempt reaches, the job gets, once attempt 0 has
+    logged training steps, a limit that SLURM's own USR2@SIGNAL_S fires within about a minute; once attempt
+    0 has checkpointed on it, the long limit back, so the requeued attempt runs to the end however slowly
+    it starts. `scontrol update TimeLimit` (root on the test cluster) is the only lever: the signal is SLURM's."""
+
+    def __init__(self, run: Path) -> None:
+        super().__init__(daemon=True)
+        self.run_dir, self.stop = run, threading.Event()
+        self.events: list[str] = []  # what it did, for the test's failure message
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._work()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test that reads .error
+            self.error = exc
+
+    def _wait(self, cond: Callable[[], Any], timeout: float, what: str) -> Any:
+        deadline = time.monotonic() + timeout
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            got = cond()
+            if got:
+                return got
+            self.stop.wait(1.0)
+        raise AssertionError(f"time-limit clock: no {what} within {timeout:.0f}s ({self.events})")
+
+    def _work(self) -> None:
+        run = self.run_dir
+        job = str(self._wait(lambda: next((n["job_id"] for n in notes(run) if n.get("job_id")), None), 120,
+                             "job id"))
+        # Started = steps logged: the start-up, however long it took, is behind us.
+        self._wait(lambda: max((r["step"] for r in metrics(run)), default=0) >= 3, 900, "training steps")
+        elapsed = _elapsed_s(job)
+        limit = -(-(elapsed + SIGNAL_S + 10) // 60)  # whole minutes: USR2 comes 10-70 s from now
+        self._set_limit(job, limit, f"attempt 0 training after {elapsed} s")
+        log0 = run / "logs" / "attempt-0.rank-0.log"
+        self._wait(lambda: log0.exists() and "checkpointed at step" in log0.read_text(errors="replace"), 300,
+                   "checkpoint on the time-limit signal in attempt 0")
+        self._set_limit(job, LONG_LIMIT_MIN, "attempt 0 checkpointed; the requeued attempt must not be signalled")
+
+    def _set_limit(self, job: str, minutes: int, why: str) -> None:
+        run_cmd(["scontrol", "update", f"JobId={job}", f"TimeLimit={minutes}"], timeout=30)
+        self.events.append(f"TimeLimit={minutes} min ({why})")
+
+
+def _elapsed_s(job: str) -> int:
+    """The job's run time as squeue shows it ("M:SS", "H:MM:SS" or "D-HH:MM:SS")."""
+    text = run_cmd(["squeue", "-h", "-j", job, "-o", "%M"], timeout=30).stdout.strip()
+    days, _, clock = text.rpartition("-")
+    secs = 0
+    for part in clock.split(":"):
+        secs = secs * 60 + int(part)
+    return int(days or 0) * 86400 + secs
 
 
 def notes(run: Path) -> list[dict[str, Any]]:
@@ -126,13 +192,19 @@ def lost_steps(run: Path) -> list[int]:
     return out
 
 
-def assert_matches_reference(run: Path, ref: dict[int, float], steps: int) -> None:
+def assert_matches_reference(run: Path, ref: dict[int, float], steps: int, upto: int | None = None) -> None:
+    """The run reached `steps`; its losses equal the reference's at every step up to `upto` (default all)."""
     got = losses(run)
     assert max(got) == steps, f"{run.name}: ended at step {max(got)}, wanted {steps}"
+    upto = steps if upto is None else upto
     for s in range(1, steps + 1):
-        assert s in got and got[s] == pytest.approx(ref[s], rel=1e-5, abs=1e-6), (s, got.get(s), ref[s])
+        assert s in got, (s, "missing")
+        if s <= upto:
+            assert got[s] == pytest.approx(ref[s], rel=1e-5, abs=1e-6), (s, got[s], ref[s])
+    first: dict[int, float] = {}
     for rec_a in metrics(run):  # every re-run of a step gave the same loss as the first run of it
-        assert rec_a["loss"] == pytest.approx(ref[rec_a["step"]], rel=1e-5, abs=1e-6)
+        want = ref[rec_a["step"]] if rec_a["step"] <= upto else first.setdefault(rec_a["step"], rec_a["loss"])
+        assert rec_a["loss"] == pytest.approx(want, rel=1e-5, abs=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -149,8 +221,10 @@ def campaign(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRe
         "ckptcrash": ("checkpointing" in selected, (*two, "--steps", "24", "--set",
                                                     f"checkpoint.every_steps={INTERVAL}"), "ckpt-crash:step=12"),
         "usererr": ("user_error" in selected, ("--nodes", "1", *NOT3, "--steps", "24"), "raise:step=3"),
-        "timelimit": ("time_limit" in selected, (*two, "--steps", "120", "--set", "resources.time=00:02:00",
-                                                 "--set", "resources.signal_seconds=75",
+        # A limit no attempt reaches by itself: TimeLimitClock moves it once training is seen to run.
+        "timelimit": ("time_limit" in selected, (*two, "--steps", str(TIMELIMIT_STEPS), "--set",
+                                                 f"resources.time=00:{LONG_LIMIT_MIN}:00", "--set",
+                                                 f"resources.signal_seconds={SIGNAL_S}",
                                                  "--set", "checkpoint.every_steps=0"), ""),
         "ref3": ("node_failure" in selected, ("--nodes", "3", "--steps", "60", "--retries", "0",
                                               "--set", "checkpoint.every_steps=0"), ""),
@@ -158,9 +232,14 @@ def campaign(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRe
     for name, (needed, flags, fault) in wanted.items():
         if needed:
             c.submit(name, *flags, fault=fault)
+    if "timelimit" in c.runs:
+        c.clock = TimeLimitClock(c.runs["timelimit"])
+        c.clock.start()
     try:
         yield c
     finally:
+        if c.clock is not None:
+            c.clock.stop.set()
         ids = c.job_ids()
         if ids:
             subprocess.run(["scancel", *ids], capture_output=True, timeout=30, check=False)
@@ -233,8 +312,11 @@ def test_crash_while_checkpointing_resumes_from_the_previous_one(campaign: Campa
 
 def test_time_limit_checkpoints_on_signal_requeues_and_finishes(campaign: Campaign,
                                                                 ref2: dict[int, float]) -> None:
-    run = campaign.runs["timelimit"]
-    last = wait_decided(run, timeout=600)
+    run, clock = campaign.runs["timelimit"], campaign.clock
+    assert clock is not None
+    last = wait_decided(run, timeout=1200)  # bounded; the clock's waits are bounded too
+    assert clock.error is None, clock.error
+    assert len(clock.events) == 2, clock.events
     assert last["decision"]["action"] == "done", last
     log0 = (run / "logs" / "attempt-0.rank-0.log").read_text()
     assert "checkpointed at step" in log0, log0[-2000:]
@@ -245,7 +327,7 @@ def test_time_limit_checkpoints_on_signal_requeues_and_finishes(campaign: Campai
     hist = run_cmd(["sacct", "-X", "-D", "-n", "-P", "-j", job, "-o", "State"], timeout=30).stdout.split()
     assert "REQUEUED" in hist and hist[-1] == "COMPLETED", hist  # one job, requeued by itself
     assert lost_steps(run) == [0] * len(lost_steps(run))  # checkpointed at the step it stopped
-    assert_matches_reference(run, ref2, 120)
+    assert_matches_reference(run, ref2, TIMELIMIT_STEPS, upto=REF_STEPS)
 
 
 def test_node_failure_is_retried_at_once_without_the_dead_node(campaign: Campaign) -> None:

@@ -54,7 +54,9 @@ def test_states_partition() -> None:
     assert ACTIVE_STATES | RUN_ENDED_STATES | {JobState.UNKNOWN} == every
     assert not ACTIVE_STATES & RUN_ENDED_STATES and JobState.UNKNOWN not in ACTIVE_STATES | RUN_ENDED_STATES
     assert FINAL_STATES == {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY",
-                            "BOOT_FAIL", "DEADLINE"}
+                            "BOOT_FAIL", "DEADLINE", "SUBMIT_FAILED"}
+    # A submission whose answer was lost may be queued: treated as active until reconciled.
+    assert JobState.SUBMIT_UNKNOWN in ACTIVE_STATES
 
 
 def test_requeued_job_is_not_final_but_its_ended_run_is(tmp_path: Path) -> None:

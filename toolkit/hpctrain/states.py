@@ -58,6 +58,11 @@ class JobState(_StrEnum):
     BOOT_FAIL = "BOOT_FAIL"
     DEADLINE = "DEADLINE"
     UNKNOWN = "UNKNOWN"
+    # hpctrain's own, for a submission whose sbatch answer was lost (hpctrain.slurm.uncertain): the job may
+    # be queued (SUBMIT_UNKNOWN, reconciled from squeue/sacct by the run's --comment tag), or SLURM never
+    # listed it within the grace period (SUBMIT_FAILED, final).
+    SUBMIT_UNKNOWN = "SUBMIT_UNKNOWN"
+    SUBMIT_FAILED = "SUBMIT_FAILED"
 
 
 # A job in one of these states is over for good: SLURM will not change its record again, so the registry
@@ -68,7 +73,7 @@ class JobState(_StrEnum):
 # * SUSPENDED / STOPPED: resumable.
 FINAL_STATES: frozenset[JobState] = frozenset({
     JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED, JobState.TIMEOUT, JobState.PREEMPTED,
-    JobState.NODE_FAIL, JobState.OUT_OF_MEMORY, JobState.BOOT_FAIL, JobState.DEADLINE,
+    JobState.NODE_FAIL, JobState.OUT_OF_MEMORY, JobState.BOOT_FAIL, JobState.DEADLINE, JobState.SUBMIT_FAILED,
 })
 # The two copies this replaces disagreed on REQUEUED: the registry's list left it out (a requeued JOB is not
 # over), the collector's included it (a summary row marked REQUEUED is an earlier RUN of a requeued job, and

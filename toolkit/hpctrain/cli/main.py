@@ -293,17 +293,20 @@ def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry
             click.echo(script, nl=False)
         return
     run_dirs = _create_runs(points, mode)
+    from hpctrain.slurm import dispatch
+    from hpctrain.slurm.uncertain import JobMayExist
+
     try:
-        from hpctrain.slurm import dispatch
-
         subs = dispatch.submit(run_dirs, spec, plan, spec.launch.executor, mode=mode)
-        from hpctrain.fault.supervisor import arm_submitted  # the job that resubmits failed attempts
-
-        arm_submitted(subs, spec, mode)
-    except click.ClickException:  # refused or SLURM unreachable: nothing was submitted, leave nothing
+    except JobMayExist:  # a job may run in these folders: keep them (the error says what to do)
+        raise
+    except BaseException:  # refused, SLURM unreachable, or any other failure: nothing queued, leave nothing
         for d in run_dirs:
             runs.remove_run_folder(d)
         raise
+    from hpctrain.fault.supervisor import arm_submitted  # the job that resubmits failed attempts
+
+    arm_submitted(subs, spec, mode)
     _report(subs, as_json)
 
 
@@ -377,12 +380,13 @@ def main() -> None:
 
 
 # Command groups of their own modules, each importing only click at module level:
-# list/status/cancel, logs/summary, image, resubmit/supervise, export.
+# list/status/cancel, logs/summary, image, resubmit/supervise, export, registry.
 from hpctrain.cli import collect as cli_collect
 from hpctrain.cli import export as cli_export
 from hpctrain.cli import fault as cli_fault
 from hpctrain.cli import image as cli_image
+from hpctrain.cli import registry as cli_registry
 from hpctrain.cli import runs as cli_runs
 
-for _module in (cli_runs, cli_collect, cli_image, cli_fault, cli_export):
+for _module in (cli_runs, cli_collect, cli_image, cli_fault, cli_export, cli_registry):
     _module.register(cli)

@@ -44,6 +44,15 @@ def _find(reg: Registry, ref: str) -> Run:
     return found.run
 
 
+def _reconcile(reg: Registry, runs: list[Run]) -> list[str]:
+    """Submissions of unknown outcome -> their real job (hpctrain.slurm.uncertain); before refresh."""
+    from hpctrain.slurm.uncertain import reconcile
+
+    return reconcile(reg, runs)
+
+
+
+
 def _age(ts: float | None) -> str:
     if not ts:
         return "-"
@@ -75,7 +84,7 @@ def list_runs(show_all: bool, as_json: bool) -> None:
 
     reg = _registry()
     runs = reg.list_runs(limit=None if show_all else 20)
-    warnings = refresh(reg, runs)
+    warnings = _reconcile(reg, runs) + refresh(reg, runs) + reg.warnings
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in runs], indent=2, default=str))
         _warn(warnings)
@@ -101,7 +110,7 @@ def status(run: str, as_json: bool) -> None:
 
     reg = _registry()
     rec = _find(reg, run)
-    warnings = refresh(reg, [rec])
+    warnings = _reconcile(reg, [rec]) + refresh(reg, [rec]) + reg.warnings
     if as_json:
         click.echo(json.dumps(rec.to_dict(), indent=2, default=str))
         _warn(warnings)
@@ -126,6 +135,7 @@ def cancel(run: str, as_json: bool) -> None:
 
     reg = _registry()
     rec = _find(reg, run)
+    _reconcile(reg, [rec])  # an unanswered submission's job is cancelled too, once SLURM lists it
     refresh(reg, [rec])
     live = [a for a in rec.attempts if not a.final]
     if rec.executor == "slurm" and live:

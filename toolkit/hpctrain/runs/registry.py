@@ -2,8 +2,14 @@
 
 Many `hpctrain` processes write at once (a sweep script, a team on one login node), so:
 WAL journal (readers never block the writer), a busy timeout, short transactions, BEGIN IMMEDIATE
-for every write (take the write lock up front instead of failing on lock upgrade mid-way), and a
+for every write (take the write lock up front instead of failing on lock upgrade mid-way), and ONE
 bounded retry loop on "database is locked" for the cases busy_timeout does not cover.
+
+Readers never take the write lock: a read opens the file, checks it, and SELECTs; it creates,
+migrates and repairs nothing (`list` behind a long writer returns at once). The schema has a
+version (`PRAGMA user_version`); the first write of a process migrates an older file in the same
+transaction, and reads accept every older layout. A damaged file (not a database, no tables) is
+moved aside and rebuilt from the run folders on disk (`hpctrain.runs.rebuild`).
 
 Nothing secret is stored here: callers pass a spec summary already stripped of secrets
 (`hpctrain.slurm.dispatch.spec_summary`), and this module refuses well-known secret keys anyway.
@@ -24,40 +30,22 @@ from typing import Any, TypeVar
 
 import click
 
+from hpctrain.runs.schema import SCHEMA_VERSION, damage, has_tables, migrate
 from hpctrain.secret import is_secret_name
 from hpctrain.states import JobState, is_final
 
 T = TypeVar("T")
-_ATTEMPT_FIELDS = frozenset({"job_id", "state", "nodes", "submitted", "started", "ended",
-                             "exit_code", "failure_class"})
-_BUSY_TIMEOUT_MS = 10_000
-_RETRIES = 12
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS runs (
-    run_id   TEXT PRIMARY KEY,
-    name     TEXT NOT NULL,
-    folder   TEXT NOT NULL,
-    created  REAL NOT NULL,
-    executor TEXT NOT NULL,
-    spec     TEXT NOT NULL DEFAULT '{}',
-    state    TEXT NOT NULL DEFAULT 'PENDING'
-);
-CREATE TABLE IF NOT EXISTS attempts (
-    run_id        TEXT NOT NULL REFERENCES runs(run_id) ON DELETE CASCADE,
-    attempt       INTEGER NOT NULL,
-    job_id        TEXT NOT NULL,
-    state         TEXT NOT NULL DEFAULT 'PENDING',
-    nodes         TEXT NOT NULL DEFAULT '',
-    submitted     REAL,
-    started       REAL,
-    ended         REAL,
-    exit_code     TEXT,
-    failure_class TEXT,
-    PRIMARY KEY (run_id, attempt)
-);
-CREATE INDEX IF NOT EXISTS runs_created ON runs(created);
-"""
+# A submission whose sbatch answer was lost: the job may be queued. `reconcile` turns it into the real
+# job id and state (found by the attempt's tag), or into SUBMIT_FAILED after a grace period.
+SUBMIT_UNKNOWN = JobState.SUBMIT_UNKNOWN
+SUBMIT_FAILED = JobState.SUBMIT_FAILED
+_ATTEMPT_FIELDS = frozenset({"job_id", "state", "nodes", "submitted", "started", "ended",
+                             "exit_code", "failure_class", "note", "tag"})
+_BUSY_TIMEOUT_MS = 5_000
+_WRITE_BUDGET_S = 60.0  # every wait of a write, retries included; a read waits at most _READ_BUDGET_S
+_READ_BUDGET_S = 15.0
+
 
 
 class RegistryUnavailable(click.ClickException):
@@ -88,6 +76,8 @@ class Attempt:
     ended: float | None = None
     exit_code: str | None = None
     failure_class: str | None = None
+    note: str | None = None  # why the state is what it is (e.g. SUBMIT_UNKNOWN: "sbatch timed out")
+    tag: str | None = None  # the job's --comment: how an unknown submission is found again
 
     @property
     def final(self) -> bool:
@@ -131,78 +121,99 @@ class Registry:
 
     def __init__(self, path: Path | str | None = None) -> None:
         self.path = Path(path) if path is not None else default_db_path()
-        self._ready = False
+        self._ready = False  # this process has checked (and migrated) the schema for writing
+        self.warnings: list[str] = []  # rows skipped, repairs done: the CLI prints them
 
     # -- plumbing -----------------------------------------------------------------------------
     @contextmanager
-    def _connect(self) -> Iterator[sqlite3.Connection]:
+    def _connect(self, budget_s: float) -> Iterator[sqlite3.Connection]:
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        busy_ms = int(min(_BUSY_TIMEOUT_MS, budget_s * 1000))  # one wait never outlasts the call's budget
         old = os.umask(0o077)  # the db and its -wal/-shm files are private to the user
         try:
-            conn = sqlite3.connect(self.path, timeout=_BUSY_TIMEOUT_MS / 1000, isolation_level=None)
+            conn = sqlite3.connect(self.path, timeout=busy_ms / 1000, isolation_level=None)
         finally:
             os.umask(old)
         try:
-            conn.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")
+            conn.execute(f"PRAGMA busy_timeout={busy_ms}")
             conn.execute("PRAGMA foreign_keys=ON")
             # WAL + NORMAL: a crash never corrupts the db; only a power cut can lose the last commit.
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.row_factory = sqlite3.Row
-            if not self._ready:
-                self._init(conn)
             yield conn
         finally:
             conn.close()
 
-    def _init(self, conn: sqlite3.Connection) -> None:
-        def init() -> None:
-            # journal_mode=WAL is persistent in the file; setting it again is a cheap no-op.
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                # executescript() would COMMIT our transaction first; run statements one by one.
-                for stmt in filter(str.strip, _SCHEMA.split(";")):
-                    conn.execute(stmt)
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
+    def _prepare(self, conn: sqlite3.Connection) -> None:
+        """Inside the write transaction: create or migrate the schema (once per process)."""
+        version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+        if version > SCHEMA_VERSION:
+            raise sqlite3.DatabaseError(f"schema version {version} was written by a newer hpctrain (this one "
+                                        f"knows {SCHEMA_VERSION}); upgrade hpctrain")
+        if version < SCHEMA_VERSION or not has_tables(conn):
+            migrate(conn)
 
-        _retry_locked(init)
-        self._ready = True
-
-    def _guard(self, fn: Callable[[], T]) -> T:
+    def _guard(self, fn: Callable[[], T], budget_s: float) -> T:
         """Lock retries, then one clear error instead of a sqlite3 traceback."""
         try:
-            return _retry_locked(fn)
+            return _retry_locked(fn, budget_s)
         except sqlite3.IntegrityError:
             raise  # a duplicate run id is a caller bug, not an unusable registry
         except (sqlite3.DatabaseError, OSError) as exc:
             raise RegistryUnavailable(self.path, exc) from exc
 
-    def _write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        """Run `fn` in one BEGIN IMMEDIATE transaction, retried whole if the db stays locked."""
+    def _write(self, fn: Callable[[sqlite3.Connection], T], budget_s: float | None = None) -> T:
+        """Run `fn` in one BEGIN IMMEDIATE transaction, retried whole while the db stays locked
+        (for `budget_s` seconds in all, default _WRITE_BUDGET_S)."""
+        budget_s = _WRITE_BUDGET_S if budget_s is None else budget_s
 
         def once() -> T:
-            with self._connect() as conn:
+            self._repair_if_damaged()
+            with self._connect(budget_s) as conn:
+                if not self._ready:
+                    # Persistent in the file; a no-op once set. Outside the transaction (SQLite's rule).
+                    conn.execute("PRAGMA journal_mode=WAL")
                 conn.execute("BEGIN IMMEDIATE")
                 try:
+                    if not self._ready:
+                        self._prepare(conn)
                     out = fn(conn)
                     conn.execute("COMMIT")
-                    return out
                 except BaseException:
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
                     raise
+            self._ready = True
+            return out
 
-        return self._guard(once)
+        return self._guard(once, budget_s)
 
-    def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+    def _read(self, fn: Callable[[sqlite3.Connection], T], empty: T) -> T:
+        """SELECTs only: no write lock, no schema change. A missing file reads as `empty`."""
+
         def once() -> T:
-            with self._connect() as conn:
-                return fn(conn)
+            if not self.path.exists():
+                return empty
+            self._repair_if_damaged()
+            with self._connect(_READ_BUDGET_S) as conn:
+                conn.execute("BEGIN DEFERRED")  # one snapshot for every SELECT of `fn`
+                try:
+                    if not has_tables(conn):
+                        return empty  # created by a writer that has not committed its schema yet
+                    return fn(conn)
+                finally:
+                    conn.execute("ROLLBACK")
 
-        return self._guard(once)
+        return self._guard(once, _READ_BUDGET_S)
+
+    def _repair_if_damaged(self) -> None:
+        """A file that is not a registry: move it aside and rebuild from the run folders."""
+        problem = damage(self.path)
+        if problem is None:
+            return
+        from hpctrain.runs import rebuild
+
+        self.warnings += rebuild.rebuild_registry(self, reason=problem)
 
     # -- writes -------------------------------------------------------------------------------
     def add_run(self, run_id: str, name: str, folder: str, executor: str, spec: dict[str, Any],
@@ -231,6 +242,27 @@ class Registry:
 
         self._write(tx)
 
+    def import_runs(self, items: list[tuple[dict[str, Any], list[dict[str, Any]]]]) -> int:
+        """Add runs (and their attempts, as Attempt fields) this registry does not have yet; returns how
+        many were new (what hpctrain.runs.rebuild reads from the run folders)."""
+
+        def tx(c: sqlite3.Connection) -> int:
+            added = 0
+            for run, rows in items:
+                attempts = [Attempt(**row) for row in rows]
+                cur = c.execute(
+                    "INSERT OR IGNORE INTO runs(run_id,name,folder,created,executor,spec,state) VALUES (?,?,?,?,?,?,?)",
+                    (run["run_id"], run["name"], run["folder"], run["created"], run["executor"],
+                     json.dumps(_strip_secrets(run.get("spec", {})), sort_keys=True, default=str),
+                     attempts[-1].state if attempts else "PENDING"))
+                if cur.rowcount:
+                    added += 1
+                    for a in attempts:
+                        _insert_attempt(c, a)
+            return added
+
+        return self._write(tx)
+
     def add_attempt(self, attempt: Attempt) -> None:
         def tx(c: sqlite3.Connection) -> None:
             _insert_attempt(c, attempt)
@@ -244,35 +276,29 @@ class Registry:
 
     def update_attempts(self, updates: list[tuple[str, int, dict[str, Any]]]) -> None:
         """Many attempt updates in ONE transaction (what a `status`/`list` refresh writes)."""
-        for _, _, fields in updates:
-            bad = sorted(set(fields) - _ATTEMPT_FIELDS)
-            if bad:
-                raise ValueError(f"unknown attempt field(s) {bad}; valid: {sorted(_ATTEMPT_FIELDS)}")
-        todo = [u for u in updates if u[2]]
-        if not todo:
-            return
+        todo = _checked(updates)
+        if todo:
+            self._write(lambda c: _apply_updates(c, todo))
 
-        def tx(c: sqlite3.Connection) -> None:
-            for run_id, attempt, fields in todo:
-                cols = ", ".join(f"{k}=?" for k in sorted(fields))
-                vals = [fields[k] for k in sorted(fields)]
-                c.execute(f"UPDATE attempts SET {cols} WHERE run_id=? AND attempt=?",
-                          (*vals, run_id, attempt))
-                c.execute("UPDATE runs SET state=(SELECT state FROM attempts WHERE run_id=? "
-                          "ORDER BY attempt DESC LIMIT 1) WHERE run_id=?", (run_id, run_id))
-
-        self._write(tx)
+    def cache_updates(self, updates: list[tuple[str, int, dict[str, Any]]], wait_s: float = 2.0) -> list[str]:
+        """`update_attempts` for a reader (`list`/`status` caching what sacct said): a busy registry
+        costs at most `wait_s` and a warning, never the read itself."""
+        try:
+            self._write(lambda c: _apply_updates(c, _checked(updates)), budget_s=wait_s)
+        except RegistryUnavailable as exc:
+            return [f"states were not cached in the registry ({exc.__cause__}); the next list retries"]
+        return []
 
     # -- reads --------------------------------------------------------------------------------
     def list_runs(self, limit: int | None = 20) -> list[Run]:
-        """Newest first; `limit=None` lists every run."""
+        """Newest first; `limit=None` lists every run. Rows that do not parse are skipped (warned)."""
 
         def q(c: sqlite3.Connection) -> list[Run]:
             sql = "SELECT * FROM runs ORDER BY created DESC, rowid DESC"  # a sweep: highest index first
             rows = c.execute(sql + (" LIMIT ?" if limit else ""), (limit,) if limit else ()).fetchall()
-            return _with_attempts(c, [_run(r) for r in rows])
+            return self._with_attempts(c, [r for r in map(self._run_or_skip, rows) if r is not None])
 
-        return self._read(q)
+        return self._read(q, [])
 
     def newest(self, name: str | None = None) -> Run | None:
         """The run created last (of that name, when given); None if there is none."""
@@ -280,9 +306,10 @@ class Registry:
         def q(c: sqlite3.Connection) -> Run | None:
             where, args = (" WHERE name=?", (name,)) if name is not None else ("", ())
             row = c.execute(f"SELECT * FROM runs{where} ORDER BY created DESC, rowid DESC LIMIT 1", args).fetchone()
-            return _with_attempts(c, [_run(row)])[0] if row else None
+            run = self._run_or_skip(row) if row else None
+            return self._with_attempts(c, [run])[0] if run is not None else None
 
-        return self._read(q)
+        return self._read(q, None)
 
     def get_run(self, ref: str) -> Run:
         """A run by id or unique id prefix; RunNotFound (with close matches) otherwise."""
@@ -294,48 +321,126 @@ class Registry:
                 rows = c.execute("SELECT * FROM runs WHERE run_id LIKE ? ESCAPE '\\' LIMIT 11",
                                  (like,)).fetchall()
                 if len(rows) != 1:
-                    ids = [r["run_id"] for r in rows]
+                    ids = [str(r["run_id"]) for r in rows]
                     if not ids:
-                        all_ids = [r[0] for r in c.execute("SELECT run_id FROM runs").fetchall()]
+                        all_ids = [str(r[0]) for r in c.execute("SELECT run_id FROM runs").fetchall()]
                         ids = _close_matches(ref, all_ids)
                     raise RunNotFound(ref, ids, ambiguous=len(rows) > 1)
                 row = rows[0]
-            return _with_attempts(c, [_run(row)])[0]
+            run = self._run_or_skip(row)
+            if run is None:
+                raise sqlite3.DatabaseError(f"the row of run {ref!r} is damaged ({self.warnings[-1]}); "
+                                            "`hpctrain registry rebuild` restores it from its run folder")
+            return self._with_attempts(c, [run])[0]
 
-        return self._read(q)
+        def missing() -> Run:
+            raise RunNotFound(ref, [])
+
+        if not self.path.exists():
+            return missing()
+        return self._read(q, None) or missing()
 
     def check(self) -> None:
-        """Open (and create) the registry now: submit calls this BEFORE sbatch, so an unusable
+        """Open, create or migrate the registry now: submit calls this BEFORE sbatch, so an unusable
         registry fails the submission instead of leaving a queued job nobody recorded."""
-        self._read(lambda c: c.execute("SELECT 1 FROM runs LIMIT 1").fetchall())
+        self._write(lambda c: c.execute("SELECT 1 FROM runs LIMIT 1").fetchall())
 
     def integrity_check(self) -> str:
-        return str(self._read(lambda c: c.execute("PRAGMA integrity_check").fetchone()[0]))
+        return str(self._read(lambda c: c.execute("PRAGMA integrity_check").fetchone()[0], "ok"))
+
+    def _run_or_skip(self, row: sqlite3.Row) -> Run | None:
+        try:
+            return _run(row)
+        except (TypeError, ValueError, KeyError, IndexError) as exc:
+            self.warnings.append(f"skipped a damaged registry row (run_id={_cell(row, 'run_id')!r}: {exc})")
+            return None
+
+    def _with_attempts(self, c: sqlite3.Connection, runs: list[Run]) -> list[Run]:
+        if not runs:
+            return runs
+        by_id = {r.run_id: r for r in runs}
+        marks = ",".join("?" * len(by_id))
+        rows = c.execute(f"SELECT * FROM attempts WHERE run_id IN ({marks}) ORDER BY run_id, attempt",
+                         list(by_id)).fetchall()
+        for r in rows:
+            try:
+                by_id[r["run_id"]].attempts.append(_attempt(r))
+            except (TypeError, ValueError, KeyError, IndexError) as exc:
+                self.warnings.append(f"skipped a damaged attempt row of run {_cell(r, 'run_id')!r} ({exc})")
+        return runs
 
 
 def _insert_attempt(c: sqlite3.Connection, a: Attempt) -> None:
     c.execute(
         "INSERT INTO attempts(run_id,attempt,job_id,state,nodes,submitted,started,ended,exit_code,"
-        "failure_class) VALUES (?,?,?,?,?,?,?,?,?,?)",
+        "failure_class,note,tag) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
         (a.run_id, a.attempt, a.job_id, a.state, a.nodes, a.submitted or time.time(), a.started,
-         a.ended, a.exit_code, a.failure_class))
+         a.ended, a.exit_code, a.failure_class, a.note, a.tag))
+
+
+def _checked(updates: list[tuple[str, int, dict[str, Any]]]) -> list[tuple[str, int, dict[str, Any]]]:
+    for _, _, fields in updates:
+        bad = sorted(set(fields) - _ATTEMPT_FIELDS)
+        if bad:
+            raise ValueError(f"unknown attempt field(s) {bad}; valid: {sorted(_ATTEMPT_FIELDS)}")
+    return [u for u in updates if u[2]]
+
+
+def _apply_updates(c: sqlite3.Connection, todo: list[tuple[str, int, dict[str, Any]]]) -> None:
+    for run_id, attempt, fields in todo:
+        cols = ", ".join(f"{k}=?" for k in sorted(fields))
+        vals = [fields[k] for k in sorted(fields)]
+        c.execute(f"UPDATE attempts SET {cols} WHERE run_id=? AND attempt=?", (*vals, run_id, attempt))
+        c.execute("UPDATE runs SET state=(SELECT state FROM attempts WHERE run_id=? "
+                  "ORDER BY attempt DESC LIMIT 1) WHERE run_id=?", (run_id, run_id))
+
+
+def _cell(row: sqlite3.Row, key: str) -> Any:
+    return row[key] if key in row.keys() else None  # noqa: SIM118 - `in row` tests values, not names
+
+
+def _text(row: sqlite3.Row, key: str, default: str | None = None) -> str:
+    value = _cell(row, key)
+    if value is None and default is not None:
+        return default
+    if not isinstance(value, str):
+        raise TypeError(f"{key} is {value!r}, not text")
+    return value
+
+
+def _number(row: sqlite3.Row, key: str) -> float | None:
+    value = _cell(row, key)
+    if value is None or isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value
+    raise TypeError(f"{key} is {value!r}, not a number")
 
 
 def _run(row: sqlite3.Row) -> Run:
-    return Run(run_id=row["run_id"], name=row["name"], folder=row["folder"], created=row["created"],
-               executor=row["executor"], spec=json.loads(row["spec"] or "{}"), state=row["state"])
+    """A runs row -> Run; TypeError/ValueError when a cell is not what the schema says (a hand edit,
+    a damaged page). Columns an older schema lacks read as their defaults."""
+    spec = json.loads(_text(row, "spec", "{}") or "{}")
+    if not isinstance(spec, dict):
+        raise TypeError(f"spec is {type(spec).__name__}, not an object")
+    created = _number(row, "created")
+    if created is None:
+        raise TypeError("created is empty")
+    return Run(run_id=_text(row, "run_id"), name=_text(row, "name", ""), folder=_text(row, "folder"),
+               created=float(created), executor=_text(row, "executor", "slurm"), spec=spec,
+               state=_text(row, "state", "PENDING"))
 
 
-def _with_attempts(c: sqlite3.Connection, runs: list[Run]) -> list[Run]:
-    if not runs:
-        return runs
-    by_id = {r.run_id: r for r in runs}
-    marks = ",".join("?" * len(by_id))
-    rows = c.execute(f"SELECT * FROM attempts WHERE run_id IN ({marks}) ORDER BY run_id, attempt",
-                     list(by_id)).fetchall()
-    for r in rows:
-        by_id[r["run_id"]].attempts.append(Attempt(**dict(r)))
-    return runs
+def _attempt(row: sqlite3.Row) -> Attempt:
+    attempt = _cell(row, "attempt")
+    if not isinstance(attempt, int):
+        raise TypeError(f"attempt is {attempt!r}, not an integer")
+    opt = {k: _cell(row, k) for k in ("exit_code", "failure_class", "note", "tag")}
+    for k, v in opt.items():
+        if v is not None and not isinstance(v, str):
+            opt[k] = str(v)
+    return Attempt(run_id=_text(row, "run_id"), attempt=attempt, job_id=str(_cell(row, "job_id") or ""),
+                   state=_text(row, "state", "PENDING"), nodes=_text(row, "nodes", ""),
+                   submitted=_number(row, "submitted"), started=_number(row, "started"),
+                   ended=_number(row, "ended"), **opt)
 
 
 def _close_matches(ref: str, ids: list[str]) -> list[str]:
@@ -357,17 +462,19 @@ def _strip_secrets(obj: Any) -> Any:
     return obj
 
 
-def _retry_locked(fn: Callable[[], T]) -> T:
-    """Retry `fn` on SQLITE_BUSY/LOCKED with jittered backoff; busy_timeout covers most waits,
-    but a WAL-mode switch or a checkpoint can still surface "database is locked" at once."""
+def _retry_locked(fn: Callable[[], T], budget_s: float) -> T:
+    """Retry `fn` on SQLITE_BUSY/LOCKED with jittered backoff until `budget_s` is spent: busy_timeout
+    covers most waits, but a WAL-mode switch or a checkpoint can still surface "database is locked"
+    at once. The ONLY retry loop: nothing below it retries, so `budget_s` (+ one busy_timeout) is
+    the longest any call waits."""
+    deadline = time.monotonic() + budget_s
     delay = 0.02
-    for attempt in range(_RETRIES):
+    while True:
         try:
             return fn()
         except sqlite3.OperationalError as exc:
             msg = str(exc).lower()
-            if ("locked" not in msg and "busy" not in msg) or attempt == _RETRIES - 1:
+            if ("locked" not in msg and "busy" not in msg) or time.monotonic() + delay >= deadline:
                 raise
             time.sleep(delay * (1 + random.random()))
             delay = min(delay * 2, 1.0)
-    raise AssertionError("unreachable")

@@ -62,6 +62,17 @@ class SlurmCommandError(click.ClickException):
         super().__init__(f"`{' '.join(argv)}` failed (exit {returncode}): {_last_lines(stderr)}")
 
 
+class SubmitUnknown(SlurmUnavailable):
+    """sbatch may or may not have queued the job: no answer in time, killed, or an answer without a
+    job id. Never retried (a retry could queue it twice); the caller keeps the run and reconciles it
+    from squeue/sacct by the submission's comment."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        self.kept: list[str] = []  # files the caller kept because the job may need them (its pickles)
+        super().__init__(f"the outcome of sbatch is unknown: {reason}")
+
+
 class SbatchRejected(click.UsageError):
     """sbatch refused the script (bad partition, account, memory...). `field` is the spec field."""
 
@@ -117,9 +128,7 @@ def _run(argv: Sequence[str], *, input_text: str | None = None, timeout_s: float
                 "Run on a login node, or use --executor local.") from exc
         except subprocess.TimeoutExpired:
             if not retry_timeouts:  # sbatch: the job may be queued already; never submit twice
-                raise SlurmUnavailable(
-                    f"`{argv[0]}` got no answer from slurmctld within {timeout_s:.0f}s. The job may or may "
-                    "not be queued: check `squeue --me` before submitting again.") from None
+                raise SubmitUnknown(f"`{argv[0]}` got no answer within {timeout_s:.0f}s") from None
             last = f"no answer within {timeout_s:.0f}s"
         else:
             if proc.returncode == 0:
@@ -251,6 +260,32 @@ def queue_state(job_id: str) -> str:
     return _run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], timeout_s=15.0).stdout.strip()
 
 
+def jobs_by_comment(comments: Iterable[str], since: float) -> dict[str, tuple[str, str]]:
+    """Jobs whose --comment is one of `comments` -> (job id, state): squeue first (every job it still
+    lists, finished ones included for MinJobAge), then sacct from `since` on (sacct keeps comments
+    only with AccountingStoreFlags=job_comment). Array tasks map to their array's id. Raises
+    SlurmUnavailable when squeue cannot answer: "not found" must mean SLURM said so."""
+    wanted = set(comments)
+    found: dict[str, tuple[str, str]] = {}
+    out = _run(["squeue", "-h", "--me", "-t", "all", "-o", "%F|%k|%T"], timeout_s=15.0).stdout
+    for line in out.splitlines():
+        jid, comment, state = (line.strip().split("|") + ["", ""])[:3]
+        if comment in wanted and jid.isdigit():
+            found.setdefault(comment, (jid, normalize_state(state)))
+    if wanted - set(found):
+        start = datetime.fromtimestamp(max(0.0, since - 60)).strftime("%Y-%m-%dT%H:%M:%S")
+        try:
+            out = _run(["sacct", "-X", "-n", "-P", "-S", start, "-o", "JobID,Comment,State"], timeout_s=15.0).stdout
+        except click.ClickException:
+            out = ""  # accounting is optional here: squeue has answered
+        for line in out.splitlines():
+            jid, comment, state = (line.strip().split("|") + ["", ""])[:3]
+            main = jid.split("_", 1)[0]
+            if comment in wanted and comment not in found and main.isdigit():
+                found[comment] = (main, normalize_state(state))
+    return found
+
+
 def allow_requeue(job_id: str) -> bool:
     """`scontrol update JobId=J Requeue=1`: training jobs are submitted --no-requeue (a lost node goes to
     the supervisor), so rank 0 makes its job requeueable right before its own time-limit/preemption
@@ -329,23 +364,34 @@ def test_only(script_text: str) -> str:
     return (proc.stderr or proc.stdout).strip()
 
 
-def sbatch(script_path: str, extra: Sequence[str] = ()) -> str:
-    """Submit a script file; returns sbatch's stdout ("Submitted batch job N").
+def sbatch(script_path: str, extra: Sequence[str] = (), comment: str = "") -> str:
+    """Submit a script file with `--parsable`; returns sbatch's stdout (parse it with job_id_from_sbatch).
 
+    `comment` goes to `--comment`: what `reconcile` finds the job by when sbatch's answer is lost.
     Only connect failures are retried: after a send/receive timeout slurmctld may already have
-    queued the job, and a blind retry would submit it twice.
+    queued the job, and a blind retry would submit it twice. Every outcome that may have queued a
+    job raises SubmitUnknown; a refusal raises SbatchRejected.
     """
+    argv = ["sbatch", "--parsable", *([f"--comment={comment}"] if comment else []), *extra, script_path]
     try:
-        proc = _run(["sbatch", *extra, script_path], retryable=_SBATCH_RETRYABLE, timeout_s=60.0,
-                    retry_timeouts=False)
+        proc = _run(argv, retryable=_SBATCH_RETRYABLE, timeout_s=_sbatch_timeout(), retry_timeouts=False)
     except SlurmCommandError as exc:
-        if _TRANSIENT.search(exc.stderr):
-            raise SlurmUnavailable(
-                f"sbatch did not get an answer from slurmctld: {_last_lines(exc.stderr)}\n"
-                "The job may or may not be queued: check `squeue --me` before submitting again."
-            ) from exc
-        raise rejection(exc.stderr) from exc
+        raise _sbatch_failure(exc) from exc
     return proc.stdout.strip()
+
+
+def _sbatch_timeout() -> float:
+    return float(os.environ.get("HPCTRAIN_SBATCH_TIMEOUT_S", "60"))
+
+
+def _sbatch_failure(exc: SlurmCommandError) -> SubmitUnknown | SbatchRejected:
+    """A failed sbatch: killed by a signal (directly, or 128+N through a wrapper) or a daemon that
+    stopped answering mid-way may have queued the job; anything else is a refusal."""
+    if exc.returncode < 0 or exc.returncode > 128:
+        return SubmitUnknown(f"sbatch was killed (exit {exc.returncode}): {_last_lines(exc.stderr)}")
+    if _TRANSIENT.search(exc.stderr):
+        return SubmitUnknown(f"sbatch lost its connection to slurmctld: {_last_lines(exc.stderr)}")
+    return rejection(exc.stderr)
 
 
 def rejection(stderr: str) -> SbatchRejected:
@@ -357,8 +403,16 @@ def rejection(stderr: str) -> SbatchRejected:
     return SbatchRejected(reason, field_name)
 
 
+# What sbatch prints: `--parsable` gives "12" or "12;cluster"; a site wrapper may drop the flag
+# ("Submitted batch job 12"), print banners first, or report an array as "12_[0-3]".
+_PARSABLE_ID = re.compile(r"(\d+)(?:_(?:\d+|\[[0-9,\-%]+\]))?(?:;\S+)?")
+_SUBMITTED_ID = re.compile(r"\bSubmitted batch job (\d+)\b", re.IGNORECASE)
+
+
 def job_id_from_sbatch(stdout: str) -> str:
-    m = re.search(r"job (\d+)", stdout)
-    if not m:
-        raise SlurmCommandError(["sbatch"], 0, f"could not find a job id in sbatch output: {stdout!r}")
-    return m.group(1)
+    """The job id in sbatch's answer (the last line that carries one); SubmitUnknown without one."""
+    for line in reversed([ln.strip() for ln in stdout.splitlines() if ln.strip()]):
+        m = _PARSABLE_ID.fullmatch(line) or _SUBMITTED_ID.search(line)
+        if m:
+            return m.group(1)
+    raise SubmitUnknown(f"sbatch exited 0 but its answer has no job id: {_last_lines(stdout) }")

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from hpctrain.errors import HpcUsageError
 from hpctrain.runs import folder as runs_mod
+from hpctrain.slurm.uncertain import JobMayExist, drop_pickles, record_unknown, submission_tag
 from hpctrain.spec.rules import secret_names
 from hpctrain.states import JobState
 
@@ -81,7 +82,12 @@ def submit(run_dirs: Sequence[Path], spec: Spec, plan: Plan, executor: str = "au
     if which == "local":
         subs = _submit_local(dirs, spec, plan, mode)
     else:
-        subs = _submit_slurm(dirs, spec, plan, mode)
+        from hpctrain.slurm import commands as _slurm
+
+        try:
+            subs = _submit_slurm(dirs, spec, plan, mode)
+        except _slurm.SubmitUnknown as exc:
+            raise record_unknown(dirs, spec.name, spec_summary(spec, plan, mode), mode, exc) from exc
     _record(subs, spec, plan, mode)
     return subs
 
@@ -99,7 +105,13 @@ def submit_attempt(run_dir: Path, spec: Spec, plan: Plan, attempt: int, mode: st
     first = folder.read_attempts()[:1]
     executor = str(first[0].get("executor", "slurm")) if first else resolve_executor(spec.launch.executor)
     submit_one = _submit_local if executor == "local" else _submit_slurm
-    sub = submit_one([d], spec, plan, mode)[0]
+    from hpctrain.slurm import commands as _slurm
+
+    try:
+        sub = submit_one([d], spec, plan, mode)[0]
+    except _slurm.SubmitUnknown as exc:
+        raise record_unknown([d], spec.name, spec_summary(spec, plan, mode), mode, exc, attempt=attempt,
+                             record=record) from exc
     now = time.time()
     runs_mod.append_attempt(folder.attempts_jsonl,
                             {**(record or {}), "attempt": attempt, "job_id": sub.job_id, "state": JobState.PENDING,
@@ -151,8 +163,9 @@ def _record(subs: list[Submitted], spec: Spec, plan: Plan, mode: str) -> None:
     except Exception as exc:
         # The job IS queued: say so with its id instead of pretending nothing happened.
         ids = sorted({s.job_id.split("_")[0] for s in subs})
-        raise RuntimeError(f"job {', '.join(ids)} was submitted but could not be recorded in the registry "
-                           f"({exc}); cancel it with `scancel {' '.join(ids)}` or retry") from exc
+        raise JobMayExist(f"job {', '.join(ids)} was submitted but could not be recorded in the registry "
+                          f"({exc}); its run folder records it: `hpctrain registry rebuild` adds it to the "
+                          f"registry, or cancel it with `scancel {' '.join(ids)}`") from exc
 
 
 def _point_summary(sub: Submitted, first: dict[str, Any]) -> dict[str, Any]:
@@ -197,6 +210,10 @@ def time_minutes(text: str) -> int:
 def _submit_slurm(dirs: list[Path], spec: Spec, plan: Plan, mode: str) -> list[Submitted]:
     from hpctrain.slurm import commands as _slurm
 
+    if not shutil.which("srun"):  # submitit's SlurmExecutor refuses to start without it (a bare RuntimeError)
+        raise _slurm.SlurmUnavailable(
+            "`srun` is not on PATH although `sbatch` is: SLURM's client tools are incomplete here. Fix: submit "
+            "from a login node with SLURM's client tools installed, or use --executor local")
     _check_fits(spec, plan)
     if len(dirs) == 1:
         folder, links = runs_mod.RunFolder(dirs[0]).submitit_dir, None
@@ -209,6 +226,8 @@ def _submit_slurm(dirs: list[Path], spec: Spec, plan: Plan, mode: str) -> list[S
         if links is not None:
             shutil.rmtree(links, ignore_errors=True)
         raise _explain_rejection(exc, spec) from None
+    except _slurm.SubmitUnknown:
+        raise  # the job may run: it resolves its files through the sweep links, so they stay
     except BaseException:
         if links is not None:
             shutil.rmtree(links, ignore_errors=True)
@@ -330,10 +349,9 @@ def _submit_pickled(dirs: list[Path], spec: Spec, plan: Plan, mode: str, folder:
             pickles.append(staging / f".{uuid.uuid4().hex}.pkl")
             call.dump(pickles[-1])
         script = _render_script(spec, plan, dirs, folder)
-        job_id = _sbatch(staging, script)
-    except BaseException:
-        for p in pickles:
-            p.unlink(missing_ok=True)
+        job_id = _sbatch(staging, script, comment=submission_tag(dirs))
+    except BaseException as exc:
+        drop_pickles(pickles, exc)
         raise
     ids = [job_id] if len(dirs) == 1 else [f"{job_id}_{i}" for i in range(len(dirs))]
     for jid, pickle_path in zip(ids, pickles):
@@ -362,14 +380,14 @@ def _render_script(spec: Spec, plan: Plan, dirs: list[Path], folder: Path) -> st
     return str(text)
 
 
-def _sbatch(staging: Path, script: str) -> str:
-    """Submit `script` through the one SLURM wrapper; returns the job id sbatch printed."""
+def _sbatch(staging: Path, script: str, comment: str) -> str:
+    """Submit `script` through the one SLURM wrapper (`comment` -> --comment); returns the job id sbatch printed."""
     from hpctrain.slurm import commands as _slurm
 
     path = staging / f".submission_file_{uuid.uuid4().hex}.sh"
     runs_mod.write_private(path, script)
     try:
-        out = _slurm.sbatch(str(path))
+        out = _slurm.sbatch(str(path), comment=comment)
     finally:
         path.unlink(missing_ok=True)
     return _slurm.job_id_from_sbatch(out)
