@@ -94,7 +94,7 @@ def squeue_state(job: str) -> tuple[str, str]:
 
 
 def events(run: Path) -> list[dict[str, Any]]:
-    path = run / "metrics" / "events.jsonl"
+    path = run / "events.jsonl"
     out = []
     for line in (path.read_text().splitlines() if path.exists() else []):
         try:

@@ -131,8 +131,9 @@ def metrics(run_dir: Path) -> list[dict[str, Any]]:
 def events(run_dir: Path) -> list[dict[str, Any]]:
     from hpctrain.runs.folder import RunFolder
 
-    path = RunFolder(run_dir).events_jsonl
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    path = RunFolder(run_dir).events_jsonl  # rank 0's training milestones: the `train` events
+    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [r for r in lines if r.get("kind") == "train"]
 
 
 def losses_by_step(run_dir: Path) -> dict[int, float]:

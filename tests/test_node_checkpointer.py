@@ -153,7 +153,7 @@ def test_signal_saves_at_the_step_boundary_then_hands_off(one_rank: None, tmp_pa
     exc = ck.requeue(4, metrics)
     assert isinstance(exc, StopRequested) and handed == [signal.SIGUSR2]
     assert json.loads((tmp_path / "metrics" / "heartbeat").read_text())["state"] == "stopped-on-signal"
-    event = json.loads((tmp_path / "metrics" / "events.jsonl").read_text().splitlines()[-1])
+    event = json.loads((tmp_path / "events.jsonl").read_text().splitlines()[-1])
     assert (event["event"], event["step"], event["signal"]) == ("stopped-on-signal", 4, signal.SIGUSR2)
 
 

@@ -71,7 +71,7 @@ def test_four_nodes_zero3_optimizer_offload(lab: list[str]) -> None:
     assert state(job) == "COMPLETED", (run / "logs" / "attempt-0.rank-0.log").read_text()[-3000:]
     cfg = json.loads((run / "ds_config.json").read_text())
     assert cfg["zero_optimization"]["stage"] == 3 and "offload_optimizer" in cfg["zero_optimization"]
-    start = json.loads((run / "metrics" / "events.jsonl").read_text().splitlines()[0])
+    start = json.loads((run / "events.jsonl").read_text().splitlines()[0])
     assert start["world_size"] == 4
     ranks = sorted(p.name for p in (run / "logs").glob("attempt-*.rank-*.log"))
     assert ranks == [f"attempt-0.rank-{r}.log" for r in range(4)]

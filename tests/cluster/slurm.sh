@@ -24,8 +24,8 @@
 # Environment: LAB, NNODES (4), NODE_CPUS (2), NODE_MEM (8000 MB), SLURMD_TIMEOUT (30), FAKE_GPUS (0: off;
 #   N>0 advertises N fake GPUs per node as GRES, backed by /dev/tty0..N-1), UP_TIMEOUT (120 s).
 #
-# Recipe and measurements: ../shared/recipes/slurm-cluster.md. Only PIDs recorded in $LAB/run (and checked by
-# process name) or processes inside the lab's own namespaces are ever signalled.
+# Only PIDs recorded in $LAB/run (and checked by process name) or processes inside the lab's own namespaces
+# are ever signalled.
 set -euo pipefail
 
 LAB=${LAB:-/tmp/hpctrain-slurm}

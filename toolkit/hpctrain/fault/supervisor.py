@@ -162,7 +162,7 @@ def supervisor_script(run_dir: Path, job_id: str, spec: Spec, python: str | None
     from hpctrain.render.sbatch import slurm_filename  # SLURM expands '%' in --output: escaped
 
     r = spec.resources
-    log = slurm_filename(run_dir / "logs" / "supervisor.log")
+    log = slurm_filename(runs_mod.RunFolder(run_dir).logs_dir / "supervisor.log")
     flags = [f"--job-name={_name(spec.name)}-supervise", f"--dependency=afterany:{job_id}",
              "--kill-on-invalid-dep=yes", "--nodes=1", "--ntasks=1", "--cpus-per-task=1",
              f"--time={SUPERVISOR_TIME_MIN}", f"--output={shlex.quote(log)}",

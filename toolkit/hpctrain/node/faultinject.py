@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from pathlib import Path
 from typing import Any
+
+from hpctrain.runs.folder import RunFolder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +60,7 @@ def inject(where: str, step: int, step0: int, rank: int, log: Any = None) -> Non
                 if step0 >= step:
                     continue
             else:
-                marker = Path(run_dir) / "metrics" / "faults" / f"{f.kind}-step{step}-rank{rank}"
+                marker = RunFolder(run_dir).metrics_dir / "faults" / f"{f.kind}-step{step}-rank{rank}"
                 if marker.exists():
                     continue
                 marker.parent.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpctrain.runs.folder import EVENTS_JSONL, HEARTBEAT, METRICS_JSONL
+from hpctrain.runs.folder import HEARTBEAT, METRICS_JSONL
 
 log = logging.getLogger("hpctrain.node")
 
@@ -87,11 +87,14 @@ class MetricsWriter:
         os.replace(tmp, self.dir / HEARTBEAT)
 
     def event(self, record: dict[str, Any]) -> None:
-        """Non-step facts (start, resume, checkpoint on signal, export) in metrics/events.jsonl."""
+        """Rank 0's training milestones (start with the resume point, stopped-on-signal, finished) as `train`
+        events in the run folder's events.jsonl, beside the ranks' start/stop/failure events."""
         if self.rank != 0:
             return
-        with open(self.dir / EVENTS_JSONL, "a") as fh:
-            fh.write(json.dumps({"time": time.time(), **record}) + "\n")
+        from hpctrain.runs import events
+
+        events.append_event(self.dir.parent, events.Event(kind=events.TRAIN, time=time.time(), rank=self.rank,
+                                                          host=self.host, extra=record))
 
 
 def step_line(r: dict[str, Any]) -> str:

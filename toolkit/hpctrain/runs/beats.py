@@ -18,6 +18,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from hpctrain.runs.folder import RunFolder
+
 RANKS_DIR = "ranks"
 PHASES = ("start", "compute", "reduce", "checkpoint", "done")  # order matters: later = further along
 FAILED = "failed"
@@ -44,7 +46,7 @@ def write_record(directory: Path, name: str, rec: dict[str, Any]) -> None:
 
 def _records(run_dir: Path, pattern: str) -> list[dict[str, Any]]:
     out = []
-    for p in sorted(ranks_dir(Path(run_dir) / "metrics").glob(pattern)):
+    for p in sorted(ranks_dir(RunFolder(run_dir).metrics_dir).glob(pattern)):
         try:
             rec = json.loads(p.read_text())
         except (OSError, ValueError):

@@ -1,6 +1,7 @@
 """The run folder's events.jsonl: what the ranks say happened, one JSON object per line.
 
-Kinds: `start` (rank 0, once per attempt), `stop` (a rank stopped on SLURM's pre-timeout or preemption
+Kinds: `start` (rank 0, once per attempt), `train` (rank 0's training milestones, the record under
+`event`: start with the resume point and layout, stopped-on-signal, finished with the eval), `stop` (a rank stopped on SLURM's pre-timeout or preemption
 signal after a checkpoint), `failure` (a rank failed: its failure class, exception, exit code). Every line
 carries time, kind, rank, host, job_id and attempt (K of logs/attempt-K.rank-R.log), so the collector
 classifies an attempt from its events even when the rank logs are gone; the logs' regexes remain for text
@@ -22,8 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-EVENTS = "events.jsonl"  # in the run folder's root
-START, STOP, FAILURE = "start", "stop", "failure"
+from hpctrain.runs.folder import EVENTS_JSONL
+
+EVENTS = EVENTS_JSONL  # in the run folder's root
+START, TRAIN, STOP, FAILURE = "start", "train", "stop", "failure"
 _MAX_TEXT = 2000  # characters per text field: a line stays one small write
 _MAX_LINES = 12  # traceback lines kept
 

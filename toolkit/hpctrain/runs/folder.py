@@ -125,8 +125,8 @@ class RunFolder:
 
     @property
     def events_jsonl(self) -> Path:
-        """The node's structured events (start, checkpoint, signal, finished), next to its metrics."""
-        return self.metrics_dir / EVENTS_JSONL
+        """What the ranks say happened (hpctrain.runs.events): start, training milestones, stop, failure."""
+        return self.path / EVENTS_JSONL
 
     @property
     def watchdog_jsonl(self) -> Path:

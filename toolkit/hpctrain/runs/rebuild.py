@@ -86,7 +86,7 @@ def scan(runs_dir: Path) -> list[Item]:
         return []
     out = []
     for d in sorted(runs_dir.iterdir()):
-        if d.name.startswith(".") or not (d / "spec.toml").is_file():
+        if d.name.startswith(".") or not runs_mod.RunFolder(d).spec_toml.is_file():
             continue
         item = read_run_folder(d.absolute())
         if item is not None:
@@ -102,7 +102,7 @@ def read_run_folder(d: Path) -> Item | None:
         if isinstance(line.get("attempt"), int):
             merged.setdefault(line["attempt"], {}).update(line)
     if not merged:
-        ids = sorted((m.group(1) for p in (d / "submitit").glob("*_submitted.pkl")
+        ids = sorted((m.group(1) for p in runs_mod.RunFolder(d).submitit_dir.glob("*_submitted.pkl")
                       if (m := _PICKLE_ID.fullmatch(p.name))), key=_id_key)
         merged = {i: {"job_id": j, "executor": "slurm"} for i, j in enumerate(ids)}
     if not merged:
@@ -136,7 +136,7 @@ def _float(v: Any) -> float | None:
 
 def _name(d: Path) -> str:
     try:
-        return str(tomllib.loads((d / "spec.toml").read_text(encoding="utf-8")).get("name") or d.name)
+        return str(tomllib.loads(runs_mod.RunFolder(d).spec_toml.read_text(encoding="utf-8")).get("name") or d.name)
     except (OSError, ValueError):
         return d.name
 
@@ -145,7 +145,7 @@ def _summary(d: Path, mode: str) -> dict[str, Any]:
     """The list/status columns that plan.json and spec.toml give; marked as rebuilt."""
     out: dict[str, Any] = {"mode": mode, "rebuilt": True}
     try:
-        plan = json.loads((d / "plan.json").read_text(encoding="utf-8"))
+        plan = json.loads(runs_mod.RunFolder(d).plan_json.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return out
     if isinstance(plan, dict):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpctrain.errors import HpcUsageError
+from hpctrain.runs.folder import RunFolder
 from hpctrain.runs.registry import Registry, Run, RunNotFound
 
 LAST = "last"
@@ -26,7 +27,7 @@ class RunRef:
 
 
 def is_run_folder(path: Path) -> bool:
-    return path.is_dir() and ((path / "spec.toml").is_file() or (path / "attempts.jsonl").is_file())
+    return path.is_dir() and (RunFolder(path).spec_toml.is_file() or RunFolder(path).attempts_jsonl.is_file())
 
 
 def resolve_run(reg: Registry, ref: str) -> RunRef:

@@ -154,7 +154,7 @@ def _claim_pickle(run: Run, att: Attempt, job_id: str) -> None:
     if not lines:
         return
     src = Path(str(lines[-1]["pickle"]))
-    dst = Path(run.folder) / "submitit" / f"{job_id}_submitted.pkl"
+    dst = runs_mod.RunFolder(run.folder).submitit_dir / f"{job_id}_submitted.pkl"
     try:
         if src.is_file() and not dst.exists():
             src.rename(dst)

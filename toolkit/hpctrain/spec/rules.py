@@ -1,6 +1,6 @@
 """Validation of spec fields: types, per-section rules, secrets, and the wording of refusals.
 
-Split from spec.py so the dataclasses stay readable. Every dataclass's __post_init__ calls
+Kept apart from spec/model.py so the dataclasses stay readable. Every dataclass's __post_init__ calls
 `check(self)`; each refusal names the field, the bad value and the fix (the CLI flag when there is
 one, and the run-file spelling).
 """
