@@ -205,6 +205,10 @@ def test_stop_on_signal_is_a_stop_event(tmp_path: Path, signum: int, cls: str | 
     monkeypatch.setitem(sys.modules, "submitit.core.utils", fake)
     where = main._Where(1, 0, "55")
     paths = RunFolder(tmp_path)
+    from hpctrain.runs.checkpoints import MARKER
+
+    (paths.checkpoints_dir / "step-5").mkdir(parents=True)  # the checkpoint the signal's stop wrote
+    (paths.checkpoints_dir / "step-5" / MARKER).write_text("{}\n")
     assert main._fail(StopRequested("stopped on signal at step 5"), paths, where, signum) == ExitCode.STOPPED
     refused = UncompletedJobError("Job not requeued because: checkpoint function returned None.")
     assert main._fail(refused, paths, where, signum) == ExitCode.ERROR
@@ -214,6 +218,8 @@ def test_stop_on_signal_is_a_stop_event(tmp_path: Path, signum: int, cls: str | 
     refused_as = (cls, signum, True) if signum else ("time_limit", 12, False)
     assert [(e.kind, e.failure_class, e.signal, e.exit_code, e.extra["checkpointed"]) for e in evs] == [
         (events.STOP, cls, signum, 3, True), (events.STOP, *refused_as[:2], 1, refused_as[2])]
+    # The refusal's stop names the step of the checkpoint it stopped after (the collector's message says it).
+    assert ("at step 5" in evs[1].message) is bool(signum) and "submitit did not requeue" in evs[1].message
 
 
 def test_signal_before_training_is_a_time_limit_without_checkpoint(tmp_path: Path) -> None:

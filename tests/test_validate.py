@@ -373,7 +373,7 @@ def test_local_submit_run_folder_is_private(tmp_path: Path) -> None:
 def test_node_run_files_are_private(tmp_path: Path) -> None:
     """A real training run (2 ranks, a checkpoint) started with umask 022 leaves only private files."""
     pytest.importorskip("deepspeed")
-    from hpctrain.node.testing import make_run, torchrun
+    from runkit import make_run, torchrun
 
     run = make_run(tmp_path / "run", train={"steps": 4}, checkpoint={"every_steps": 2, "keep": 1})
     old = os.umask(0o022)

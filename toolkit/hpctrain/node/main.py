@@ -23,6 +23,7 @@ from hpctrain.node.dist import OtherRankFailed
 from hpctrain.node.metrics import attempt_number, log, setup_logging
 from hpctrain.node.runconf import NodeInputError, read_spec
 from hpctrain.runs import events
+from hpctrain.runs.checkpoints import complete_steps
 from hpctrain.runs.folder import RunFolder
 from hpctrain.states import ExitCode, FailureClass
 
@@ -147,10 +148,12 @@ def _fail(exc: Exception, paths: RunFolder, where: _Where, signum: int) -> ExitC
         # signal after the checkpoint (signum set), or the signal came before StopFlag was installed and
         # called it directly (signum 0): then nothing was saved. The exit code stays 1, as before.
         sig = signum or int(signal.SIGUSR2)
-        log.info("stopped on signal %d (%s); submitit did not requeue: %s", sig,
-                 "after a checkpoint" if signum else "before training, nothing saved", exc)
-        _event(paths.path, where, events.STOP, _stop_class(sig), message=str(exc), exit_code=ExitCode.ERROR,
-               signum=sig, extra={"checkpointed": bool(signum)})
+        saved = complete_steps(paths.checkpoints_dir) if signum else []
+        what = f"stopped on signal at step {saved[-1]} after its checkpoint" if saved else (
+            "stopped on signal before training, nothing saved")
+        log.info("%s; submitit did not requeue: %s", what, exc)
+        _event(paths.path, where, events.STOP, _stop_class(sig), message=f"{what}; submitit did not requeue ({exc})",
+               exit_code=ExitCode.ERROR, signum=sig, extra={"checkpointed": bool(saved)})
         return ExitCode.ERROR
     cls, code = failure_of(exc)
     exc_line = traceback.format_exception_only(type(exc), exc)[-1].strip()
