@@ -53,8 +53,10 @@ def make_run_folder(a: argparse.Namespace, run: Path) -> None:
                                  steps=a.warmup + a.steps, offload=a.offload, ac=not a.no_ac, cpu=a.cpu,
                                  peak_tflops=a.peak_tflops, extra={"parallel": {"offload_ratio": a.offload_ratio}})
     # --persist: one rank holds every parameter anyway, so ZeRO-3's per-layer gather/release can be skipped.
-    zero = {"stage3_param_persistence_threshold": 10**12} if a.persist else None
-    runlib.write_run_folder(run, tables, zero_overrides=zero)
+    zero = {"stage3_param_persistence_threshold": 10**12} if a.persist else {}
+    # --zero-json: a bucket variant under test, merged into the rendered zero_optimization block.
+    zero.update(json.loads(a.zero_json) if a.zero_json else {})
+    runlib.write_run_folder(run, tables, zero_overrides=zero or None)
 
 
 def run_entry(a: argparse.Namespace, run: Path, log: Path) -> dict[str, Any]:
@@ -93,6 +95,8 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=788.0, help="measured bf16 matmul peak (H200: 788)")
     ap.add_argument("--no-ac", action="store_true", help="no activation checkpointing (both loops)")
     ap.add_argument("--persist", action="store_true", help="ZeRO-3 persistence threshold 1e12 (entrypoint only)")
+    ap.add_argument("--zero-json", default="", help="JSON merged into the entrypoint's zero_optimization block")
+    ap.add_argument("--tag", default="", help="suffix of this run's file names (a variant's name)")
     ap.add_argument("--only", choices=["plain", "entry", "both"], default="both")
     ap.add_argument("--cpu", action="store_true", help="a CPU rank (smoke test of this script; entry only)")
     ap.add_argument("--timeout", type=float, default=280)
@@ -102,7 +106,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     tag = f"{a.model}-z{a.zero}-{a.offload}" + (f"{a.offload_ratio:g}" if a.offload_ratio < 1 else "") + \
         f"-mb{a.mb}-s{a.seq}" + ("-noac" if a.no_ac else "") + \
-        ("-persist" if a.persist else "")
+        ("-persist" if a.persist else "") + (f"-{a.tag}" if a.tag else "")
     rows = []
     if a.only in ("entry", "both"):
         rows.append(run_entry(a, out / f"run-{tag}", out / f"entry-{tag}.log"))

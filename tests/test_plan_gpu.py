@@ -256,3 +256,20 @@ def test_zero_auto_with_offload_optimizer_tries_partial_first() -> None:
     assert (p.zero_stage, p.offload) == (3, "optimizer") and 0 < p.offload_ratio < 1
     first = p.options[0]
     assert (first["zero"], first["offload_ratio"] < 1) == (3, True)
+
+
+def test_zero3_bucket_memory_follows_the_rendered_buckets() -> None:
+    # The entrypoint measured 47.4 GB peak with DeepSpeed's default buckets against 46.4 GB with the h*h
+    # rule (1B ZeRO-3 micro-batch 4, one H200, 2026-12-01): the estimate counts the table's reduce + prefetch.
+    from hpctrain.plan.buckets import DEEPSPEED_DEFAULTS, h2_rule
+
+    sh = shape("llama-1b")
+    e = M.estimate(sh, 3, "none", 4, True)
+    z = build_ds_config(h200("llama-1b", train=Train(micro_batch=4), parallel=Parallel(zero=3)),
+                        make_plan(h200("llama-1b", train=Train(micro_batch=4), parallel=Parallel(zero=3))))
+    assert z["zero_optimization"]["reduce_bucket_size"] == DEEPSPEED_DEFAULTS.reduce
+    small = h2_rule(2048)
+    delta = (DEEPSPEED_DEFAULTS.reduce + DEEPSPEED_DEFAULTS.prefetch - small.reduce - small.prefetch) * 2 / 1e9
+    assert delta == pytest.approx(1.0, abs=0.1)
+    gathered = 2 * 128256 * 2048 * 2  # the tied embedding, gathered, and its 16-bit gradient
+    assert e.breakdown["zero_buffers"] * M.GiB == pytest.approx(gathered + 550_000_000 * 2, rel=1e-3)

@@ -441,3 +441,20 @@ def test_hostfile_template_that_awk_cannot_follow_is_refused(tmp_path: Path, mon
     monkeypatch.setenv("HPCTRAIN_CONFIG_DIR", str(tmp_path / "config"))
     with pytest.raises(HpcUsageError, match="one line per host"):
         hostfile_awk(2)
+
+
+def test_zero3_buckets_come_from_the_measured_table() -> None:
+    """GPU ranks get DeepSpeed's defaults (measured faster than the h*h rule on an H200, plan/buckets.py);
+    CPU ranks keep the h*h rule of tiny models."""
+    from hpctrain.plan.buckets import DEEPSPEED_DEFAULTS
+
+    gpu = Spec(name="g", resources=Resources(gpus_per_node=1), model=Model(config="llama-1b"),
+               train=Train(micro_batch=4, activation_checkpointing=True), parallel=Parallel(zero=3))
+    z = build_ds_config(gpu, make_plan(gpu))["zero_optimization"]
+    assert (z["reduce_bucket_size"], z["stage3_prefetch_bucket_size"], z["stage3_param_persistence_threshold"]) == (
+        DEEPSPEED_DEFAULTS.reduce, DEEPSPEED_DEFAULTS.prefetch, DEEPSPEED_DEFAULTS.persistence)
+    cpu = Spec(name="c", resources=Resources(tasks_per_node=2), model=Model(config="llama-tiny"),
+               data=Data(seq_len=64), train=Train(micro_batch=2), parallel=Parallel(zero=3))
+    z = build_ds_config(cpu, make_plan(cpu))["zero_optimization"]
+    assert (z["reduce_bucket_size"], z["stage3_prefetch_bucket_size"], z["stage3_param_persistence_threshold"]) == (
+        64 * 64, int(0.9 * 64 * 64), 640)

@@ -46,6 +46,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpctrain.plan.buckets import zero3_buckets
+
 GiB = 1024**3
 DEFAULT_GPU_GB = 80.0  # A100/H100 80GB: the common training GPU when the site does not say
 DEFAULT_HOST_GB = 256.0  # assumed when --mem is not given
@@ -64,7 +66,7 @@ GPU_GROUP_BYTES = 16  # per parameter of a GPU sub-group under partial offload: 
 ACT_SBH_BYTES = 34  # GPT-2 block, per token, in units of h (Korthikanti et al. 2022, fused attention)
 LLAMA_NORM_BYTES_PER_H = 6  # HF LlamaRMSNorm: autograd keeps the fp32 input (4 h) and the bf16 normalised x (2 h)
 LOGIT_BYTES = 12  # per logit element at the loss: fp32 log-softmax + its gradient + the input gradient
-BUCKET_ELEMENTS_PER_H2 = 2  # reduce (+ allgather) buckets: hidden^2 elements each (render/sbatch.py's rule)
+BUCKET_ELEMENTS_PER_H2 = 2  # ZeRO-1/2 reduce + allgather buckets: hidden^2 elements each (render/deepspeed.py)
 
 
 @dataclass(frozen=True)
@@ -191,6 +193,16 @@ def _activations(sh: Shape, micro: int, ac: bool) -> tuple[float, float, float]:
     return kept, full if ac else 0.0, logits
 
 
+def _bucket_bytes(sh: Shape, zero: int, shard: float) -> float:
+    """ZeRO's communication buckets on the device. ZeRO-3: reduce + prefetch bucket of hpctrain.plan.buckets'
+    table (1.24 B params: 5e8 + 5e7 measured +1.0 GB peak against the h*h rule's 4.2 M + 3.8 M)."""
+    h = int(sh.arch["hidden"])
+    if zero >= 3:
+        b = zero3_buckets("gpu" if sh.gpu else "cpu", sh.params, h)
+        return min(b.reduce + b.prefetch, shard) * sh.wb
+    return BUCKET_ELEMENTS_PER_H2 * min(h * h, shard) * sh.wb if zero >= 1 else 0.0
+
+
 def estimate(sh: Shape, zero: int, offload: str, micro: int, ac: bool, ratio: float = 1.0) -> Estimate:
     """Peak memory of one choice. Offloaded state moves from the device to the host's RAM."""
     a, dp, wb = sh.arch, sh.dp, sh.wb
@@ -229,7 +241,7 @@ def estimate(sh: Shape, zero: int, offload: str, micro: int, ac: bool, ratio: fl
     h, v = int(a["hidden"]), int(a["vocab"])
     largest = max(v * h, layer_params(a)) / sh.tp
     gathered = 2 * largest * wb if zero == 3 else 0.0  # gathered module + its 16-bit gradient
-    buckets = BUCKET_ELEMENTS_PER_H2 * min(h * h, shard) * wb if zero >= 1 else 0.0
+    buckets = _bucket_bytes(sh, zero, shard)
     runtime = (GPU_RUNTIME_GB if sh.gpu else CPU_RANK_GB) * GiB
     in_backward = acts + max(logits, recompute) + gathered
     device = weights + grads + optim + buckets + runtime + max(in_backward, step_transient)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from hpctrain.plan.buckets import zero3_buckets
 from hpctrain.plan.memory import SUB_GROUP_SIZE
 from hpctrain.runs.folder import json_text
 from hpctrain.spec.model import Spec
@@ -33,7 +34,8 @@ def _offload_block(spec: Spec) -> dict[str, Any]:
 
 
 def _zero_block(spec: Spec, plan: Plan) -> dict[str, Any]:
-    """zero_optimization with bucket sizes scaled to the hidden size (HF's "auto" rule, h*h)."""
+    """zero_optimization. ZeRO-3's buckets, prefetch and persistence come from the measured table of
+    hpctrain.plan.buckets (by device kind and model size); ZeRO-1/2 keep buckets of h*h (not measured)."""
     stage, h = plan.zero_stage, int(plan.model.get("hidden", 1024))
     zero: dict[str, Any] = {"stage": stage}
     if stage == 0:
@@ -43,7 +45,9 @@ def _zero_block(spec: Spec, plan: Plan) -> dict[str, Any]:
     if stage in (1, 2):
         zero.update({"allgather_partitions": True, "allgather_bucket_size": h * h, "reduce_scatter": True})
     if stage == 3:
-        zero.update({"stage3_prefetch_bucket_size": int(0.9 * h * h), "stage3_param_persistence_threshold": 10 * h,
+        b = zero3_buckets(plan.device, plan.param_count, h)
+        zero.update({"reduce_bucket_size": b.reduce, "stage3_prefetch_bucket_size": b.prefetch,
+                     "stage3_param_persistence_threshold": b.persistence,
                      "stage3_max_live_parameters": 10**9, "stage3_max_reuse_distance": 10**9,
                      "stage3_gather_16bit_weights_on_model_save": True})
     if plan.offload in ("optimizer", "all"):
