@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpctrain.runs.folder import EVENTS_JSONL
+from hpctrain.runs.folder import EVENTS_JSONL, iter_jsonl
 
 EVENTS = EVENTS_JSONL  # in the run folder's root
 START, TRAIN, STOP, FAILURE = "start", "train", "stop", "failure"
@@ -105,18 +105,12 @@ def of_attempt(events: list[Event], attempt: int, job_id: str = "") -> list[Even
 
 
 def _iter(path: Path) -> Iterator[Event]:
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+    try:  # an unreadable file (permissions, a flaky filesystem) tells nothing, it does not fail the reader
+        objs = list(iter_jsonl(path))
     except OSError:
         return
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        ev = Event.from_json(obj) if isinstance(obj, dict) else None
+    for obj in objs:
+        ev = Event.from_json(obj)
         if ev is not None:
             yield ev
 

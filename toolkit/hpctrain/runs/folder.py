@@ -282,12 +282,14 @@ def append_attempt(path: Path, record: dict[str, Any]) -> None:
 
 def read_attempts(path: Path) -> list[dict[str, Any]]:
     """All attempt records; a torn last line (writer killed mid-write) is skipped, not fatal."""
-    return list(_iter_jsonl(path))
+    return list(iter_jsonl(path))
 
 
-def _iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    """The JSON objects of a run folder's .jsonl file, one per line; blank, torn or non-object lines (a writer
+    killed mid-line) are skipped. A missing file has none; other OSErrors reach the caller."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8", errors="replace")
     except FileNotFoundError:
         return
     for line in text.splitlines():

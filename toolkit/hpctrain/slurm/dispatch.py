@@ -313,7 +313,7 @@ def _check_no_secrets(text: str, spec: Spec) -> None:
     """The script submitted goes through the same check as the files of a dry run (spec.rules)."""
     from hpctrain.spec.rules import check_rendered
 
-    check_rendered({"sbatch.sh": text}, spec)
+    check_rendered({runs_mod.SBATCH_SH: text}, spec)
 
 
 # What submitit gives a SLURM job here is its pickled call and the runner of that call on every task

@@ -16,6 +16,7 @@ from dataclasses import MISSING, fields
 from typing import TYPE_CHECKING, Any, Literal, Union
 
 from hpctrain.errors import bad_value
+from hpctrain.runs.folder import SBATCH_SH
 from hpctrain.spec.flags import FLAG_FOR
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ def check_rendered(files: Mapping[str, str], spec: Spec) -> None:
                     f"{fname}: the rendered file contains the value of the secret variable {name}. Fix: do not "
                     f"put secrets in [env], flags or paths; export {name} in the submitting shell and list it in "
                     "secret_env: it reaches the ranks through the environment")
-    script = files.get("sbatch.sh", "")
+    script = files.get(SBATCH_SH, "")
     for lineno, line in enumerate(script.split("\n"), 1):
         bad = _control_char(line.replace("\t", " "))
         if bad:
