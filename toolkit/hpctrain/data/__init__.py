@@ -1,0 +1,1 @@
+"""Prepared training data: a corpus tokenized once into memory-mappable shards (see format.py)."""
