@@ -41,7 +41,10 @@ def test_snapshot_is_a_frozen_copy_that_keeps_sharing(tmp_path: Path) -> None:
     ckpt_async.write_file(snap, tmp_path / "f.pt")
     back = torch.load(tmp_path / "f.pt", weights_only=False)
     assert back["tied"].tolist() == [0, 1, 2, 3] and back["nested"]["x"][0].dtype == torch.int64
-    assert (tmp_path / "f.pt").stat().st_size < 4096 + 2000  # the flat storage once, not per view
+    import zipfile
+
+    records = [n for n in zipfile.ZipFile(tmp_path / "f.pt").namelist() if "/data/" in n and n[-1].isdigit()]
+    assert len(records) == 4  # flat (once, not per view), n, x, e
     before = arena.capacity
     arena.reset()
     ckpt_async.snapshot(sd, arena, {})

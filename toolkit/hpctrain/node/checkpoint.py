@@ -262,7 +262,16 @@ class _Sink:
 
 
 def write_file(state: Any, path: Path) -> int:
-    """torch.save (zip format, as DeepSpeed writes and loads it) + fsync; returns the file's size."""
+    """torch.save's file (zip format, as DeepSpeed writes and loads it), fsynced; returns its size.
+    Tensor bytes are written by parallel threads (node/ckpt_write.py); one thread when that declines."""
+    from hpctrain.node.ckpt_write import write_parallel
+
+    size = write_parallel(state, path)
+    return size if size is not None else write_serial(state, path)
+
+
+def write_serial(state: Any, path: Path) -> int:
+    """torch.save through one thread + fsync; returns the file's size."""
     import torch
 
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

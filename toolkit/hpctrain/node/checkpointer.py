@@ -113,7 +113,8 @@ class Checkpointer:
         per_node = max(1, min(world, spec.resources.tasks_per_node))
         on, why = ckpt.choose_async(c.async_save, use_gpu, rank_bytes, per_node, ckpt.host_available_bytes())
         log.info("checkpoints: %s (%s)", "asynchronous" if on else "synchronous", why)
-        io = ckpt_async.install(engine, async_mode=on, pin=on and use_gpu, rank=rank, world=world)
+        io = ckpt_async.install(engine, async_mode=on, pin=on and use_gpu, rank=rank, world=world,
+                                reserve_bytes=rank_bytes)
         # A checkpoint at the end unless the run asked for none at all (benchmarks: 15-50 GB saved).
         final = c.every_steps > 0 or c.every_minutes > 0 or c.export_hf
         policy = SavePolicy(c.every_steps, c.every_minutes, spec.train.steps, final)

@@ -66,18 +66,43 @@ class Arena:
         self._keep: list[torch.Tensor] = []
         self.i = 0
         self.off = 0
+        self._reserving: threading.Thread | None = None
+
+    def reserve(self, nbytes: int) -> None:
+        """Allocate (and on GPU ranks page-lock) one chunk of `nbytes` in the background, so that the first
+        save copies into ready memory instead of allocating and pinning ~15 GB while training waits."""
+        if nbytes <= 0 or self.chunks or self._reserving is not None:
+            return
+        device = torch.cuda.current_device() if self.pin and torch.cuda.is_available() else None
+
+        def run() -> None:
+            if device is not None:
+                torch.cuda.set_device(device)
+            t = self._alloc((nbytes + ALIGN - 1) // ALIGN * ALIGN)
+            self._keep.append(t)
+            self.chunks.append(t.numpy())
+
+        self._reserving = threading.Thread(target=run, name="hpctrain-ckpt-reserve", daemon=True)
+        self._reserving.start()
+
+    def _ready(self) -> None:
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
 
     def reset(self) -> None:
         self.i, self.off = 0, 0
 
     @property
     def capacity(self) -> int:
+        self._ready()
         return sum(len(c) for c in self.chunks)
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of exactly nbytes whose storage is its own (torch.save writes whole storages)."""
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
+        self._ready()
         size = (nbytes + ALIGN - 1) // ALIGN * ALIGN
         while self.i < len(self.chunks) and self.off + size > len(self.chunks[self.i]):
             self.i, self.off = self.i + 1, 0
@@ -312,9 +337,13 @@ class CheckpointIO(TorchCheckpointEngine):  # type: ignore[misc]
         job.done.set()
 
 
-def install(engine: Any, *, async_mode: bool, pin: bool, rank: int, world: int) -> CheckpointIO:
-    """Replace the engine's checkpoint engine (before any save; loading is unchanged)."""
+def install(engine: Any, *, async_mode: bool, pin: bool, rank: int, world: int,
+            reserve_bytes: int = 0) -> CheckpointIO:
+    """Replace the engine's checkpoint engine (before any save; loading is unchanged). Async: host buffers
+    for `reserve_bytes` (the rank's estimated checkpoint size) are allocated in the background now."""
     io = CheckpointIO(getattr(engine, "_config", None), async_mode=async_mode, pin=pin, rank=rank, world=world,
                       wait_s=float(os.environ.get("HPCTRAIN_CKPT_WAIT_S", "1800")))
     engine.checkpoint_engine = io
+    if async_mode:
+        io.arena.reserve(reserve_bytes)
     return io
