@@ -73,8 +73,8 @@ def _layout(state: Any, path: Path) -> list[tuple[int, Any]] | None:
     import torch
     import torch.utils.serialization.config as scfg
 
-    if not hasattr(torch.serialization, "skip_data"):
-        return None
+    if not hasattr(torch.serialization, "skip_data") or not hasattr(torch._C.PyTorchFileReader, "get_record_offset"):
+        return None  # torch < 2.6
     found: dict[str, Any] = {}
     with _SAVE_LOCK:
         align = scfg.save.storage_alignment
