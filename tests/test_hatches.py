@@ -249,3 +249,17 @@ def test_after_a_run_that_ended_well_adds_no_dependency(tmp_path: Path) -> None:
 def test_after_unknown_run_is_refused_by_the_cli() -> None:
     res = CliRunner().invoke(cli, ["submit", "--model", "llama-tiny", "--dry-run", "--after", "nosuch"])
     assert res.exit_code != 0 and "RUN = 'nosuch'" in res.output
+
+
+@pytest.mark.parametrize("runtime", ["podman", "apptainer", "charliecloud", "pyxis"])
+def test_a_snapshot_is_the_containers_folder_too(runtime: str) -> None:
+    from hpctrain.spec.model import Container
+
+    image = "/images/x.sif" if runtime != "podman" else "localhost/x:1"
+    spec = Spec(model=Model(config="llama-tiny"), container=Container(runtime=runtime, image=image),  # type: ignore[arg-type]
+                code=Code(snapshot=True, dir="/runs/r1/code/sub"))
+    line = render_sbatch(spec, make_plan(spec), Path("/runs/r1"), "python -c pass").rstrip().splitlines()[-1]
+    flag = {"podman": "-w /runs/r1/code/sub", "apptainer": "--pwd /runs/r1/code/sub",
+            "charliecloud": "-c /runs/r1/code/sub", "pyxis": "--container-workdir=/runs/r1/code/sub"}[runtime]
+    assert flag in line, line
+    assert ("--env PYTHONPATH" in line) == (runtime == "podman")

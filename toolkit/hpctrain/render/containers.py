@@ -129,7 +129,8 @@ def _podman(spec: Spec, binds: Sequence[tuple[str, str]], workdir: str, gpu: boo
         words += ["--device", "nvidia.com/gpu=all"]
     for s, d in binds:
         words += ["-v", q(f"{s}:{d}")]
-    names = [*PODMAN_PASSTHROUGH, *sorted(spec.env), *secret_names(spec)]
+    snapshot = ["PYTHONPATH"] if spec.code.dir else []  # the batch script puts the snapshot first on it
+    names = [*PODMAN_PASSTHROUGH, *sorted(spec.env), *secret_names(spec), *snapshot]
     for name in dict.fromkeys(names):
         words += ["--env", q(name)]  # by name only: podman copies the value from the srun task
     return words + ["-w", q(workdir), q(spec.container.image)]

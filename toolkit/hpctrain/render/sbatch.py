@@ -313,7 +313,8 @@ def _launch_line(spec: Spec, plan: Plan, folder: Path, array: str | None, comman
     log = _log_pattern(folder, array, "%t")
     srun = ["srun", "--unbuffered", "--kill-on-bad-exit=1", "--output", shlex.quote(log + ".out"),
             "--error", shlex.quote(log + ".err")]
-    flags, prefix = container_wrap(spec, run_dirs, _bind_root(run_dirs))
+    # In a container the runtime sets the folder (-w, --pwd, ...): the snapshot's, when the job runs one.
+    flags, prefix = container_wrap(spec, run_dirs, spec.code.dir or _bind_root(run_dirs))
     if spec.launch.launcher == "deepspeed":
         py = python or (shlex.quote(shlex.split(command)[0]) if command.strip() else "python")
         cmd = f'{py} -u -m {NODE_MODULE} "$HPCTRAIN_RUN_DIR" --launcher deepspeed --mode {shlex.quote(mode)}'
