@@ -283,7 +283,7 @@ def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry
         check_submit(spec, executor=resolve_executor(spec.launch.executor))
     if dry_run:
         if out:
-            dirs = _write_dry_run(Path(out), points, lambda ds: _script(spec, plan, ds, mode))
+            dirs = _write_dry_run(Path(out), points, lambda ds: _script(spec, plan, ds, mode, dependency))
         else:
             dirs = [(runs.runs_dir_default() / runs.new_run_id(s.name)).absolute() for s, _ in points]
         script = _script(spec, plan, dirs, mode, dependency)
