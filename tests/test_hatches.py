@@ -263,3 +263,9 @@ def test_a_snapshot_is_the_containers_folder_too(runtime: str) -> None:
             "charliecloud": "-c /runs/r1/code/sub", "pyxis": "--container-workdir=/runs/r1/code/sub"}[runtime]
     assert flag in line, line
     assert ("--env PYTHONPATH" in line) == (runtime == "podman")
+
+
+def test_a_refusal_without_the_hatches_is_left_to_the_submission(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _fake_test_only(monkeypatch, "--nodes=1", "sbatch: error: Invalid partition name specified")
+    sbatch_check.test_script(SCRIPT, ["--exclusive"])  # dispatch's own refusal lists the partitions
+    assert len(calls) == 2

@@ -76,10 +76,10 @@ def prepare_runs(points: list[tuple[Spec, Plan]], run_dirs: list[Path]) -> list[
         points = [(dataclasses.replace(s, code=dataclasses.replace(s.code, dir=str(workdir))), p) for s, p in points]
         for d, (s, _) in zip(run_dirs, points):
             runs.write_private(runs.RunFolder(d).spec_toml, to_toml(s))
-    container = image_identity(spec)
+    doc, diff = repro.manifest(src, image_identity(spec), snap_info)  # git runs once, also for a sweep
     for d in run_dirs:
         try:
-            repro.write_bundle(d, src, container, snap_info)
+            repro.write_manifest(d, doc, diff)
         except OSError as exc:  # the bundle informs; it never stops a submission
             click.echo(f"warning: {d}: could not write the repro bundle: {exc}", err=True)
     return points

@@ -96,8 +96,12 @@ def manifest(code_dir: Path, container: dict[str, Any], snapshot: dict[str, Any]
 def write_bundle(run_dir: Path, code_dir: Path, container: dict[str, Any],
                  snapshot: dict[str, Any] | None = None) -> Path:
     """Write repro/manifest.json (and repro/git.diff) into the run folder; returns the manifest's path."""
+    return write_manifest(run_dir, *manifest(code_dir, container, snapshot))
+
+
+def write_manifest(run_dir: Path, doc: dict[str, Any], diff: bytes | None) -> Path:
+    """Write a manifest made once (a sweep's points share it) and its diff into one run folder."""
     folder = RunFolder(run_dir)
-    doc, diff = manifest(code_dir, container, snapshot)
     folder.repro_dir.mkdir(mode=0o700, exist_ok=True)
     if diff is not None:
         _write_bytes(folder.git_diff, diff)

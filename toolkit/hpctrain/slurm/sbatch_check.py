@@ -3,7 +3,8 @@
 hpctrain checks the form of `[slurm] extra` / `--sbatch-arg` (hpctrain.spec.sbatch_args); whether the cluster
 knows the option, the reservation, the licence or the dependency only sbatch can say. A refusal is reported
 in sbatch's own words, naming the option: when sbatch's message does not name it, the script is tried again
-without the extras, then with each one alone (a few more --test-only calls, on a refusal only).
+without the extras, then with each one alone (a few more --test-only calls, on a refusal only). A script refused
+without its extras too is left to the submission, whose refusal names the resource to change.
 """
 
 from __future__ import annotations
@@ -31,15 +32,14 @@ def test_script(script: str, extra: Sequence[str], dependency: str = "") -> None
     if words is None:
         return
     culprit = _named(words, extra, dependency) or _bisect(script, extra)
+    if culprit is None:
+        return  # refused without the hatches too: the submission's own refusal names the resource to change
     if culprit == "--dependency":
         raise HpcUsageError(f"--after = {dependency!r}: sbatch --test-only refused the dependency: {words}. Fix: "
                             "check the run's job with `hpctrain status RUN` (a job SLURM has forgotten cannot be "
                             "waited on), or submit without --after")
-    if culprit:
-        raise HpcUsageError(f"{EXTRA_KEY} = {culprit!r}: sbatch --test-only refused it: {words}. Fix: correct or "
-                            "remove it (--sbatch-arg / [slurm] extra); `sbatch --help` lists the options")
-    raise HpcUsageError(f"sbatch --test-only refused the job: {words}. Fix: check [slurm] extra, --mail-type/"
-                        "--mail-user and the resources asked for")
+    raise HpcUsageError(f"{EXTRA_KEY} = {culprit!r}: sbatch --test-only refused it: {words}. Fix: correct or "
+                        "remove it (--sbatch-arg / [slurm] extra); `sbatch --help` lists the options")
 
 
 def _refusal(script: str) -> str | None:
@@ -62,8 +62,8 @@ def _clean(text: str) -> str:
 def _named(words: str, extra: Sequence[str], dependency: str) -> str | None:
     low = words.lower()
     for text in extra:
-        name = text.partition("=")[0]
-        if name.lower() in low or name.lstrip("-").lower() in low:
+        name = text.partition("=")[0].lstrip("-").lower()
+        if re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", low):
             return text
     if dependency and "depend" in low:
         return "--dependency"
