@@ -35,7 +35,8 @@ def no_dispatch(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 
     calls: list[Any] = []
 
-    def fake_submit(run_dirs: list[Path], spec: Any, plan: Any, executor: str = "auto", mode: str = "train") -> list[Any]:
+    def fake_submit(run_dirs: list[Path], spec: Any, plan: Any, executor: str = "auto", mode: str = "train",
+                    dependency: str = "") -> list[Any]:
         calls.append((run_dirs, spec, plan, executor, mode))
         return [dispatch.Submitted(run_id=d.name, run_dir=d, job_id=str(100 + i), executor="local")
                 for i, d in enumerate(run_dirs)]

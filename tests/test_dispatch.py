@@ -194,7 +194,8 @@ def _spec(partition: str = "debug", nodes: int = 1) -> SimpleNamespace:
                                   nodes=nodes, mem="", account="", qos="", cpus_per_task=1, tasks_per_node=2),
         parallel=SimpleNamespace(zero=3, offload="none", pp=1, tp=1),
         model=SimpleNamespace(path="", config="llama-tiny"), data=SimpleNamespace(source="synthetic"),
-        train=SimpleNamespace(steps=2, lr=1e-3), launch=SimpleNamespace(launcher="srun"))
+        train=SimpleNamespace(steps=2, lr=1e-3), launch=SimpleNamespace(launcher="srun"),
+        slurm=SimpleNamespace(extra=(), mail_type="", mail_user=""))
 
 
 def _plan(nodes: int = 1) -> SimpleNamespace:

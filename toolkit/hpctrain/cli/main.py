@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from hpctrain import __version__
+from hpctrain.cli.options import hatch_flags, hatch_options
 from hpctrain.spec.flags import FLAGS
 
 if TYPE_CHECKING:
@@ -112,7 +113,7 @@ def flags_from_options(opts: dict[str, Any]) -> dict[str, Any]:
         if not sep or not key.strip():
             raise bad_value("--set", item, "expected SECTION.KEY=VALUE", "write e.g. --set train.lr=1e-4")
         flags[key.strip()] = value
-    return flags
+    return {**flags, **hatch_flags(opts)}  # --sbatch-arg, --snapshot (hpctrain.cli.options)
 
 
 def _resolve(runfile: str | None, opts: dict[str, Any], point: dict[str, Any] | None = None,
@@ -213,7 +214,7 @@ def _writing(field: str, where: Path, fix: str) -> Callable[[OSError], Exception
     return refuse
 
 
-def _script(spec: Spec, plan: Plan, run_dirs: list[Path], mode: str = "train") -> str:
+def _script(spec: Spec, plan: Plan, run_dirs: list[Path], mode: str = "train", dependency: str = "") -> str:
     """The batch script as it would be submitted (one job, or one array over run_dirs)."""
     import shlex
 
@@ -223,8 +224,9 @@ def _script(spec: Spec, plan: Plan, run_dirs: list[Path], mode: str = "train") -
     first = run_dirs[0]
     command = submitit_command(shlex.quote(sys.executable), str(RunFolder(first).submitit_dir))
     if len(run_dirs) == 1:
-        return render_sbatch(spec, plan, first, command, mode=mode)
-    return render_sbatch(spec, plan, first, command, array=f"0-{len(run_dirs) - 1}", run_dirs=run_dirs, mode=mode)
+        return render_sbatch(spec, plan, first, command, mode=mode, dependency=dependency)
+    return render_sbatch(spec, plan, first, command, array=f"0-{len(run_dirs) - 1}", run_dirs=run_dirs, mode=mode,
+                         dependency=dependency)
 
 
 def _write_dry_run(out: Path, points: list[tuple[Spec, Plan]], script_for: Callable[[list[Path]], str]) -> list[Path]:
@@ -251,6 +253,7 @@ def _write_dry_run(out: Path, points: list[tuple[Spec, Plan]], script_for: Calla
 @click.option("--dry-run", is_flag=True, help="Render and print the script; submit nothing.")
 @click.option("--out", type=click.Path(file_okay=False), default=None, help="With --dry-run: write the files here.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@hatch_options
 def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry_run: bool, out: str | None,
                as_json: bool, **opts: Any) -> None:
     """Resolve RUNFILE + flags into a spec and plan, write the run folder(s), submit one job
@@ -270,6 +273,9 @@ def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry
     _check_sweep_binds(points)
     spec, plan = points[0]
     mode = "preflight" if preflight else "train"
+    from hpctrain.cli import options
+
+    dependency = options.dependency(opts)  # --after: resolved before anything is written
     if not dry_run:  # runtime known, executor runs containers, image exists: refuse before any folder
         from hpctrain.render.containers import check_submit
         from hpctrain.slurm.dispatch import resolve_executor
@@ -277,10 +283,10 @@ def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry
         check_submit(spec, executor=resolve_executor(spec.launch.executor))
     if dry_run:
         if out:
-            dirs = _write_dry_run(Path(out), points, lambda ds: _script(spec, plan, ds, mode))
+            dirs = _write_dry_run(Path(out), points, lambda ds: _script(spec, plan, ds, mode, dependency))
         else:
             dirs = [(runs.runs_dir_default() / runs.new_run_id(s.name)).absolute() for s, _ in points]
-        script = _script(spec, plan, dirs, mode)
+        script = _script(spec, plan, dirs, mode, dependency)
         for s, p in points:
             run_files(s, p, script)  # the same check as a submit, though nothing is written
         if as_json:
@@ -297,7 +303,9 @@ def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry
     from hpctrain.slurm.uncertain import JobMayExist
 
     try:
-        subs = dispatch.submit(run_dirs, spec, plan, spec.launch.executor, mode=mode)
+        points = options.prepare_runs(points, run_dirs)  # --snapshot, the repro bundle
+        spec, plan = points[0]
+        subs = dispatch.submit(run_dirs, spec, plan, spec.launch.executor, mode=mode, dependency=dependency)
     except JobMayExist:  # a job may run in these folders: keep them (the error says what to do)
         raise
     except BaseException:  # refused, SLURM unreachable, or any other failure: nothing queued, leave nothing

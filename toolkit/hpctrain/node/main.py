@@ -22,7 +22,7 @@ from hpctrain.node.checkpointer import StopFlag, StopRequested
 from hpctrain.node.dist import OtherRankFailed
 from hpctrain.node.metrics import attempt_number, log, setup_logging
 from hpctrain.node.runconf import NodeInputError, read_spec
-from hpctrain.runs import events
+from hpctrain.runs import events, repro
 from hpctrain.runs.checkpoints import complete_steps
 from hpctrain.runs.folder import RunFolder
 from hpctrain.states import ExitCode, FailureClass
@@ -50,6 +50,7 @@ def run(run_dir: str, mode: str = "train") -> int:
     where = _Where(d.rank, attempt_number(), d.job_id)
     if d.rank == 0:
         _event(paths.path, where, events.START, extra={"mode": mode, "world_size": d.world_size})
+        _freeze(paths, where.attempt)
     try:
         if mode not in ("train", "preflight"):
             raise NodeInputError(f"mode {mode!r}: use 'train' or 'preflight'.")
@@ -187,6 +188,15 @@ def _event(root: Path, where: _Where, kind: str, cls: FailureClass | None = None
         events.append_event(root, ev)
     except OSError as err:
         log.warning("could not append to %s: %s", events.events_path(root), err)
+
+
+def _freeze(paths: RunFolder, attempt: int) -> None:
+    """The packages of the environment that runs this attempt (repro/pip-freeze.attempt-K.txt): the node's or
+    the image's, which may differ from the login node's. Informative: a failure costs a log line."""
+    try:
+        repro.write_freeze(paths.path, attempt)
+    except Exception as err:  # noqa: BLE001 - never stop a training over its bundle
+        log.warning("could not write %s: %s", paths.pip_freeze(attempt), err)
 
 
 def _report(rank: int, loud: str, quiet: str) -> None:

@@ -129,7 +129,8 @@ def _podman(spec: Spec, binds: Sequence[tuple[str, str]], workdir: str, gpu: boo
         words += ["--device", "nvidia.com/gpu=all"]
     for s, d in binds:
         words += ["-v", q(f"{s}:{d}")]
-    names = [*PODMAN_PASSTHROUGH, *sorted(spec.env), *secret_names(spec)]
+    snapshot = ["PYTHONPATH"] if spec.code.dir else []  # the batch script puts the snapshot first on it
+    names = [*PODMAN_PASSTHROUGH, *sorted(spec.env), *secret_names(spec), *snapshot]
     for name in dict.fromkeys(names):
         words += ["--env", q(name)]  # by name only: podman copies the value from the srun task
     return words + ["-w", q(workdir), q(spec.container.image)]
@@ -219,6 +220,35 @@ def check_submit(spec: Spec, executor: str | None = None,
         if proc.returncode == 1:
             raise bad_value("container.image", c.image, "podman has no such image on this machine",
                             "build it with `hpctrain image build` (or podman pull/load it on every node)" + skip)
+
+
+def image_identity(spec: Spec) -> dict[str, object]:
+    """What can be known at submit of the image a run uses, for its repro bundle (runs.repro): podman's image
+    id and repo digests; for an image file (apptainer SIF, enroot squashfs) its size and mtime (a SIF of several
+    GB is not hashed at submit); for a directory image (charliecloud) its mtime; a registry reference as given.
+    Nothing is pulled or started."""
+    c = spec.container
+    info: dict[str, object] = {"runtime": c.runtime, "image": c.image}
+    if c.runtime == "none":
+        return info
+    if c.runtime == "podman" and shutil.which("podman"):
+        try:
+            proc = subprocess.run(["podman", "image", "inspect", "--format", "{{.Id}} {{json .RepoDigests}}", c.image],
+                                  check=False, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            proc = None
+        if proc is not None and proc.returncode == 0 and proc.stdout.strip():
+            image_id, _, digests = proc.stdout.strip().partition(" ")
+            info.update({"id": image_id, "repo_digests": digests, "how": "podman image inspect"})
+            return info
+    path = Path(c.image.removeprefix("docker://") if _is_uri(c.image) else c.image)
+    if not _is_uri(c.image) and path.exists():
+        st = path.stat()
+        info.update({"size": st.st_size if path.is_file() else None, "mtime": st.st_mtime,
+                     "how": "file size and mtime (not hashed)" if path.is_file() else "directory mtime"})
+    else:
+        info["how"] = "a registry reference: the digest is resolved when the node pulls it"
+    return info
 
 
 PROBE = ("import sys, hpctrain, deepspeed, torch; "

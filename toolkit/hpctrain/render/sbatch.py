@@ -23,6 +23,7 @@ from hpctrain.errors import HpcUsageError, bad_value
 from hpctrain.nodelist import rendezvous_port_shell
 from hpctrain.render import containers
 from hpctrain.runs.folder import RunFolder
+from hpctrain.spec import sbatch_args
 from hpctrain.spec.model import Spec
 from hpctrain.spec.rules import secret_names
 
@@ -279,8 +280,10 @@ def slurm_filename(path: Path | str) -> str:
     return "%a".join(piece.replace("%", "%%") for piece in str(path).split("%a"))
 
 
-def sbatch_directives(spec: Spec, plan: Plan, folder: Path, array: str | None) -> list[str]:
-    """#SBATCH flags, sorted by name like submitit so the script diff stays readable.
+def sbatch_directives(spec: Spec, plan: Plan, folder: Path, array: str | None, dependency: str = "") -> list[str]:
+    """#SBATCH flags, sorted by name like submitit so the script diff stays readable; then `[slurm] extra` in its
+    own order, each option one line with its value quoted (hpctrain.spec.sbatch_args). `dependency`: sbatch's
+    --dependency for this submission only (`submit --after`; a retry has none).
 
     `--no-requeue`: a job that loses a node must end (NODE_FAIL, or the watchdog's peer-lost cancel) so
     that the supervisor resubmits it without the dead host. SLURM's own requeue of such a job reran it on
@@ -296,11 +299,13 @@ def sbatch_directives(spec: Spec, plan: Plan, folder: Path, array: str | None) -
         "cpus-per-task": cpus, "time": r.time, "output": log + ".out", "error": log + ".err",
         "no-requeue": True, "signal": f"USR2@{r.signal_seconds}", "open-mode": "append", "export": "ALL",
     }
-    optional = {"gpus-per-node": r.gpus_per_node or None, "mem": r.mem, "partition": r.partition,
-                "account": r.account, "qos": r.qos, "constraint": r.constraint,
-                "exclude": ",".join(r.exclude), "array": array}
+    optional: dict[str, object] = {"gpus-per-node": r.gpus_per_node or None, "mem": r.mem, "partition": r.partition,
+                                   "account": r.account, "qos": r.qos, "constraint": r.constraint,
+                                   "exclude": ",".join(r.exclude), "array": array, "dependency": dependency}
+    optional.update(sbatch_args.own_directives(spec.slurm))  # mail; a typed --gres replaces --gpus-per-node
     flags.update({k: v for k, v in optional.items() if v})
-    return [_directive(k, flags[k]) for k in sorted(flags)]
+    extra = [_directive(k, True if v is None else v) for k, v in sbatch_args.check_extra(spec.slurm.extra)]
+    return [*(_directive(k, flags[k]) for k in sorted(flags)), *extra]
 
 
 def _launch_line(spec: Spec, plan: Plan, folder: Path, array: str | None, command: str,
@@ -308,7 +313,8 @@ def _launch_line(spec: Spec, plan: Plan, folder: Path, array: str | None, comman
     log = _log_pattern(folder, array, "%t")
     srun = ["srun", "--unbuffered", "--kill-on-bad-exit=1", "--output", shlex.quote(log + ".out"),
             "--error", shlex.quote(log + ".err")]
-    flags, prefix = container_wrap(spec, run_dirs, _bind_root(run_dirs))
+    # In a container the runtime sets the folder (-w, --pwd, ...): the snapshot's, when the job runs one.
+    flags, prefix = container_wrap(spec, run_dirs, spec.code.dir or _bind_root(run_dirs))
     if spec.launch.launcher == "deepspeed":
         py = python or (shlex.quote(shlex.split(command)[0]) if command.strip() else "python")
         cmd = f'{py} -u -m {NODE_MODULE} "$HPCTRAIN_RUN_DIR" --launcher deepspeed --mode {shlex.quote(mode)}'
@@ -330,7 +336,7 @@ def _shell_path(path: Path) -> str:
 
 def render_sbatch(spec: Spec, plan: Plan, run_dir: Path, command: str, *, array: str | None = None,
                   run_dirs: Sequence[Path] | None = None, submitit_folder: Path | None = None,
-                  python: str | None = None, mode: str = "train") -> str:
+                  python: str | None = None, mode: str = "train", dependency: str = "") -> str:
     """The batch script for a run (or, with `array` and `run_dirs`, for a sweep's job array).
 
     `command` is what every srun task runs (submitit's `python -u -m submitit.core._submit FOLDER`).
@@ -353,7 +359,7 @@ def render_sbatch(spec: Spec, plan: Plan, run_dir: Path, command: str, *, array:
     env = [(k, v) for k, v in sorted(spec.env.items()) if k not in secrets]
     return render_template(
         environment(spec), "sbatch.sh.j2", version=__version__, name=spec.name,
-        directives=sbatch_directives(spec, plan, folder, array),
+        directives=sbatch_directives(spec, plan, folder, array, dependency),
         modules=list(spec.launch.modules), env=env, secret_names=list(secrets), run_dir_expr=_shell_path(run_dir),
         run_dirs=[str(d) for d in dirs] if run_dirs else [], cpu=plan.device == "cpu",
         slots=plan.ranks_per_node, master_port=rendezvous_port_shell(),
@@ -361,6 +367,7 @@ def render_sbatch(spec: Spec, plan: Plan, run_dir: Path, command: str, *, array:
         runtime=spec.container.runtime,
         container_check=containers.prelaunch_lines(spec, container_binds(spec, dirs)),
         watchdog=_watchdog_line(spec, plan, command, python), hang_timeout=spec.launch.hang_timeout_s,
+        code_dir=spec.code.dir,
     )
 
 

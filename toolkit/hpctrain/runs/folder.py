@@ -11,6 +11,9 @@ Layout (the run folder is the contract between the login side and the ranks):
       hostfile                  written on the allocation from SLURM_JOB_NODELIST
       submitit/ logs/ metrics/ checkpoints/ hf/
       attempts.jsonl summary.json
+      repro/                    what reproduces the run (hpctrain.runs.repro): manifest.json (hpctrain version,
+                                git SHA, container image), git.diff, pip-freeze.attempt-K.txt (written by rank 0)
+      code/                     `submit --snapshot`: the copy of the code the job runs from (runs.snapshot)
 
 Every path into a run folder goes through `RunFolder`; the checkpoint rules live in
 `hpctrain.runs.checkpoints`. Stdlib only: the CLI imports this on the login node, the ranks too.
@@ -38,6 +41,8 @@ HOSTFILE = "hostfile"
 ATTEMPTS_JSONL = "attempts.jsonl"
 SUMMARY_JSON = "summary.json"
 SUBMITIT, LOGS, METRICS, CHECKPOINTS, EXPORT = "submitit", "logs", "metrics", "checkpoints", "hf"
+REPRO, CODE = "repro", "code"
+REPRO_MANIFEST, GIT_DIFF, SNAPSHOT_FILES = "manifest.json", "git.diff", "snapshot-files.txt"
 # Inside metrics/: the rank-0 step records, the heartbeat, the node's structured events, the watchdog's verdicts.
 METRICS_JSONL, HEARTBEAT, EVENTS_JSONL, WATCHDOG_JSONL = "metrics.jsonl", "heartbeat", "events.jsonl", "watchdog.jsonl"
 # Sub-folders every run folder has from the start, so the node never races to create them.
@@ -148,6 +153,34 @@ class RunFolder:
     @property
     def checkpoints_dir(self) -> Path:
         return self.path / CHECKPOINTS
+
+    @property
+    def repro_dir(self) -> Path:
+        """The reproducibility bundle (hpctrain.runs.repro)."""
+        return self.path / REPRO
+
+    @property
+    def repro_manifest(self) -> Path:
+        return self.repro_dir / REPRO_MANIFEST
+
+    @property
+    def git_diff(self) -> Path:
+        """`git diff --binary HEAD` of the code's repository at submit (absent when clean or too large)."""
+        return self.repro_dir / GIT_DIFF
+
+    @property
+    def snapshot_files(self) -> Path:
+        """The files `submit --snapshot` copied (path and size per line)."""
+        return self.repro_dir / SNAPSHOT_FILES
+
+    def pip_freeze(self, attempt: int) -> Path:
+        """The Python packages of the environment that ran attempt K (rank 0 writes it on the node)."""
+        return self.repro_dir / f"pip-freeze.attempt-{attempt}.txt"
+
+    @property
+    def code_dir(self) -> Path:
+        """`submit --snapshot`: the copy of the code the job runs from."""
+        return self.path / CODE
 
     @property
     def attempts_jsonl(self) -> Path:

@@ -64,8 +64,9 @@ def resolve_executor(name: str) -> Literal["slurm", "local"]:
 
 
 def submit(run_dirs: Sequence[Path], spec: Spec, plan: Plan, executor: str = "auto",
-           mode: str = "train") -> list[Submitted]:
+           mode: str = "train", dependency: str = "") -> list[Submitted]:
     """Submit one job (one run folder) or one job array (a sweep); record each run + attempt 0.
+    `dependency`: sbatch's --dependency for this submission (`submit --after`; hpctrain.slurm.after).
 
     Raises HpcUsageError when the cluster refuses the job (nothing recorded; the caller removes
     the run folders), SlurmUnavailable when slurmctld does not answer.
@@ -80,12 +81,15 @@ def submit(run_dirs: Sequence[Path], spec: Spec, plan: Plan, executor: str = "au
 
     Registry().check()  # fail before sbatch, not after: never a queued job nobody recorded
     if which == "local":
+        if dependency:
+            raise HpcUsageError(f"--after = {dependency!r}: the local executor runs the job now and cannot wait "
+                                "for another. Fix: use --executor slurm, or submit without --after")
         subs = _submit_local(dirs, spec, plan, mode)
     else:
         from hpctrain.slurm import commands as _slurm
 
         try:
-            subs = _submit_slurm(dirs, spec, plan, mode)
+            subs = _submit_slurm(dirs, spec, plan, mode, dependency)
         except _slurm.SubmitUnknown as exc:
             raise record_unknown(dirs, spec.name, spec_summary(spec, plan, mode), mode, exc) from exc
     _record(subs, spec, plan, mode)
@@ -207,7 +211,7 @@ def time_minutes(text: str) -> int:
     return max(1, (total_s + 59) // 60)
 
 
-def _submit_slurm(dirs: list[Path], spec: Spec, plan: Plan, mode: str) -> list[Submitted]:
+def _submit_slurm(dirs: list[Path], spec: Spec, plan: Plan, mode: str, dependency: str = "") -> list[Submitted]:
     from hpctrain.slurm import commands as _slurm
 
     if not shutil.which("srun"):  # submitit's SlurmExecutor refuses to start without it (a bare RuntimeError)
@@ -221,7 +225,7 @@ def _submit_slurm(dirs: list[Path], spec: Spec, plan: Plan, mode: str) -> list[S
         links = _make_sweep_links(dirs)
         folder = runs_mod.RunFolder(links / "%a").submitit_dir
     try:
-        job_ids = _submit_pickled(dirs, spec, plan, mode, folder, staging=links or folder)
+        job_ids = _submit_pickled(dirs, spec, plan, mode, folder, staging=links or folder, dependency=dependency)
     except _slurm.SbatchRejected as exc:
         if links is not None:
             shutil.rmtree(links, ignore_errors=True)
@@ -327,7 +331,7 @@ MAX_TIMEOUT_REQUEUES = 3  # requeues submitit grants a checkpointable call after
 
 
 def _submit_pickled(dirs: list[Path], spec: Spec, plan: Plan, mode: str, folder: Path,
-                    staging: Path) -> list[str]:
+                    staging: Path, dependency: str = "") -> list[str]:
     """Pickle NodeJob(dir, mode) for every run folder, submit ONE script (an array when there are several),
     then move each pickle to the name its task loads. Returns the job ids ("123", or "123_0", "123_1", ...).
 
@@ -348,7 +352,8 @@ def _submit_pickled(dirs: list[Path], spec: Spec, plan: Plan, mode: str, folder:
             call.set_timeout(time_minutes(spec.resources.time), MAX_TIMEOUT_REQUEUES)
             pickles.append(staging / f".{uuid.uuid4().hex}.pkl")
             call.dump(pickles[-1])
-        script = _render_script(spec, plan, dirs, folder)
+        script = _render_script(spec, plan, dirs, folder, dependency)
+        _test_hatches(script, spec, dependency)
         job_id = _sbatch(staging, script, comment=submission_tag(dirs))
     except BaseException as exc:
         drop_pickles(pickles, exc)
@@ -366,16 +371,24 @@ def _submit_pickled(dirs: list[Path], spec: Spec, plan: Plan, mode: str, folder:
     return ids
 
 
-def _render_script(spec: Spec, plan: Plan, dirs: list[Path], folder: Path) -> str:
+def _test_hatches(script: str, spec: Spec, dependency: str) -> None:
+    """`sbatch --test-only` when the script holds what only sbatch can judge ([slurm] extra, mail, --after)."""
+    from hpctrain.slurm import sbatch_check
+
+    if sbatch_check.needed(spec.slurm.extra, spec.slurm.mail_type, dependency):
+        sbatch_check.test_script(script, spec.slurm.extra, dependency)
+
+
+def _render_script(spec: Spec, plan: Plan, dirs: list[Path], folder: Path, dependency: str = "") -> str:
     """hpctrain's batch script, every task running submitit's runner on `folder`; refused if it holds a secret."""
     from hpctrain.render import sbatch as render
 
     command = render.submitit_command(shlex.quote(sys.executable), str(folder))
     if len(dirs) > 1:  # a sweep: task i runs in dirs[i]; submitit's files go through the %a links
         text = render.render_sbatch(spec, plan, dirs[0], command, array=f"0-{len(dirs) - 1}", run_dirs=dirs,
-                                    submitit_folder=folder)
+                                    submitit_folder=folder, dependency=dependency)
     else:
-        text = render.render_sbatch(spec, plan, dirs[0], command, submitit_folder=folder)
+        text = render.render_sbatch(spec, plan, dirs[0], command, submitit_folder=folder, dependency=dependency)
     _check_no_secrets(text, spec)
     return str(text)
 

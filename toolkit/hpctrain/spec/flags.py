@@ -46,12 +46,15 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--steps", "train.steps", int, "Optimizer steps."),
     Flag("--retries", "launch.retries", int, "Automatic resubmissions after a failure (0 = off; capped at 10)."),
     Flag("--data", "data.source", str, "Data: 'synthetic', a .jsonl/.txt file or a folder."),
+    Flag("--mail-type", "slurm.mail_type", str, "SLURM mail types, e.g. END,FAIL (sbatch --mail-type)."),
+    Flag("--mail-user", "slurm.mail_user", str, "Where SLURM sends the mail (sbatch --mail-user)."),
 )
 
 # Flags the CLI declares itself (one flag for two keys, a switch, the site layer), for the hints.
 OTHER_FLAGS: dict[str, str] = {
     "site": "--site", "model.path": "--model", "model.config": "--model",
     "train.activation_checkpointing": "--activation-checkpointing",
+    "slurm.extra": "--sbatch-arg", "code.snapshot": "--snapshot",
 }
 
 FLAG_FOR: dict[str, str] = {**{f.key: f.flag for f in FLAGS}, **OTHER_FLAGS}

@@ -6,7 +6,7 @@ arithmetic, memory) is *derived* from it once, in `hpctrain.plan.planner`.
 
 The run file mirrors these dataclasses: top-level `name`, then one table per section
 (`[resources]`, `[launch]`, `[model]`, `[data]`, `[train]`, `[parallel]`, `[checkpoint]`,
-`[container]`, `[env]`), plus optional `[sites.NAME]` tables that define site profiles inline.
+`[container]`, `[slurm]`, `[code]`, `[env]`), plus optional `[sites.NAME]` tables that define site profiles inline.
 
 This module is pure Python (no torch): the login node and the compute node both read it.
 """
@@ -165,6 +165,29 @@ class Container:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Slurm:
+    """sbatch options beyond what hpctrain derives (hpctrain.spec.sbatch_args says what is allowed)."""
+
+    extra: tuple[str, ...] = ()  # e.g. ["--exclusive", "--reservation=R", "--gres=gpu:a100:8"]
+    mail_type: str = ""  # SLURM --mail-type, e.g. "END,FAIL"
+    mail_user: str = ""  # SLURM --mail-user
+
+    def __post_init__(self) -> None:
+        check(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Code:
+    """Where the job's code comes from (hpctrain.runs.snapshot)."""
+
+    snapshot: bool = False  # copy the code into the run folder at submit (`submit --snapshot`)
+    dir: str = ""  # set by submit when it made the copy: the batch script cds here and puts it on PYTHONPATH
+
+    def __post_init__(self) -> None:
+        check(self)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Spec:
     name: str = "hpctrain"
     site: str = ""  # site profile name ("" = none)
@@ -176,6 +199,8 @@ class Spec:
     parallel: Parallel = field(default_factory=Parallel)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     container: Container = field(default_factory=Container)
+    slurm: Slurm = field(default_factory=Slurm)
+    code: Code = field(default_factory=Code)
     env: dict[str, str] = field(default_factory=dict)  # plain env for every rank (rendered into sbatch.sh)
     # Names of env vars that are secret: passed through from the submitting environment by name,
     # never written into a rendered file, a log or the registry. HF_TOKEN/WANDB_API_KEY always are.
@@ -197,10 +222,12 @@ SECTIONS: dict[str, type] = {
     "parallel": Parallel,
     "checkpoint": Checkpoint,
     "container": Container,
+    "slurm": Slurm,
+    "code": Code,
 }
 TOP_SCALARS = ("name", "site", "secret_env")
 # A sweep makes one job array, and an array has one allocation shape and one launch line.
-UNSWEEPABLE = ("resources.", "launch.", "container.", "site", "secret_env", "env.")
+UNSWEEPABLE = ("resources.", "launch.", "container.", "slurm.", "code.", "site", "secret_env", "env.")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -309,6 +336,10 @@ def _merge(layers: list[dict[str, Any]]) -> dict[str, Any]:
             if key == "secret_env":
                 secrets.extend(str(v) for v in (value if isinstance(value, (list, tuple)) else [value]))  # union
                 continue
+            if key == "slurm.extra" and isinstance(value, (list, tuple)):  # union; a later layer's option wins
+                from hpctrain.spec.sbatch_args import merge_extra
+
+                value = merge_extra(nested.get("slurm", {}).get("extra", ()), value)
             parts = key.split(".")
             if len(parts) == 3 or (parts[0] == "env" and len(parts) == 2):
                 target = nested.setdefault(parts[0], {})

@@ -22,18 +22,20 @@ from hpctrain.spec.flags import FLAG_FOR
 if TYPE_CHECKING:
     from hpctrain.spec.model import (
         Checkpoint,
+        Code,
         Container,
         Data,
         Launch,
         Model,
         Parallel,
         Resources,
+        Slurm,
         Spec,
         Train,
     )
 
 # Run-file sections are the dataclass names in lower case: Resources -> [resources].
-SECTION_CLASSES = ("Resources", "Launch", "Model", "Data", "Train", "Parallel", "Checkpoint", "Container")
+SECTION_CLASSES = ("Resources", "Launch", "Model", "Data", "Train", "Parallel", "Checkpoint", "Container", "Slurm", "Code")
 
 from hpctrain.secret import (
     ALWAYS_SECRET,
@@ -534,6 +536,9 @@ def _rules_spec(s: Spec) -> None:
     need(len(s.name) <= 200, "name", s.name[:40] + "...", "longer than 200 characters", "shorten it")
     if s.site:
         check_site_name(s.site)
+    from hpctrain.spec.sbatch_args import check_gres
+
+    check_gres(s.slurm.extra, s.resources.gpus_per_node)
     secrets = secret_names(s)
     for name in s.secret_env:
         need(bool(_ENV_NAME.fullmatch(name)), "secret_env", name, "not an environment variable name",
@@ -550,10 +555,24 @@ def _rules_spec(s: Spec) -> None:
               f"(HF_TOKEN and WANDB_API_KEY always pass this way)")
 
 
+def _rules_slurm(x: Slurm) -> None:
+    from hpctrain.spec import sbatch_args
+
+    sbatch_args.check_extra(x.extra)
+    sbatch_args.check_mail(x.mail_type, x.mail_user)
+    object.__setattr__(x, "mail_type", sbatch_args.normal_mail_type(x.mail_type))
+
+
+def _rules_code(c: Code) -> None:
+    need(c.dir == "" or c.dir.startswith("/"), "code.dir", c.dir, "must be the absolute path of the snapshot",
+         "leave it to `hpctrain submit --snapshot`, which sets it")
+
+
 _RULES: dict[str, Any] = {
     "Resources": _rules_resources, "Launch": _rules_launch, "Model": _rules_model, "Data": _rules_data,
     "Train": _rules_train, "Parallel": _rules_parallel, "Checkpoint": _rules_checkpoint,
-    "Container": _rules_container, "Spec": _rules_spec,
+    "Container": _rules_container, "Slurm": _rules_slurm, "Code": _rules_code,
+    "Spec": _rules_spec,
 }
 
 

@@ -39,6 +39,7 @@ SITE_KEYS: dict[str, str] = {
     "template_dir": "launch.template_dir",
     "peak_tflops": "train.peak_tflops",
     "secret_env": "secret_env",
+    "sbatch_extra": "slurm.extra",  # e.g. ["--reservation=R"]: merged with the run file's and --sbatch-arg
 }
 SITE_TABLES = ("env", "container")
 CONTAINER_KEYS = ("runtime", "image", "mounts")
