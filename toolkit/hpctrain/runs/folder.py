@@ -9,7 +9,7 @@ Layout (the run folder is the contract between the login side and the ranks):
       ds_config.effective.json  only when the allocation changed something; the node logs each edit
       sbatch.sh                 the batch script
       hostfile                  written on the allocation from SLURM_JOB_NODELIST
-      submitit/ logs/ metrics/ checkpoints/ hf/
+      submitit/ logs/ metrics/ checkpoints/ hf/ stacks/
       attempts.jsonl summary.json
 
 Every path into a run folder goes through `RunFolder`; the checkpoint rules live in
@@ -38,6 +38,7 @@ HOSTFILE = "hostfile"
 ATTEMPTS_JSONL = "attempts.jsonl"
 SUMMARY_JSON = "summary.json"
 SUBMITIT, LOGS, METRICS, CHECKPOINTS, EXPORT = "submitit", "logs", "metrics", "checkpoints", "hf"
+STACKS = "stacks"  # each rank's Python stacks, dumped on a signal (hpctrain.runs.stacks)
 # Inside metrics/: the rank-0 step records, the heartbeat, the node's structured events, the watchdog's verdicts.
 METRICS_JSONL, HEARTBEAT, EVENTS_JSONL, WATCHDOG_JSONL = "metrics.jsonl", "heartbeat", "events.jsonl", "watchdog.jsonl"
 # Sub-folders every run folder has from the start, so the node never races to create them.
@@ -144,6 +145,11 @@ class RunFolder:
     @property
     def heartbeat(self) -> Path:
         return self.metrics_dir / HEARTBEAT
+
+    @property
+    def stacks_dir(self) -> Path:
+        """attempt-K.rank-R.txt: rank R's stack dumps (`hpctrain stacks`, the watchdog before a cancel)."""
+        return self.path / STACKS
 
     @property
     def checkpoints_dir(self) -> Path:
