@@ -40,11 +40,16 @@ def _find(reg: Registry, ref: str) -> Run:
 
 
 # -- the watch ------------------------------------------------------------------------------------------
+STALL_S = 30  # a newest step record older than this is shown ("no step for 60 s"): a hang, a slow save
+
+
 class Snapshot:
     """One look at the run: its latest attempt as SLURM sees it, and its progress."""
 
-    def __init__(self, rec: Run, progress: Progress, state: str, reason: str, deciding: str) -> None:
+    def __init__(self, rec: Run, progress: Progress, state: str, reason: str, deciding: str,
+                 now: float | None = None) -> None:
         self.rec, self.progress, self.state, self.reason, self.deciding = rec, progress, state, reason, deciding
+        self.now = time.time() if now is None else now
         att = rec.latest
         self.job = att.job_id if att else "-"
         self.attempt = att.attempt if att else 0
@@ -63,6 +68,9 @@ class Snapshot:
         step = "-" if p.step is None else str(p.step)
         total = "?" if p.total is None else str(p.total)
         pct = f" ({100 * p.step / p.total:.0f}%)" if p.step is not None and p.total else ""
+        quiet = self.now - p.updated if p.updated is not None and not self.ended else 0.0
+        if quiet >= STALL_S:  # in whole STALL_S steps: a plain line per change, not one per second
+            pct += f", no step for {int(quiet // STALL_S * STALL_S)} s"
         return [("run", self.rec.run_id), ("job", f"{self.job} (attempt {self.attempt})"), ("state", state),
                 ("step", f"{step}/{total}{pct}"), ("loss", "-" if p.loss is None else f"{p.loss:.4f}"),
                 ("tokens/s", "-" if p.tokens_per_s is None else f"{p.tokens_per_s:,.0f}"),

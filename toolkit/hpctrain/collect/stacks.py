@@ -150,7 +150,7 @@ def format_report(rep: StackReport, title: str) -> str:
             lines.append("  main thread (most recent call first):")
             lines += [f"    {f}" for f in main.frames] or ["    <no Python frame>"]
         for i, t in enumerate(others, 1):
-            lines.append(f"  thread {i} of {len(others)} other(s):")
+            lines.append(f"  other thread {i} of {len(others)}:")
             lines += [f"    {f}" for f in t.frames] or ["    <no Python frame>"]
     if rep.missing:
         lines += ["", (f"no dump from rank(s) {rs.rank_ranges(rep.missing)} within {rep.waited_s:.0f} s "

@@ -1,9 +1,11 @@
 """Ranks and hosts persistently slower than the others, from the per-rank compute times in the heartbeats.
 
 Each beat carries `compute_s`: the seconds each of the rank's last COMPUTE_WINDOW (20) steps took from
-its start to the step's collective (hpctrain.runs.beats), i.e. the rank's own work without the wait for
-its peers. A rank is a straggler when the median of its window is at least RATIO (1.2) times the median
-of all ranks' medians and at least MIN_EXCESS_S (5 ms) above it (tiny CPU steps jitter by more than 20 %).
+its start to the step's collective (hpctrain.runs.beats), i.e. the rank's own work without the final wait
+for its peers (ZeRO-3's gathers inside the step still sync them). A rank is a straggler when the median of
+its window is at least RATIO (1.2) times the median of the other ranks' medians and at least MIN_EXCESS_S
+(5 ms) above it (tiny CPU steps jitter by more than 20 %). The other ranks, not all: with 2 ranks the
+slow one would otherwise raise the reference itself, and so would a slow half of a larger job.
 A median over the window is above only if more than half of the rank's recent steps were slow: one
 garbage-collection pause does not name a rank. A host is named when every rank on it is a straggler.
 Needs MIN_STEPS steps from at least 2 ranks of the newest job. Stdlib only.
@@ -45,8 +47,12 @@ def find(beats: list[dict[str, Any]], ratio: float = RATIO, min_excess_s: float 
     if len(medians) < 2:
         return None
     typical = statistics.median(medians.values())
-    slow = [{"rank": r, "host": hosts[r], "median_s": round(m, 4), "ratio": round(m / typical, 2) if typical else None}
-            for r, m in sorted(medians.items()) if m >= ratio * typical and m - typical >= min_excess_s]
+    slow = []
+    for r, m in sorted(medians.items()):
+        others = statistics.median([v for q, v in medians.items() if q != r])
+        if m >= ratio * others and m - others >= min_excess_s:
+            slow.append({"rank": r, "host": hosts[r], "median_s": round(m, 4), "others_s": round(others, 4),
+                         "ratio": round(m / others, 2) if others else None})
     slow_ranks = {s["rank"] for s in slow}
     by_host: dict[str, list[int]] = {}
     for r, h in hosts.items():
@@ -64,9 +70,8 @@ def describe(verdict: dict[str, Any] | None) -> str | None:
     """One line for `hpctrain summary`, or None when no rank is slow."""
     if not verdict or not verdict["slow_ranks"]:
         return None
-    ranks = ", ".join(f"rank {s['rank']} on {s['host']} {s['median_s'] * 1000:.0f} ms ({s['ratio']}x)"
-                      for s in verdict["slow_ranks"])
+    ranks = ", ".join(f"rank {s['rank']} on {s['host']} {s['median_s'] * 1000:.0f} ms vs {s['others_s'] * 1000:.0f} ms "
+                      f"({s['ratio']}x)" for s in verdict["slow_ranks"])
     hosts = f"; slow host(s): {', '.join(verdict['slow_hosts'])}" if verdict["slow_hosts"] else ""
-    return (f"stragglers: {ranks} vs the median {verdict['median_s'] * 1000:.0f} ms per step's compute "
-            f"(>= {verdict['ratio']}x over the last {verdict['window_steps']} steps of "
-            f"{verdict['ranks_compared']} ranks){hosts}")
+    return (f"stragglers: {ranks} (median compute per step, against the other ranks' median; >= {verdict['ratio']}x "
+            f"over the last {verdict['window_steps']} steps of {verdict['ranks_compared']} ranks){hosts}")
