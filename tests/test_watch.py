@@ -238,3 +238,21 @@ def test_watch_prints_a_line_per_change_and_ends_with_the_job(monkeypatch: pytes
     assert "step 4/10 (40%) |" in lines[1] and "ETA 0:06 (1.00 s/step)" in lines[1] and "loss 3.2000" in lines[1]
     assert "step 4/10 (40%), no step for 30 s |" in lines[2]  # a stall shows in 30 s steps
     assert "supervisor job 56 is deciding" in lines[3] and "deciding" not in lines[4] and "no step" not in lines[4]
+
+
+def test_the_rich_panel_shows_the_same_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from rich.console import Console
+
+    from hpctrain.cli import watch
+    from hpctrain.runs.registry import Attempt, Run
+
+    rec = Run("r1", "r", "/nowhere", 0.0, "slurm", {}, "RUNNING", [Attempt("r1", 2, "55")])
+    p = progress.Progress(25, 100, 2.5, 1234.0, 0.5, 37.5, 20, 1000.0)
+    out = io.StringIO()
+    Console(file=out, width=100, color_system=None).print(watch._panel(watch.Snapshot(rec, p, "RUNNING", "", "",
+                                                                                      now=1001.0)))
+    text = out.getvalue()
+    for want in ("hpctrain r1", "55 (attempt 2)", "25/100 (25%)", "2.5000", "1,234", "0:38 (0.50 s/step)", "step-20"):
+        assert want in text, (want, text)

@@ -50,9 +50,12 @@ def slurm_sender(job: str) -> Callable[[], None]:
 
 
 def local_sender(run_dir: Path) -> Callable[[], None]:
-    """A local job: its ranks run on this machine; signal each pid their latest beats name."""
+    """A local job: its ranks run on this machine; signal each pid the newest job's beats name (an older
+    job's pid may belong to another process by now)."""
+    from hpctrain.collect.stragglers import newest_job_beats
+
     def send() -> None:
-        for b in read_beats(run_dir):
+        for b in newest_job_beats(read_beats(run_dir)):
             try:
                 os.kill(int(b["pid"]), rs.STACK_SIGNAL)
             except (KeyError, ValueError, OSError):
