@@ -25,6 +25,13 @@ export OMP_NUM_THREADS=4
 export HPCTRAIN_RUN_DIR=/runs/.sweeps/s1/"${SLURM_ARRAY_TASK_ID}"
 export HF_HUB_OFFLINE=1
 export TRANSFORMERS_OFFLINE=1
+# NCCL's flight recorder (PyTorch): every rank keeps its last collectives in a ring buffer and, on a NCCL
+# timeout, writes them to stacks/nccl-trace-rank-R beside the Python stack dumps (`hpctrain stacks`); read
+# them with `torchfrtrace RUN_DIR/stacks -p nccl-trace-rank-`. A value set in the spec's env wins.
+mkdir -p "$HPCTRAIN_RUN_DIR/stacks"
+export TORCH_NCCL_TRACE_BUFFER_SIZE="${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}"
+export TORCH_NCCL_DUMP_ON_TIMEOUT="${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}"
+export TORCH_NCCL_DEBUG_INFO_TEMP_FILE="${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$HPCTRAIN_RUN_DIR/stacks/nccl-trace-rank-}"
 export SUBMITIT_EXECUTOR=slurm
 
 # The job is --no-requeue, so a lost node ends it and the supervisor resubmits it without that host. Rank 0

@@ -247,8 +247,17 @@ def _print_table(records: list[dict[str, Any]], warnings: list[str]) -> None:
         Console(width=max(shutil.get_terminal_size((160, 24)).columns, 160)).print(table)
     for run in records:
         _print_failures(run)
+        _print_stragglers(run)
     for w in dict.fromkeys(warnings + [w for run in records for w in run["warnings"]]):
         click.echo(f"warning: {w}", err=True)
+
+
+def _print_stragglers(run: dict[str, Any]) -> None:
+    from hpctrain.collect.stragglers import describe
+
+    line = describe(run.get("stragglers"))
+    if line:
+        click.echo(f"{run['run_id']}: {line}")
 
 
 def _print_failures(run: dict[str, Any]) -> None:

@@ -104,9 +104,18 @@ def list_runs(show_all: bool, as_json: bool) -> None:
 @click.command(short_help="Show one run and its attempts.")
 @click.argument("run")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def status(run: str, as_json: bool) -> None:
+@click.option("--watch", is_flag=True, help="Follow the run live until its job ends (step, ETA, loss, checkpoint); "
+              "exit 0 if it completed. Plain lines when not on a terminal.")
+@click.option("--interval", type=click.FloatRange(0.5, 3600), default=5.0, show_default=True,
+              help="Seconds between refreshes with --watch.")
+def status(run: str, as_json: bool, watch: bool, interval: float) -> None:
     """Show RUN (id or unique prefix): state, folder, and every attempt, refreshed from SLURM."""
     from hpctrain.slurm.refresh import refresh
+
+    if watch:
+        from hpctrain.cli.watch import watch as follow
+
+        raise SystemExit(follow(run, interval, as_json))
 
     reg = _registry()
     rec = _find(reg, run)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpctrain.collect import logs as cl
 from hpctrain.collect import metrics as cm
+from hpctrain.collect import stragglers
 from hpctrain.collect.files import (
     attempt_files,
     expand_requeues,
@@ -290,6 +291,7 @@ def build_run(inp: RunInput, now: float | None = None) -> dict[str, Any]:
         "gpus_per_node": shape.gpus_per_node, "ranks_per_node": shape.ranks_per_node,
         "complete": bool(rows) and all(r["state"] in ENDED for r in rows),
         "updated": now, "attempts": rows, "totals": _totals(rows), "warnings": warnings,
+        "stragglers": stragglers.of_run(inp.folder) if folder_ok else None,
     }
 
 

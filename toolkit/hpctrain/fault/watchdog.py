@@ -143,6 +143,7 @@ class Watchdog:
     # Called with (run_dir, job) on a lost peer, before the cancel; returns the decision it made, if any.
     # The supervisor passes its take_over (this module stays below the supervisor, which imports it).
     on_peer_lost: Callable[[Path, str], dict[str, Any] | None] | None = None
+    stack_timeout_s: float = 10.0  # how long the ranks get to dump their stacks before the cancel
 
     def __post_init__(self) -> None:
         self.grace_s = self.grace_s or max(3 * self.timeout_s, 600.0)
@@ -209,6 +210,26 @@ class Watchdog:
         rec = lost_peers(failures, beats, self.world, now, self.peer_confirm_s)
         return None if rec is None else {**rec, "job_id": self.job, "attempt": self.attempt}
 
+    def dump_stacks(self, rec: dict[str, Any]) -> dict[str, Any]:
+        """Every live rank's Python stack into stacks/ before the cancel (hpctrain.collect.stacks): which
+        line each rank hung in; what came back goes to stacks/watchdog-JOB.json. A lost peer's ranks cannot answer: only the others are waited for, briefly
+        (the retry should not wait on forensics). Never raises: the cancel must happen."""
+        try:
+            from hpctrain.collect import stacks
+
+            lost = set(rec.get("silent_ranks") or []) if rec["event"] == "peer_lost" else set()
+            want = [r for r in range(self.world) if r not in lost]
+            rep = stacks.request(Path(self.run_dir), stacks.slurm_sender(self.job), want,
+                                 timeout_s=self.stack_timeout_s if not lost else min(3.0, self.stack_timeout_s))
+            out = {"event": rec["event"], "job_id": self.job, "time": time.time(), **rep.to_dict()}
+            stacks.write_json(rep.stacks_dir / f"watchdog-{self.job}.json", out)
+            print(f"hpctrain watchdog: stacks of rank(s) {out['dumped']} in {rep.stacks_dir}"
+                  + (f"; no dump from {rep.missing}" if rep.missing else ""), file=sys.stderr, flush=True)
+            return out
+        except Exception as exc:  # noqa: BLE001 - forensics are a bonus; the cancel is the job
+            print(f"hpctrain watchdog: no stack dumps ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
+            return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+
     def run(self, cancel: bool = True) -> dict[str, Any] | None:
         """Poll until a lost peer (every second) or a hang (every poll_s): record it, cancel the job, return
         the record. The batch script kills this process when the job ends by itself."""
@@ -231,6 +252,7 @@ class Watchdog:
             if cancel:
                 from hpctrain.slurm import commands as _slurm
 
+                self.dump_stacks(rec)
                 _slurm.scancel([self.job])
             return rec
 

@@ -1,7 +1,8 @@
 """Fault injection for the tests: the node calls `inject` at a step boundary and halfway through a checkpoint.
 
-HPCTRAIN_FAULT_INJECT="hang:rank=1,step=10;ckpt-crash:step=12;crash:step=7;raise:step=3" makes a rank hang,
-die (os._exit) with a checkpoint half written, die, or raise like a user bug. Unset (every real run): one
+HPCTRAIN_FAULT_INJECT="hang:rank=1,step=10;ckpt-crash:step=12;crash:step=7;raise:step=3;slow:rank=1,step=2,s=0.3"
+makes a rank hang, die (os._exit) with a checkpoint half written, die, raise like a user bug, or take `s`
+seconds longer on every step from step 2 on (a straggler). Unset (every real run): one
 environment lookup per call. Stdlib only.
 """
 
@@ -19,13 +20,14 @@ from hpctrain.runs.folder import RunFolder
 class Fault:
     """One injected fault: HPCTRAIN_FAULT_INJECT="hang:rank=1,step=5;ckpt-crash:step=10;raise:step=3"."""
 
-    kind: str  # hang | crash | ckpt-crash | raise
+    kind: str  # hang | crash | ckpt-crash | raise | slow
     step: int
     rank: int | None = None  # None: every rank
     every_attempt: bool = False  # raise: a user bug fails every attempt; the others fire once
+    seconds: float = 0.0  # slow: the delay added to each step from `step` on
 
 
-FAULT_KINDS = ("hang", "crash", "ckpt-crash", "raise")
+FAULT_KINDS = ("hang", "crash", "ckpt-crash", "raise", "slow")
 
 
 def parse_faults(text: str) -> list[Fault]:
@@ -35,9 +37,10 @@ def parse_faults(text: str) -> list[Fault]:
         kind, _, args = item.partition(":")
         kw = dict(a.split("=", 1) for a in args.split(",") if "=" in a)
         if kind not in FAULT_KINDS or "step" not in kw:
-            raise ValueError(f"HPCTRAIN_FAULT_INJECT entry {item!r}: expected KIND:step=N[,rank=R] with KIND one of "
+            raise ValueError(f"HPCTRAIN_FAULT_INJECT entry {item!r}: expected KIND:step=N[,rank=R][,s=SECONDS] with KIND one of "
                              f"{', '.join(FAULT_KINDS)}")
-        out.append(Fault(kind, int(kw["step"]), int(kw["rank"]) if "rank" in kw else None, kind == "raise"))
+        out.append(Fault(kind, int(kw["step"]), int(kw["rank"]) if "rank" in kw else None, kind == "raise",
+                         float(kw.get("s", 0.0))))
     return out
 
 
@@ -51,7 +54,10 @@ def inject(where: str, step: int, step0: int, rank: int, log: Any = None) -> Non
         return
     run_dir = os.environ.get("HPCTRAIN_RUN_DIR", "")
     for f in parse_faults(text):
-        if f.step != step or (f.rank is not None and f.rank != rank):
+        if f.kind == "slow" and where == "step" and step >= f.step and f.rank in (None, rank):
+            time.sleep(f.seconds)  # every step, every attempt: a rank that is persistently slower
+            continue
+        if f.step != step or (f.rank is not None and f.rank != rank) or f.kind == "slow":
             continue
         if (where == "checkpoint") != (f.kind == "ckpt-crash"):
             continue

@@ -6,6 +6,7 @@ Python cannot stop it; it reads what this writes. Stdlib only.
 
 from __future__ import annotations
 
+import collections
 import os
 import socket
 import threading
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpctrain.node.gpustats import GpuStats
 from hpctrain.runs import beats
 
 
@@ -25,10 +27,15 @@ class RankBeat:
     stops beating: its file goes stale.
     """
 
-    def __init__(self, metrics_dir: Path, rank: int, interval_s: float = 5.0) -> None:
+    def __init__(self, metrics_dir: Path, rank: int, interval_s: float = 5.0, gpu: GpuStats | None = None) -> None:
         self.dir = beats.ranks_dir(Path(metrics_dir))
         self.rank, self.interval_s = rank, max(0.2, interval_s)
         self.step, self.phase = 0, "start"
+        # Seconds from a step's start to its collective, last COMPUTE_WINDOW steps: the time this rank
+        # itself needs, without the wait for its peers (which makes every rank's full step equally long).
+        self.compute_s: collections.deque[float] = collections.deque(maxlen=beats.COMPUTE_WINDOW)
+        self._since = time.monotonic()
+        self.gpu = gpu
         self.host = socket.gethostname()
         self.job = os.environ.get("SLURM_JOB_ID", "")
         self.restart = os.environ.get("SLURM_RESTART_COUNT", "0") or "0"
@@ -43,6 +50,11 @@ class RankBeat:
         return self
 
     def set(self, step: int, phase: str) -> None:
+        now = time.monotonic()
+        if phase == "reduce" and self.phase == "compute" and step == self.step:
+            self.compute_s.append(round(now - self._since, 4))
+        elif phase == "compute" and (step, phase) != (self.step, self.phase):
+            self._since = now
         self.step, self.phase = step, phase
 
     def stop(self, phase: str = "done") -> None:
@@ -66,8 +78,11 @@ class RankBeat:
             self._put(beats.failed_name(self.job, self.restart, self.rank), rec)
 
     def _record(self) -> dict[str, Any]:
-        return {"rank": self.rank, "host": self.host, "step": self.step, "phase": self.phase, "time": time.time(),
-                "job": self.job, "restart": self.restart, "pid": os.getpid()}
+        rec = {"rank": self.rank, "host": self.host, "step": self.step, "phase": self.phase, "time": time.time(),
+               "job": self.job, "restart": self.restart, "pid": os.getpid(), "compute_s": list(self.compute_s)}
+        if self.gpu is not None:
+            rec.update(self.gpu.read())
+        return rec
 
     def _put(self, name: str, rec: dict[str, Any]) -> None:
         try:

@@ -18,6 +18,7 @@ import traceback
 from pathlib import Path
 
 from hpctrain.node import dist, preflight
+from hpctrain.node import stacks as node_stacks
 from hpctrain.node.checkpointer import StopFlag, StopRequested
 from hpctrain.node.dist import OtherRankFailed
 from hpctrain.node.metrics import attempt_number, log, setup_logging
@@ -48,6 +49,7 @@ def run(run_dir: str, mode: str = "train") -> int:
     initialized = False
     stop: StopFlag | None = None
     where = _Where(d.rank, attempt_number(), d.job_id)
+    _stack_dumps(paths, where)
     if d.rank == 0:
         _event(paths.path, where, events.START, extra={"mode": mode, "world_size": d.world_size})
         _freeze(paths, where.attempt)
@@ -99,6 +101,18 @@ class _Where:
         self.job_id = f"{array}_{task}" if array and task else job_id
         # SLURM's name for the node (what --exclude takes), else the machine's.
         self.host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def _stack_dumps(paths: RunFolder, where: _Where) -> None:
+    """Dump every thread's stack to stacks/attempt-K.rank-R.txt on SIGURG (hpctrain.runs.stacks says why
+    that signal): `hpctrain stacks`, and the watchdog before it cancels a hung job. Installed before
+    anything can hang; a folder that cannot take the file costs a log line, never the run."""
+    try:
+        path = node_stacks.install(paths.stacks_dir, where.rank, where.attempt, where.job_id)
+    except (OSError, ValueError, RuntimeError) as err:
+        log.warning("no stack dumps on SIGURG for this rank: %s", err)
+        return
+    log.info("stack dumps on SIGURG go to %s", path)
 
 
 def failure_of(exc: BaseException) -> tuple[FailureClass | None, ExitCode]:

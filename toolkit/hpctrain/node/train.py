@@ -211,7 +211,10 @@ def run_training(p: Prepared, stop: StopFlag) -> tuple[Any, LoopState]:
 
     # Per-rank beats for the hang watchdog (hpctrain.fault.supervisor): they name the rank that stops advancing.
     hang_s = float(getattr(p.spec.launch, "hang_timeout_s", 300) or 300)
-    beat = RankBeat(p.paths.metrics_dir, p.d.rank, interval_s=min(10.0, max(1.0, hang_s / 5))).start()
+    from hpctrain.node.gpustats import GpuStats
+
+    gpu = GpuStats(p.d.local_rank) if p.use_gpu else None  # utilization, memory, temperature in the beats
+    beat = RankBeat(p.paths.metrics_dir, p.d.rank, interval_s=min(10.0, max(1.0, hang_s / 5)), gpu=gpu).start()
     try:
         return _train(p, stop, beat)
     except StopRequested:

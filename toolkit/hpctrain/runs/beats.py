@@ -6,7 +6,10 @@ defined once. Stdlib only.
 
 * `rank-R.json`: rank R's latest beat, rewritten atomically every few seconds:
   {"rank", "host", "step" (the step it works on), "phase" (one of PHASES, or "failed"), "time" (unix),
-  "job" (SLURM_JOB_ID), "restart" (SLURM_RESTART_COUNT), "pid"}.
+  "job" (SLURM_JOB_ID), "restart" (SLURM_RESTART_COUNT), "pid", "compute_s" (seconds from each of the last
+  COMPUTE_WINDOW steps' start to its collective: the rank's own step time, without waiting for its peers;
+  hpctrain.collect.stragglers compares them), and on GPU ranks with the `gpu` extra "gpu_util" (%),
+  "gpu_mem_used_gb", "gpu_temp_c"}.
 * `failed-JOB-RESTART-R.json`: written once when rank R's training raised: the beat record plus "was" (the
   phase it failed in) and "error". A name of its own, so that one directory listing a second finds it.
 """
@@ -23,6 +26,7 @@ from hpctrain.runs.folder import RunFolder
 RANKS_DIR = "ranks"
 PHASES = ("start", "compute", "reduce", "checkpoint", "done")  # order matters: later = further along
 FAILED = "failed"
+COMPUTE_WINDOW = 20  # steps of per-rank compute time a beat carries
 
 
 def ranks_dir(metrics_dir: Path) -> Path:

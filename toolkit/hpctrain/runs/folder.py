@@ -9,7 +9,7 @@ Layout (the run folder is the contract between the login side and the ranks):
       ds_config.effective.json  only when the allocation changed something; the node logs each edit
       sbatch.sh                 the batch script
       hostfile                  written on the allocation from SLURM_JOB_NODELIST
-      submitit/ logs/ metrics/ checkpoints/ hf/
+      submitit/ logs/ metrics/ checkpoints/ hf/ stacks/
       attempts.jsonl summary.json
       repro/                    what reproduces the run (hpctrain.runs.repro): manifest.json (hpctrain version,
                                 git SHA, container image), git.diff, pip-freeze.attempt-K.txt (written by rank 0)
@@ -43,6 +43,7 @@ SUMMARY_JSON = "summary.json"
 SUBMITIT, LOGS, METRICS, CHECKPOINTS, EXPORT = "submitit", "logs", "metrics", "checkpoints", "hf"
 REPRO, CODE = "repro", "code"
 REPRO_MANIFEST, GIT_DIFF, SNAPSHOT_FILES = "manifest.json", "git.diff", "snapshot-files.txt"
+STACKS = "stacks"  # each rank's Python stacks, dumped on a signal (hpctrain.runs.stacks)
 # Inside metrics/: the rank-0 step records, the heartbeat, the node's structured events, the watchdog's verdicts.
 METRICS_JSONL, HEARTBEAT, EVENTS_JSONL, WATCHDOG_JSONL = "metrics.jsonl", "heartbeat", "events.jsonl", "watchdog.jsonl"
 # Sub-folders every run folder has from the start, so the node never races to create them.
@@ -149,6 +150,11 @@ class RunFolder:
     @property
     def heartbeat(self) -> Path:
         return self.metrics_dir / HEARTBEAT
+
+    @property
+    def stacks_dir(self) -> Path:
+        """attempt-K.rank-R.txt: rank R's stack dumps (`hpctrain stacks`, the watchdog before a cancel)."""
+        return self.path / STACKS
 
     @property
     def checkpoints_dir(self) -> Path:

@@ -255,6 +255,22 @@ def scancel(job_ids: Iterable[str]) -> None:
         _run(["scancel", *ids])
 
 
+def signal_steps(job_id: str, signal_name: str) -> None:
+    """`scancel -s SIG JOB`: the signal goes to every process of the job's steps on every node (not to
+    the batch shell, which runs the watchdog). Used for stack dumps (hpctrain.runs.stacks)."""
+    if not re.fullmatch(r"\d+(?:_\d+)?", str(job_id)) or not re.fullmatch(r"[A-Z0-9]+", signal_name):
+        raise ValueError(f"signal_steps: job {job_id!r}, signal {signal_name!r}")
+    _run(["scancel", "-s", signal_name, str(job_id)], timeout_s=15.0, tries=1)
+
+
+def queue_reason(job_id: str) -> tuple[str, str]:
+    """(state, reason) as squeue shows them now, e.g. ("PENDING", "Resources"); ("", "") once the job left
+    the queue. The reason is SLURM's why-it-waits ("None" while running)."""
+    out = _run(["squeue", "-h", "-j", str(job_id), "-o", "%T|%r"], timeout_s=15.0).stdout.strip()
+    state, _, reason = out.splitlines()[0].partition("|") if out else ("", "", "")
+    return state.strip(), reason.strip()
+
+
 def queue_state(job_id: str) -> str:
     """The job's state as squeue shows it now ("RUNNING", "COMPLETING", ...); "" once it left the queue."""
     return _run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], timeout_s=15.0).stdout.strip()
