@@ -24,6 +24,7 @@ if TYPE_CHECKING:
         Checkpoint,
         Container,
         Data,
+        Fault,
         Launch,
         Model,
         Parallel,
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     )
 
 # Run-file sections are the dataclass names in lower case: Resources -> [resources].
-SECTION_CLASSES = ("Resources", "Launch", "Model", "Data", "Train", "Parallel", "Checkpoint", "Container")
+SECTION_CLASSES = ("Resources", "Launch", "Fault", "Model", "Data", "Train", "Parallel", "Checkpoint", "Container")
 
 from hpctrain.secret import (
     ALWAYS_SECRET,
@@ -264,6 +265,8 @@ def _rules_resources(r: Resources) -> None:
           "resources.tasks_per_node", r.tasks_per_node,
           f"one rank drives one GPU, but gpus_per_node is {r.gpus_per_node}",
           f"set [resources] tasks_per_node = {r.gpus_per_node} or 0 (derive)")
+    need(r.spare_nodes >= 0, "resources.spare_nodes", r.spare_nodes, "cannot be negative",
+         how_to_set("resources.spare_nodes", 1) + " (0 = no spares)")
     need(r.cpus_per_task >= 1, "resources.cpus_per_task", r.cpus_per_task, "must be at least 1",
           how_to_set("resources.cpus_per_task", 1))
     need(r.mem == "" or bool(_MEM.fullmatch(r.mem)), "resources.mem", r.mem, "not a SLURM memory size",
@@ -550,8 +553,13 @@ def _rules_spec(s: Spec) -> None:
               f"(HF_TOKEN and WANDB_API_KEY always pass this way)")
 
 
+def _rules_fault(x: Fault) -> None:
+    need(x.in_job_restarts >= 0, "fault.in_job_restarts", x.in_job_restarts, "cannot be negative",
+         "set [fault] in_job_restarts = 3 (0 = one per spare node)")
+
+
 _RULES: dict[str, Any] = {
-    "Resources": _rules_resources, "Launch": _rules_launch, "Model": _rules_model, "Data": _rules_data,
+    "Resources": _rules_resources, "Launch": _rules_launch, "Fault": _rules_fault, "Model": _rules_model, "Data": _rules_data,
     "Train": _rules_train, "Parallel": _rules_parallel, "Checkpoint": _rules_checkpoint,
     "Container": _rules_container, "Spec": _rules_spec,
 }

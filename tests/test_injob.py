@@ -1,0 +1,177 @@
+"""In-job restarts (hpctrain.fault.injob): the host choice, the rendered job, and the driver's loop over steps
+with fake steps (real processes standing in for srun; the cluster test runs the real thing)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hpctrain.fault import injob
+from hpctrain.fault.injob import Driver, Verdict, plan_restart
+from hpctrain.runs import events as ev
+from hpctrain.states import FailureClass
+
+HOSTS = ["node1", "node2", "node3", "node4"]
+
+
+def test_a_lost_node_is_replaced_by_a_spare_in_its_place() -> None:
+    got = plan_restart(Verdict(FailureClass.NODE_FAIL, ("node2",)), HOSTS[:3], HOSTS, frozenset(), 0, 2)
+    assert not isinstance(got, str)
+    assert got.hosts == ("node1", "node4", "node3") and got.replaced == {"node2": "node4"}
+    assert got.bad == {"node2"}
+
+
+def test_a_host_that_failed_once_never_comes_back_as_a_spare() -> None:
+    # node2 failed, node4 replaced it; now node4 fails: node2 is no spare (it failed in this job), none left.
+    got = plan_restart(Verdict(FailureClass.NODE_FAIL, ("node4",)), ["node1", "node4"], HOSTS[:2] + ["node4"],
+                       frozenset({"node2"}), 1, 3)
+    assert isinstance(got, str) and "no spare node left to replace node4" in got
+
+
+def test_a_retryable_crash_without_a_host_restarts_in_place() -> None:
+    got = plan_restart(Verdict(FailureClass.COMM_TIMEOUT), HOSTS[:2], HOSTS[:2], frozenset(), 0, 1)
+    assert not isinstance(got, str) and got.hosts == ("node1", "node2") and got.replaced == {}
+
+
+@pytest.mark.parametrize(("cls", "used", "why"), [
+    (FailureClass.PYTHON_EXCEPTION, 0, "not retryable"),
+    (FailureClass.GPU_OOM, 0, "not retryable"),
+    (FailureClass.CANCELLED, 0, "not retryable"),
+    (FailureClass.NODE_FAIL, 2, "budget spent (2 of 2)"),
+    (None, 0, "without a failure"),
+])
+def test_no_restart_for_user_errors_a_person_or_a_spent_budget(cls: str | None, used: int, why: str) -> None:
+    got = plan_restart(Verdict(cls, ("node2",)), HOSTS[:2], HOSTS, frozenset(), used, 2)
+    assert isinstance(got, str) and why in got
+
+
+def test_the_srun_line_is_narrowed_to_the_chosen_hosts() -> None:
+    d = Driver(Path("/r"), "7", HOSTS, 2, 2, 1, ["srun", "--unbuffered", "python", "-m", "x"])
+    argv = d.srun_argv(["node1", "node3"])
+    assert argv[0] == "srun" and argv[-3:] == ["python", "-m", "x"]
+    assert {"--nodes=2", "--nodelist=node1,node3", "--ntasks=4", "--ntasks-per-node=2", "--overlap"} <= set(argv)
+
+
+# -- the rendered job ---------------------------------------------------------------------------------
+def _script(tmp_path: Path, **res: Any) -> tuple[str, Any]:
+    from hpctrain.plan.planner import make_plan
+    from hpctrain.render.sbatch import render_sbatch
+    from hpctrain.spec.model import resolve
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    spec = resolve(examples / "tiny.toml", {f"resources.{k}": v for k, v in res.items()})
+    plan = make_plan(spec)
+    return render_sbatch(spec, plan, tmp_path / "run", "python -u -m submitit.core._submit /f"), plan
+
+
+def test_spares_are_allocated_beside_the_training_nodes_and_the_job_survives_a_node(tmp_path: Path) -> None:
+    text, plan = _script(tmp_path, nodes=2, spare_nodes=1)
+    assert plan.nodes == 2 and plan.spare_nodes == 1 and plan.in_job_restarts == 1 and plan.world_size == 2 * plan.ranks_per_node
+    assert "#SBATCH --nodes=3\n" in text and "#SBATCH --no-kill\n" in text
+    line = next(ln for ln in text.splitlines() if "-m hpctrain.fault.injob" in ln)
+    assert "--nodes 2 " in line and "--restarts 1 " in line and " -- srun --unbuffered" in line
+    assert "hpctrain.fault.supervisor watch" not in text  # the driver watches each step itself
+    assert any("spare" in r for r in plan.reasons)
+
+
+def test_without_spares_or_restarts_the_job_is_as_before(tmp_path: Path) -> None:
+    text, plan = _script(tmp_path, nodes=2)
+    assert plan.spare_nodes == 0 and plan.in_job_restarts == 0
+    assert "--no-kill" not in text and "hpctrain.fault.injob" not in text and "#SBATCH --nodes=2\n" in text
+
+
+# -- the driver's loop, with processes standing in for srun ---------------------------------------------
+class FakeSteps:
+    """start_step runs `python -c` with the next script; each step writes what a rank would (events)."""
+
+    def __init__(self, run_dir: Path, scripts: list[str]) -> None:
+        self.run_dir, self.scripts, self.argv, self.envs = run_dir, scripts, [], []
+
+    def start(self, argv: list[str], env: dict[str, str] | None = None) -> Any:
+        import subprocess
+
+        self.argv.append(argv)
+        self.envs.append(env or {})
+        return subprocess.Popen([sys.executable, "-c", self.scripts[len(self.argv) - 1]], env=env)
+
+
+def _failure(run_dir: Path, attempt: int, cls: str, exc: str = "RuntimeError: gloo Connection reset by peer") -> str:
+    line = json.dumps({"time": 1.0, "kind": "failure", "class": cls, "rank": 0, "host": "node1", "job_id": "7",
+                       "attempt": attempt, "exception": exc,
+                       "message": "", "exit_code": 1})
+    return f"open({str(run_dir / 'events.jsonl')!r}, 'a').write({line!r} + '\\n'); raise SystemExit(1)"
+
+
+def _driver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scripts: list[str], budget: int = 1) -> tuple[Driver, FakeSteps]:
+    run = tmp_path / "run"
+    (run / "metrics").mkdir(parents=True)
+    fake = FakeSteps(run, scripts)
+    from hpctrain.slurm import commands
+
+    monkeypatch.setattr(commands, "start_step", fake.start)
+    monkeypatch.setattr(commands, "step_ids", lambda job: [f"7.{i}" for i in range(len(fake.argv))])
+    monkeypatch.setattr(Driver, "_down", lambda self, hosts: [])
+    env = {"PATH": "/usr/bin:/bin", "SLURM_RESTART_COUNT": "0", "HPCTRAIN_ATTEMPT": "0"}
+    return Driver(run, "7", ["node1", "node2"], 2, 1, budget, ["srun", "x"], world=2, env=env), fake
+
+
+def test_a_transient_crash_restarts_in_place_as_a_new_attempt_and_step(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    run = tmp_path / "run"
+    d, fake = _driver(tmp_path, monkeypatch, [_failure(run, 0, FailureClass.COMM_TIMEOUT), "pass"])
+    assert d.run() == 0
+    assert len(fake.argv) == 2 and [e["HPCTRAIN_ATTEMPT"] for e in fake.envs] == ["0", "1"]
+    assert all(e["MASTER_ADDR"] == "node1" for e in fake.envs)
+    (restart,) = ev.read_events(run, kind=injob.RESTART)
+    assert restart.attempt == 0 and restart.failure_class == FailureClass.COMM_TIMEOUT
+    assert restart.extra["step_id"] == "7.0" and restart.extra["next_step_id"] == "7.1"
+    assert restart.extra["next_attempt"] == 1 and restart.extra["replaced"] == {}
+    rec = [json.loads(x) for x in (run / "attempts.jsonl").read_text().splitlines()][-1]
+    assert rec["attempt"] == 1 and rec["job_id"] == "7" and rec["step_id"] == "7.1"
+    assert (run / "hostfile").read_text().split() == ["node1", "slots=1", "node2", "slots=1"]
+
+
+def test_a_user_error_ends_the_job_with_its_exit_status(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = tmp_path / "run"
+    d, fake = _driver(tmp_path, monkeypatch, [_failure(run, 0, FailureClass.PYTHON_EXCEPTION, "ValueError: bad lr"), "pass"])
+    assert d.run() == 1 and len(fake.argv) == 1
+    assert not ev.read_events(run, kind=injob.RESTART)
+
+
+def test_the_budget_bounds_the_restarts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = tmp_path / "run"
+    crash = _failure(run, 0, FailureClass.COMM_TIMEOUT)
+    d, fake = _driver(tmp_path, monkeypatch, [crash, _failure(run, 1, FailureClass.COMM_TIMEOUT), "pass"], budget=1)
+    assert d.run() == 1 and len(fake.argv) == 2
+
+
+def test_a_peer_lost_verdict_swaps_the_dead_host_for_a_spare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The watchdog's peer check condemns the running step (it never ends by itself): the driver stops it and
+    starts the next on the survivor and the spare, rank order kept."""
+    d, fake = _driver(tmp_path, monkeypatch, ["import time; time.sleep(60)", "pass"])
+    d.job_hosts = ["node1", "node2", "node3"]
+    verdict = {"event": "peer_lost", "silent_hosts": ["node2"], "message": "rank 0 lost its peer on node2",
+               "time": 5.0}
+    calls = iter([verdict])
+    monkeypatch.setattr(injob.Watchdog, "peer_check", lambda self: next(calls, None))
+    monkeypatch.setattr(injob.Driver, "_stop_step", lambda self, proc, step: proc.kill())
+    assert d.run() == 0
+    assert "--nodelist=node1,node3" in fake.argv[1]
+    (restart,) = ev.read_events(d.run_dir, kind=injob.RESTART)
+    assert restart.failure_class == FailureClass.NODE_FAIL and restart.extra["replaced"] == {"node2": "node3"}
+
+
+def test_main_reads_its_options_before_the_srun_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(Driver, "run", lambda self: seen.update(vars(self)) or 0)
+    monkeypatch.setenv("SLURM_JOB_ID", "9")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[1-3]")
+    argv = [str(tmp_path), "--nodes", "2", "--tasks-per-node", "1", "--restarts", "1", "--world", "2",
+            "--hang-timeout", "300", "--", "srun", "--unbuffered", "--nodes", "9", "python"]
+    assert injob.main(argv) == 0
+    assert seen["nodes"] == 2 and seen["job_hosts"] == ["node1", "node2", "node3"]
+    assert seen["launch"] == ["srun", "--unbuffered", "--nodes", "9", "python"] and seen["hang_timeout_s"] == 300
