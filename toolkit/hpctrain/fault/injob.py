@@ -39,8 +39,8 @@ from hpctrain.runs import events as events_mod
 from hpctrain.runs import folder as runs_mod
 from hpctrain.states import IMPLICATES_HOST, ExitCode, FailureClass, JobState, is_retryable
 
-RESTART = "restart"  # the events.jsonl kind of one in-job restart
-STOP_GRACE_S = 5.0  # after scancel of a step, how long srun may take to go before it is killed
+RESTART = events_mod.RESTART  # the events.jsonl kind of one in-job restart
+STOP_GRACE_S = 1.0  # after the step's ranks got SIGKILL, how long srun may take to go before it is stopped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +52,7 @@ class Verdict:
     message: str = ""
     watchdog: dict[str, Any] | None = None  # the watchdog's record (peer_lost / hang), when it decided
     detected: float = 0.0
+    stopped: float = 0.0  # when the step was over (ended by itself, or stopped by the driver)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,13 +146,14 @@ class Driver:
                 verdict = verdict_of_watchdog(rec)
             else:
                 verdict = classify_exit(self.run_dir, self.job, attempt, rc, self._down(hosts))
+            verdict = dataclasses.replace(verdict, stopped=time.time())
             nxt = plan_restart(verdict, hosts, self.job_hosts, bad, used, self.budget)
             if isinstance(nxt, str):
                 return self._give_up(verdict, nxt, rc, bad)
             used += 1
             nxt_attempt = self._next_attempt(attempt)
             proc, new_step = self._launch(list(nxt.hosts), nxt_attempt, restarts)
-            self._record(attempt, step, nxt_attempt, new_step, verdict, nxt, used)
+            self._record(attempt, step, hosts, nxt_attempt, new_step, verdict, nxt, used)
             swap = ", ".join(f"{a} by {b}" for a, b in nxt.replaced.items())
             print(f"hpctrain: in-job restart {used} of {self.budget}: {verdict.failure_class}: {verdict.message}; "
                   f"step {step} -> {new_step} on {','.join(nxt.hosts)} ({f'replaced {swap}' if swap else 'in place'})",
@@ -212,12 +214,14 @@ class Driver:
                 return -1, rec
 
     def _stop_step(self, proc: Any, step: str) -> None:
-        """End a step the watchdog condemned: scancel it, then stop srun itself if it still waits for a dead node."""
+        """End a step the watchdog condemned. Its ranks get SIGKILL at once: SIGTERM would make them checkpoint
+        (the preemption path), which hangs in a collective with a dead peer until KillWait, and rank 0 would hold
+        the rendezvous port the next step binds. srun itself waits for the dead node's answer, so it is stopped."""
         from hpctrain.slurm import commands as _slurm
 
         if not step.endswith(".?"):
             try:
-                _slurm.scancel([step])
+                _slurm.scancel([step], signal="KILL")
             except Exception:  # noqa: BLE001,S110 - srun is stopped below either way
                 pass
         try:
@@ -226,7 +230,7 @@ class Driver:
         except subprocess.TimeoutExpired:
             proc.terminate()  # srun forwards it to the tasks it can still reach
         try:
-            proc.wait(timeout=2.0)
+            proc.wait(timeout=STOP_GRACE_S)
         except subprocess.TimeoutExpired:
             proc.kill()  # srun waits for a node that no longer answers: the new step must not
             proc.wait(timeout=5.0)
@@ -242,16 +246,17 @@ class Driver:
         return max(attempt + 1, next_attempt_number(self.run_dir))
 
     # -- records -------------------------------------------------------------------------------------
-    def _record(self, attempt: int, step: str, nxt_attempt: int, new_step: str, verdict: Verdict, nxt: Restart,
-                used: int) -> None:
+    def _record(self, attempt: int, step: str, step_hosts: list[str], nxt_attempt: int, new_step: str,
+                verdict: Verdict, nxt: Restart, used: int) -> None:
         """The restart as an event (the collector's attempt rows) and the new attempt in attempts.jsonl."""
         now = time.time()
         host = next(iter(nxt.replaced), "")
         events_mod.append_event(self.run_dir, events_mod.Event(
             kind=RESTART, time=now, host=host, job_id=self.job, attempt=attempt, failure_class=verdict.failure_class,
-            message=verdict.message, extra={"step_id": step, "next_step_id": new_step, "next_attempt": nxt_attempt,
+            message=verdict.message, extra={"step_id": step, "step_hosts": list(step_hosts), "next_step_id": new_step, "next_attempt": nxt_attempt,
                                             "replaced": nxt.replaced, "hosts": list(nxt.hosts), "restart": used,
-                                            "budget": self.budget, "detected": verdict.detected, "launched": now}))
+                                            "budget": self.budget, "detected": verdict.detected, "stopped": verdict.stopped,
+                                            "launched": now}))
         runs_mod.RunFolder(self.run_dir).append_attempt(
             {"attempt": nxt_attempt, "job_id": self.job, "step_id": new_step, "in_job_restart": used,
              "state": JobState.RUNNING, "submitted": now, "started": now, "nodes": ",".join(nxt.hosts),
@@ -278,6 +283,29 @@ class Driver:
                 print(f"hpctrain: could not decide now ({exc}); the supervisor job will", file=sys.stderr, flush=True)
         _slurm.scancel([self.job])
         return int(ExitCode.ERROR)
+
+
+def timeline(run_dir: Path) -> list[dict[str, Any]]:
+    """Each in-job restart's timeline in seconds from its detection: step stopped, next step launched (srun
+    started and listed), the first rank's `start` event (processes up), the resume (rank 0's training start,
+    after model build and checkpoint load) and the first training step of the new attempt (metrics.jsonl)."""
+    evs = events_mod.read_events(run_dir)
+    steps = [r for r in runs_mod.iter_jsonl(runs_mod.RunFolder(run_dir).metrics_jsonl) if "step" in r]
+    out = []
+    for e in (x for x in evs if x.kind == RESTART):
+        k, t0 = int(e.extra.get("next_attempt", -1)), float(e.extra.get("detected") or e.time)
+        mine = [x for x in evs if x.attempt == k]
+        up = min((x.time for x in mine if x.kind == events_mod.START), default=None)
+        # rank 0's `train` events carry no attempt (the node writes them so): the first one after the restart
+        resumed = min((x.time for x in evs if x.kind == events_mod.TRAIN and x.extra.get("event") == "start"
+                       and x.time > t0), default=None)
+        first = min((float(r["time"]) for r in steps if float(r.get("time", 0)) > t0), default=None)
+        rel = {name: (None if t is None else round(float(t) - t0, 2)) for name, t in (
+            ("stopped", e.extra.get("stopped")), ("launched", e.extra.get("launched")), ("ranks_up", up),
+            ("resumed", resumed), ("first_step", first))}
+        out.append({"attempt": e.attempt, "next_attempt": k, "class": e.failure_class,
+                    "replaced": e.extra.get("replaced"), "detected": t0, **rel})
+    return out
 
 
 def _safe_steps(job: str) -> list[str]:

@@ -248,11 +248,12 @@ def _expand_array_id(jid: str) -> list[str]:
 
 
 # -- scancel / sinfo / sbatch ------------------------------------------------------------------
-def scancel(job_ids: Iterable[str]) -> None:
-    """Cancel jobs (array ids "A" cancel every task). scancel is idempotent on finished jobs."""
+def scancel(job_ids: Iterable[str], signal: str = "") -> None:
+    """Cancel jobs (array ids "A" cancel every task; "A.S" one step). scancel is idempotent on finished jobs.
+    `signal` ("KILL"): send that instead of SLURM's TERM, KillWait, KILL sequence."""
     ids = sorted({str(j) for j in job_ids if str(j)})
     if ids:
-        _run(["scancel", *ids])
+        _run(["scancel", *([f"--signal={signal}"] if signal else []), *ids])
 
 
 def start_step(argv: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
@@ -261,7 +262,7 @@ def start_step(argv: Sequence[str], env: dict[str, str] | None = None) -> subpro
     if not argv or argv[0] != "srun":
         raise ValueError(f"start_step runs srun, not {argv[:1]}")
     try:
-        return subprocess.Popen(list(argv), env=env)  # noqa: S603 - argv is ours, no shell
+        return subprocess.Popen(list(argv), env=env)  # argv is ours, no shell
     except FileNotFoundError as exc:
         raise SlurmUnavailable("`srun` is not on PATH inside the job: SLURM's client tools are missing here") from exc
 
