@@ -63,7 +63,8 @@ def _script(tmp_path: Path, **res: Any) -> tuple[str, Any]:
     from hpctrain.spec.model import resolve
 
     examples = Path(__file__).resolve().parents[1] / "examples"
-    spec = resolve(examples / "tiny.toml", {f"resources.{k}": v for k, v in res.items()})
+    spec = resolve(examples / "tiny.toml", {k.replace("__", ".") if "__" in k else f"resources.{k}": v
+                                            for k, v in res.items()})
     plan = make_plan(spec)
     return render_sbatch(spec, plan, tmp_path / "run", "python -u -m submitit.core._submit /f"), plan
 
@@ -76,6 +77,12 @@ def test_spares_are_allocated_beside_the_training_nodes_and_the_job_survives_a_n
     assert "--nodes 2 " in line and "--restarts 1 " in line and " -- srun --unbuffered" in line
     assert "hpctrain.fault.supervisor watch" not in text  # the driver watches each step itself
     assert any("spare" in r for r in plan.reasons)
+
+
+def test_straggler_exclusion_reaches_the_driver(tmp_path: Path) -> None:
+    text, _ = _script(tmp_path, nodes=2, spare_nodes=1, fault__straggler_patience_s=120, fault__straggler_ratio=1.5)
+    line = next(ln for ln in text.splitlines() if "-m hpctrain.fault.injob" in ln)
+    assert "--straggler-patience 120 --straggler-ratio 1.5 -- srun" in line
 
 
 def test_without_spares_or_restarts_the_job_is_as_before(tmp_path: Path) -> None:
@@ -175,3 +182,31 @@ def test_main_reads_its_options_before_the_srun_line(monkeypatch: pytest.MonkeyP
     assert injob.main(argv) == 0
     assert seen["nodes"] == 2 and seen["job_hosts"] == ["node1", "node2", "node3"]
     assert seen["launch"] == ["srun", "--unbuffered", "--nodes", "9", "python"] and seen["hang_timeout_s"] == 300
+
+
+def test_a_straggler_must_persist_before_it_counts() -> None:
+    p = injob._Persistence(60)
+    assert p.update(["node2"], now=100.0) is None and p.update(["node2"], now=150.0) is None
+    assert p.update(["node2", "node3"], now=170.0) is None  # another set: the clock starts again
+    assert p.update(["node2", "node3"], now=229.0) is None
+    rec = p.update(["node2", "node3"], now=231.0)
+    assert rec is not None and rec["event"] == "straggler" and rec["silent_hosts"] == ["node2", "node3"]
+    assert p.update([], now=300.0) is None
+
+
+def test_a_persistent_straggler_is_replaced_by_a_spare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    d, fake = _driver(tmp_path, monkeypatch, ["import time; time.sleep(60)", "pass"])
+    d.job_hosts, d.straggler_patience_s = ["node1", "node2", "node3"], 0.4
+    d.find_stragglers = lambda beats, ratio: ["node2"]
+    monkeypatch.setattr(injob.Driver, "_stop_step", lambda self, proc, step: proc.kill())
+    assert d.run() == 0
+    assert "--nodelist=node1,node3" in fake.argv[1]
+    (restart,) = ev.read_events(d.run_dir, kind=injob.RESTART)
+    assert restart.extra["replaced"] == {"node2": "node3"} and restart.message.startswith("straggler: node2")
+
+
+def test_without_a_spare_a_straggler_is_left_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    d, fake = _driver(tmp_path, monkeypatch, ["import time; time.sleep(1.5)"])
+    d.straggler_patience_s = 0.2
+    d.find_stragglers = lambda beats, ratio: ["node2"]
+    assert d.run() == 0 and len(fake.argv) == 1

@@ -61,8 +61,18 @@ def restarts(run: Path) -> list[dict[str, Any]]:
     return [e for e in jsonl(run / "events.jsonl") if e.get("kind") == "restart"]
 
 
-def kill_and_restore(n: str, then: Callable[[], Any], what: str) -> Any:
-    """Kill node n, wait (bounded) for `then`, and restore the node whatever happened."""
+def others_on(node: str, job: str) -> list[str]:
+    out = run_cmd(["squeue", "-h", "-w", node, "-o", "%i"], timeout=30).stdout.split()
+    return [j for j in out if j.split("_")[0] != job]
+
+
+def kill_and_restore(n: str, job: str, then: Callable[[], Any], what: str) -> Any:
+    """Kill node n once no other job runs there (other people's tests share the cluster), wait (bounded) for
+    `then`, and restore the node whatever happened."""
+    try:
+        wait_until(lambda: not others_on(n, job), 300, f"{n} to run only job {job}", poll=0.5)
+    except AssertionError:
+        pytest.skip(f"{n} stayed shared with other jobs ({others_on(n, job)}): not killing it")
     try:
         run_cmd(["bash", str(SLURM_SH), "kill-node", n.removeprefix("node")], timeout=60)
         return wait_until(then, 90, what, poll=0.5)
@@ -83,7 +93,7 @@ def test_a_spare_replaces_a_dead_node_in_the_same_job_then_the_queue_takes_over(
     # Kill 1: the second training node (never the batch host, which runs the driver).
     wait_until(lambda: len(steps_seen(run)) >= 8, 600, "step 8 of the first step", poll=1)
     hosts = [ln.split()[0] for ln in (run / "hostfile").read_text().splitlines()]
-    first = kill_and_restore(hosts[1], lambda: restarts(run), "the in-job restart")[0]
+    first = kill_and_restore(hosts[1], job, lambda: restarts(run), "the in-job restart")[0]
     assert first["replaced"] == {hosts[1]: first["hosts"][1]} and first["hosts"][0] == hosts[0]
     assert first["class"] == "node_fail" and first["step_id"] == f"{job}.0" and first["next_step_id"] == f"{job}.1"
     spare = first["hosts"][1]
@@ -93,7 +103,7 @@ def test_a_spare_replaces_a_dead_node_in_the_same_job_then_the_queue_takes_over(
     wait_until(lambda: len([r for r in steps_seen(run) if r["time"] > first["launched"]]) >= 6, 600,
                "six steps of the in-job restart", poll=1)
     t_restart = first["launched"]
-    decided = kill_and_restore(spare, lambda: [n for n in jsonl(run / "attempts.jsonl") if "decision" in n],
+    decided = kill_and_restore(spare, job, lambda: [n for n in jsonl(run / "attempts.jsonl") if "decision" in n],
                                "the supervisor's decision")[0]
     assert decided["decision"]["action"] == "retry", decided
     assert {hosts[1], spare} <= set(decided["decision"]["exclude"]), decided

@@ -28,7 +28,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -108,8 +108,9 @@ def classify_exit(run_dir: Path, job: str, attempt: int, rc: int, down: Sequence
 
 
 def verdict_of_watchdog(rec: dict[str, Any]) -> Verdict:
-    """The watchdog's record as a verdict: a lost peer is a node failure, a hang a hang (as the supervisor reads them)."""
-    cls = FailureClass.NODE_FAIL if rec.get("event") == "peer_lost" else FailureClass.HANG
+    """The watchdog's record as a verdict: a lost peer is a node failure, a hang a hang (as the supervisor reads
+    them); a persistent straggler is treated like a failing node (node_fail, the message says straggler)."""
+    cls = FailureClass.HANG if rec.get("event") == "hang" else FailureClass.NODE_FAIL
     return Verdict(cls, tuple(rec.get("silent_hosts") or ()), str(rec.get("message", "")), rec,
                    float(rec.get("time") or time.time()))
 
@@ -130,6 +131,11 @@ class Driver:
     hang_timeout_s: float = 0.0
     world: int = 1
     env: dict[str, str] = dataclasses.field(default_factory=lambda: dict(os.environ))
+    # Straggler exclusion (fault.straggler_patience_s, 0 = off): a host whose ranks the straggler verdict names
+    # for this long is replaced like a failing node, only while a spare and budget are left.
+    straggler_patience_s: float = 0.0
+    straggler_ratio: float = 1.2
+    find_stragglers: Callable[[list[dict[str, Any]], float], list[str]] | None = None
 
     def run(self) -> int:
         """Launch the first step, then judge each step's end: return its exit status, restart, or give up."""
@@ -138,7 +144,8 @@ class Driver:
         attempt = log_attempt(self.env)
         proc, step = self._launch(hosts, attempt, restarts)
         while True:
-            rc, rec = self._watch(proc, restarts)
+            spare_left = used < self.budget and any(h not in hosts and h not in bad for h in self.job_hosts)
+            rc, rec = self._watch(proc, restarts, hosts if spare_left else [])
             if rec is None and rc in (ExitCode.OK, ExitCode.STOPPED):
                 return rc  # finished, or stopped on the time-limit signal (rank 0 requeued the job)
             if rec is not None:
@@ -197,10 +204,12 @@ class Driver:
             time.sleep(0.2)
         return f"{self.job}.?"
 
-    def _watch(self, proc: Any, restarts: str) -> tuple[int, dict[str, Any] | None]:
-        """Wait for the step to end (its exit status) or for the watchdog's verdict on it (-1, the record)."""
+    def _watch(self, proc: Any, restarts: str, replaceable: Sequence[str] = ()) -> tuple[int, dict[str, Any] | None]:
+        """Wait for the step to end (its exit status) or for the watchdog's verdict on it (-1, the record); with
+        `replaceable` hosts (a spare is left), a straggler verdict on them that lasts counts too."""
         dog = Watchdog(self.run_dir, self.job, self.hang_timeout_s or 1e9, world=self.world, restart=restarts)
         next_hang = time.monotonic() + dog.poll_s()
+        slow = _Persistence(self.straggler_patience_s)
         while True:
             try:
                 return int(proc.wait(timeout=PEER_POLL_S)), None
@@ -210,8 +219,19 @@ class Driver:
             if rec is None and self.hang_timeout_s and time.monotonic() >= next_hang:
                 next_hang = time.monotonic() + dog.poll_s()
                 rec = dog.check()
+            if rec is None and replaceable and self.straggler_patience_s and slow.due():
+                rec = slow.update(self._slow_hosts(restarts, replaceable))
             if rec is not None:
                 return -1, rec
+
+    def _slow_hosts(self, restarts: str, replaceable: Sequence[str]) -> list[str]:
+        """Hosts of this step the straggler verdict names (hpctrain.collect.stragglers: per-rank compute times
+        in the beats against the other ranks' median)."""
+        find = self.find_stragglers or _straggler_finder()
+        if find is None:
+            return []
+        beats = beats_mod.read_beats(self.run_dir, self.job, restarts)
+        return [h for h in find(beats, self.straggler_ratio) if h in replaceable]
 
     def _stop_step(self, proc: Any, step: str) -> None:
         """End a step the watchdog condemned. Its ranks get SIGKILL at once: SIGTERM would make them checkpoint
@@ -308,6 +328,49 @@ def timeline(run_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
+class _Persistence:
+    """A straggler verdict must hold `patience_s` for the same hosts before it counts: a node slow for one
+    checkpoint or one garbage collection is not replaced. Polled every few seconds (it reads every beat)."""
+
+    def __init__(self, patience_s: float) -> None:
+        self.patience_s, self.every_s = patience_s, min(5.0, max(0.2, patience_s / 4))
+        self.hosts: tuple[str, ...] = ()
+        self.since = 0.0
+        self.next = time.monotonic() + self.every_s
+
+    def due(self) -> bool:
+        if time.monotonic() < self.next:
+            return False
+        self.next = time.monotonic() + self.every_s
+        return True
+
+    def update(self, hosts: Sequence[str], now: float | None = None) -> dict[str, Any] | None:
+        now = time.time() if now is None else now
+        key = tuple(sorted(hosts))
+        if key != self.hosts:
+            self.hosts, self.since = key, now
+        if not key or now - self.since < self.patience_s:
+            return None
+        who = ", ".join(key)
+        return {"event": "straggler", "silent_hosts": list(key), "time": now,
+                "message": f"straggler: {who} slower than the other ranks' median for {now - self.since:.0f} s "
+                           f"(fault.straggler_patience_s = {self.patience_s:g}); replaced by a spare"}
+
+
+def _straggler_finder() -> Callable[[list[dict[str, Any]], float], list[str]] | None:
+    """hpctrain.collect.stragglers' verdict as a host list (None where that module is not installed)."""
+    try:
+        from hpctrain.collect import stragglers  # type: ignore[attr-defined,unused-ignore]
+    except ImportError:
+        return None
+
+    def find(beats: list[dict[str, Any]], ratio: float) -> list[str]:
+        verdict = stragglers.find(stragglers.newest_job_beats(beats), ratio=ratio)
+        return list(verdict["slow_hosts"]) if verdict else []
+
+    return find
+
+
 def _safe_steps(job: str) -> list[str]:
     from hpctrain.slurm import commands as _slurm
 
@@ -341,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--restarts", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--hang-timeout", type=float, default=0.0)
+    p.add_argument("--straggler-patience", type=float, default=0.0)
+    p.add_argument("--straggler-ratio", type=float, default=1.2)
     argv = sys.argv[1:] if argv is None else argv
     cut = argv.index("--") if "--" in argv else len(argv)
     a, launch = p.parse_args(argv[:cut]), argv[cut + 1:]
@@ -349,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         print("hpctrain in-job driver: needs SLURM_JOB_ID, SLURM_JOB_NODELIST and an srun line", file=sys.stderr)
         return 2
     return Driver(Path(a.run_dir), job, expand(nodelist), a.nodes, a.tasks_per_node, a.restarts, launch,
-                  a.hang_timeout, a.world).run()
+                  a.hang_timeout, a.world, straggler_patience_s=a.straggler_patience,
+                  straggler_ratio=a.straggler_ratio).run()
 
 
 if __name__ == "__main__":

@@ -388,4 +388,7 @@ def _injob_line(spec: Spec, plan: Plan, command: str, python: str | None, launch
     per_node = 1 if spec.launch.launcher == "deepspeed" else plan.ranks_per_node
     return (f'{py} -m hpctrain.fault.injob "$HPCTRAIN_RUN_DIR" --nodes {plan.nodes} --tasks-per-node {per_node} '
             f"--restarts {plan.in_job_restarts} --world {plan.world_size} "
-            f"--hang-timeout {spec.launch.hang_timeout_s} -- {launch_line}")
+            f"--hang-timeout {spec.launch.hang_timeout_s}"
+            + (f" --straggler-patience {f.straggler_patience_s} --straggler-ratio {f.straggler_ratio:g}"
+               if (f := spec.fault).straggler_patience_s else "")
+            + f" -- {launch_line}")

@@ -84,6 +84,10 @@ class Fault:
     # per spare node (none without spares: every failure ends the job and the supervisor resubmits). Set
     # without spares, a retryable crash restarts in place; with spares, a step replaces the failing node.
     in_job_restarts: int = 0
+    # Straggler exclusion, with a spare left: a node whose ranks' compute time per step stays at least
+    # straggler_ratio x the other ranks' median (heartbeats) for straggler_patience_s is replaced (0 = off).
+    straggler_patience_s: int = 0
+    straggler_ratio: float = 1.2
 
     def __post_init__(self) -> None:
         check(self)

@@ -556,6 +556,10 @@ def _rules_spec(s: Spec) -> None:
 def _rules_fault(x: Fault) -> None:
     need(x.in_job_restarts >= 0, "fault.in_job_restarts", x.in_job_restarts, "cannot be negative",
          "set [fault] in_job_restarts = 3 (0 = one per spare node)")
+    need(x.straggler_patience_s >= 0, "fault.straggler_patience_s", x.straggler_patience_s, "cannot be negative",
+         "set [fault] straggler_patience_s = 120 (0 = off)")
+    need(x.straggler_ratio > 1.0, "fault.straggler_ratio", x.straggler_ratio, "must be above 1 (slower than the others)",
+         "set [fault] straggler_ratio = 1.2")
 
 
 _RULES: dict[str, Any] = {
