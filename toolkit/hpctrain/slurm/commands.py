@@ -248,12 +248,11 @@ def _expand_array_id(jid: str) -> list[str]:
 
 
 # -- scancel / sinfo / sbatch ------------------------------------------------------------------
-def scancel(job_ids: Iterable[str], signal: str = "") -> None:
-    """Cancel jobs (array ids "A" cancel every task; "A.S" one step). scancel is idempotent on finished jobs.
-    `signal` ("KILL"): send that instead of SLURM's TERM, KillWait, KILL sequence."""
+def scancel(job_ids: Iterable[str]) -> None:
+    """Cancel jobs (array ids "A" cancel every task; "A.S" one step). scancel is idempotent on finished jobs."""
     ids = sorted({str(j) for j in job_ids if str(j)})
     if ids:
-        _run(["scancel", *([f"--signal={signal}"] if signal else []), *ids])
+        _run(["scancel", *ids])
 
 
 def start_step(argv: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
