@@ -210,3 +210,32 @@ def test_without_a_spare_a_straggler_is_left_alone(tmp_path: Path, monkeypatch: 
     d.straggler_patience_s = 0.2
     d.find_stragglers = lambda beats, ratio: ["node2"]
     assert d.run() == 0 and len(fake.argv) == 1
+
+
+def test_summary_shows_each_step_as_an_attempt_with_the_node_its_spare_replaced(tmp_path: Path) -> None:
+    from hpctrain.collect import summary
+
+    run = tmp_path / "run"
+    (run / "metrics").mkdir(parents=True)
+    att = [{"attempt": 0, "job_id": "7", "state": "COMPLETED", "submitted": 90.0, "started": 100.0, "ended": 300.0,
+            "nodes": "node[1-3]", "executor": "slurm"},
+           {"attempt": 1, "job_id": "7", "step_id": "7.1", "in_job_restart_of": 1, "executor": "slurm",
+            "after": {"attempt": 0, "step_id": "7.0"}}]
+    (run / "attempts.jsonl").write_text("".join(json.dumps(a) + "\n" for a in att))
+    # steps 1-9 before the kill (the last at 149 s), redone from 9 after the restart launched at 158.5 s
+    recs = [{"step": s, "loss": 1.0, "time": 140.0 + s} for s in range(1, 10)]
+    recs += [{"step": s, "loss": 1.0, "time": 160.0 + s} for s in range(9, 21)]
+    (run / "metrics" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    ev.append_event(run, ev.Event(kind=ev.RESTART, time=158.5, host="node2", job_id="7", attempt=0,
+                                  failure_class=FailureClass.NODE_FAIL, message="rank 0 lost its peer on node2",
+                                  extra={"step_id": "7.0", "step_hosts": ["node1", "node2"], "next_step_id": "7.1",
+                                         "next_attempt": 1, "replaced": {"node2": "node3"},
+                                         "hosts": ["node1", "node3"], "detected": 153.0, "stopped": 155.0,
+                                         "launched": 158.5}))
+    rows = summary.build_run(summary.from_folder(run), now=400.0)["attempts"]
+    assert [r["step_id"] for r in rows] == ["7.0", "7.1"] and [r["job_id"] for r in rows] == ["7", "7"]
+    assert rows[0]["state"] == "REQUEUED" and rows[0]["failure_class"] == FailureClass.NODE_FAIL
+    assert rows[0]["failure"]["host"] == "node2" and rows[0]["in_job_restart"]["replaced"] == {"node2": "node3"}
+    assert rows[0]["hosts"] == ["node1", "node2"] and rows[1]["hosts"] == ["node1", "node3"]
+    assert (rows[0]["last_step"], rows[1]["first_step"], rows[1]["last_step"]) == (9, 9, 20)
+    assert rows[1]["state"] == "COMPLETED" and rows[1]["failure_class"] is None

@@ -266,6 +266,11 @@ def _with_in_job_restarts(atts: list[dict[str, Any]], evs: list[run_events.Event
         if began is not None:
             row.update(step_id=str(began.extra.get("next_step_id") or ""), started=_float(began.extra.get("launched")),
                        nodes=",".join(began.extra.get("hosts") or []) or row.get("nodes"))
+            # The metrics split allows 5 s of clock skew before a start; every record of the ended step is
+            # older than the restart's detection, so the split point is exact there.
+            over = _float(began.extra.get("stopped")) or _float(began.extra.get("detected"))
+            if over:
+                row["_split"] = over + 5
             row.pop("_requeued", None)
         if ended is not None:
             replaced = ended.extra.get("replaced") or {}
@@ -309,7 +314,7 @@ def build_run(inp: RunInput, now: float | None = None) -> dict[str, Any]:
     evs = run_events.read_events(inp.folder) if folder_ok else []
     atts = _with_in_job_restarts(atts, evs)
     files = submitit_to_last_run(files, atts)
-    per = cm.split_by_attempt(records, [_float(a.get("started")) for a in atts]) if atts else []
+    per = cm.split_by_attempt(records, [_float(a.get("_split", a.get("started"))) for a in atts]) if atts else []
     heartbeat = _read_json(RunFolder(inp.folder).heartbeat) if folder_ok else None
     rows: list[dict[str, Any]] = []
     earlier: list[dict[str, Any]] = []

@@ -279,9 +279,10 @@ class Driver:
                                             "replaced": nxt.replaced, "hosts": list(nxt.hosts), "restart": used,
                                             "budget": self.budget, "detected": verdict.detected, "stopped": verdict.stopped,
                                             "launched": now}))
+        # No state, times or nodes here: the collector merges a job's lines into each of its rows (state from
+        # SLURM), and takes each step's own times and hosts from the restart event.
         runs_mod.RunFolder(self.run_dir).append_attempt(
-            {"attempt": nxt_attempt, "job_id": self.job, "step_id": new_step, "in_job_restart": used,
-             "state": JobState.RUNNING, "submitted": now, "started": now, "nodes": ",".join(nxt.hosts),
+            {"attempt": nxt_attempt, "job_id": self.job, "step_id": new_step, "in_job_restart_of": used,
              "executor": "slurm", "after": {"attempt": attempt, "step_id": step}})
 
     def _give_up(self, verdict: Verdict, why: str, rc: int, bad: frozenset[str]) -> int:
