@@ -85,6 +85,18 @@ def test_straggler_exclusion_reaches_the_driver(tmp_path: Path) -> None:
     assert "--straggler-patience 120 --straggler-ratio 1.5 -- srun" in line
 
 
+def test_a_sweep_cannot_have_spares(tmp_path: Path) -> None:
+    from hpctrain.errors import HpcUsageError
+    from hpctrain.plan.planner import make_plan
+    from hpctrain.render.sbatch import render_sbatch
+    from hpctrain.spec.model import resolve
+
+    spec = resolve(Path(__file__).resolve().parents[1] / "examples" / "tiny.toml", {"resources.spare_nodes": 1})
+    with pytest.raises(HpcUsageError, match="resources.spare_nodes = 1: a sweep"):
+        render_sbatch(spec, make_plan(spec), tmp_path / "a", "python -m x", array="0-1",
+                      run_dirs=[tmp_path / "a", tmp_path / "b"])
+
+
 def test_without_spares_or_restarts_the_job_is_as_before(tmp_path: Path) -> None:
     text, plan = _script(tmp_path, nodes=2)
     assert plan.spare_nodes == 0 and plan.in_job_restarts == 0

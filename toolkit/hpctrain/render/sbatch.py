@@ -350,6 +350,10 @@ def render_sbatch(spec: Spec, plan: Plan, run_dir: Path, command: str, *, array:
               *(("run folder", d, False) for d in run_dirs or ())]
     for key, path, pattern in checks:
         check_job_path(key, path, array_pattern=pattern)
+    if array and spec.resources.spare_nodes:
+        raise bad_value("resources.spare_nodes", spec.resources.spare_nodes, "a sweep is one job array, and its "
+                        "tasks have no in-job driver to hand a spare to", "drop --spare-nodes for a sweep, or "
+                        "submit each point as a run of its own")
     launch_line, note = _launch_line(spec, plan, folder, array, command, dirs, python, mode)
     injob = "" if array else _injob_line(spec, plan, command, python, launch_line)
     secrets = secret_names(spec)
