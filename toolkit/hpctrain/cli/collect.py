@@ -205,7 +205,7 @@ def _when(t: float | None) -> str:
 
 def _row(run: dict[str, Any], a: dict[str, Any]) -> list[str]:
     hours = a["gpu_hours"] if run["gpus_per_node"] > 0 else a["cpu_hours"]
-    return [run["run_id"], str(a["attempt"]), a["job_id"], a["state"], a["failure_class"] or "-", str(a["nodes"]),
+    return [run["run_id"], str(a["attempt"]), a.get("step_id") or a["job_id"], a["state"], a["failure_class"] or "-", str(a["nodes"]),
             _when(a["start"]), _dur(a["elapsed_s"]), f"{hours:.3f}", _fmt(a["last_step"]), _fmt(a["last_loss"], ".4f"),
             _fmt(a["tokens_per_s"], ".0f"), _fmt(a["tflops"], ".2f"),
             _fmt(None if a["mfu"] is None else 100 * a["mfu"], ".1f"), _fmt(a["lost_steps"])]
@@ -260,6 +260,15 @@ def _print_stragglers(run: dict[str, Any]) -> None:
         click.echo(f"{run['run_id']}: {line}")
 
 
+def _job_words(a: dict[str, Any]) -> str:
+    """ "job 123", or for one srun step of a job with in-job restarts "step 123.0 -> 123.1, node2 -> node4"."""
+    r = a.get("in_job_restart")
+    if not r:
+        return f"job {a['job_id']}"
+    swaps = ", ".join(f"{old} -> {new}" for old, new in (r.get("replaced") or {}).items())
+    return f"step {a.get('step_id') or a['job_id']} -> {r.get('next_step_id')}" + (f", {swaps}" if swaps else ", in place")
+
+
 def _print_failures(run: dict[str, Any]) -> None:
     """The evidence under the table: which rank on which host, what it said, and where to look."""
     for a in run["attempts"]:
@@ -268,7 +277,7 @@ def _print_failures(run: dict[str, Any]) -> None:
             continue
         where = " ".join(x for x in (f"rank {f['rank']}" if f["rank"] is not None else "",
                                      f"on {f['host']}" if f["host"] else "") if x)
-        click.echo(f"{run['run_id']} a{a['attempt']} (job {a['job_id']}): {f['failure_class']}"
+        click.echo(f"{run['run_id']} a{a['attempt']} ({_job_words(a)}): {f['failure_class']}"
                    f"{' ' + where if where else ''}: {f['message']}")
         for ln in f["last_lines"][-4:] if f["failure_class"] == FailureClass.PYTHON_EXCEPTION else []:
             click.echo(f"    {ln}")

@@ -156,6 +156,8 @@ def print_plan(spec: Spec, plan: Plan) -> None:
     rows = [
         ("world size", f"{plan.world_size} = {plan.nodes} nodes x {plan.ranks_per_node} ranks ({plan.device})"),
         ("dp / tp / pp", f"{plan.dp} / {plan.tp} / {plan.pp}"),
+        *([("spare nodes", (f"{plan.spare_nodes} (job allocates {plan.nodes + plan.spare_nodes} nodes; "
+                            f"up to {plan.in_job_restarts} in-job restart(s))"))] if plan.spare_nodes else []),
         ("batch", f"global {plan.global_batch} = micro {plan.micro_batch} x accum {plan.grad_accum} x dp {plan.dp}"),
         ("model", f"{spec.model.path or spec.model.config}: {plan.param_count:,} parameters"),
         ("ZeRO / offload", f"stage {plan.zero_stage} / {plan.offload}"

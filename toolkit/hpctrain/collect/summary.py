@@ -198,6 +198,10 @@ def _attempt_row(inp: RunInput, a: dict[str, Any], files: list[cl.LogFile], recs
     lost = a.get("peer_lost") if isinstance(a.get("peer_lost"), dict) else None
     if lost and state in ENDED and state != JobState.COMPLETED:  # the watchdog cancelled it: a node died, not a person
         failure = _peer_lost_failure(lost, failure)
+    in_job = a.get("_in_job_failure")
+    if in_job:  # the in-job driver's verdict on its step (it read the same evidence, and the watchdog's)
+        cls, msg, host = in_job
+        failure = cc.Failure(cls, f"in-job restart: {msg}", host=host, source=run_events.EVENTS)
     if watch and failure.failure_class == FailureClass.HANG:
         silent, silent_hosts = watch.get("silent_ranks") or [], watch.get("silent_hosts") or []
         failure.rank = silent[0] if len(silent) == 1 else failure.rank
@@ -210,6 +214,8 @@ def _attempt_row(inp: RunInput, a: dict[str, Any], files: list[cl.LogFile], recs
         **m.to_dict(), "logs": [s.name for s in sources],
         "excluded": [str(h) for h in a.get("excluded") or []],
         "resubmit": a.get("decision") if isinstance(a.get("decision"), dict) else None,
+        **({"step_id": a["step_id"]} if a.get("step_id") else {}),
+        **({"in_job_restart": a["in_job_restart"]} if a.get("in_job_restart") else {}),
     }
 
 
@@ -247,6 +253,40 @@ def _with_fault_notes(folder: Path, atts: list[dict[str, Any]]) -> list[dict[str
             for i, a in enumerate(atts)]
 
 
+def _with_in_job_restarts(atts: list[dict[str, Any]], evs: list[run_events.Event]) -> list[dict[str, Any]]:
+    """Attempts that were srun steps of one job (hpctrain.fault.injob's `restart` events): each row gets its
+    step id, its own hosts and times (the step's launch to the restart's detection), and the restart itself."""
+    restarts = {e.attempt: e for e in evs if e.kind == run_events.RESTART and e.attempt is not None}
+    if not restarts:
+        return atts
+    after = {int(e.extra.get("next_attempt", -1)): e for e in restarts.values()}
+    out = []
+    for a in atts:
+        k, row = int(a["attempt"]), dict(a)
+        ended, began = restarts.get(k), after.get(k)
+        if began is not None:
+            row.update(step_id=str(began.extra.get("next_step_id") or ""), started=_float(began.extra.get("launched")),
+                       nodes=",".join(began.extra.get("hosts") or []) or row.get("nodes"))
+            # The metrics split allows 5 s of clock skew before a start; every record of the ended step is
+            # older than the restart's detection, so the split point is exact there.
+            over = _float(began.extra.get("stopped")) or _float(began.extra.get("detected"))
+            if over:
+                row["_split"] = over + 5
+            row.pop("_requeued", None)
+        if ended is not None:
+            replaced = ended.extra.get("replaced") or {}
+            row.update(step_id=str(ended.extra.get("step_id") or ""), state=JobState.REQUEUED,
+                       ended=_float(ended.extra.get("detected")) or ended.time,
+                       in_job_restart={k2: ended.extra.get(k2) for k2 in ("next_attempt", "next_step_id", "replaced",
+                                                                        "hosts", "restart", "budget")}
+                       | {"class": ended.failure_class, "message": ended.message})
+            if ended.extra.get("step_hosts"):
+                row["nodes"] = ",".join(ended.extra["step_hosts"])
+            row["_in_job_failure"] = (ended.failure_class, ended.message, next(iter(replaced), None))
+        out.append(row)
+    return out
+
+
 def _float(v: Any) -> float | None:
     try:
         return float(v) if v is not None and v != "" else None
@@ -272,10 +312,11 @@ def build_run(inp: RunInput, now: float | None = None) -> dict[str, Any]:
     files = attempt_files(inp.folder, atts) if folder_ok else []
     atts = expand_requeues(atts, files)
     atts = _with_fault_notes(inp.folder, atts) if folder_ok else atts
-    files = submitit_to_last_run(files, atts)
-    per = cm.split_by_attempt(records, [_float(a.get("started")) for a in atts]) if atts else []
-    heartbeat = _read_json(RunFolder(inp.folder).heartbeat) if folder_ok else None
     evs = run_events.read_events(inp.folder) if folder_ok else []
+    atts = _with_in_job_restarts(atts, evs)
+    files = submitit_to_last_run(files, atts)
+    per = cm.split_by_attempt(records, [_float(a.get("_split", a.get("started"))) for a in atts]) if atts else []
+    heartbeat = _read_json(RunFolder(inp.folder).heartbeat) if folder_ok else None
     rows: list[dict[str, Any]] = []
     earlier: list[dict[str, Any]] = []
     for i, a in enumerate(atts):

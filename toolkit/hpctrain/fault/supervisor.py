@@ -114,8 +114,9 @@ def resubmit_run(run_dir: Path, *, exclude: tuple[str, ...] | None = None, time_
     run_dir = Path(run_dir).absolute()
     spec = read_resolved(run_dir)
     res = spec.resources
-    spec = dc.replace(spec, resources=dc.replace(res, exclude=tuple(exclude) if exclude is not None else res.exclude,
-                                                 time=time_limit or res.time),
+    excl = tuple(exclude) if exclude is not None else res.exclude
+    spec = dc.replace(spec, resources=dc.replace(res, exclude=excl, time=time_limit or res.time,
+                                                 spare_nodes=_spares_that_fit(spec, excl)),
                       launch=dc.replace(spec.launch, retries=spec.launch.retries if retries is None else retries))
     plan = make_plan(spec)
     attempt = next_attempt_number(run_dir, _registry_attempts(run_dir.name))
@@ -136,6 +137,23 @@ def resubmit_run(run_dir: Path, *, exclude: tuple[str, ...] | None = None, time_
     if arm_supervisor and spec.launch.retries > 0 and sub.executor == "slurm":  # local runs: by hand
         out["supervisor"] = arm(run_dir, sub.job_id, spec)
     return out
+
+
+def _spares_that_fit(spec: Spec, exclude: tuple[str, ...]) -> int:
+    """The spare nodes a resubmission still asks for: as many as the partition has beside the training nodes and
+    the excluded hosts (spares are a luxury; a job asking for more nodes than can ever be free would pend)."""
+    res = spec.resources
+    if not res.spare_nodes:
+        return 0
+    from hpctrain.slurm import commands as _slurm
+
+    try:
+        info = _slurm.partition_info(res.partition, tries=2)
+    except Exception:  # noqa: BLE001 - unknown size: keep the request as it was
+        return res.spare_nodes
+    if info is None:
+        return res.spare_nodes
+    return max(0, min(res.spare_nodes, info.nodes - len(set(exclude)) - res.nodes))
 
 
 def _registry_attempts(run_id: str) -> list[int]:

@@ -289,6 +289,8 @@ class Plan:
     options: list[dict[str, Any]] = field(default_factory=list)  # the best estimate of every choice
     offload_ratio: float = 1.0  # zero_optimization.offload_optimizer.ratio (ZeRO-3 optimizer offload)
     activation_checkpointing: bool = False  # what the node does (spec true/false, or the planner's auto pick)
+    spare_nodes: int = 0  # allocated beside `nodes`, idle until one replaces a failing node (fault.injob)
+    in_job_restarts: int = 0  # srun steps after the first within one job (spec fault.in_job_restarts, or spares)
 
     def to_json(self) -> str:
         """Deterministic JSON (sorted keys) for plan.json and `hpctrain plan --json`."""
@@ -398,6 +400,10 @@ def make_plan(spec: Spec) -> Plan:
     r, t = spec.resources, spec.train
     reasons = [(f"world {world} = {r.nodes} nodes x {rpn} ranks; dp {dp} = world / "
                 f"(tp {spec.parallel.tp} x pp {spec.parallel.pp})")]
+    if r.spare_nodes:
+        reasons.append(f"{r.spare_nodes} spare node(s) allocated beside the {r.nodes} training node(s) "
+                       f"({r.nodes + r.spare_nodes} in the job): a failing node is replaced in a new srun step, "
+                       f"up to {spec.fault.in_job_restarts or r.spare_nodes} time(s)")
     if r.gpus_per_node and not r.gpu_mem_gb:
         reasons.append(f"GPU memory assumed {DEFAULT_GPU_GB:g} GiB: set gpu_mem_gb in the site profile")
     if not r.mem:
@@ -421,4 +427,5 @@ def make_plan(spec: Spec) -> Plan:
                 zero_stage=chosen.zero, offload=chosen.offload, param_count=params, memory=memory,
                 reasons=reasons, device="gpu" if r.gpus_per_node else "cpu", precision=t.precision,
                 model=arch, options=[asdict(e) for e in options], offload_ratio=chosen.offload_ratio,
-                activation_checkpointing=chosen.activation_checkpointing)
+                activation_checkpointing=chosen.activation_checkpointing, spare_nodes=r.spare_nodes,
+                in_job_restarts=spec.fault.in_job_restarts or r.spare_nodes)

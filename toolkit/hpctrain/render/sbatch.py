@@ -295,13 +295,16 @@ def sbatch_directives(spec: Spec, plan: Plan, folder: Path, array: str | None, d
     cpus = r.cpus_per_task * (plan.ranks_per_node if spec.launch.launcher == "deepspeed" else 1)
     log = _log_pattern(folder, array, "0")
     flags: dict[str, object] = {
-        "job-name": _job_name(spec.name), "nodes": r.nodes, "ntasks-per-node": per_node_tasks,
+        "job-name": _job_name(spec.name), "nodes": r.nodes + r.spare_nodes, "ntasks-per-node": per_node_tasks,
         "cpus-per-task": cpus, "time": r.time, "output": log + ".out", "error": log + ".err",
         "no-requeue": True, "signal": f"USR2@{r.signal_seconds}", "open-mode": "append", "export": "ALL",
     }
     optional: dict[str, object] = {"gpus-per-node": r.gpus_per_node or None, "mem": r.mem, "partition": r.partition,
                                    "account": r.account, "qos": r.qos, "constraint": r.constraint,
-                                   "exclude": ",".join(r.exclude), "array": array, "dependency": dependency}
+                                   "exclude": ",".join(r.exclude), "array": array, "dependency": dependency,
+                                   # A lost node must not end the allocation: its spare takes over in a new step
+                                   # (fault.injob).
+                                   "no-kill": bool(r.spare_nodes)}
     optional.update(sbatch_args.own_directives(spec.slurm))  # mail; a typed --gres replaces --gpus-per-node
     flags.update({k: v for k, v in optional.items() if v})
     extra = [_directive(k, True if v is None else v) for k, v in sbatch_args.check_extra(spec.slurm.extra)]
@@ -354,7 +357,12 @@ def render_sbatch(spec: Spec, plan: Plan, run_dir: Path, command: str, *, array:
               *(("run folder", d, False) for d in run_dirs or ())]
     for key, path, pattern in checks:
         check_job_path(key, path, array_pattern=pattern)
+    if array and spec.resources.spare_nodes:
+        raise bad_value("resources.spare_nodes", spec.resources.spare_nodes, "a sweep is one job array, and its "
+                        "tasks have no in-job driver to hand a spare to", "drop --spare-nodes for a sweep, or "
+                        "submit each point as a run of its own")
     launch_line, note = _launch_line(spec, plan, folder, array, command, dirs, python, mode)
+    injob = "" if array else _injob_line(spec, plan, command, python, launch_line)
     secrets = secret_names(spec)
     env = [(k, v) for k, v in sorted(spec.env.items()) if k not in secrets]
     return render_template(
@@ -366,8 +374,9 @@ def render_sbatch(spec: Spec, plan: Plan, run_dir: Path, command: str, *, array:
         hostfile_awk=hostfile_awk(plan.ranks_per_node, spec), launch_line=launch_line, launcher_note=note,
         runtime=spec.container.runtime,
         container_check=containers.prelaunch_lines(spec, container_binds(spec, dirs)),
-        watchdog=_watchdog_line(spec, plan, command, python), hang_timeout=spec.launch.hang_timeout_s,
-        code_dir=spec.code.dir,
+        watchdog="" if injob else _watchdog_line(spec, plan, command, python),
+        hang_timeout=spec.launch.hang_timeout_s, injob=injob, spare_nodes=plan.spare_nodes,
+        in_job_restarts=plan.in_job_restarts, code_dir=spec.code.dir,
     )
 
 
@@ -379,3 +388,18 @@ def _watchdog_line(spec: Spec, plan: Plan, command: str, python: str | None) -> 
     py = shlex.quote(shlex.split(command)[0]) if command.strip() else str(python)
     return (f'{py} -m hpctrain.fault.supervisor watch "$HPCTRAIN_RUN_DIR" --timeout {spec.launch.hang_timeout_s} '
             f"--world {plan.world_size}")
+
+
+def _injob_line(spec: Spec, plan: Plan, command: str, python: str | None, launch_line: str) -> str:
+    """The in-job restart driver (hpctrain.fault.injob) wrapping the srun line, when the run has spare nodes or
+    in-job restarts; it also does the watchdog's checks, on each step. Empty otherwise (the bare srun line)."""
+    if not plan.in_job_restarts or not (python or command.strip()):
+        return ""
+    py = shlex.quote(shlex.split(command)[0]) if command.strip() else str(python)
+    per_node = 1 if spec.launch.launcher == "deepspeed" else plan.ranks_per_node
+    return (f'{py} -m hpctrain.fault.injob "$HPCTRAIN_RUN_DIR" --nodes {plan.nodes} --tasks-per-node {per_node} '
+            f"--restarts {plan.in_job_restarts} --world {plan.world_size} "
+            f"--hang-timeout {spec.launch.hang_timeout_s}"
+            + (f" --straggler-patience {f.straggler_patience_s} --straggler-ratio {f.straggler_ratio:g}"
+               if (f := spec.fault).straggler_patience_s else "")
+            + f" -- {launch_line}")

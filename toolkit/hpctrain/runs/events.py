@@ -2,7 +2,8 @@
 
 Kinds: `start` (rank 0, once per attempt), `train` (rank 0's training milestones, the record under
 `event`: start with the resume point and layout, stopped-on-signal, finished with the eval), `stop` (a rank stopped on SLURM's pre-timeout or preemption
-signal after a checkpoint), `failure` (a rank failed: its failure class, exception, exit code). Every line
+signal after a checkpoint), `failure` (a rank failed: its failure class, exception, exit code), `restart` (the
+in-job driver ended a step and started the next one in the same job). Every line
 carries time, kind, rank, host, job_id and attempt (K of logs/attempt-K.rank-R.log), so the collector
 classifies an attempt from its events even when the rank logs are gone; the logs' regexes remain for text
 that other programs print (OOM killer, NCCL, gloo, container runtimes).
@@ -27,6 +28,9 @@ from hpctrain.runs.folder import EVENTS_JSONL, iter_jsonl
 
 EVENTS = EVENTS_JSONL  # in the run folder's root
 START, TRAIN, STOP, FAILURE = "start", "train", "stop", "failure"
+# One in-job restart (hpctrain.fault.injob, not a rank): `attempt` is the attempt whose srun step ended; extra
+# holds step_id, next_step_id, next_attempt, step_hosts, hosts (the next step's), replaced {old: spare}.
+RESTART = "restart"
 _MAX_TEXT = 2000  # characters per text field: a line stays one small write
 _MAX_LINES = 12  # traceback lines kept
 

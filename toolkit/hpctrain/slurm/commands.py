@@ -249,7 +249,7 @@ def _expand_array_id(jid: str) -> list[str]:
 
 # -- scancel / sinfo / sbatch ------------------------------------------------------------------
 def scancel(job_ids: Iterable[str]) -> None:
-    """Cancel jobs (array ids "A" cancel every task). scancel is idempotent on finished jobs."""
+    """Cancel jobs (array ids "A" cancel every task; "A.S" one step). scancel is idempotent on finished jobs."""
     ids = sorted({str(j) for j in job_ids if str(j)})
     if ids:
         _run(["scancel", *ids])
@@ -269,6 +269,24 @@ def queue_reason(job_id: str) -> tuple[str, str]:
     out = _run(["squeue", "-h", "-j", str(job_id), "-o", "%T|%r"], timeout_s=15.0).stdout.strip()
     state, _, reason = out.splitlines()[0].partition("|") if out else ("", "", "")
     return state.strip(), reason.strip()
+
+
+def start_step(argv: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start one `srun` job step inside the current allocation and return at once (hpctrain.fault.injob
+    watches it). Its output goes where srun's --output/--error say, or the batch script's own log."""
+    if not argv or argv[0] != "srun":
+        raise ValueError(f"start_step runs srun, not {argv[:1]}")
+    try:
+        return subprocess.Popen(list(argv), env=env)  # argv is ours, no shell
+    except FileNotFoundError as exc:
+        raise SlurmUnavailable("`srun` is not on PATH inside the job: SLURM's client tools are missing here") from exc
+
+
+def step_ids(job_id: str) -> list[str]:
+    """The job's running steps as squeue lists them ("123.0", "123.1"; not the batch step), oldest first."""
+    out = _run(["squeue", "-h", "--steps", "-j", str(job_id), "-o", "%i"], timeout_s=15.0, tries=2).stdout
+    ids = [w.strip() for w in out.splitlines() if re.fullmatch(rf"{re.escape(str(job_id))}\.\d+", w.strip())]
+    return sorted(ids, key=lambda s: int(s.rsplit(".", 1)[1]))
 
 
 def queue_state(job_id: str) -> str:

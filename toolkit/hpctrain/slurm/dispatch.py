@@ -277,6 +277,11 @@ def _check_fits(spec: Spec, plan: Plan) -> None:
     if plan.nodes > info.nodes:
         raise HpcUsageError(f"resources.nodes = {plan.nodes}: {where} has {info.nodes} node(s), so the job "
                             f"could never start. Fix: pass --nodes {info.nodes} or fewer, or a larger --partition")
+    spares = getattr(plan, "spare_nodes", 0)
+    if plan.nodes + spares > info.nodes:
+        raise HpcUsageError(f"resources.spare_nodes = {spares}: {plan.nodes} training node(s) + "
+                            f"{spares} spare(s) > the {info.nodes} node(s) of {where}, so the job could "
+                            f"never start. Fix: pass --spare-nodes {info.nodes - plan.nodes} or fewer")
     cpus = plan.ranks_per_node * r.cpus_per_task
     if info.cpus and cpus > info.cpus:
         raise HpcUsageError(

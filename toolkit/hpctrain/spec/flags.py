@@ -44,6 +44,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--launcher", "launch.launcher", ("srun", "deepspeed"), "How ranks start."),
     Flag("--executor", "launch.executor", ("slurm", "local", "auto"), "Where the job runs."),
     Flag("--steps", "train.steps", int, "Optimizer steps."),
+    Flag("--spare-nodes", "resources.spare_nodes", int,
+         "Extra nodes to allocate; a lost node is replaced by one within the same job (0 = off)."),
     Flag("--retries", "launch.retries", int, "Automatic resubmissions after a failure (0 = off; capped at 10)."),
     Flag("--data", "data.source", str, "Data: 'synthetic', a .jsonl/.txt file or a folder."),
     Flag("--mail-type", "slurm.mail_type", str, "SLURM mail types, e.g. END,FAIL (sbatch --mail-type)."),

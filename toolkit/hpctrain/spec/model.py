@@ -54,6 +54,9 @@ class Resources:
     exclude: tuple[str, ...] = ()  # hosts never to run on (grows on resubmit)
     signal_seconds: int = 90  # USR2 this long before the time limit -> checkpoint + requeue
     gpu_mem_gb: float = 0.0  # memory of one GPU for the plan's fit check; 0 = assume 80 (A100/H100 80GB)
+    # Extra nodes allocated beside `nodes` (training runs on `nodes`): a lost node is replaced by a spare in a
+    # new srun step of the same job (hpctrain.fault.injob) instead of a resubmission through the queue.
+    spare_nodes: int = 0
 
     def __post_init__(self) -> None:
         check(self)
@@ -68,6 +71,23 @@ class Launch:
     preflight_timeout_s: int = 60  # rendezvous + all-reduce must finish within this
     modules: tuple[str, ...] = ()  # `module load` lines (site profiles set these)
     template_dir: str = ""  # folder whose *.j2 override the shipped templates ("" = config dir's templates/)
+
+    def __post_init__(self) -> None:
+        check(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fault:
+    """Recovery inside the allocation (hpctrain.fault.injob); resubmission is launch.retries."""
+
+    # New srun steps within one job after a lost node, a hang or a retryable rank crash. 0 (the default): one
+    # per spare node (none without spares: every failure ends the job and the supervisor resubmits). Set
+    # without spares, a retryable crash restarts in place; with spares, a step replaces the failing node.
+    in_job_restarts: int = 0
+    # Straggler exclusion, with a spare left: a node whose ranks' compute time per step stays at least
+    # straggler_ratio x the other ranks' median (heartbeats) for straggler_patience_s is replaced (0 = off).
+    straggler_patience_s: int = 0
+    straggler_ratio: float = 1.2
 
     def __post_init__(self) -> None:
         check(self)
@@ -193,6 +213,7 @@ class Spec:
     site: str = ""  # site profile name ("" = none)
     resources: Resources = field(default_factory=Resources)
     launch: Launch = field(default_factory=Launch)
+    fault: Fault = field(default_factory=Fault)
     model: Model = field(default_factory=Model)
     data: Data = field(default_factory=Data)
     train: Train = field(default_factory=Train)
@@ -216,6 +237,7 @@ class Spec:
 SECTIONS: dict[str, type] = {
     "resources": Resources,
     "launch": Launch,
+    "fault": Fault,
     "model": Model,
     "data": Data,
     "train": Train,
@@ -227,7 +249,7 @@ SECTIONS: dict[str, type] = {
 }
 TOP_SCALARS = ("name", "site", "secret_env")
 # A sweep makes one job array, and an array has one allocation shape and one launch line.
-UNSWEEPABLE = ("resources.", "launch.", "container.", "slurm.", "code.", "site", "secret_env", "env.")
+UNSWEEPABLE = ("resources.", "launch.", "fault.", "container.", "slurm.", "code.", "site", "secret_env", "env.")
 
 
 # --------------------------------------------------------------------------------------------------

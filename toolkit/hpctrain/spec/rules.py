@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         Code,
         Container,
         Data,
+        Fault,
         Launch,
         Model,
         Parallel,
@@ -35,7 +36,8 @@ if TYPE_CHECKING:
     )
 
 # Run-file sections are the dataclass names in lower case: Resources -> [resources].
-SECTION_CLASSES = ("Resources", "Launch", "Model", "Data", "Train", "Parallel", "Checkpoint", "Container", "Slurm", "Code")
+SECTION_CLASSES = ("Resources", "Launch", "Fault", "Model", "Data", "Train", "Parallel", "Checkpoint", "Container", "Slurm",
+                   "Code")
 
 from hpctrain.secret import (
     ALWAYS_SECRET,
@@ -266,6 +268,8 @@ def _rules_resources(r: Resources) -> None:
           "resources.tasks_per_node", r.tasks_per_node,
           f"one rank drives one GPU, but gpus_per_node is {r.gpus_per_node}",
           f"set [resources] tasks_per_node = {r.gpus_per_node} or 0 (derive)")
+    need(r.spare_nodes >= 0, "resources.spare_nodes", r.spare_nodes, "cannot be negative",
+         how_to_set("resources.spare_nodes", 1) + " (0 = no spares)")
     need(r.cpus_per_task >= 1, "resources.cpus_per_task", r.cpus_per_task, "must be at least 1",
           how_to_set("resources.cpus_per_task", 1))
     need(r.mem == "" or bool(_MEM.fullmatch(r.mem)), "resources.mem", r.mem, "not a SLURM memory size",
@@ -568,8 +572,17 @@ def _rules_code(c: Code) -> None:
          "leave it to `hpctrain submit --snapshot`, which sets it")
 
 
+def _rules_fault(x: Fault) -> None:
+    need(x.in_job_restarts >= 0, "fault.in_job_restarts", x.in_job_restarts, "cannot be negative",
+         "set [fault] in_job_restarts = 3 (0 = one per spare node)")
+    need(x.straggler_patience_s >= 0, "fault.straggler_patience_s", x.straggler_patience_s, "cannot be negative",
+         "set [fault] straggler_patience_s = 120 (0 = off)")
+    need(x.straggler_ratio > 1.0, "fault.straggler_ratio", x.straggler_ratio, "must be above 1 (slower than the others)",
+         "set [fault] straggler_ratio = 1.2")
+
+
 _RULES: dict[str, Any] = {
-    "Resources": _rules_resources, "Launch": _rules_launch, "Model": _rules_model, "Data": _rules_data,
+    "Resources": _rules_resources, "Launch": _rules_launch, "Fault": _rules_fault, "Model": _rules_model, "Data": _rules_data,
     "Train": _rules_train, "Parallel": _rules_parallel, "Checkpoint": _rules_checkpoint,
     "Container": _rules_container, "Slurm": _rules_slurm, "Code": _rules_code,
     "Spec": _rules_spec,

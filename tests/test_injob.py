@@ -1,0 +1,253 @@
+"""In-job restarts (hpctrain.fault.injob): the host choice, the rendered job, and the driver's loop over steps
+with fake steps (real processes standing in for srun; the cluster test runs the real thing)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hpctrain.fault import injob
+from hpctrain.fault.injob import Driver, Verdict, plan_restart
+from hpctrain.runs import events as ev
+from hpctrain.states import FailureClass
+
+HOSTS = ["node1", "node2", "node3", "node4"]
+
+
+def test_a_lost_node_is_replaced_by_a_spare_in_its_place() -> None:
+    got = plan_restart(Verdict(FailureClass.NODE_FAIL, ("node2",)), HOSTS[:3], HOSTS, frozenset(), 0, 2)
+    assert not isinstance(got, str)
+    assert got.hosts == ("node1", "node4", "node3") and got.replaced == {"node2": "node4"}
+    assert got.bad == {"node2"}
+
+
+def test_a_host_that_failed_once_never_comes_back_as_a_spare() -> None:
+    # node2 failed, node4 replaced it; now node4 fails: node2 is no spare (it failed in this job), none left.
+    got = plan_restart(Verdict(FailureClass.NODE_FAIL, ("node4",)), ["node1", "node4"], HOSTS[:2] + ["node4"],
+                       frozenset({"node2"}), 1, 3)
+    assert isinstance(got, str) and "no spare node left to replace node4" in got
+
+
+def test_a_retryable_crash_without_a_host_restarts_in_place() -> None:
+    got = plan_restart(Verdict(FailureClass.COMM_TIMEOUT), HOSTS[:2], HOSTS[:2], frozenset(), 0, 1)
+    assert not isinstance(got, str) and got.hosts == ("node1", "node2") and got.replaced == {}
+
+
+@pytest.mark.parametrize(("cls", "used", "why"), [
+    (FailureClass.PYTHON_EXCEPTION, 0, "not retryable"),
+    (FailureClass.GPU_OOM, 0, "not retryable"),
+    (FailureClass.CANCELLED, 0, "not retryable"),
+    (FailureClass.NODE_FAIL, 2, "budget spent (2 of 2)"),
+    (None, 0, "without a failure"),
+])
+def test_no_restart_for_user_errors_a_person_or_a_spent_budget(cls: str | None, used: int, why: str) -> None:
+    got = plan_restart(Verdict(cls, ("node2",)), HOSTS[:2], HOSTS, frozenset(), used, 2)
+    assert isinstance(got, str) and why in got
+
+
+def test_the_srun_line_is_narrowed_to_the_chosen_hosts() -> None:
+    d = Driver(Path("/r"), "7", HOSTS, 2, 2, 1, ["srun", "--unbuffered", "python", "-m", "x"])
+    argv = d.srun_argv(["node1", "node3"])
+    assert argv[0] == "srun" and argv[-3:] == ["python", "-m", "x"]
+    assert {"--nodes=2", "--nodelist=node1,node3", "--ntasks=4", "--ntasks-per-node=2", "--overlap"} <= set(argv)
+
+
+# -- the rendered job ---------------------------------------------------------------------------------
+def _script(tmp_path: Path, **res: Any) -> tuple[str, Any]:
+    from hpctrain.plan.planner import make_plan
+    from hpctrain.render.sbatch import render_sbatch
+    from hpctrain.spec.model import resolve
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    spec = resolve(examples / "tiny.toml", {k.replace("__", ".") if "__" in k else f"resources.{k}": v
+                                            for k, v in res.items()})
+    plan = make_plan(spec)
+    return render_sbatch(spec, plan, tmp_path / "run", "python -u -m submitit.core._submit /f"), plan
+
+
+def test_spares_are_allocated_beside_the_training_nodes_and_the_job_survives_a_node(tmp_path: Path) -> None:
+    text, plan = _script(tmp_path, nodes=2, spare_nodes=1)
+    assert plan.nodes == 2 and plan.spare_nodes == 1 and plan.in_job_restarts == 1 and plan.world_size == 2 * plan.ranks_per_node
+    assert "#SBATCH --nodes=3\n" in text and "#SBATCH --no-kill\n" in text
+    line = next(ln for ln in text.splitlines() if "-m hpctrain.fault.injob" in ln)
+    assert "--nodes 2 " in line and "--restarts 1 " in line and " -- srun --unbuffered" in line
+    assert "hpctrain.fault.supervisor watch" not in text  # the driver watches each step itself
+    assert any("spare" in r for r in plan.reasons)
+
+
+def test_straggler_exclusion_reaches_the_driver(tmp_path: Path) -> None:
+    text, _ = _script(tmp_path, nodes=2, spare_nodes=1, fault__straggler_patience_s=120, fault__straggler_ratio=1.5)
+    line = next(ln for ln in text.splitlines() if "-m hpctrain.fault.injob" in ln)
+    assert "--straggler-patience 120 --straggler-ratio 1.5 -- srun" in line
+
+
+def test_a_sweep_cannot_have_spares(tmp_path: Path) -> None:
+    from hpctrain.errors import HpcUsageError
+    from hpctrain.plan.planner import make_plan
+    from hpctrain.render.sbatch import render_sbatch
+    from hpctrain.spec.model import resolve
+
+    spec = resolve(Path(__file__).resolve().parents[1] / "examples" / "tiny.toml", {"resources.spare_nodes": 1})
+    with pytest.raises(HpcUsageError, match="resources.spare_nodes = 1: a sweep"):
+        render_sbatch(spec, make_plan(spec), tmp_path / "a", "python -m x", array="0-1",
+                      run_dirs=[tmp_path / "a", tmp_path / "b"])
+
+
+def test_without_spares_or_restarts_the_job_is_as_before(tmp_path: Path) -> None:
+    text, plan = _script(tmp_path, nodes=2)
+    assert plan.spare_nodes == 0 and plan.in_job_restarts == 0
+    assert "--no-kill" not in text and "hpctrain.fault.injob" not in text and "#SBATCH --nodes=2\n" in text
+
+
+# -- the driver's loop, with processes standing in for srun ---------------------------------------------
+class FakeSteps:
+    """start_step runs `python -c` with the next script; each step writes what a rank would (events)."""
+
+    def __init__(self, run_dir: Path, scripts: list[str]) -> None:
+        self.run_dir, self.scripts, self.argv, self.envs = run_dir, scripts, [], []
+
+    def start(self, argv: list[str], env: dict[str, str] | None = None) -> Any:
+        import subprocess
+
+        self.argv.append(argv)
+        self.envs.append(env or {})
+        return subprocess.Popen([sys.executable, "-c", self.scripts[len(self.argv) - 1]], env=env)
+
+
+def _failure(run_dir: Path, attempt: int, cls: str, exc: str = "RuntimeError: gloo Connection reset by peer") -> str:
+    line = json.dumps({"time": 1.0, "kind": "failure", "class": cls, "rank": 0, "host": "node1", "job_id": "7",
+                       "attempt": attempt, "exception": exc,
+                       "message": "", "exit_code": 1})
+    return f"open({str(run_dir / 'events.jsonl')!r}, 'a').write({line!r} + '\\n'); raise SystemExit(1)"
+
+
+def _driver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scripts: list[str], budget: int = 1) -> tuple[Driver, FakeSteps]:
+    run = tmp_path / "run"
+    (run / "metrics").mkdir(parents=True)
+    fake = FakeSteps(run, scripts)
+    from hpctrain.slurm import commands
+
+    monkeypatch.setattr(commands, "start_step", fake.start)
+    monkeypatch.setattr(commands, "step_ids", lambda job: [f"7.{i}" for i in range(len(fake.argv))])
+    monkeypatch.setattr(Driver, "_down", lambda self, hosts: [])
+    env = {"PATH": "/usr/bin:/bin", "SLURM_RESTART_COUNT": "0", "HPCTRAIN_ATTEMPT": "0"}
+    return Driver(run, "7", ["node1", "node2"], 2, 1, budget, ["srun", "x"], world=2, env=env), fake
+
+
+def test_a_transient_crash_restarts_in_place_as_a_new_attempt_and_step(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    run = tmp_path / "run"
+    d, fake = _driver(tmp_path, monkeypatch, [_failure(run, 0, FailureClass.COMM_TIMEOUT), "pass"])
+    assert d.run() == 0
+    assert len(fake.argv) == 2 and [e["HPCTRAIN_ATTEMPT"] for e in fake.envs] == ["0", "1"]
+    assert all(e["MASTER_ADDR"] == "node1" for e in fake.envs)
+    (restart,) = ev.read_events(run, kind=injob.RESTART)
+    assert restart.attempt == 0 and restart.failure_class == FailureClass.COMM_TIMEOUT
+    assert restart.extra["step_id"] == "7.0" and restart.extra["next_step_id"] == "7.1"
+    assert restart.extra["next_attempt"] == 1 and restart.extra["replaced"] == {}
+    rec = [json.loads(x) for x in (run / "attempts.jsonl").read_text().splitlines()][-1]
+    assert rec["attempt"] == 1 and rec["job_id"] == "7" and rec["step_id"] == "7.1"
+    assert (run / "hostfile").read_text().split() == ["node1", "slots=1", "node2", "slots=1"]
+
+
+def test_a_user_error_ends_the_job_with_its_exit_status(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = tmp_path / "run"
+    d, fake = _driver(tmp_path, monkeypatch, [_failure(run, 0, FailureClass.PYTHON_EXCEPTION, "ValueError: bad lr"), "pass"])
+    assert d.run() == 1 and len(fake.argv) == 1
+    assert not ev.read_events(run, kind=injob.RESTART)
+
+
+def test_the_budget_bounds_the_restarts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = tmp_path / "run"
+    crash = _failure(run, 0, FailureClass.COMM_TIMEOUT)
+    d, fake = _driver(tmp_path, monkeypatch, [crash, _failure(run, 1, FailureClass.COMM_TIMEOUT), "pass"], budget=1)
+    assert d.run() == 1 and len(fake.argv) == 2
+
+
+def test_a_peer_lost_verdict_swaps_the_dead_host_for_a_spare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The watchdog's peer check condemns the running step (it never ends by itself): the driver stops it and
+    starts the next on the survivor and the spare, rank order kept."""
+    d, fake = _driver(tmp_path, monkeypatch, ["import time; time.sleep(60)", "pass"])
+    d.job_hosts = ["node1", "node2", "node3"]
+    verdict = {"event": "peer_lost", "silent_hosts": ["node2"], "message": "rank 0 lost its peer on node2",
+               "time": 5.0}
+    calls = iter([verdict])
+    monkeypatch.setattr(injob.Watchdog, "peer_check", lambda self: next(calls, None))
+    monkeypatch.setattr(injob.Driver, "_stop_step", lambda self, proc, step: proc.kill())
+    assert d.run() == 0
+    assert "--nodelist=node1,node3" in fake.argv[1]
+    (restart,) = ev.read_events(d.run_dir, kind=injob.RESTART)
+    assert restart.failure_class == FailureClass.NODE_FAIL and restart.extra["replaced"] == {"node2": "node3"}
+
+
+def test_main_reads_its_options_before_the_srun_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(Driver, "run", lambda self: seen.update(vars(self)) or 0)
+    monkeypatch.setenv("SLURM_JOB_ID", "9")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[1-3]")
+    argv = [str(tmp_path), "--nodes", "2", "--tasks-per-node", "1", "--restarts", "1", "--world", "2",
+            "--hang-timeout", "300", "--", "srun", "--unbuffered", "--nodes", "9", "python"]
+    assert injob.main(argv) == 0
+    assert seen["nodes"] == 2 and seen["job_hosts"] == ["node1", "node2", "node3"]
+    assert seen["launch"] == ["srun", "--unbuffered", "--nodes", "9", "python"] and seen["hang_timeout_s"] == 300
+
+
+def test_a_straggler_must_persist_before_it_counts() -> None:
+    p = injob._Persistence(60)
+    assert p.update(["node2"], now=100.0) is None and p.update(["node2"], now=150.0) is None
+    assert p.update(["node2", "node3"], now=170.0) is None  # another set: the clock starts again
+    assert p.update(["node2", "node3"], now=229.0) is None
+    rec = p.update(["node2", "node3"], now=231.0)
+    assert rec is not None and rec["event"] == "straggler" and rec["silent_hosts"] == ["node2", "node3"]
+    assert p.update([], now=300.0) is None
+
+
+def test_a_persistent_straggler_is_replaced_by_a_spare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    d, fake = _driver(tmp_path, monkeypatch, ["import time; time.sleep(60)", "pass"])
+    d.job_hosts, d.straggler_patience_s = ["node1", "node2", "node3"], 0.4
+    d.find_stragglers = lambda beats, ratio: ["node2"]
+    monkeypatch.setattr(injob.Driver, "_stop_step", lambda self, proc, step: proc.kill())
+    assert d.run() == 0
+    assert "--nodelist=node1,node3" in fake.argv[1]
+    (restart,) = ev.read_events(d.run_dir, kind=injob.RESTART)
+    assert restart.extra["replaced"] == {"node2": "node3"} and restart.message.startswith("straggler: node2")
+
+
+def test_without_a_spare_a_straggler_is_left_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    d, fake = _driver(tmp_path, monkeypatch, ["import time; time.sleep(1.5)"])
+    d.straggler_patience_s = 0.2
+    d.find_stragglers = lambda beats, ratio: ["node2"]
+    assert d.run() == 0 and len(fake.argv) == 1
+
+
+def test_summary_shows_each_step_as_an_attempt_with_the_node_its_spare_replaced(tmp_path: Path) -> None:
+    from hpctrain.collect import summary
+
+    run = tmp_path / "run"
+    (run / "metrics").mkdir(parents=True)
+    att = [{"attempt": 0, "job_id": "7", "state": "COMPLETED", "submitted": 90.0, "started": 100.0, "ended": 300.0,
+            "nodes": "node[1-3]", "executor": "slurm"},
+           {"attempt": 1, "job_id": "7", "step_id": "7.1", "in_job_restart_of": 1, "executor": "slurm",
+            "after": {"attempt": 0, "step_id": "7.0"}}]
+    (run / "attempts.jsonl").write_text("".join(json.dumps(a) + "\n" for a in att))
+    # steps 1-9 before the kill (the last at 149 s), redone from 9 after the restart launched at 158.5 s
+    recs = [{"step": s, "loss": 1.0, "time": 140.0 + s} for s in range(1, 10)]
+    recs += [{"step": s, "loss": 1.0, "time": 160.0 + s} for s in range(9, 21)]
+    (run / "metrics" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    ev.append_event(run, ev.Event(kind=ev.RESTART, time=158.5, host="node2", job_id="7", attempt=0,
+                                  failure_class=FailureClass.NODE_FAIL, message="rank 0 lost its peer on node2",
+                                  extra={"step_id": "7.0", "step_hosts": ["node1", "node2"], "next_step_id": "7.1",
+                                         "next_attempt": 1, "replaced": {"node2": "node3"},
+                                         "hosts": ["node1", "node3"], "detected": 153.0, "stopped": 155.0,
+                                         "launched": 158.5}))
+    rows = summary.build_run(summary.from_folder(run), now=400.0)["attempts"]
+    assert [r["step_id"] for r in rows] == ["7.0", "7.1"] and [r["job_id"] for r in rows] == ["7", "7"]
+    assert rows[0]["state"] == "REQUEUED" and rows[0]["failure_class"] == FailureClass.NODE_FAIL
+    assert rows[0]["failure"]["host"] == "node2" and rows[0]["in_job_restart"]["replaced"] == {"node2": "node3"}
+    assert rows[0]["hosts"] == ["node1", "node2"] and rows[1]["hosts"] == ["node1", "node3"]
+    assert (rows[0]["last_step"], rows[1]["first_step"], rows[1]["last_step"]) == (9, 9, 20)
+    assert rows[1]["state"] == "COMPLETED" and rows[1]["failure_class"] is None

@@ -1,0 +1,141 @@
+"""Spare nodes on the local 4-node SLURM cluster, by killing nodes (no mocks): one run, two kills.
+
+A 2-node run with one spare (3 of the 4 nodes). Kill its second training node: the in-job driver
+(hpctrain.fault.injob) sees the survivors' gloo errors, ends the step and starts a new one on the survivor and
+the spare from the latest complete checkpoint, in the same job (sacct: one job, steps .0 and .1). Kill the
+spare that replaced it: no spare is left, so the run falls back to the supervisor's resubmission, which
+excludes both dead hosts. Each node is restored right after its kill (other people's jobs share the cluster).
+The data and the learning rate are pure functions of the step, so every step redone after a resume has the
+loss it had before the fault, and the run ends at the last step with a loss row for every step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import SLURM_SH, run_cmd
+
+pytestmark = [pytest.mark.slurm, pytest.mark.deepspeed]
+TINY = str(Path(__file__).resolve().parents[1] / "examples" / "tiny.toml")
+STEPS = 80
+FLAGS = ["--executor", "slurm", "--partition", "debug", "--set", "resources.tasks_per_node=1",
+         "--set", "data.seq_len=32", "--set", "train.min_lr=0.001", "--set", "train.warmup_steps=0",
+         "--set", "checkpoint.export_hf=false", "--set", "checkpoint.keep=3", "--set", "checkpoint.every_steps=4",
+         "--steps", str(STEPS), "--nodes", "2", "--spare-nodes", "1", "--retries", "2"]
+
+
+def wait_until(cond: Callable[[], Any], timeout: float, what: str, poll: float = 1.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def jsonl(path: Path) -> list[dict[str, Any]]:
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line being written
+    return out
+
+
+def steps_seen(run: Path) -> list[dict[str, Any]]:
+    return [r for r in jsonl(run / "metrics" / "metrics.jsonl") if "step" in r]
+
+
+def restarts(run: Path) -> list[dict[str, Any]]:
+    return [e for e in jsonl(run / "events.jsonl") if e.get("kind") == "restart"]
+
+
+def others_on(node: str, job: str) -> list[str]:
+    out = run_cmd(["squeue", "-h", "-w", node, "-o", "%i"], timeout=30).stdout.split()
+    return [j for j in out if j.split("_")[0] != job]
+
+
+def kill_and_restore(n: str, job: str, then: Callable[[], Any], what: str) -> Any:
+    """Kill node n once no other job runs there (other people's tests share the cluster), wait (bounded) for
+    `then`, and restore the node whatever happened."""
+    try:
+        wait_until(lambda: not others_on(n, job), 300, f"{n} to run only job {job}", poll=0.5)
+    except AssertionError:
+        pytest.skip(f"{n} stayed shared with other jobs ({others_on(n, job)}): not killing it")
+    try:
+        run_cmd(["bash", str(SLURM_SH), "kill-node", n.removeprefix("node")], timeout=60)
+        return wait_until(then, 90, what, poll=0.5)
+    finally:
+        run_cmd(["bash", str(SLURM_SH), "restart-node", n.removeprefix("node")], timeout=120)
+
+
+def test_a_spare_replaces_a_dead_node_in_the_same_job_then_the_queue_takes_over(slurm_cluster: Any,
+                                                                                 tmp_path: Path) -> None:
+    env = {**os.environ, "HPCTRAIN_RUNS_DIR": str(tmp_path / "runs"), "HPCTRAIN_STATE_DIR": str(tmp_path / "state")}
+    env.pop("HPCTRAIN_FAULT_INJECT", None)
+    proc = subprocess.run([sys.executable, "-m", "hpctrain", "submit", TINY, *FLAGS, "--job-name", "spare", "--json"],
+                          capture_output=True, text=True, timeout=120, check=False, env=env, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr
+    run, job = Path(json.loads(proc.stdout)[0]["run_dir"]), json.loads(proc.stdout)[0]["job_id"]
+    assert "#SBATCH --no-kill" in (run / "sbatch.sh").read_text()
+
+    # Kill 1: the second training node (never the batch host, which runs the driver).
+    wait_until(lambda: len(steps_seen(run)) >= 8, 600, "step 8 of the first step", poll=1)
+    hosts = [ln.split()[0] for ln in (run / "hostfile").read_text().splitlines()]
+    first = kill_and_restore(hosts[1], job, lambda: restarts(run), "the in-job restart")[0]
+    assert first["replaced"] == {hosts[1]: first["hosts"][1]} and first["hosts"][0] == hosts[0]
+    assert first["class"] == "node_fail" and first["step_id"] == f"{job}.0" and first["next_step_id"] == f"{job}.1"
+    spare = first["hosts"][1]
+
+    # Kill 2: the spare, once the new step trains: no spare left -> the supervisor resubmits without both.
+    resumed_at = max(r["step"] for r in steps_seen(run))
+    wait_until(lambda: len([r for r in steps_seen(run) if r["time"] > first["launched"]]) >= 6, 600,
+               "six steps of the in-job restart", poll=1)
+    t_restart = first["launched"]
+    decided = kill_and_restore(spare, job, lambda: [n for n in jsonl(run / "attempts.jsonl") if "decision" in n],
+                               "the supervisor's decision")[0]
+    assert decided["decision"]["action"] == "retry", decided
+    assert {hosts[1], spare} <= set(decided["decision"]["exclude"]), decided
+    nxt = decided["next"]["job_id"]
+    wait_until(lambda: max((r["step"] for r in steps_seen(run)), default=0) >= STEPS, 900, "the resubmitted job's end")
+
+    # sacct: the first job ran two training steps, the second one on the survivor and the spare.
+    rows = run_cmd(["sacct", "-n", "-P", "-j", job, "-o", "JobID,State,NodeList"], timeout=30).stdout.splitlines()
+    steps = {r.split("|")[0]: r.split("|")[2] for r in rows if r.split("|")[0] in (f"{job}.0", f"{job}.1")}
+    assert set(steps) == {f"{job}.0", f"{job}.1"}, rows
+    step1_hosts = run_cmd(["scontrol", "show", "hostnames", steps[f"{job}.1"]], timeout=30).stdout.split()
+    assert hosts[1] not in step1_hosts and spare in step1_hosts, rows
+
+    # Losses: every step once at least, and a step redone after a resume has the loss it had before.
+    by_step: dict[int, set[float]] = {}
+    for r in steps_seen(run):
+        by_step.setdefault(int(r["step"]), set()).add(round(float(r["loss"]), 6))
+    assert sorted(by_step) == list(range(1, STEPS + 1))
+    assert all(len(v) == 1 for v in by_step.values()), {s: v for s, v in by_step.items() if len(v) > 1}
+    assert resumed_at - 3 <= min(int(r["step"]) for r in steps_seen(run) if r["time"] > t_restart) <= resumed_at + 1
+
+    # summary: the in-job restart is an attempt of its own, with its step id and the node its spare replaced.
+    out = subprocess.run([sys.executable, "-m", "hpctrain", "summary", str(run), "--json"], capture_output=True,
+                         text=True, timeout=120, check=True, env=env, stdin=subprocess.DEVNULL).stdout
+    rec = json.loads(out)
+    rec = rec[0] if isinstance(rec, list) else rec
+    atts = rec["runs"][0]["attempts"] if "runs" in rec else rec["attempts"]
+    a0 = atts[0]
+    assert a0["step_id"] == f"{job}.0" and a0["failure_class"] == "node_fail"
+    assert a0["in_job_restart"]["replaced"] == {hosts[1]: spare}
+    assert atts[1]["step_id"] == f"{job}.1" and atts[1]["job_id"] == job and atts[-1]["job_id"] == nxt
+
+    from hpctrain.fault.injob import timeline
+
+    print("restart timeline (s from detection):", timeline(run))

@@ -1,0 +1,422 @@
+"""In-job restarts: the batch script's driver of the training `srun` steps (spare nodes, restarts in place).
+
+With `resources.spare_nodes = K` the job allocates nodes + K hosts, is submitted `--no-kill` (a lost node
+does not end the allocation) and trains on `nodes` of them. This driver, run by the batch script in place of
+the bare `srun` line, launches the training as one srun step over the chosen hosts (hostfile of those only,
+MASTER_ADDR on the first), and watches it with the hang/peer-lost checks of hpctrain.fault.watchdog. When the
+step ends badly it asks the collector's classifier (hpctrain.collect.classify) why, and the retry rules
+(hpctrain.states.is_retryable, the class list the supervisor's policy uses) whether a restart can help; if so
+it ends the step, takes the survivors plus a spare in place of the implicated hosts (same world size: the
+ranks resume from the latest complete checkpoint without conversion) and launches a new step in the same job.
+Without spares, a retryable failure that implicates no host (a crashed rank, a transient gloo/NCCL error)
+restarts in place. When the budget (`fault.in_job_restarts`) or the spares run out, it ends as the job did
+before: a peer-lost or hang verdict goes to metrics/watchdog.jsonl and the job is cancelled (the supervisor
+resubmits with the bad hosts excluded); a crash ends the job with the step's exit code.
+
+Each step is an attempt of its own: its ranks log as logs/attempt-K (HPCTRAIN_ATTEMPT), and every restart is
+a `restart` event in events.jsonl naming the step that ended, the new step, the class, and which host each
+spare replaced (the collector turns those into attempt rows). Stdlib + hpctrain's login-side modules only
+(no torch): the batch script runs it with the submitting python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from hpctrain.fault.watchdog import PEER_POLL_S, Watchdog, log_attempt
+from hpctrain.nodelist import expand
+from hpctrain.runs import beats as beats_mod
+from hpctrain.runs import events as events_mod
+from hpctrain.runs import folder as runs_mod
+from hpctrain.states import IMPLICATES_HOST, ExitCode, FailureClass, JobState, is_retryable
+
+RESTART = events_mod.RESTART  # the events.jsonl kind of one in-job restart
+STOP_GRACE_S = 1.0  # after the step's scancel, how long srun may take to go before it is stopped
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """Why a step ended: a failure class, the hosts it implicates, the evidence, and when it was seen."""
+
+    failure_class: str | None
+    hosts: tuple[str, ...] = ()
+    message: str = ""
+    watchdog: dict[str, Any] | None = None  # the watchdog's record (peer_lost / hang), when it decided
+    detected: float = 0.0
+    stopped: float = 0.0  # when the step was over (ended by itself, or stopped by the driver)
+
+
+@dataclasses.dataclass(frozen=True)
+class Restart:
+    """The next step: its hosts (same count), which host each spare replaces, the bad hosts so far."""
+
+    hosts: tuple[str, ...]
+    replaced: dict[str, str]
+    bad: frozenset[str]
+
+
+def plan_restart(verdict: Verdict, in_use: Sequence[str], job_hosts: Sequence[str], bad: frozenset[str],
+                 used: int, budget: int) -> Restart | str:
+    """The next step's hosts, or why there is none (the caller falls back to ending the job). Pure.
+
+    Implicated hosts of this step are replaced, in order, by the job's unused hosts that never failed;
+    the others keep their place (rank order, so rank 0 stays where it was unless its host failed)."""
+    cls = verdict.failure_class
+    if cls is None:
+        return "the step ended without a failure"
+    if not is_retryable(cls):
+        return f"failure class {cls} is not retryable (the supervisor's policy stops on it too)"
+    if used >= budget:
+        return f"in-job restart budget spent ({used} of {budget})"
+    now_bad = bad | {h for h in verdict.hosts if h in in_use}
+    spares = [h for h in job_hosts if h not in in_use and h not in now_bad]
+    hosts, replaced = [], {}
+    for h in in_use:
+        if h in now_bad:
+            if not spares:
+                return f"no spare node left to replace {h}"
+            replaced[h] = spares.pop(0)
+            hosts.append(replaced[h])
+        else:
+            hosts.append(h)
+    return Restart(tuple(hosts), replaced, frozenset(now_bad))
+
+
+def classify_exit(run_dir: Path, job: str, attempt: int, rc: int, down: Sequence[str]) -> Verdict:
+    """A step that ended by itself with exit status `rc`: the collector's classifier reads this attempt's
+    events (the ranks' failure events name class, rank and host); hosts SLURM reports down are implicated."""
+    from hpctrain.collect import classify as cc
+
+    evs = events_mod.of_attempt(events_mod.read_events(run_dir), attempt, job)
+    state = JobState.NODE_FAIL if down else JobState.FAILED
+    found = cc.classify(state, [], exit_code=f"{rc}:0", events=evs, hosts=list(down))
+    cls = found.failure_class or FailureClass.UNKNOWN
+    hosts = [*down]
+    if found.host and cls in IMPLICATES_HOST:
+        hosts.append(found.host)
+    msg = found.message or f"step exited {rc}"
+    return Verdict(cls, tuple(dict.fromkeys(hosts)), msg, None, time.time())
+
+
+def verdict_of_watchdog(rec: dict[str, Any]) -> Verdict:
+    """The watchdog's record as a verdict: a lost peer is a node failure, a hang a hang (as the supervisor reads
+    them); a persistent straggler is treated like a failing node (node_fail, the message says straggler)."""
+    cls = FailureClass.HANG if rec.get("event") == "hang" else FailureClass.NODE_FAIL
+    return Verdict(cls, tuple(rec.get("silent_hosts") or ()), str(rec.get("message", "")), rec,
+                   float(rec.get("time") or time.time()))
+
+
+# ---------------------------------------------------------------------------------------------- plumbing
+@dataclasses.dataclass
+class Driver:
+    """One job's steps. `launch` is the srun command line of the batch script (srun + its flags + command);
+    the driver adds the step's node list and task count."""
+
+    run_dir: Path
+    job: str
+    job_hosts: list[str]
+    nodes: int
+    tasks_per_node: int
+    budget: int
+    launch: list[str]
+    hang_timeout_s: float = 0.0
+    world: int = 1
+    env: dict[str, str] = dataclasses.field(default_factory=lambda: dict(os.environ))
+    # Straggler exclusion (fault.straggler_patience_s, 0 = off): a host whose ranks the straggler verdict names
+    # for this long is replaced like a failing node, only while a spare and budget are left.
+    straggler_patience_s: float = 0.0
+    straggler_ratio: float = 1.2
+    find_stragglers: Callable[[list[dict[str, Any]], float], list[str]] | None = None
+
+    def run(self) -> int:
+        """Launch the first step, then judge each step's end: return its exit status, restart, or give up."""
+        hosts, bad, used = list(self.job_hosts[:self.nodes]), frozenset[str](), 0
+        restarts = self.env.get("SLURM_RESTART_COUNT", "0") or "0"
+        attempt = log_attempt(self.env)
+        proc, step = self._launch(hosts, attempt, restarts)
+        while True:
+            spare_left = used < self.budget and any(h not in hosts and h not in bad for h in self.job_hosts)
+            rc, rec = self._watch(proc, restarts, hosts if spare_left else [])
+            if rec is None and rc in (ExitCode.OK, ExitCode.STOPPED):
+                return rc  # finished, or stopped on the time-limit signal (rank 0 requeued the job)
+            if rec is not None:
+                self._stop_step(proc, step)
+                verdict = verdict_of_watchdog(rec)
+            else:
+                verdict = classify_exit(self.run_dir, self.job, attempt, rc, self._down(hosts))
+            verdict = dataclasses.replace(verdict, stopped=time.time())
+            nxt = plan_restart(verdict, hosts, self.job_hosts, bad, used, self.budget)
+            if isinstance(nxt, str):
+                return self._give_up(verdict, nxt, rc, bad)
+            used += 1
+            nxt_attempt = self._next_attempt(attempt)
+            proc, new_step = self._launch(list(nxt.hosts), nxt_attempt, restarts)
+            self._record(attempt, step, hosts, nxt_attempt, new_step, verdict, nxt, used)
+            swap = ", ".join(f"{a} by {b}" for a, b in nxt.replaced.items())
+            print(f"hpctrain: in-job restart {used} of {self.budget}: {verdict.failure_class}: {verdict.message}; "
+                  f"step {step} -> {new_step} on {','.join(nxt.hosts)} ({f'replaced {swap}' if swap else 'in place'})",
+                  file=sys.stderr, flush=True)
+            hosts, bad, attempt, step = list(nxt.hosts), nxt.bad, nxt_attempt, new_step
+
+    # -- one step ------------------------------------------------------------------------------------
+    def srun_argv(self, hosts: Sequence[str]) -> list[str]:
+        """The batch script's srun line narrowed to `hosts`: one task per rank there, nothing on the rest.
+        --overlap: a step whose node died may linger in SLURM's books (COMPLETING on the dead node) until
+        that node is declared down; the new step must not wait for its CPUs on the surviving nodes."""
+        head, rest = self.launch[0], self.launch[1:]
+        return [head, f"--nodes={len(hosts)}", f"--nodelist={','.join(hosts)}",
+                f"--ntasks={len(hosts) * self.tasks_per_node}", f"--ntasks-per-node={self.tasks_per_node}",
+                "--overlap", *rest]
+
+    def _launch(self, hosts: list[str], attempt: int, restarts: str) -> tuple[Any, str]:
+        from hpctrain.render.sbatch import render_hostfile
+        from hpctrain.slurm import commands as _slurm
+
+        folder = runs_mod.RunFolder(self.run_dir)
+        _archive_rank_files(folder, self.job, attempt)
+        slots = self.world // max(1, self.nodes)
+        tmp = folder.hostfile.with_name(folder.hostfile.name + ".tmp")
+        runs_mod.write_private(tmp, render_hostfile(hosts, slots))
+        os.replace(tmp, folder.hostfile)
+        env = dict(self.env, MASTER_ADDR=hosts[0])
+        # The ranks number their logs and events K = HPCTRAIN_ATTEMPT + SLURM_RESTART_COUNT: step K's own.
+        env["HPCTRAIN_ATTEMPT"] = str(attempt - (int(restarts) if restarts.isdigit() else 0))
+        before = set(_safe_steps(self.job))
+        proc = _slurm.start_step(self.srun_argv(hosts), env=env)
+        return proc, self._step_id(proc, before)
+
+    def _step_id(self, proc: Any, before: set[str], timeout_s: float = 15.0) -> str:
+        """The new step's id ("123.1") from squeue (bounded wait); "JOB.?" when SLURM did not list it in time."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and proc.poll() is None:
+            new = [s for s in _safe_steps(self.job) if s not in before]
+            if new:
+                return new[-1]
+            time.sleep(0.2)
+        return f"{self.job}.?"
+
+    def _watch(self, proc: Any, restarts: str, replaceable: Sequence[str] = ()) -> tuple[int, dict[str, Any] | None]:
+        """Wait for the step to end (its exit status) or for the watchdog's verdict on it (-1, the record); with
+        `replaceable` hosts (a spare is left), a straggler verdict on them that lasts counts too."""
+        dog = Watchdog(self.run_dir, self.job, self.hang_timeout_s or 1e9, world=self.world, restart=restarts)
+        next_hang = time.monotonic() + dog.poll_s()
+        slow = _Persistence(self.straggler_patience_s)
+        while True:
+            try:
+                return int(proc.wait(timeout=PEER_POLL_S)), None
+            except subprocess.TimeoutExpired:
+                pass
+            rec = dog.peer_check()
+            if rec is None and self.hang_timeout_s and time.monotonic() >= next_hang:
+                next_hang = time.monotonic() + dog.poll_s()
+                rec = dog.check()
+            if rec is None and replaceable and self.straggler_patience_s and slow.due():
+                rec = slow.update(self._slow_hosts(restarts, replaceable))
+            if rec is not None:
+                if rec.get("event") == "hang":  # which line each rank hung in, before the step is stopped
+                    dog.dump_stacks(rec)
+                return -1, rec
+
+    def _slow_hosts(self, restarts: str, replaceable: Sequence[str]) -> list[str]:
+        """Hosts of this step the straggler verdict names (hpctrain.collect.stragglers: per-rank compute times
+        in the beats against the other ranks' median)."""
+        find = self.find_stragglers or _straggler_finder()
+        beats = beats_mod.read_beats(self.run_dir, self.job, restarts)
+        return [h for h in find(beats, self.straggler_ratio) if h in replaceable]
+
+    def _stop_step(self, proc: Any, step: str) -> None:
+        """End a step the watchdog condemned. The survivors' ranks have usually exited on the peer error already;
+        srun waits for the dead node's answer, so it is stopped after STOP_GRACE_S. A plain scancel of the step is
+        handled by slurmctld in the background: `scancel --signal=KILL` of a step waits for every node's reply,
+        the dead one's too (measured: 24 s), and SIGTERM to srun forwards to the ranks it can still reach."""
+        from hpctrain.slurm import commands as _slurm
+
+        if not step.endswith(".?"):
+            try:
+                _slurm.scancel([step])
+            except Exception:  # noqa: BLE001,S110 - srun is stopped below either way
+                pass
+        for stop in (proc.terminate, proc.kill):
+            try:
+                proc.wait(timeout=STOP_GRACE_S)
+                return
+            except subprocess.TimeoutExpired:
+                stop()
+        try:
+            proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            print(f"hpctrain: srun of step {step} did not exit; starting the next step anyway", file=sys.stderr,
+                  flush=True)
+
+    def _down(self, hosts: Sequence[str]) -> list[str]:
+        from hpctrain.fault.supervisor import down_hosts
+
+        return [h for h in down_hosts(",".join(hosts)) if h in hosts]
+
+    def _next_attempt(self, attempt: int) -> int:
+        from hpctrain.fault.supervisor import next_attempt_number
+
+        return max(attempt + 1, next_attempt_number(self.run_dir))
+
+    # -- records -------------------------------------------------------------------------------------
+    def _record(self, attempt: int, step: str, step_hosts: list[str], nxt_attempt: int, new_step: str,
+                verdict: Verdict, nxt: Restart, used: int) -> None:
+        """The restart as an event (the collector's attempt rows) and the new attempt in attempts.jsonl."""
+        now = time.time()
+        host = next(iter(nxt.replaced), "")
+        events_mod.append_event(self.run_dir, events_mod.Event(
+            kind=RESTART, time=now, host=host, job_id=self.job, attempt=attempt, failure_class=verdict.failure_class,
+            message=verdict.message, extra={"step_id": step, "step_hosts": list(step_hosts), "next_step_id": new_step, "next_attempt": nxt_attempt,
+                                            "replaced": nxt.replaced, "hosts": list(nxt.hosts), "restart": used,
+                                            "budget": self.budget, "detected": verdict.detected, "stopped": verdict.stopped,
+                                            "launched": now}))
+        # No state, times or nodes here: the collector merges a job's lines into each of its rows (state from
+        # SLURM), and takes each step's own times and hosts from the restart event.
+        runs_mod.RunFolder(self.run_dir).append_attempt(
+            {"attempt": nxt_attempt, "job_id": self.job, "step_id": new_step, "in_job_restart_of": used,
+             "executor": "slurm", "after": {"attempt": attempt, "step_id": step}})
+
+    def _give_up(self, verdict: Verdict, why: str, rc: int, bad: frozenset[str]) -> int:
+        """No restart inside the job: end it as before spares existed. A watchdog verdict is recorded where the
+        supervisor reads it, with every host that failed in this job (SLURM may not know them all down yet),
+        the supervisor decides now (peer lost) and the job is cancelled; a crash ends with its exit status."""
+        print(f"hpctrain: no in-job restart: {why}; {verdict.failure_class}: {verdict.message}", file=sys.stderr,
+              flush=True)
+        if verdict.watchdog is None:
+            return rc if rc > 0 else int(ExitCode.ERROR)
+        from hpctrain.fault.supervisor import take_over
+        from hpctrain.slurm import commands as _slurm
+
+        hosts = sorted(set(verdict.watchdog.get("silent_hosts") or ()) | set(bad))
+        rec = {**verdict.watchdog, "silent_hosts": hosts, "in_job": why}
+        runs_mod.append_attempt(runs_mod.RunFolder(self.run_dir).watchdog_jsonl, rec)
+        if rec.get("event") == "peer_lost":
+            try:
+                take_over(self.run_dir, self.job)
+            except Exception as exc:  # noqa: BLE001 - the supervisor job decides later instead
+                print(f"hpctrain: could not decide now ({exc}); the supervisor job will", file=sys.stderr, flush=True)
+        _slurm.scancel([self.job])
+        return int(ExitCode.ERROR)
+
+
+def timeline(run_dir: Path) -> list[dict[str, Any]]:
+    """Each in-job restart's timeline in seconds from its detection: step stopped, next step launched (srun
+    started and listed), the first rank's `start` event (processes up), the resume (rank 0's training start,
+    after model build and checkpoint load) and the first training step of the new attempt (metrics.jsonl)."""
+    evs = events_mod.read_events(run_dir)
+    steps = [r for r in runs_mod.iter_jsonl(runs_mod.RunFolder(run_dir).metrics_jsonl) if "step" in r]
+    out = []
+    for e in (x for x in evs if x.kind == RESTART):
+        k, t0 = int(e.extra.get("next_attempt", -1)), float(e.extra.get("detected") or e.time)
+        mine = [x for x in evs if x.attempt == k]
+        up = min((x.time for x in mine if x.kind == events_mod.START), default=None)
+        # rank 0's `train` events carry no attempt (the node writes them so): the first one after the restart
+        resumed = min((x.time for x in evs if x.kind == events_mod.TRAIN and x.extra.get("event") == "start"
+                       and x.time > t0), default=None)
+        first = min((float(r["time"]) for r in steps if float(r.get("time", 0)) > t0), default=None)
+        rel = {name: (None if t is None else round(float(t) - t0, 2)) for name, t in (
+            ("stopped", e.extra.get("stopped")), ("launched", e.extra.get("launched")), ("ranks_up", up),
+            ("resumed", resumed), ("first_step", first))}
+        out.append({"attempt": e.attempt, "next_attempt": k, "class": e.failure_class,
+                    "replaced": e.extra.get("replaced"), "detected": t0, **rel})
+    return out
+
+
+class _Persistence:
+    """A straggler verdict must hold `patience_s` for the same hosts before it counts: a node slow for one
+    checkpoint or one garbage collection is not replaced. Polled every few seconds (it reads every beat)."""
+
+    def __init__(self, patience_s: float) -> None:
+        self.patience_s, self.every_s = patience_s, min(5.0, max(0.2, patience_s / 4))
+        self.hosts: tuple[str, ...] = ()
+        self.since = 0.0
+        self.next = time.monotonic() + self.every_s
+
+    def due(self) -> bool:
+        if time.monotonic() < self.next:
+            return False
+        self.next = time.monotonic() + self.every_s
+        return True
+
+    def update(self, hosts: Sequence[str], now: float | None = None) -> dict[str, Any] | None:
+        now = time.time() if now is None else now
+        key = tuple(sorted(hosts))
+        if key != self.hosts:
+            self.hosts, self.since = key, now
+        if not key or now - self.since < self.patience_s:
+            return None
+        who = ", ".join(key)
+        return {"event": "straggler", "silent_hosts": list(key), "time": now,
+                "message": f"straggler: {who} slower than the other ranks' median for {now - self.since:.0f} s "
+                           f"(fault.straggler_patience_s = {self.patience_s:g}); replaced by a spare"}
+
+
+def _straggler_finder() -> Callable[[list[dict[str, Any]], float], list[str]]:
+    """hpctrain.collect.stragglers' verdict as a host list."""
+    from hpctrain.collect import stragglers
+
+    def find(beats: list[dict[str, Any]], ratio: float) -> list[str]:
+        verdict = stragglers.find(stragglers.newest_job_beats(beats), ratio=ratio)
+        return list(verdict["slow_hosts"]) if verdict else []
+
+    return find
+
+
+def _safe_steps(job: str) -> list[str]:
+    from hpctrain.slurm import commands as _slurm
+
+    try:
+        return _slurm.step_ids(job)
+    except Exception:  # noqa: BLE001 - squeue hiccup: the step id is a label, never a reason to stop
+        return []
+
+
+def _archive_rank_files(folder: runs_mod.RunFolder, job: str, attempt: int) -> None:
+    """Move the ended step's beats and failure markers aside (metrics/ranks/attempt-K/): the watchdog of the next
+    step reads the same job and restart count, and must see only its own ranks."""
+    ranks = beats_mod.ranks_dir(folder.metrics_dir)
+    if not ranks.is_dir():
+        return
+    olds = [p for p in ranks.glob(beats_mod.beat_name("*"))] + list(ranks.glob(beats_mod.failed_name(job, "*", "*")))
+    if not olds:
+        return
+    dest = ranks / f"before-attempt-{attempt}"
+    dest.mkdir(exist_ok=True)
+    for p in olds:
+        shutil.move(str(p), dest / p.name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m hpctrain.fault.injob RUN_DIR --nodes N --tasks-per-node T --restarts R [...] -- srun ...`."""
+    p = argparse.ArgumentParser(prog="python -m hpctrain.fault.injob")
+    p.add_argument("run_dir")
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--tasks-per-node", type=int, required=True)
+    p.add_argument("--restarts", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--hang-timeout", type=float, default=0.0)
+    p.add_argument("--straggler-patience", type=float, default=0.0)
+    p.add_argument("--straggler-ratio", type=float, default=1.2)
+    argv = sys.argv[1:] if argv is None else argv
+    cut = argv.index("--") if "--" in argv else len(argv)
+    a, launch = p.parse_args(argv[:cut]), argv[cut + 1:]
+    job, nodelist = os.environ.get("SLURM_JOB_ID", ""), os.environ.get("SLURM_JOB_NODELIST", "")
+    if not job or not nodelist or not launch:
+        print("hpctrain in-job driver: needs SLURM_JOB_ID, SLURM_JOB_NODELIST and an srun line", file=sys.stderr)
+        return 2
+    return Driver(Path(a.run_dir), job, expand(nodelist), a.nodes, a.tasks_per_node, a.restarts, launch,
+                  a.hang_timeout, a.world, straggler_patience_s=a.straggler_patience,
+                  straggler_ratio=a.straggler_ratio).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
