@@ -246,9 +246,19 @@ def _print_table(records: list[dict[str, Any]], warnings: list[str]) -> None:
 
         Console(width=max(shutil.get_terminal_size((160, 24)).columns, 160)).print(table)
     for run in records:
+        _print_eval(run)
         _print_failures(run)
     for w in dict.fromkeys(warnings + [w for run in records for w in run["warnings"]]):
         click.echo(f"warning: {w}", err=True)
+
+
+def _print_eval(run: dict[str, Any]) -> None:
+    """The validation loss under the table ([train] eval_every): the last one and the best one."""
+    e = run["totals"].get("eval")
+    if e:
+        click.echo(f"{run['run_id']} eval: loss {_fmt(e['last_loss'], '.4f')} ppl {_fmt(e['last_ppl'], '.2f')} at "
+                   f"step {e['last_step']}; best {_fmt(e['best_loss'], '.4f')} ppl {_fmt(e['best_ppl'], '.2f')} at "
+                   f"step {e['best_step']}")
 
 
 def _print_failures(run: dict[str, Any]) -> None:

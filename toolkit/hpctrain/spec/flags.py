@@ -45,7 +45,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--executor", "launch.executor", ("slurm", "local", "auto"), "Where the job runs."),
     Flag("--steps", "train.steps", int, "Optimizer steps."),
     Flag("--retries", "launch.retries", int, "Automatic resubmissions after a failure (0 = off; capped at 10)."),
-    Flag("--data", "data.source", str, "Data: 'synthetic', a .jsonl/.txt file or a folder."),
+    Flag("--data", "data.source", str, "Data: 'synthetic', a prepared folder, a .jsonl/.txt file or a folder."),
+    Flag("--eval-every", "train.eval_every", int, "Evaluate the validation split every N steps (0 = off)."),
 )
 
 # Flags the CLI declares itself (one flag for two keys, a switch, the site layer), for the hints.

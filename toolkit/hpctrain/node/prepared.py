@@ -1,0 +1,108 @@
+"""A prepared folder (hpctrain.data.format) as the node's corpus: memory-mapped, read lazily.
+
+Every rank maps the shards and holds only the index arrays (int64 offsets per document, plus the piece index
+below); the tokens of a batch are paged in when that batch is built, so start-up time and resident memory do
+not grow with the corpus (bench/loader_bench.py). Documents longer than seq_len are read as seq_len pieces,
+as the in-RAM path's tokenize_docs cuts them, through a (document, offset, length) index instead of copies.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hpctrain.data import format as fmt
+from hpctrain.node.runconf import NodeInputError
+
+PREPARE_HINT = "hpctrain data prepare INPUT --tokenizer DIR --out DIR"
+
+
+class Pieces:
+    """The seq_len pieces of one split's documents; pieces of one token are dropped (nothing to predict)."""
+
+    def __init__(self, split: fmt.PreparedSplit, seq_len: int) -> None:
+        self.split = split
+        lengths = split.lengths
+        counts = (lengths + seq_len - 1) // seq_len
+        doc = np.repeat(np.arange(len(lengths), dtype=np.int64), counts)
+        first = np.cumsum(counts) - counts
+        offset = (np.arange(len(doc), dtype=np.int64) - np.repeat(first, counts)) * seq_len
+        length = np.minimum(seq_len, lengths[doc] - offset)
+        keep = length > 1
+        self.doc, self.offset, self.lengths = doc[keep], offset[keep], length[keep]
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        o = int(self.offset[i])
+        return self.split.doc(int(self.doc[i]))[o:o + int(self.lengths[i])]
+
+
+def is_prepared_source(source: str, data_format: str) -> bool:
+    """[data] format = "prepared", or "auto" with a manifest in the folder."""
+    if data_format == "prepared":
+        if not fmt.is_prepared(source):
+            raise NodeInputError(f"[data] source = {source!r}: format = \"prepared\" but there is no "
+                                 f"{fmt.MANIFEST} in it (a prepare that did not finish leaves none). "
+                                 f"Fix: run `{PREPARE_HINT}` and point [data] source at its --out folder.")
+        return True
+    return data_format == "auto" and Path(source).is_dir() and fmt.is_prepared(source)
+
+
+def open_manifest(source: str, model_vocab: int) -> fmt.Manifest:
+    """The manifest, checked against the model: every id the corpus holds must have an embedding row."""
+    try:
+        m = fmt.read_manifest(source)
+    except fmt.PreparedFormatError as exc:
+        raise NodeInputError(str(exc)) from exc
+    if m.vocab_size > model_vocab:
+        raise NodeInputError(f"[data] source = {source!r}: prepared with a tokenizer of {m.vocab_size} ids, but the "
+                             f"model's vocab_size is {model_vocab}. Fix: use a model with vocab_size >= "
+                             f"{m.vocab_size} (set [model] overrides) or prepare the data with the model's tokenizer.")
+    if m.train.documents == 0:
+        raise NodeInputError(f"[data] source = {source!r}: the prepared train split holds no documents. "
+                             f"Fix: run `{PREPARE_HINT}` on a non-empty input.")
+    return m
+
+
+def pad_id(m: fmt.Manifest) -> int:
+    # Pads carry label -100 and sit after the real tokens of a causal row: any valid id does.
+    return int(m.eos_id) if m.eos_id is not None else 0
+
+
+def open_pieces(source: str, split: str, m: fmt.Manifest, seq_len: int) -> Pieces:
+    try:
+        return Pieces(fmt.PreparedSplit(source, split, manifest=m), seq_len)
+    except fmt.PreparedFormatError as exc:
+        raise NodeInputError(str(exc)) from exc
+
+
+def raw_size(source: str, files: list[Path] | None = None) -> int:
+    """Bytes the in-RAM path would read: the file, or every file under the folder."""
+    path = Path(source)
+    if files is not None:
+        return sum(f.stat().st_size for f in files)
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def check_raw_size(source: str, limit: int) -> None:
+    """The in-RAM path reads and tokenizes the whole corpus on every rank: fine for tests and small fine-tunes,
+    a host-memory and start-up trap beyond that."""
+    if limit <= 0 or not Path(source).exists():
+        return
+    size = raw_size(source)
+    if size > limit:
+        raise NodeInputError(f"[data] source = {source!r}: {size / 1e6:.1f} MB of raw text is more than "
+                             f"[data] max_raw_bytes = {limit} ({limit / 1e6:.0f} MB), and every rank would tokenize all "
+                             f"of it in RAM. Fix: tokenize it once with `{PREPARE_HINT}` and set [data] source to "
+                             "the --out folder (or raise [data] max_raw_bytes).")
+
+
+def describe(m: fmt.Manifest, pieces: Any) -> str:
+    return (f"{m.train.tokens} tokens in {m.train.documents} documents ({len(pieces)} pieces), "
+            f"{m.dtype}, vocab {m.vocab_size}, val {m.val.tokens} tokens")
