@@ -34,8 +34,10 @@ from runkit import make_run
 SEQ, MICRO, DP = 4096, 4, 8
 H200_1B_TOKENS_S = 47_000
 
+# Peak RSS from VmHWM, the high-water mark of this process's own memory map: ru_maxrss would also count the
+# parent's (Linux carries it across the vfork + exec that subprocess uses), here the 2 GB generator's.
 RANK = r"""
-import json, resource, sys, time
+import json, sys, time
 t0 = time.perf_counter()
 from hpctrain.node.data import build_source
 from hpctrain.node.runconf import read_spec
@@ -48,7 +50,7 @@ t2 = time.perf_counter()
 b = src.batch(int(sys.argv[3]))
 t3 = time.perf_counter()
 print(json.dumps({"import_s": t1 - t0, "build_s": t2 - t1, "first_batch_s": t3 - t2, "data_s": t3 - t1,
-                  "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+                  "rss_gb": next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmHWM")) / 1e6,
                   "pieces": len(src.lengths), "batches": src.batches_per_epoch(), "tokens": b.tokens}))
 """
 

@@ -26,12 +26,13 @@ PACK_WINDOW = 256  # packing runs first-fit decreasing inside windows of this ma
 @dataclass(frozen=True)
 class EpochPlan:
     """Batch b is rows [batch_bounds[order[b]], batch_bounds[order[b] + 1]); row r holds the pieces
-    members[row_bounds[r]:row_bounds[r + 1]] (row_bounds None: one piece per row)."""
+    members[row_bounds[q]:row_bounds[q + 1]] with q = row_order[r] (row_bounds None: one piece per row)."""
 
     members: np.ndarray
     row_bounds: np.ndarray | None
     batch_bounds: np.ndarray
     order: np.ndarray
+    row_order: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.order)
@@ -43,7 +44,8 @@ class EpochPlan:
         if self.row_bounds is None:
             return [self.members[r:r + 1] for r in range(r0, r1)]
         rb = self.row_bounds
-        return [self.members[int(rb[r]):int(rb[r + 1])] for r in range(r0, r1)]
+        qs = range(r0, r1) if self.row_order is None else (int(q) for q in self.row_order[r0:r1])
+        return [self.members[int(rb[q]):int(rb[q + 1])] for q in qs]
 
     def pieces(self, b: int) -> np.ndarray:
         """Every piece id of batch b (rows concatenated)."""
@@ -51,7 +53,7 @@ class EpochPlan:
         r0, r1 = int(self.batch_bounds[k]), int(self.batch_bounds[k + 1])
         if self.row_bounds is None:
             return self.members[r0:r1]
-        return self.members[int(self.row_bounds[r0]):int(self.row_bounds[r1])]
+        return np.concatenate(self.rows(b)) if r1 > r0 else self.members[:0]
 
     def __getitem__(self, b: int) -> list[int]:
         return [int(i) for i in self.pieces(b)]
@@ -62,7 +64,7 @@ def plan_epoch(lengths: np.ndarray, mode: str, micro: int, seq_len: int, budget:
     """The batches of one epoch, in training order (pure in its inputs)."""
     rng = np.random.default_rng([seed, epoch])
     n = len(lengths)
-    order = rng.permutation(n)
+    order = rng.permutation(n).astype(np.int32 if n < 2**31 else np.int64)
     if mode == "padded":
         bounds = np.minimum(np.arange(0, n + micro, micro, dtype=np.int64), n)
         bounds = bounds[:int(np.searchsorted(bounds, n)) + 1]
@@ -74,11 +76,10 @@ def plan_epoch(lengths: np.ndarray, mode: str, micro: int, seq_len: int, budget:
         members, row_bounds = _pack(order, lengths, seq_len, PACK_WINDOW)
         rows = len(row_bounds) - 1
         # Rows come out grouped by window and by size; shuffling them spreads both through the epoch.
-        perm = rng.permutation(rows)
-        members, row_bounds = _take_rows(members, row_bounds, perm)
+        row_order = rng.permutation(rows).astype(np.int32 if rows < 2**31 else np.int64)
         bounds = np.minimum(np.arange(0, rows + micro, micro, dtype=np.int64), rows)
         bounds = bounds[:int(np.searchsorted(bounds, rows)) + 1]
-        return EpochPlan(members, row_bounds, bounds, rng.permutation(len(bounds) - 1))
+        return EpochPlan(members, row_bounds, bounds, rng.permutation(len(bounds) - 1), row_order)
     raise ValueError(f"unknown batching mode {mode!r}")
 
 
@@ -126,8 +127,9 @@ def _pack(order: np.ndarray, lengths: np.ndarray, seq_len: int, window: int) -> 
     nwin = (n + window - 1) // window
     ln = np.zeros(nwin * window, dtype=np.int32)  # the last window is padded with empty pieces, dropped below
     ln[:n] = lengths[order]
-    srt = np.argsort(-ln.reshape(nwin, window), axis=1, kind="stable")
+    srt = np.argsort(-ln.reshape(nwin, window), axis=1, kind="stable").astype(np.int32)
     sl = np.take_along_axis(ln.reshape(nwin, window), srt, 1)
+    del ln
     room = np.full((nwin, window + 1), seq_len, dtype=np.int32)
     flat, base = room.reshape(-1), np.arange(nwin) * (window + 1)
     row = np.empty((nwin, window), dtype=np.int32)
@@ -138,19 +140,16 @@ def _pack(order: np.ndarray, lengths: np.ndarray, seq_len: int, window: int) -> 
         flat[base + r] -= lj
         row[:, j] = r
         opened = min(max(opened, int(r.max()) + 2), window + 1)
-    pos = (np.arange(nwin)[:, None] * window + srt).reshape(-1)  # where each sorted piece sits in `order`
-    key = (np.arange(nwin, dtype=np.int64)[:, None] * (window + 1) + row).reshape(-1)
+    del room, sl
+    small = np.int32 if nwin * (window + 1) < 2**31 else np.int64
+    pos = (np.arange(nwin, dtype=small)[:, None] * window + srt).reshape(-1)  # where each sorted piece is in `order`
+    del srt
+    key = (np.arange(nwin, dtype=small)[:, None] * (window + 1) + row).reshape(-1)
+    del row
     keep = pos < n
     key, pos = key[keep], pos[keep]
     by_row = np.argsort(key, kind="stable")
     counts = np.bincount(key, minlength=nwin * (window + 1))
+    del key
     counts = counts[counts > 0]
     return order[pos[by_row]], np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-
-
-def _take_rows(members: np.ndarray, row_bounds: np.ndarray, perm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The rows reordered by perm, as (members, row_bounds) again (vectorised gather)."""
-    sizes = np.diff(row_bounds)[perm]
-    new_bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    src = np.repeat(row_bounds[:-1][perm] - new_bounds[:-1], sizes) + np.arange(int(new_bounds[-1]))
-    return members[src], new_bounds

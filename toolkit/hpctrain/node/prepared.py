@@ -25,19 +25,28 @@ class Pieces:
     def __init__(self, split: fmt.PreparedSplit, seq_len: int) -> None:
         self.split = split
         lengths = split.lengths
-        counts = (lengths + seq_len - 1) // seq_len
-        doc = np.repeat(np.arange(len(lengths), dtype=np.int64), counts)
+        # int32 where it fits: these arrays are most of a rank's memory for a corpus of millions of documents.
+        ids = np.int32 if len(lengths) < 2**31 else np.int64
+        long = np.flatnonzero(lengths > seq_len)
+        if not len(long):  # the common case: every document is one piece, no offsets to keep
+            self.doc = np.flatnonzero(lengths > 1).astype(ids)
+            self.offset: np.ndarray | None = None
+            self.lengths = lengths[self.doc].astype(np.int32)
+            return
+        counts = np.where(lengths > seq_len, (lengths + seq_len - 1) // seq_len, 1)
+        doc = np.repeat(np.arange(len(lengths), dtype=ids), counts)
         first = np.cumsum(counts) - counts
-        offset = (np.arange(len(doc), dtype=np.int64) - np.repeat(first, counts)) * seq_len
+        offset = ((np.arange(len(doc), dtype=np.int64) - np.repeat(first, counts)) * seq_len)
+        del counts, first
         length = np.minimum(seq_len, lengths[doc] - offset)
         keep = length > 1
-        self.doc, self.offset, self.lengths = doc[keep], offset[keep], length[keep]
+        self.doc, self.offset, self.lengths = doc[keep], offset[keep].astype(np.int64), length[keep].astype(np.int32)
 
     def __len__(self) -> int:
         return len(self.lengths)
 
     def __getitem__(self, i: int) -> np.ndarray:
-        o = int(self.offset[i])
+        o = int(self.offset[i]) if self.offset is not None else 0
         return self.split.doc(int(self.doc[i]))[o:o + int(self.lengths[i])]
 
 
