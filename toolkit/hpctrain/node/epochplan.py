@@ -13,6 +13,7 @@ longer one); a batch is a run of rows:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -141,10 +142,11 @@ def _pack(order: np.ndarray, lengths: np.ndarray, seq_len: int, window: int) -> 
         row[:, j] = r
         opened = min(max(opened, int(r.max()) + 2), window + 1)
     del room, sl
-    small = np.int32 if nwin * (window + 1) < 2**31 else np.int64
-    pos = (np.arange(nwin, dtype=small)[:, None] * window + srt).reshape(-1)  # where each sorted piece is in `order`
+    small: type[np.signedinteger[Any]] = np.int32 if nwin * (window + 1) < 2**31 else np.int64
+    first: np.ndarray = np.arange(nwin, dtype=small)[:, None]
+    pos = (first * window + srt).reshape(-1)  # where each sorted piece sits in `order`
     del srt
-    key = (np.arange(nwin, dtype=small)[:, None] * (window + 1) + row).reshape(-1)
+    key = (first * (window + 1) + row).reshape(-1)
     del row
     keep = pos < n
     key, pos = key[keep], pos[keep]
