@@ -150,3 +150,40 @@ def test_eval_rules_refuse_pipeline_and_synthetic(tmp_path: Path) -> None:
     with pytest.raises(HpcUsageError, match="synthetic data has no validation split"):
         spec(train={"eval_every": 5})
     assert spec(data={"source": str(tmp_path)}, train={"eval_every": 5}).train.eval_every == 5
+
+
+def test_summary_and_plot_carry_the_eval_loss(tmp_path: Path) -> None:
+    """metrics.jsonl lines with eval_loss -> summary totals.eval (last and best, valid against the schema)
+    and an eval series on the plot's loss panel."""
+    from hpctrain.collect import plot
+    from hpctrain.collect import summary as collect
+    from summary_schema import summary_errors
+
+    run = make_run(tmp_path / "run")
+    (run / "metrics").mkdir(exist_ok=True)
+    evals = {2: 3.0, 4: 2.5, 6: 2.7}
+    (run / "metrics" / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "loss": 4.0 - s / 10, "tokens_per_s": 100.0, "time": 1000.0 + s,
+                    **({"eval_loss": evals[s], "eval_ppl": float(np.exp(evals[s]))} if s in evals else {})}) + "\n"
+        for s in range(1, 7)))
+    rec = collect.build_run(collect.from_folder(run))
+    e = rec["totals"]["eval"]
+    assert (e["last_step"], e["last_loss"], e["best_step"], e["best_loss"]) == (6, 2.7, 4, 2.5)
+    assert e["best_ppl"] == pytest.approx(np.exp(2.5))
+    assert summary_errors({"schema_version": collect.SCHEMA_VERSION, "generated": 0.0, "runs": [rec], "errors": [],
+                           "warnings": []}) == []
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    drawn: list[tuple[list, list]] = []
+    real_plot = plt.Axes.plot
+
+    def spy(self: object, xs: list, ys: list, *a: object, **k: object) -> object:
+        if k.get("marker") == "o":
+            drawn.append((list(xs), list(ys)))
+        return real_plot(self, xs, ys, *a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plt.Axes, "plot", spy)
+        plot.plot_runs([rec], tmp_path / "p.png")
+    assert drawn == [([2, 4, 6], [3.0, 2.5, 2.7])]
