@@ -140,34 +140,38 @@ class DataSource:
             lengths = np.fromiter((len(docs[i]) for i in range(len(docs))), dtype=np.int64, count=len(docs))
         self.lengths = lengths
         self._plans: dict[int, EpochPlan] = {}
+        self._epoch_len: int | None = None
 
     @property
     def synthetic(self) -> bool:
         return self.docs is None
 
     def batches_per_epoch(self) -> int:
-        return len(self._plan(0)) if not self.synthetic else 0
+        if self.synthetic:
+            return 0
+        if self._epoch_len is None:
+            self._epoch_len = len(self._plan(0))
+        return self._epoch_len
 
     def _plan(self, epoch: int) -> EpochPlan:
         # Computed on first use and kept for one epoch at a time: a rank plans only when it reads.
         if epoch not in self._plans:
             assert self.lengths is not None
-            keep = {0: self._plans[0]} if 0 in self._plans else {}  # epoch 0 gives the epoch length
-            keep[epoch] = plan_epoch(self.lengths, self.mode, self.micro, self.seq_len, self.budget, self.seed,
-                                     epoch)
-            self._plans = keep
+            self._plans = {epoch: plan_epoch(self.lengths, self.mode, self.micro, self.seq_len, self.budget,
+                                             self.seed, epoch)}
         return self._plans[epoch]
 
     def batch(self, g: int) -> Batch:
         """Micro-batch number g (global over all data-parallel ranks)."""
         if self.synthetic:
             return self._synthetic(g)
-        n = len(self._plan(0))
+        n = self.batches_per_epoch()  # every epoch has epoch 0's length, so g maps to (epoch, batch) alone
         plan = self._plan(g // n)
+        b = g % n % len(plan)  # packing another permutation may give a few batches fewer: wrap, stay pure
         assert self.docs is not None
         if self.mode == "pack":
-            return self._packed([[self.docs[int(i)] for i in row] for row in plan.rows(g % n)])
-        docs = [self.docs[int(i)] for i in plan.pieces(g % n)]
+            return self._packed([[self.docs[int(i)] for i in row] for row in plan.rows(b)])
+        docs = [self.docs[int(i)] for i in plan.pieces(b)]
         return self._padded(docs, self.seq_len if self.mode == "padded" else None)
 
     def _synthetic(self, g: int) -> Batch:
