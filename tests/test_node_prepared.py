@@ -74,6 +74,7 @@ def test_resume_at_a_new_world_size_reads_the_same_stream(corpus: tuple[Path, Pa
         return out
 
     first = build_source(spec, ByteTokenizer(), micro=2, vocab=512)
+    first.prefetch(0)  # as the node does: planned on a thread while the engine is built
     before = consumed(first, 0, dp=4, steps=3)
     resumed = consumed(build_source(spec, ByteTokenizer(), micro=2, vocab=512), 12, dp=2, steps=20)
     straight = consumed(build_source(spec, ByteTokenizer(), micro=2, vocab=512), 0, dp=2, steps=26)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -141,6 +142,7 @@ class DataSource:
         self.lengths = lengths
         self._plans: dict[int, EpochPlan] = {}
         self._epoch_len: int | None = None
+        self._pending: tuple[int, Future[EpochPlan]] | None = None
 
     @property
     def synthetic(self) -> bool:
@@ -153,12 +155,25 @@ class DataSource:
             self._epoch_len = len(self._plan(0))
         return self._epoch_len
 
+    def prefetch(self, epoch: int = 0) -> None:
+        """Plan `epoch` on a background thread while the rank builds its engine (numpy's sorts release the
+        GIL): a million documents take about a second to plan on a busy CPU, off the start-up's critical path."""
+        if self.synthetic or epoch in self._plans or self._pending is not None:
+            return
+        pool = ThreadPoolExecutor(1, thread_name_prefix="hpctrain-plan")
+        self._pending = (epoch, pool.submit(self._compute, epoch))
+        pool.shutdown(wait=False)
+
+    def _compute(self, epoch: int) -> EpochPlan:
+        assert self.lengths is not None
+        return plan_epoch(self.lengths, self.mode, self.micro, self.seq_len, self.budget, self.seed, epoch)
+
     def _plan(self, epoch: int) -> EpochPlan:
-        # Computed on first use and kept for one epoch at a time: a rank plans only when it reads.
+        # Computed on first use (or by prefetch) and kept for one epoch at a time.
         if epoch not in self._plans:
-            assert self.lengths is not None
-            self._plans = {epoch: plan_epoch(self.lengths, self.mode, self.micro, self.seq_len, self.budget,
-                                             self.seed, epoch)}
+            pending, self._pending = self._pending, None
+            plan = pending[1].result() if pending is not None and pending[0] == epoch else self._compute(epoch)
+            self._plans = {epoch: plan}
         return self._plans[epoch]
 
     def batch(self, g: int) -> Batch:

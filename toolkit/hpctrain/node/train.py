@@ -80,6 +80,7 @@ def prepare(run_dir: Path, d: DistEnv) -> Prepared:
     tok = load_tokenizer(spec.data.tokenizer)
     source = build_source(spec, tok, micro, int(hf_cfg.vocab_size), force_padded=pp > 1)
     eval_source = build_eval_source(spec, micro, int(hf_cfg.vocab_size), force_padded=pp > 1)
+    source.prefetch(0)  # the epoch plan overlaps the engine build
     return Prepared(paths, spec, d, use_gpu, cfg, zero, dp, micro, gas, hf_cfg, tok, source, resume, universal,
                     plan.activation_checkpointing, eval_source)
 
