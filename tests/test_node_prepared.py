@@ -81,6 +81,28 @@ def test_resume_at_a_new_world_size_reads_the_same_stream(corpus: tuple[Path, Pa
     assert all(torch.equal(x, y) for x, y in zip(before + resumed, straight, strict=True))
 
 
+def test_lean_reader_reads_what_the_format_reader_reads(corpus: tuple[Path, Path, list[str]], tmp_path: Path) -> None:
+    """node/prepared.LeanSplit (memory-mapped offsets, int32 lengths) against data/format.PreparedSplit."""
+    import shutil
+
+    from hpctrain.node.prepared import LeanSplit
+
+    prep = corpus[0]
+    m = fmt.read_manifest(prep)
+    for split in ("train", "val"):
+        lean, ref = LeanSplit(prep, split, m), fmt.PreparedSplit(prep, split, m)
+        assert lean.lengths.tolist() == ref.lengths.tolist() and lean.lengths.dtype == np.int32
+        assert all(np.array_equal(lean.doc(i), ref.doc(i)) for i in range(len(ref)))
+    bad = tmp_path / "bad"
+    shutil.copytree(prep, bad)
+    (bad / "train" / "shard-00001.idx").write_bytes(np.asarray([0, 1], dtype=np.int64).tobytes())
+    with pytest.raises(fmt.PreparedFormatError, match="the manifest says"):
+        LeanSplit(bad, "train", m)
+    (bad / "train" / "shard-00001.idx").unlink()
+    with pytest.raises(fmt.PreparedFormatError, match="the manifest says"):
+        LeanSplit(bad, "train", m)
+
+
 def test_plan_holds_arrays_and_covers_each_piece_once() -> None:
     rng = np.random.default_rng(5)
     seq = 512

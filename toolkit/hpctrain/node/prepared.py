@@ -19,35 +19,86 @@ from hpctrain.node.runconf import NodeInputError
 PREPARE_HINT = "hpctrain data prepare INPUT --tokenizer DIR --out DIR"
 
 
+class LeanSplit:
+    """The reading side of format.PreparedSplit with less held per document, for corpora of millions.
+
+    The .idx offsets stay memory-mapped (a batch touches two of their pages per document it reads); the
+    lengths planning needs are read through in blocks (no page of the index stays mapped) and kept as int32:
+    4 bytes a document instead of PreparedSplit's 16. The checks are PreparedSplit's.
+    """
+
+    BLOCK = 1 << 20  # offsets read at a time for the lengths
+
+    def __init__(self, folder: str | Path, split: str, manifest: fmt.Manifest) -> None:
+        self.folder, self.dtype = Path(folder), np.dtype(manifest.dtype)
+        info: fmt.Split = getattr(manifest, split)
+        self.shards = info.shards
+        self._tokens: list[np.memmap[Any, Any] | None] = [None] * len(self.shards)
+        self._offsets: list[np.memmap[Any, Any]] = []
+        self.lengths = np.zeros(info.documents if info.documents else 0, dtype=np.int32)
+        at = 0
+        for sh in self.shards:
+            path = self.folder / sh.index
+            size = path.stat().st_size if path.is_file() else -1
+            offsets = np.memmap(path, dtype=np.int64, mode="r") if size > 0 else np.zeros(0, dtype=np.int64)
+            last = int(offsets[-1]) if len(offsets) else 0
+            if len(offsets) != sh.documents + 1 or last != sh.tokens or at + sh.documents > len(self.lengths):
+                raise fmt.PreparedFormatError(f"{path}: {len(offsets) - 1} documents / {last} tokens, the manifest "
+                                              f"says {sh.documents} / {sh.tokens}. Run `hpctrain data prepare` again.")
+            for i in range(0, sh.documents, self.BLOCK):
+                block = np.fromfile(path, dtype=np.int64, count=min(self.BLOCK, sh.documents - i) + 1, offset=8 * i)
+                self.lengths[at + i:at + i + len(block) - 1] = np.diff(block)
+            self._offsets.append(offsets)  # type: ignore[arg-type]
+            at += sh.documents
+        if at != len(self.lengths):
+            raise fmt.PreparedFormatError(f"{self.folder}: the shards of {split} hold {at} documents, the manifest "
+                                          f"says {len(self.lengths)}. Run `hpctrain data prepare` again.")
+        counts = np.asarray([sh.documents for sh in self.shards], dtype=np.int64)
+        self._first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def doc(self, i: int) -> np.ndarray:
+        s = int(np.searchsorted(self._first, i, side="right")) - 1
+        j = i - int(self._first[s])
+        mm = self._tokens[s]
+        if mm is None:
+            sh = self.shards[s]
+            mm = self._tokens[s] = np.memmap(self.folder / sh.path, dtype=self.dtype, mode="r", shape=(sh.tokens,))
+        o = self._offsets[s]
+        return mm[int(o[j]):int(o[j + 1])]
+
+
 class Pieces:
     """The seq_len pieces of one split's documents; pieces of one token are dropped (nothing to predict)."""
 
-    def __init__(self, split: fmt.PreparedSplit, seq_len: int) -> None:
+    def __init__(self, split: LeanSplit, seq_len: int) -> None:
         self.split = split
         lengths = split.lengths
-        # int32 where it fits: these arrays are most of a rank's memory for a corpus of millions of documents.
         ids = np.int32 if len(lengths) < 2**31 else np.int64
-        long = np.flatnonzero(lengths > seq_len)
-        if not len(long):  # the common case: every document is one piece, no offsets to keep
-            self.doc = np.flatnonzero(lengths > 1).astype(ids)
-            self.offset: np.ndarray | None = None
-            self.lengths = lengths[self.doc].astype(np.int32)
+        self.offset: np.ndarray | None = None
+        if not (lengths > seq_len).any():  # the common case: a piece is a document, no offsets to keep
+            short = lengths <= 1
+            self.doc: np.ndarray | None = np.flatnonzero(~short).astype(ids) if short.any() else None
+            self.lengths = lengths if self.doc is None else lengths[self.doc]
             return
         counts = np.where(lengths > seq_len, (lengths + seq_len - 1) // seq_len, 1)
         doc = np.repeat(np.arange(len(lengths), dtype=ids), counts)
-        first = np.cumsum(counts) - counts
-        offset = ((np.arange(len(doc), dtype=np.int64) - np.repeat(first, counts)) * seq_len)
+        first = np.cumsum(counts, dtype=np.int64) - counts
+        offset = (np.arange(len(doc), dtype=np.int64) - np.repeat(first, counts)) * seq_len
         del counts, first
         length = np.minimum(seq_len, lengths[doc] - offset)
         keep = length > 1
-        self.doc, self.offset, self.lengths = doc[keep], offset[keep].astype(np.int64), length[keep].astype(np.int32)
+        self.doc, self.offset, self.lengths = doc[keep], offset[keep], length[keep].astype(np.int32)
 
     def __len__(self) -> int:
         return len(self.lengths)
 
     def __getitem__(self, i: int) -> np.ndarray:
+        d = int(self.doc[i]) if self.doc is not None else i
         o = int(self.offset[i]) if self.offset is not None else 0
-        return self.split.doc(int(self.doc[i]))[o:o + int(self.lengths[i])]
+        return self.split.doc(d)[o:o + int(self.lengths[i])]
 
 
 def is_prepared_source(source: str, data_format: str) -> bool:
@@ -84,16 +135,14 @@ def pad_id(m: fmt.Manifest) -> int:
 
 def open_pieces(source: str, split: str, m: fmt.Manifest, seq_len: int) -> Pieces:
     try:
-        return Pieces(fmt.PreparedSplit(source, split, manifest=m), seq_len)
+        return Pieces(LeanSplit(source, split, m), seq_len)
     except fmt.PreparedFormatError as exc:
         raise NodeInputError(str(exc)) from exc
 
 
-def raw_size(source: str, files: list[Path] | None = None) -> int:
+def raw_size(source: str) -> int:
     """Bytes the in-RAM path would read: the file, or every file under the folder."""
     path = Path(source)
-    if files is not None:
-        return sum(f.stat().st_size for f in files)
     if path.is_file():
         return path.stat().st_size
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
@@ -110,8 +159,3 @@ def check_raw_size(source: str, limit: int) -> None:
                              f"[data] max_raw_bytes = {limit} ({limit / 1e6:.0f} MB), and every rank would tokenize all "
                              f"of it in RAM. Fix: tokenize it once with `{PREPARE_HINT}` and set [data] source to "
                              "the --out folder (or raise [data] max_raw_bytes).")
-
-
-def describe(m: fmt.Manifest, pieces: Any) -> str:
-    return (f"{m.train.tokens} tokens in {m.train.documents} documents ({len(pieces)} pieces), "
-            f"{m.dtype}, vocab {m.vocab_size}, val {m.val.tokens} tokens")
