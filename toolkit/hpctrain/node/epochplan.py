@@ -65,7 +65,9 @@ def plan_epoch(lengths: np.ndarray, mode: str, micro: int, seq_len: int, budget:
     """The batches of one epoch, in training order (pure in its inputs)."""
     rng = np.random.default_rng([seed, epoch])
     n = len(lengths)
-    order = rng.permutation(n).astype(np.int32 if n < 2**31 else np.int64)
+    # rng.permutation(n) is arange + shuffle: the same order, without its int64 copy of every index
+    order = np.arange(n, dtype=np.int32 if n < 2**31 else np.int64)
+    rng.shuffle(order)
     if mode == "padded":
         bounds = np.minimum(np.arange(0, n + micro, micro, dtype=np.int64), n)
         bounds = bounds[:int(np.searchsorted(bounds, n)) + 1]
