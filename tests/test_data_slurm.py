@@ -39,6 +39,8 @@ def test_prepared_zero3_usr2_resume_mid_epoch_matches_uninterrupted(lab: list[st
     assert STEPS * 2 * 4 * 2 * 64 < m.train.tokens / 2
     ref_job, ref = submit(lab, *_flags(prep, tok))
     job, run = submit(lab, *_flags(prep, tok))
+    # The cluster is shared: wait for the job to start (bounded), then for its steps.
+    wait_until(lambda: state(job) not in ("", "PENDING"), 900, f"job {job} to start")
     wait_until(lambda: len(steps(run)) >= 12, 400, "12 training steps")
     subprocess.run(["scancel", "--signal=USR2", job], check=True, timeout=30)
     wait_until(lambda: state(job) in FINAL and state(ref_job) in FINAL, 600, f"jobs {job} and {ref_job} to end")
