@@ -246,6 +246,7 @@ def _print_table(records: list[dict[str, Any]], warnings: list[str]) -> None:
 
         Console(width=max(shutil.get_terminal_size((160, 24)).columns, 160)).print(table)
     for run in records:
+        _print_eval(run)
         _print_failures(run)
         _print_stragglers(run)
     for w in dict.fromkeys(warnings + [w for run in records for w in run["warnings"]]):
@@ -267,6 +268,15 @@ def _job_words(a: dict[str, Any]) -> str:
         return f"job {a['job_id']}"
     swaps = ", ".join(f"{old} -> {new}" for old, new in (r.get("replaced") or {}).items())
     return f"step {a.get('step_id') or a['job_id']} -> {r.get('next_step_id')}" + (f", {swaps}" if swaps else ", in place")
+
+
+def _print_eval(run: dict[str, Any]) -> None:
+    """The validation loss under the table ([train] eval_every): the last one and the best one."""
+    e = run["totals"].get("eval")
+    if e:
+        click.echo(f"{run['run_id']} eval: loss {_fmt(e['last_loss'], '.4f')} ppl {_fmt(e['last_ppl'], '.2f')} at "
+                   f"step {e['last_step']}; best {_fmt(e['best_loss'], '.4f')} ppl {_fmt(e['best_ppl'], '.2f')} at "
+                   f"step {e['best_step']}")
 
 
 def _print_failures(run: dict[str, Any]) -> None:

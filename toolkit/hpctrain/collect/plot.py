@@ -1,4 +1,4 @@
-"""`hpctrain summary --plot FILE.png`: loss and throughput over steps, attempt boundaries marked.
+"""`hpctrain summary --plot FILE.png`: loss (and eval loss) and throughput over steps, attempt boundaries marked.
 
 matplotlib is optional (the `plot` extra) and imported only here, inside `plot_runs`.
 """
@@ -47,6 +47,10 @@ def plot_runs(runs: list[dict[str, Any]], out: Path) -> int:
                                 [p[1] for p in pts if p[1] is not None], label=label)[0]
             ax_tps.plot([p[0] for p in pts if p[2] is not None], [p[2] for p in pts if p[2] is not None],
                         color=line.get_color())
+            evals = [(r["step"], r["eval_loss"]) for r in recs if r.get("eval_loss") is not None]
+            if evals:  # the validation loss ([train] eval_every), as markers in the training loss's colour
+                ax_loss.plot([e[0] for e in evals], [e[1] for e in evals], marker="o", linestyle=":",
+                             color=line.get_color(), label=f"{label} eval")
             for ax in (ax_loss, ax_tps):  # where this attempt started (a resume starts mid-way)
                 ax.axvline(pts[0][0], color=line.get_color(), linestyle="--", linewidth=0.8, alpha=0.7)
             drawn += len(pts)

@@ -331,7 +331,7 @@ def build_run(inp: RunInput, now: float | None = None) -> dict[str, Any]:
         "failure_class": rows[-1]["failure_class"] if rows else None,
         "gpus_per_node": shape.gpus_per_node, "ranks_per_node": shape.ranks_per_node,
         "complete": bool(rows) and all(r["state"] in ENDED for r in rows),
-        "updated": now, "attempts": rows, "totals": _totals(rows), "warnings": warnings,
+        "updated": now, "attempts": rows, "totals": {**_totals(rows), **_eval_totals(records)}, "warnings": warnings,
         "stragglers": stragglers.of_run(inp.folder) if folder_ok else None,
     }
 
@@ -349,6 +349,16 @@ def _totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "lost_steps": sum(r["lost_steps"] or 0 for r in rows),
         "last_loss": losses[-1] if losses else None,
     }
+
+
+def _eval_totals(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The last and the best validation loss (metrics lines with eval_loss, [train] eval_every); {} if none."""
+    evals = [r for r in records if isinstance(r.get("eval_loss"), (int, float))]
+    if not evals:
+        return {}
+    last, best = evals[-1], min(evals, key=lambda r: float(r["eval_loss"]))
+    return {"eval": {"last_step": last["step"], "last_loss": last["eval_loss"], "last_ppl": last.get("eval_ppl"),
+                     "best_step": best["step"], "best_loss": best["eval_loss"], "best_ppl": best.get("eval_ppl")}}
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

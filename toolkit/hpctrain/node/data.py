@@ -16,19 +16,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from hpctrain.node.epochplan import EpochPlan, plan_epoch
 from hpctrain.node.runconf import NodeInputError
 from hpctrain.node.tokenize import Tokenizer
 
 IGNORE = -100
-PLAN_WINDOW = 256  # dynamic batching sorts by length inside windows of this many batches' worth of docs
-# (plan_epoch on 20,000 log-normal lengths, median seq/6, micro 4, seq 4096: 2.8% padding with 256, 8.3% with 64)
 
 
 @dataclass
@@ -121,97 +121,73 @@ def tokenize_docs(texts: list[str], tok: Tokenizer, seq_len: int) -> list[np.nda
     return docs
 
 
-# ---------------------------------------------------------------------------------------------- planning
-def plan_epoch(lengths: np.ndarray, mode: str, micro: int, seq_len: int, budget: int, seed: int,
-               epoch: int) -> list[list[int]]:
-    """The batches of one epoch as lists of document indices, in training order (pure in its inputs)."""
-    rng = np.random.default_rng([seed, epoch])
-    order = rng.permutation(len(lengths))
-    if mode == "padded":
-        batches = [order[i:i + micro].tolist() for i in range(0, len(order), micro)]
-    elif mode == "dynamic":
-        batches = _bucket(order, lengths, budget, micro * PLAN_WINDOW)
-    elif mode == "pack":
-        batches = _pack(order, lengths, micro, seq_len)
-    else:
-        raise ValueError(f"unknown batching mode {mode!r}")
-    perm = rng.permutation(len(batches))  # shuffle batch order so lengths do not drift through the epoch
-    return [batches[i] for i in perm]
-
-
-def _bucket(order: np.ndarray, lengths: np.ndarray, budget: int, window: int) -> list[list[int]]:
-    batches: list[list[int]] = []
-    for start in range(0, len(order), window):
-        chunk = sorted(order[start:start + window].tolist(), key=lambda d: int(lengths[d]))
-        cur: list[int] = []
-        for d in chunk:
-            longest = _round_up(int(lengths[d]), 8)  # chunk is sorted: the newcomer is the longest
-            if cur and (len(cur) + 1) * longest > budget:
-                batches.append(cur)
-                cur = []
-            cur.append(d)
-        if cur:
-            batches.append(cur)
-    return batches
-
-
-def _pack(order: np.ndarray, lengths: np.ndarray, micro: int, seq_len: int) -> list[list[int]]:
-    """Greedy first-fit of documents into rows; a batch is `micro` rows, rows separated by -1."""
-    rows: list[list[int]] = []
-    fill: list[int] = []
-    for d in order.tolist():
-        n = int(lengths[d])
-        for r, used in enumerate(fill[-8:], start=max(0, len(fill) - 8)):  # look back a little: near-linear
-            if used + n <= seq_len:
-                rows[r].append(d)
-                fill[r] += n
-                break
-        else:
-            rows.append([d])
-            fill.append(n)
-    batches: list[list[int]] = []
-    for i in range(0, len(rows), micro):
-        flat: list[int] = []
-        for row in rows[i:i + micro]:
-            flat.extend(row + [-1])
-        batches.append(flat)
-    return batches
-
-
 # ---------------------------------------------------------------------------------------------- batches
+class Corpus(Protocol):
+    """Pieces by index: an in-RAM list of token arrays, or a memory-mapped prepared folder (node/prepared.py)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int) -> np.ndarray: ...
+
+
 class DataSource:
     """Micro-batches by global index, for a document corpus or a synthetic stream."""
 
-    def __init__(self, docs: list[np.ndarray] | None, *, mode: str, micro: int, seq_len: int, budget: int,
-                 seed: int, pad_id: int, vocab: int) -> None:
+    def __init__(self, docs: Corpus | None, *, mode: str, micro: int, seq_len: int, budget: int,
+                 seed: int, pad_id: int, vocab: int, lengths: np.ndarray | None = None) -> None:
         self.docs, self.mode, self.micro, self.seq_len = docs, mode, micro, seq_len
         self.budget, self.seed, self.pad_id, self.vocab = budget, seed, pad_id, vocab
-        self.lengths = np.asarray([len(d) for d in docs], dtype=np.int64) if docs is not None else None
-        self._plans: dict[int, list[list[int]]] = {}
+        if lengths is None and docs is not None:
+            lengths = np.fromiter((len(docs[i]) for i in range(len(docs))), dtype=np.int64, count=len(docs))
+        self.lengths = lengths
+        self._plans: dict[int, EpochPlan] = {}
+        self._epoch_len: int | None = None
+        self._pending: tuple[int, Future[EpochPlan]] | None = None
 
     @property
     def synthetic(self) -> bool:
         return self.docs is None
 
     def batches_per_epoch(self) -> int:
-        return len(self._plan(0)) if not self.synthetic else 0
+        if self.synthetic:
+            return 0
+        if self._epoch_len is None:
+            self._epoch_len = len(self._plan(0))
+        return self._epoch_len
 
-    def _plan(self, epoch: int) -> list[list[int]]:
+    def prefetch(self, epoch: int = 0) -> None:
+        """Plan `epoch` on a background thread while the rank builds its engine (numpy's sorts release the
+        GIL): a million documents take about a second to plan on a busy CPU, off the start-up's critical path."""
+        if self.synthetic or epoch in self._plans or self._pending is not None:
+            return
+        pool = ThreadPoolExecutor(1, thread_name_prefix="hpctrain-plan")
+        self._pending = (epoch, pool.submit(self._compute, epoch))
+        pool.shutdown(wait=False)
+
+    def _compute(self, epoch: int) -> EpochPlan:
+        assert self.lengths is not None
+        return plan_epoch(self.lengths, self.mode, self.micro, self.seq_len, self.budget, self.seed, epoch)
+
+    def _plan(self, epoch: int) -> EpochPlan:
+        # Computed on first use (or by prefetch) and kept for one epoch at a time.
         if epoch not in self._plans:
-            assert self.lengths is not None
-            self._plans = {epoch: plan_epoch(self.lengths, self.mode, self.micro, self.seq_len, self.budget,
-                                             self.seed, epoch)}
+            pending, self._pending = self._pending, None
+            plan = pending[1].result() if pending is not None and pending[0] == epoch else self._compute(epoch)
+            self._plans = {epoch: plan}
         return self._plans[epoch]
 
     def batch(self, g: int) -> Batch:
         """Micro-batch number g (global over all data-parallel ranks)."""
         if self.synthetic:
             return self._synthetic(g)
-        n = len(self._plan(0))
-        ids = self._plan(g // n)[g % n]
+        n = self.batches_per_epoch()  # every epoch has epoch 0's length, so g maps to (epoch, batch) alone
+        plan = self._plan(g // n)
+        b = g % n % len(plan)  # packing another permutation may give a few batches fewer: wrap, stay pure
+        assert self.docs is not None
         if self.mode == "pack":
-            return self._packed(ids)
-        return self._padded([self.docs[i] for i in ids], self.seq_len if self.mode == "padded" else None)  # type: ignore[index]
+            return self._packed([[self.docs[int(i)] for i in row] for row in plan.rows(b)])
+        docs = [self.docs[int(i)] for i in plan.pieces(b)]
+        return self._padded(docs, self.seq_len if self.mode == "padded" else None)
 
     def _synthetic(self, g: int) -> Batch:
         # Learnable counting sequences (start, stride random): the loss visibly falls within tens of steps.
@@ -224,57 +200,90 @@ class DataSource:
 
     def _padded(self, docs: list[np.ndarray], length: int | None) -> Batch:
         width = length or _round_up(max(len(d) for d in docs), 8)
-        x = torch.full((len(docs), width), self.pad_id, dtype=torch.long)
-        y = torch.full((len(docs), width), IGNORE, dtype=torch.long)
+        x = np.full((len(docs), width), self.pad_id, dtype=np.int64)
+        y = np.full((len(docs), width), IGNORE, dtype=np.int64)
         for r, d in enumerate(docs):
-            x[r, :len(d)] = torch.from_numpy(d)
-            y[r, :len(d)] = torch.from_numpy(d)
+            x[r, :len(d)] = d
+            y[r, :len(d)] = d
         real = sum(len(d) for d in docs)
-        return Batch(x, y, None, real, x.numel())
+        return Batch(torch.from_numpy(x), torch.from_numpy(y), None, real, x.size)
 
-    def _packed(self, flat: list[int]) -> Batch:
-        rows: list[list[int]] = [[]]
-        for d in flat[:-1]:
-            rows[-1].append(d) if d >= 0 else rows.append([])
-        x = torch.full((len(rows), self.seq_len), self.pad_id, dtype=torch.long)
-        y = torch.full_like(x, IGNORE)
-        pos = torch.zeros_like(x)
+    def _packed(self, rows: list[list[np.ndarray]]) -> Batch:
+        x = np.full((len(rows), self.seq_len), self.pad_id, dtype=np.int64)
+        y = np.full_like(x, IGNORE)
+        pos = np.zeros_like(x)
         real = 0
         for r, row in enumerate(rows):
             at = 0
-            for d in row:
-                doc = torch.from_numpy(self.docs[d])  # type: ignore[index]
+            for doc in row:
                 n = len(doc)
                 x[r, at:at + n] = doc
-                y[r, at:at + n] = doc
-                y[r, at] = IGNORE  # never predict a document's first token from the previous document
-                pos[r, at:at + n] = torch.arange(n)
+                y[r, at + 1:at + n] = doc[1:]  # never predict a document's first token from the previous one
+                pos[r, at:at + n] = _ARANGE[:n] if n <= len(_ARANGE) else np.arange(n)
                 at += n
                 real += n
             # Pads continue counting so they form their own "document" and are not merged into the last one.
-            pos[r, at:] = torch.arange(self.seq_len - at)
-        return Batch(x, y, pos, real, x.numel())
+            pos[r, at:] = np.arange(self.seq_len - at)
+        return Batch(torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(pos), real, x.size)
+
+
+_ARANGE = np.arange(1 << 16, dtype=np.int64)
 
 
 def _round_up(n: int, k: int) -> int:
     return (n + k - 1) // k * k
 
 
+def batching_mode(d: Any, force_padded: bool) -> str:
+    return "padded" if force_padded else ("pack" if d.pack else ("dynamic" if d.dynamic_batching else "padded"))
+
+
 def build_source(spec: Any, tok: Tokenizer, micro: int, vocab: int, force_padded: bool = False) -> DataSource:
-    """The DataSource a spec asks for (reads and tokenizes the corpus on every rank)."""
+    """The DataSource a spec asks for: synthetic, a prepared folder (memory-mapped, node/prepared.py), or raw
+    text that every rank reads and tokenizes in RAM (small data only: [data] max_raw_bytes)."""
+    from hpctrain.node import prepared
+
     d = spec.data
     budget = d.tokens_per_batch or micro * d.seq_len
     if d.source == "synthetic" or d.format == "synthetic":
         return DataSource(None, mode="padded", micro=micro, seq_len=d.seq_len, budget=budget,
                           seed=spec.train.seed, pad_id=tok.pad_id, vocab=vocab)
+    mode = batching_mode(d, force_padded)
+    if prepared.is_prepared_source(d.source, d.format):
+        m = prepared.open_manifest(d.source, vocab)
+        pieces = prepared.open_pieces(d.source, "train", m, d.seq_len)
+        return DataSource(pieces, mode=mode, micro=micro, seq_len=d.seq_len, budget=budget, seed=spec.train.seed,
+                          pad_id=prepared.pad_id(m), vocab=vocab, lengths=pieces.lengths)
     if tok.vocab_size > vocab:
         raise NodeInputError(f"[data] tokenizer {d.tokenizer!r} has {tok.vocab_size} ids but the model's vocab_size "
                              f"is {vocab}; use a model with vocab_size >= {tok.vocab_size} (set [model] overrides).")
+    prepared.check_raw_size(d.source, d.max_raw_bytes)
     texts = read_texts(d.source, d.format, d.text_field)
     docs = tokenize_docs(texts, tok, d.seq_len)
-    mode = "padded" if force_padded else ("pack" if d.pack else ("dynamic" if d.dynamic_batching else "padded"))
     return DataSource(docs, mode=mode, micro=micro, seq_len=d.seq_len, budget=budget, seed=spec.train.seed,
                       pad_id=tok.pad_id, vocab=vocab)
+
+
+def build_eval_source(spec: Any, micro: int, vocab: int, force_padded: bool = False) -> DataSource | None:
+    """The validation split of a prepared folder, batched like training; None when eval is off."""
+    from hpctrain.node import prepared
+
+    d, t = spec.data, spec.train
+    if t.eval_every <= 0:
+        return None
+    if d.source == "synthetic" or d.format == "synthetic" or not prepared.is_prepared_source(d.source, d.format):
+        raise NodeInputError(f"[train] eval_every = {t.eval_every}: evaluation reads the validation split of a "
+                             f"prepared folder, and [data] source = {d.source!r} is not one. Fix: run "
+                             f"`{prepared.PREPARE_HINT} --val-fraction 0.01` and set [data] source to the --out "
+                             "folder, or set [train] eval_every = 0.")
+    m = prepared.open_manifest(d.source, vocab)
+    if m.val.documents == 0:
+        raise NodeInputError(f"[train] eval_every = {t.eval_every}: {d.source} has no validation split. Fix: "
+                             f"prepare it again with --val-fraction (e.g. 0.01), or set [train] eval_every = 0.")
+    pieces = prepared.open_pieces(d.source, "val", m, d.seq_len)
+    budget = d.tokens_per_batch or micro * d.seq_len
+    return DataSource(pieces, mode=batching_mode(d, force_padded), micro=micro, seq_len=d.seq_len, budget=budget,
+                      seed=t.seed, pad_id=prepared.pad_id(m), vocab=vocab, lengths=pieces.lengths)
 
 
 def iter_epoch(src: DataSource) -> Iterator[Batch]:

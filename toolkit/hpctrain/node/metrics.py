@@ -108,4 +108,7 @@ def step_line(r: dict[str, Any]) -> str:
     parts.append(f"rss {r['host_mem_gb']:.2f}GB")
     if r.get("ckpt_s"):
         parts.append(f"ckpt {r['ckpt_s']:.1f}s")
+    if r.get("eval_loss") is not None:
+        ppl = f" ppl {r['eval_ppl']:.2f}" if r.get("eval_ppl") is not None else ""
+        parts.append(f"eval loss {r['eval_loss']:.4f}{ppl}")
     return " | ".join(parts)

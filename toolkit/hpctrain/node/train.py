@@ -46,12 +46,13 @@ class Prepared:
     resume: ckpt.ResumePoint | None
     universal: bool
     checkpointing: bool = False  # activation checkpointing: the spec's value, or the plan's for "auto"
+    eval_source: Any = None  # the prepared folder's validation split when [train] eval_every > 0
 
 
 # -------------------------------------------------------------------------------------------- prepare
 def prepare(run_dir: Path, d: DistEnv) -> Prepared:
     """Read and check every input; raises NodeInputError naming the file and the fix."""
-    from hpctrain.node.data import build_source
+    from hpctrain.node.data import build_eval_source, build_source
     from hpctrain.node.model import check_model_inputs, hf_config
     from hpctrain.node.tokenize import load_tokenizer
 
@@ -78,8 +79,10 @@ def prepare(run_dir: Path, d: DistEnv) -> Prepared:
     hf_cfg = hf_config(spec.model)
     tok = load_tokenizer(spec.data.tokenizer)
     source = build_source(spec, tok, micro, int(hf_cfg.vocab_size), force_padded=pp > 1)
+    eval_source = build_eval_source(spec, micro, int(hf_cfg.vocab_size), force_padded=pp > 1)
+    source.prefetch(0)  # the epoch plan overlaps the engine build
     return Prepared(paths, spec, d, use_gpu, cfg, zero, dp, micro, gas, hf_cfg, tok, source, resume, universal,
-                    plan.activation_checkpointing)
+                    plan.activation_checkpointing, eval_source)
 
 
 def allocation_ds_config(paths: RunFolder, rendered: dict[str, Any], d: DistEnv, *, dp: int, universal: bool,
@@ -249,6 +252,8 @@ def _train(p: Prepared, stop: StopFlag, beat: Any) -> tuple[Any, LoopState]:
         saved = checkpointer.maybe_save(st.progress(), out.votes)
         rec = _record(p, st, out, lr, dt, fpt, saved.blocking_s if saved else 0.0, engine)
         rec.update(checkpointer.metrics_fields(saved))
+        if _eval_due(p, st.step):
+            rec.update(evaluate(p, engine, role))
         metrics.step(rec)
         log.info(step_line(rec))
         if checkpointer.should_stop:
@@ -259,6 +264,49 @@ def _train(p: Prepared, stop: StopFlag, beat: Any) -> tuple[Any, LoopState]:
     metrics.heartbeat(st.step, "finished")
     beat.stop("done")
     return engine, st
+
+
+def _eval_due(p: Prepared, step: int) -> bool:
+    every = p.spec.train.eval_every
+    return p.eval_source is not None and every > 0 and (step % every == 0 or step == p.spec.train.steps)
+
+
+def evaluate(p: Prepared, engine: Any, role: RankRole) -> dict[str, Any]:
+    """Mean loss over the first eval batches of the validation split (the same ones at every evaluation),
+    shared by the data-parallel ranks and weighted by predicted tokens; perplexity = exp(loss).
+
+    Every rank runs the same number of forwards (ZeRO-3 gathers parameters in each, so a rank with fewer
+    would hang its peers); a rank whose last batch lies past the eval set runs it with weight 0.
+    """
+    import torch
+    import torch.distributed as tdist
+
+    from hpctrain.node.data import IGNORE
+
+    src, t0 = p.eval_source, time.time()
+    n = src.batches_per_epoch()
+    want = p.spec.train.eval_tokens
+    total = n if want <= 0 else min(n, max(1, math.ceil(want / (p.micro * p.spec.data.seq_len))))
+    per_rank = math.ceil(total / p.dp)
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    count = 0
+    engine.eval()
+    with torch.no_grad():
+        for k in range(per_rank):
+            g = k * p.dp + role.dp_rank
+            b = src.batch(g % n)
+            loss = engine(**b.model_inputs(engine.device)).loss.detach().float().cpu().double()
+            if g < total and role.first_stage:
+                predicted = int((b.labels[:, 1:] != IGNORE).sum())
+                loss_sum += loss * predicted
+                count += predicted
+    engine.train()
+    red = torch.tensor([float(loss_sum), float(count)], dtype=torch.float64, device=comm_device())
+    tdist.all_reduce(red)
+    s, c = red.tolist()
+    mean = s / c if c else None
+    ppl = math.exp(mean) if mean is not None and mean < 700 else None  # JSON has no inf
+    return {"eval_loss": mean, "eval_ppl": ppl, "eval_tokens": int(c), "eval_s": time.time() - t0}
 
 
 def _role(p: Prepared, engine: Any) -> RankRole:

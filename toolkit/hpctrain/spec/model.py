@@ -108,14 +108,17 @@ class Model:
 
 @dataclass(frozen=True, kw_only=True)
 class Data:
-    source: str = "synthetic"  # "synthetic", or a path: .jsonl/.txt file, folder of them, or load_from_disk folder
-    format: Literal["auto", "jsonl", "text", "arrow", "synthetic"] = "auto"
+    # "synthetic", a prepared folder (`hpctrain data prepare`: memory-mapped, read lazily by every rank), or raw
+    # text that every rank tokenizes in RAM: a .jsonl/.txt file, a folder of them, or a load_from_disk folder
+    source: str = "synthetic"
+    format: Literal["auto", "prepared", "jsonl", "text", "arrow", "synthetic"] = "auto"  # auto: a manifest = prepared
     text_field: str = "text"
     tokenizer: str = "byte"  # "byte" (no files) or a local tokenizer folder
     seq_len: int = 512
     dynamic_batching: bool = False  # fill batches to a token budget instead of padding to seq_len
     tokens_per_batch: int = 0  # 0 = micro_batch * seq_len
     pack: bool = False  # pack documents into seq_len with per-document attention boundaries
+    max_raw_bytes: int = 64_000_000  # raw text above this is refused (0 = no limit): prepare it once instead
 
     def __post_init__(self) -> None:
         check(self)
@@ -138,6 +141,8 @@ class Train:
     # "auto": the planner turns it on only when the run does not fit without it (plan.json says which).
     activation_checkpointing: Switch = False
     peak_tflops: float = 0.0  # per-device peak for MFU; 0 = unknown (no MFU reported)
+    eval_every: int = 0  # evaluate the prepared folder's validation split every N steps (and at the end); 0 = off
+    eval_tokens: int = 262_144  # tokens per evaluation, shared by the data-parallel ranks; 0 = the whole split
 
     def __post_init__(self) -> None:
         check(self)

@@ -384,6 +384,8 @@ def _rules_data(d: Data) -> None:
     need(d.seq_len >= 1, "data.seq_len", d.seq_len, "must be at least 1", "set [data] seq_len = 512")
     need(d.tokens_per_batch >= 0, "data.tokens_per_batch", d.tokens_per_batch, "cannot be negative",
           "set [data] tokens_per_batch = 0 (micro_batch * seq_len)")
+    need(d.max_raw_bytes >= 0, "data.max_raw_bytes", d.max_raw_bytes, "cannot be negative",
+          "set [data] max_raw_bytes = 64000000 (0 = no limit)")
 
 
 def _rules_train(t: Train) -> None:
@@ -400,6 +402,10 @@ def _rules_train(t: Train) -> None:
     need(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "cannot be negative", "set it to 0.0")
     need(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "cannot be negative", "set it to 1.0 (0 = off)")
     need(t.peak_tflops >= 0, "train.peak_tflops", t.peak_tflops, "cannot be negative", "set it to 0 (unknown)")
+    need(t.eval_every >= 0, "train.eval_every", t.eval_every, "cannot be negative", how_to_set("train.eval_every", 0)
+         + " (0 = off)")
+    need(t.eval_tokens >= 0, "train.eval_tokens", t.eval_tokens, "cannot be negative",
+          "set [train] eval_tokens = 262144 (0 = the whole validation split)")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -537,6 +543,7 @@ def check_site_name(name: str) -> None:
 
 def _rules_spec(s: Spec) -> None:
     need(bool(s.name.strip()), "name", s.name, "a run needs a name", how_to_set("name", "'my-run'"))
+    _rules_eval(s)
     need(len(s.name) <= 200, "name", s.name[:40] + "...", "longer than 200 characters", "shorten it")
     if s.site:
         check_site_name(s.site)
@@ -579,6 +586,18 @@ def _rules_fault(x: Fault) -> None:
          "set [fault] straggler_patience_s = 120 (0 = off)")
     need(x.straggler_ratio > 1.0, "fault.straggler_ratio", x.straggler_ratio, "must be above 1 (slower than the others)",
          "set [fault] straggler_ratio = 1.2")
+
+
+def _rules_eval(s: Spec) -> None:
+    """Evaluation reads a prepared folder's validation split through the plain DeepSpeed engine."""
+    if s.train.eval_every <= 0:
+        return
+    need(s.parallel.pp == 1, "train.eval_every", s.train.eval_every,
+         f"evaluation is not built for pipeline-parallel runs (parallel.pp = {s.parallel.pp}): the pipeline "
+         "engine's eval_batch is not wired into the node trainer", "set [train] eval_every = 0, or parallel.pp = 1")
+    need(s.data.source != "synthetic" and s.data.format != "synthetic", "train.eval_every", s.train.eval_every,
+         "synthetic data has no validation split", "point [data] source at a folder made by `hpctrain data "
+         "prepare INPUT --tokenizer DIR --out DIR --val-fraction 0.01`, or set [train] eval_every = 0")
 
 
 _RULES: dict[str, Any] = {
