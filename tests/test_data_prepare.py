@@ -191,6 +191,8 @@ def test_hostile_paths(tmp_path: Path, tok: Path, docs: list[str]) -> None:
     prepare(str(src), "--tokenizer", str(tok), "--out", str(out))
     assert fmt.read_manifest(out).inputs[0]["path"] == str(src)
     assert len(all_docs(out)) == 5
+    res = invoke("data", "prepare", str(src), "--tokenizer", str(tok), "--out", str(root / "o2"), "--text-field", "body")
+    assert res.exit_code == 2 and "--text-field = 'body'" in res.output and "(it has: id, text)" in res.output
 
 
 def test_submit_reads_prepared_data_and_refuses_raw_text_on_several_nodes(tmp_path: Path, tok: Path,

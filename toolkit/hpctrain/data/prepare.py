@@ -24,6 +24,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ from hpctrain.data.tokenizer import Encoder, TokenizerInfo, describe
 from hpctrain.errors import bad_value
 
 PROGRESS = ".prepare-progress.jsonl"
+LOCK = ".prepare.lock"
 LOG = "prepare.log"
 BATCH_DOCS = 512  # texts per tokenizer call: large enough to amortize the call, small enough for RAM
 
@@ -260,6 +262,29 @@ def prepare(paths: list[str], tokenizer: str, out: str | os.PathLike[str] | None
     started = time.monotonic()
     req = resolve(paths, tokenizer, opts or Options())
     folder = Path(out).absolute() if out else cache.cache_folder(req.key)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise bad_value("--out", str(folder), f"cannot create it ({exc.strerror or exc})",
+                        "pass --out with a writable folder (or set HPCTRAIN_DATA_CACHE)") from None
+    with _locked(folder):  # a second prepare of the same folder waits, then finds the first one's cache hit
+        return _prepare(req, folder, workers, progress, echo, started)
+
+
+@contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    import fcntl
+
+    with open(folder / LOCK, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _prepare(req: Request, folder: Path, workers: int, progress: bool | None, echo: Callable[[str], None],
+             started: float) -> Result:
     hit = _hit(folder, req.key)
     if hit is not None:
         _log(folder, f"cache hit {req.key}: inputs, tokenizer and options unchanged, nothing rewritten")
