@@ -8,6 +8,8 @@ without special tokens, append eos, and write the result to disk:
 
   baseline  load_dataset("json") -> map(tokenizer(batch), batched=True, num_proc=W) -> save_to_disk
   prepare   hpctrain.data.prepare.prepare(..., workers=W)   (hashing the inputs included: a fresh cache)
+  floor     the tokenizer alone: encode_batch_fast in W processes on texts already in memory, nothing
+            written: the bound on any pipeline with this tokenizer
 
 Each run is a fresh process with fresh output and cache folders; the pipelines alternate, --runs times
 each; the table shows medians. tokens/s counts the tokens written (eos included).
@@ -84,6 +86,26 @@ def run_prepare(corpus: Path, tok: Path, out: Path, workers: int) -> int:
     return r.manifest.tokens + r.manifest.val.tokens
 
 
+def _encode_part(args: tuple[str, list[str]]) -> int:
+    import os
+
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(args[0])
+    return sum(len(e.ids) + 1 for e in tok.encode_batch_fast(args[1], add_special_tokens=False))
+
+
+def run_floor(corpus: Path, tok: Path, out: Path, workers: int) -> int:
+    """The tokenizer alone: texts already in memory, `workers` processes, nothing written (what no pipeline beats)."""
+    import multiprocessing
+
+    texts = [json.loads(line)["text"] for line in corpus.open(encoding="utf-8")]
+    parts = [(str(tok / "tokenizer.json"), texts[i::workers]) for i in range(workers)]
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        return sum(pool.map(_encode_part, parts))
+
+
 def one(kind: str, corpus: Path, tok: Path, work: Path, workers: int) -> dict[str, float]:
     """One run in a fresh process (imports included, as a user's command pays them)."""
     out = Path(tempfile.mkdtemp(prefix=f"{kind}-", dir=work))
@@ -106,12 +128,12 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--work", default="/tmp/hpctrain-bench-prepare")
-    ap.add_argument("--one", choices=("baseline", "prepare"), help=argparse.SUPPRESS)
+    ap.add_argument("--one", choices=("baseline", "prepare", "floor"), help=argparse.SUPPRESS)
     ap.add_argument("--corpus", help=argparse.SUPPRESS)
     ap.add_argument("--tokenizer", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
-        fn = run_baseline if a.one == "baseline" else run_prepare
+        fn = {"baseline": run_baseline, "prepare": run_prepare, "floor": run_floor}[a.one]
         print(fn(Path(a.corpus), Path(a.tokenizer), Path(a.work), a.workers))
         return
     from datakit import build_tokenizer, stdlib_texts
@@ -124,9 +146,9 @@ def main() -> None:
         print(f"corpus {corpus}: {size / 1e6:.0f} MB, {docs} documents")
     if not (tok / "tokenizer.json").exists():
         build_tokenizer(tok, vocab_size=a.vocab, texts=stdlib_texts(400))
-    rows: dict[str, list[dict[str, float]]] = {"baseline": [], "prepare": []}
+    rows: dict[str, list[dict[str, float]]] = {"baseline": [], "prepare": [], "floor": []}
     for i in range(a.runs):
-        for kind in ("baseline", "prepare") if i % 2 == 0 else ("prepare", "baseline"):
+        for kind in ("baseline", "prepare", "floor") if i % 2 == 0 else ("floor", "prepare", "baseline"):
             r = one(kind, corpus, tok, work, a.workers)
             rows[kind].append(r)
             print(f"run {i + 1} {kind}: {r['seconds']:.1f}s, {r['tokens']:,} tokens, {r['tokens_per_s']:,.0f} tokens/s",
@@ -136,7 +158,8 @@ def main() -> None:
           "alternating runs each (medians)\n")
     print("| pipeline | seconds (runs) | tokens | tokens/s (median) | vs baseline |")
     print("| --- | --- | --- | --- | --- |")
-    names = {"baseline": "datasets: load_dataset + map(num_proc) + save_to_disk", "prepare": "hpctrain data prepare"}
+    names = {"baseline": "datasets: load_dataset + map(num_proc) + save_to_disk", "prepare": "hpctrain data prepare",
+             "floor": "the tokenizer alone (texts in RAM, nothing written)"}
     for k, v in rows.items():
         secs = ", ".join(f"{r['seconds']:.1f}" for r in v)
         print(f"| {names[k]} | {secs} | {int(v[0]['tokens']):,} | {med[k]:,.0f} | {med[k] / med['baseline']:.2f}x |")

@@ -193,6 +193,11 @@ def test_hostile_paths(tmp_path: Path, tok: Path, docs: list[str]) -> None:
     assert len(all_docs(out)) == 5
     res = invoke("data", "prepare", str(src), "--tokenizer", str(tok), "--out", str(root / "o2"), "--text-field", "body")
     assert res.exit_code == 2 and "--text-field = 'body'" in res.output and "(it has: id, text)" in res.output
+    (root / "mine").mkdir()
+    (root / "mine" / "notes.txt").write_text("not a prepared corpus")
+    res = invoke("data", "prepare", str(src), "--tokenizer", str(tok), "--out", str(root / "mine"))
+    assert res.exit_code == 2 and "holds files that are not a prepared corpus (notes.txt)" in res.output
+    assert sorted(p.name for p in (root / "mine").iterdir()) == ["notes.txt"]
 
 
 def test_submit_reads_prepared_data_and_refuses_raw_text_on_several_nodes(tmp_path: Path, tok: Path,

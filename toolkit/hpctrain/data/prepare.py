@@ -194,7 +194,11 @@ def _claim(folder: Path) -> None:
         if other:
             raise bad_value("--out", str(folder), f"holds files that are not a prepared corpus ({', '.join(other[:3])})",
                             "pass --out with a new or empty folder, or one an earlier prepare wrote")
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise bad_value("--out", str(folder), f"cannot create it ({exc.strerror or exc})",
+                        "pass --out with a writable folder (or set HPCTRAIN_DATA_CACHE)") from None
 
 
 def _clean(folder: Path, keep: set[str]) -> None:
@@ -262,11 +266,7 @@ def prepare(paths: list[str], tokenizer: str, out: str | os.PathLike[str] | None
     started = time.monotonic()
     req = resolve(paths, tokenizer, opts or Options())
     folder = Path(out).absolute() if out else cache.cache_folder(req.key)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise bad_value("--out", str(folder), f"cannot create it ({exc.strerror or exc})",
-                        "pass --out with a writable folder (or set HPCTRAIN_DATA_CACHE)") from None
+    _claim(folder)  # before the lock file: nothing is written into a folder that is not a prepare's
     with _locked(folder):  # a second prepare of the same folder waits, then finds the first one's cache hit
         return _prepare(req, folder, workers, progress, echo, started)
 
@@ -290,7 +290,6 @@ def _prepare(req: Request, folder: Path, workers: int, progress: bool | None, ec
         _log(folder, f"cache hit {req.key}: inputs, tokenizer and options unchanged, nothing rewritten")
         echo(f"cache hit: {folder} ({hit.tokens:,} tokens, key {req.key})")
         return Result(folder, hit, cache_hit=True, seconds=time.monotonic() - started)
-    _claim(folder)
     (folder / MANIFEST).unlink(missing_ok=True)  # replaced below: never a half-valid prepared folder
     dtype = dtype_for(req.tokenizer.vocab_size)
     jobs = [_Job(0, inp, u) for i, inp in enumerate(req.found) for u in inputs.units_of(inp, i, req.options.shard_bytes)]
