@@ -25,6 +25,7 @@ torch = pytest.importorskip("torch")
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 RUN_FILES = sorted(p.name for p in EXAMPLES.glob("*.toml"))
+RUN_FILES_NODE = RUN_FILES
 # A Llama-3.2-1B-shaped config.json: the planner and the node read the shape only (no weights needed).
 SMALL_MODEL = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 2048,
                "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
@@ -58,8 +59,11 @@ def _submit_dry_run(name: str, tmp: Path, monkeypatch: pytest.MonkeyPatch) -> Pa
         args += ["--set", "data.tokenizer=byte"]
     if "/shared/data/sft.jsonl" in text:
         args += ["--set", f"data.source={local['sft']}"]
-    if "/shared/data/pretrain" in text:
-        args += ["--set", f"data.source={local['pretrain']}"]
+    if "/shared/data/pretrain-prepared" in text:  # a multi-node run reads prepared data (docs/data.md)
+        from hpctrain.data.prepare import prepare
+
+        prepare([str(local["pretrain"])], "byte", tmp / "prepared", workers=1, echo=lambda _: None)
+        args += ["--set", f"data.source={tmp / 'prepared'}"]
     if name == "llama-8b-h200.toml":
         args += ["--site", "h200-single"]
     res = CliRunner().invoke(cli, args)
@@ -100,7 +104,7 @@ def _config_given_to_deepspeed(run: Path, world: int, monkeypatch: pytest.Monkey
     return prep, seen["config"]
 
 
-@pytest.mark.parametrize("name", RUN_FILES)
+@pytest.mark.parametrize("name", RUN_FILES_NODE)
 def test_deepspeed_gets_ds_config_json_exactly(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On the allocation the plan was made for, the node edits nothing and writes no effective config."""
     run = _submit_dry_run(name, tmp_path, monkeypatch)
@@ -114,7 +118,7 @@ def test_deepspeed_gets_ds_config_json_exactly(name: str, tmp_path: Path, monkey
     assert not RunFolder(run).ds_config_effective_json.exists()
 
 
-@pytest.mark.parametrize("name", RUN_FILES)
+@pytest.mark.parametrize("name", RUN_FILES_NODE)
 def test_another_world_size_is_ds_config_json_plus_the_logged_edits(name: str, tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch,
                                                                      caplog: pytest.LogCaptureFixture) -> None:

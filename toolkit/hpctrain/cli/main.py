@@ -125,7 +125,23 @@ def _resolve(runfile: str | None, opts: dict[str, Any], point: dict[str, Any] | 
     flags = {**flags_from_options(opts), **(point or {})}
     spec = resolve(runfile, flags, opts.get("site"), check=check)
     _SECRET_NAMES.update(secret_names(spec))
-    return spec, make_plan(spec)
+    plan = make_plan(spec)
+    return (_data_source(spec, plan) if check else spec), plan
+
+
+def _data_source(spec: Spec, plan: Plan) -> Spec:
+    """A prepared folder's vocabulary against the model's; raw text prepared in the data cache -> that folder;
+    raw text on several nodes refused with the `data prepare` command (hpctrain.data.source)."""
+    import dataclasses
+
+    from hpctrain.data.source import submit_source
+
+    d = spec.data
+    source, note = submit_source(d.source, d.tokenizer, d.text_field, int(plan.model["vocab"]), plan.nodes)
+    if source == d.source:
+        return spec
+    click.echo(note, err=True)
+    return dataclasses.replace(spec, data=dataclasses.replace(d, source=source))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -390,8 +406,9 @@ def main() -> None:
 
 
 # Command groups of their own modules, each importing only click at module level:
-# list/status/cancel, logs/summary, image, resubmit/supervise, export, registry, stacks.
+# list/status/cancel, logs/summary, data prepare, image, resubmit/supervise, export, registry, stacks.
 from hpctrain.cli import collect as cli_collect
+from hpctrain.cli import data as cli_data
 from hpctrain.cli import export as cli_export
 from hpctrain.cli import fault as cli_fault
 from hpctrain.cli import image as cli_image
@@ -399,5 +416,5 @@ from hpctrain.cli import registry as cli_registry
 from hpctrain.cli import runs as cli_runs
 from hpctrain.cli import watch as cli_watch
 
-for _module in (cli_runs, cli_collect, cli_image, cli_fault, cli_export, cli_registry, cli_watch):
+for _module in (cli_runs, cli_collect, cli_data, cli_image, cli_fault, cli_export, cli_registry, cli_watch):
     _module.register(cli)

@@ -56,12 +56,14 @@ class Manifest:
     train: Split
     val: Split = field(default_factory=Split)
     tokenizer_hash: str = ""
-    inputs: tuple[dict[str, Any], ...] = ()  # [{"path", "bytes", "sha256"}, ...]
+    # [{"path", "kind", "bytes", "mtime_ns", "sha256", "tokens", "documents"}, ...]: tokens/documents of both splits
+    inputs: tuple[dict[str, Any], ...] = ()
     options: dict[str, Any] = field(default_factory=dict)
     key: str = ""  # content hash of inputs + tokenizer + options: the cache key
     bos_id: int | None = None
     eos_id: int | None = None
     hpctrain_version: str = ""
+    tokenizer: str = ""  # the tokenizer folder prepare read ("byte" for the byte tokenizer); not part of the key
     format: str = FORMAT
     version: int = VERSION
 
@@ -90,7 +92,8 @@ class Manifest:
                    val=split(d.get("val")), tokenizer_hash=str(d.get("tokenizer_hash", "")),
                    inputs=tuple(d.get("inputs", ())), options=dict(d.get("options", {})), key=str(d.get("key", "")),
                    bos_id=d.get("bos_id"), eos_id=d.get("eos_id"),
-                   hpctrain_version=str(d.get("hpctrain_version", "")), format=str(d.get("format", "")),
+                   hpctrain_version=str(d.get("hpctrain_version", "")), tokenizer=str(d.get("tokenizer", "")),
+                   format=str(d.get("format", "")),
                    version=int(d.get("version", 0)))
 
 

@@ -1,0 +1,81 @@
+"""What `submit` does with `[data] source` on the login side, before any folder or job exists.
+
+- A prepared folder: its manifest's vocabulary must fit the model's (`vocab_size` ids index the embedding;
+  the rank checks it again on the node, where a mismatch would cost an allocation).
+- Raw text already prepared in the data cache with this tokenizer and the default options (data/cache.py):
+  the run reads that folder instead, so sweep points and retries share one prepared copy.
+- Raw text on a multi-node run that is not prepared: refused, naming the exact `hpctrain data prepare`
+  command. Every rank would otherwise read and tokenize the whole corpus (out of memory, or past the
+  distributed timeout: issue #15). The command writes into the cache, so submitting again finds it.
+  (A prepare job chained in front of the run with --dependency=afterok is not built: the refusal costs the
+  user one command and never queues a run behind a prepare that might fail.)
+- Raw text on one node stays the node's in-RAM path.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import asdict
+from pathlib import Path
+
+from hpctrain.data import cache, inputs
+from hpctrain.data.format import PreparedFormatError, is_prepared, read_manifest
+from hpctrain.errors import HpcUsageError, bad_value
+
+
+def prepare_command(source: str, tokenizer: str, text_field: str) -> str:
+    """The `hpctrain data prepare` command that writes the cache folder `submit` looks for."""
+    cmd = ["hpctrain", "data", "prepare", source, "--tokenizer", tokenizer]
+    if text_field != "text":
+        cmd += ["--text-field", text_field]
+    return " ".join(shlex.quote(c) for c in cmd)
+
+
+def _check_vocab(source: str, model_vocab: int) -> None:
+    try:
+        m = read_manifest(source)
+    except PreparedFormatError as exc:
+        raise bad_value("data.source", source, str(exc).rstrip("."), "prepare it again with `hpctrain data prepare`") \
+            from None
+    if m.vocab_size > model_vocab:
+        raise bad_value("data.source", source,
+                        f"prepared with a tokenizer of {m.vocab_size} ids ({m.tokenizer or m.tokenizer_hash[:12]}), "
+                        f"more than the model's vocab_size {model_vocab}: ids from {model_vocab} on have no embedding",
+                        "prepare the data with the model's tokenizer, or use a model whose vocab_size is at least "
+                        f"{m.vocab_size} (--set model.overrides.vocab_size=... for a model built from a config)")
+
+
+def _cached(source: str, tokenizer: str, text_field: str) -> Path | None:
+    """The cache folder of `source` prepared with the default options, or None (reads no input file)."""
+    from hpctrain.data.prepare import Options
+    from hpctrain.data.tokenizer import BYTE, folder_hash
+
+    tok = Path(tokenizer)
+    if tokenizer != BYTE and not (tok / "tokenizer.json").is_file():
+        return None
+    try:
+        found = inputs.find_inputs([source])
+    except HpcUsageError:
+        return None
+    return cache.lookup([i.path for i in found], BYTE if tokenizer == BYTE else folder_hash(tok),
+                        asdict(Options(text_field=text_field)))
+
+
+def submit_source(source: str, tokenizer: str, text_field: str, model_vocab: int, nodes: int) -> tuple[str, str]:
+    """The source the run should read, and a note for the user ("" when unchanged); refuses as above."""
+    if source == "synthetic":
+        return source, ""
+    if is_prepared(source):
+        _check_vocab(source, model_vocab)
+        return source, ""
+    found = _cached(source, tokenizer, text_field)
+    if found is not None:
+        _check_vocab(str(found), model_vocab)
+        return str(found), f"data.source: {source} is prepared in the data cache; the run reads {found}"
+    if nodes > 1:
+        cmd = prepare_command(source, tokenizer, text_field)
+        raise bad_value("data.source", source,
+                        f"raw text on a {nodes}-node run: every rank would read and tokenize the whole corpus",
+                        f"prepare it once with `{cmd}` (add --submit to run it on a CPU node), then submit again: "
+                        "the run reads the prepared folder from the data cache. Or pass --data with a prepared folder")
+    return source, ""
