@@ -137,11 +137,18 @@ def _data_source(spec: Spec, plan: Plan) -> Spec:
     from hpctrain.data.source import submit_source
 
     d = spec.data
+    from hpctrain.data.format import is_prepared
+
     source, note = submit_source(d.source, d.tokenizer, d.text_field, int(plan.model["vocab"]), plan.nodes)
-    if source == d.source:
+    # A prepared folder is read as one whatever raw format the run file named for its inputs ("jsonl"):
+    # the folder's manifest.json is not a document.
+    fmt = "prepared" if source != "synthetic" and d.format not in ("prepared", "synthetic") and is_prepared(source) \
+        else d.format
+    if source == d.source and fmt == d.format:
         return spec
-    click.echo(note, err=True)
-    return dataclasses.replace(spec, data=dataclasses.replace(d, source=source))
+    if note:
+        click.echo(note, err=True)
+    return dataclasses.replace(spec, data=dataclasses.replace(d, source=source, format=fmt))
 
 
 # --------------------------------------------------------------------------------------------------

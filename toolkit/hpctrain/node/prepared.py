@@ -102,14 +102,15 @@ class Pieces:
 
 
 def is_prepared_source(source: str, data_format: str) -> bool:
-    """[data] format = "prepared", or "auto" with a manifest in the folder."""
+    """[data] format = "prepared", or a folder with a manifest under "auto" (or a raw format's name)."""
     if data_format == "prepared":
         if not fmt.is_prepared(source):
             raise NodeInputError(f"[data] source = {source!r}: format = \"prepared\" but there is no "
                                  f"{fmt.MANIFEST} in it (a prepare that did not finish leaves none). "
                                  f"Fix: run `{PREPARE_HINT}` and point [data] source at its --out folder.")
         return True
-    return data_format == "auto" and Path(source).is_dir() and fmt.is_prepared(source)
+    # "jsonl"/"text" name the raw inputs a folder was prepared from; its manifest.json is not a document.
+    return data_format in ("auto", "jsonl", "text") and Path(source).is_dir() and fmt.is_prepared(source)
 
 
 def open_manifest(source: str, model_vocab: int) -> fmt.Manifest:
