@@ -40,8 +40,12 @@ def run(run_dir: str, mode: str = "train") -> int:
     # torch's c10d deprecation notices repeat on every collective of DeepSpeed's ZeRO-3 (pages of stderr).
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
     d = dist.detect()
-    paths = RunFolder(run_dir)
+    paths = RunFolder(Path(run_dir).absolute())
     setup_logging(paths.logs_dir, d.rank, attempt_number())
+    # Every rank runs in its run folder: ds_config.json names the trackers' folders relative to it
+    # ("output_path": "metrics", which DeepSpeed joins to the directory it runs in), so they land in the run
+    # folder wherever it sits (moved, resubmitted, bound into a container). Spec paths are absolute already.
+    os.chdir(paths.path)  # setup_logging made it if it was missing
     log.info("hpctrain node: mode %s, rank %d/%d (local %d) via %s, master %s:%d", mode, d.rank, d.world_size,
              d.local_rank, d.source, d.master_addr, d.master_port)
     code = ExitCode.OK

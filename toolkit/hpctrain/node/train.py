@@ -14,7 +14,7 @@ from typing import Any
 from hpctrain.node import checkpoint as ckpt
 from hpctrain.node.checkpointer import Checkpointer, Progress, StopFlag, StopRequested
 from hpctrain.node.dist import DistEnv, comm_device
-from hpctrain.node.metrics import MetricsWriter, host_mem_gb, host_peak_gb, log, step_line
+from hpctrain.node.metrics import MetricsWriter, attempt_number, host_mem_gb, host_peak_gb, log, step_line
 from hpctrain.node.runconf import (
     NodeInputError,
     effective_ds_config,
@@ -55,8 +55,11 @@ def prepare(run_dir: Path, d: DistEnv) -> Prepared:
     from hpctrain.node.model import check_model_inputs, hf_config
     from hpctrain.node.tokenize import load_tokenizer
 
+    from hpctrain.node.tracking import check_available
+
     paths = RunFolder(run_dir)
     spec = read_spec(paths)
+    check_available(spec)
     use_gpu = spec.resources.gpus_per_node > 0 and os.environ.get("DS_ACCELERATOR", "") != "cpu"
     pp, tp = spec.parallel.pp, spec.parallel.tp
     if tp > 1 and pp > 1:
@@ -134,6 +137,7 @@ def build_engine(p: Prepared) -> tuple[Any, int]:
     import torch
 
     from hpctrain.node.model import apply_freeze, build_model, param_count
+    from hpctrain.node.tracking import prepare_env
     from hpctrain.spec import presets
 
     spec = p.spec
@@ -160,6 +164,7 @@ def build_engine(p: Prepared) -> tuple[Any, int]:
     if "scheduler" not in p.ds_config:
         fn = lr_lambda(spec)
         sched = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, fn)
+    prepare_env(p.paths, spec, p.d.rank)  # W&B's run id and folder, read by the wandb.init DeepSpeed calls
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=p.ds_config,
                                            lr_scheduler=sched)
     return engine, n_params
@@ -176,6 +181,7 @@ class LoopState:
     tokens_seen: float
     per_step: int  # micro-batches one optimizer step consumes over all data-parallel ranks (gas x dp)
     last_saved: int = -1  # the step of the attempt's last checkpoint (finish() exports only that one)
+    tracker: Any = None  # node.tracking.Tracker: hpctrain's figures through DeepSpeed's monitor (rank 0)
 
     @property
     def cursor(self) -> int:
@@ -226,6 +232,7 @@ def run_training(p: Prepared, stop: StopFlag) -> tuple[Any, LoopState]:
 def _train(p: Prepared, stop: StopFlag, beat: Any) -> tuple[Any, LoopState]:
     """Engine, resume, then the loop: step, metrics, checkpoint when due, stop on the signal."""
     from hpctrain.node.model import flops_per_token
+    from hpctrain.node.tracking import Tracker
 
     engine, n_params = build_engine(p)
     checkpointer = Checkpointer.for_run(engine, p.spec, p.paths.checkpoints_dir, stop, rank=p.d.rank,
@@ -233,6 +240,9 @@ def _train(p: Prepared, stop: StopFlag, beat: Any) -> tuple[Any, LoopState]:
                                         n_params=n_params, beat=beat)
     start = checkpointer.load(p.resume, p.universal)
     st = LoopState(start.step, start.step, start.cursor, start.tokens_seen, per_step=p.gas * p.dp)
+    st.tracker = tracker = Tracker.for_engine(engine, p.paths, p.spec, p.d.rank)
+    tracker.log_config(p.paths)
+    tracker.attempt(attempt_number(), st.step)
     metrics = MetricsWriter(p.paths.metrics_dir, p.d.rank)
     role = _role(p, engine)
     fpt = flops_per_token(p.hf_cfg, n_params, p.spec.data.seq_len)
@@ -247,6 +257,7 @@ def _train(p: Prepared, stop: StopFlag, beat: Any) -> tuple[Any, LoopState]:
         rec = _record(p, st, out, lr, dt, fpt, saved.blocking_s if saved else 0.0, engine)
         rec.update(checkpointer.metrics_fields(saved))
         metrics.step(rec)
+        tracker.step(rec)
         log.info(step_line(rec))
         if checkpointer.should_stop:
             raise checkpointer.requeue(st.step, metrics)
@@ -390,4 +401,7 @@ def finish(p: Prepared, engine: Any, st: LoopState) -> None:
         record.update(export=str(out), export_s=time.time() - t0)
         log.info("exported Hugging Face model to %s in %.1f s", out, record["export_s"])
     metrics.event(record)
+    if st.tracker is not None:
+        st.tracker.eval_loss(eval_loss, st.step)
+        st.tracker.close()
     log.info("finished at step %d, eval loss %s", st.step, eval_loss)

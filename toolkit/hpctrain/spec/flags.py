@@ -46,6 +46,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--steps", "train.steps", int, "Optimizer steps."),
     Flag("--retries", "launch.retries", int, "Automatic resubmissions after a failure (0 = off; capped at 10)."),
     Flag("--data", "data.source", str, "Data: 'synthetic', a .jsonl/.txt file or a folder."),
+    Flag("--track", "tracking.backends", str,
+         "Trackers, comma-separated: tensorboard (the default), wandb, csv, mlflow; 'none' for none."),
 )
 
 # Flags the CLI declares itself (one flag for two keys, a switch, the site layer), for the hints.
