@@ -380,13 +380,14 @@ def main() -> None:
 
 
 # Command groups of their own modules, each importing only click at module level:
-# list/status/cancel, logs/summary, image, resubmit/supervise, export, registry.
+# list/status/cancel, logs/summary, image, resubmit/supervise, export, registry, sync.
 from hpctrain.cli import collect as cli_collect
 from hpctrain.cli import export as cli_export
 from hpctrain.cli import fault as cli_fault
 from hpctrain.cli import image as cli_image
 from hpctrain.cli import registry as cli_registry
 from hpctrain.cli import runs as cli_runs
+from hpctrain.cli import sync as cli_sync
 
-for _module in (cli_runs, cli_collect, cli_image, cli_fault, cli_export, cli_registry):
+for _module in (cli_runs, cli_collect, cli_image, cli_fault, cli_export, cli_registry, cli_sync):
     _module.register(cli)

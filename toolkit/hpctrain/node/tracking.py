@@ -3,8 +3,8 @@
 `deepspeed.initialize` builds DeepSpeed's MonitorMaster (deepspeed.monitor: TensorBoard, W&B, CSV) on rank 0
 from ds_config.json's monitor blocks (hpctrain.render.deepspeed.monitor_blocks). hpctrain writes its own
 figures into that monitor with `write_events`, at the optimizer step: loss, lr, tokens/s, TFLOPS/MFU, memory,
-padding, checkpoint seconds (hpctrain.runs.tracking.STEP_TAGS), the eval loss at the end and the attempt
-number where each attempt starts. DeepSpeed 0.19.8 has no MLflow monitor: hpctrain.runs.tracking.MlflowMonitor
+padding, checkpoint seconds (hpctrain.runs.tracking.STEP_TAGS), the attempt that wrote the step, and the eval
+loss at the end. DeepSpeed 0.19.8 has no MLflow monitor: hpctrain.runs.tracking.MlflowMonitor
 has the same interface and is written beside it.
 
 W&B: DeepSpeed's block takes project, team and group only; the run's id, resume and folder come from the
@@ -17,18 +17,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import tomllib
 from typing import Any
 
 from hpctrain.node.runconf import NodeInputError
 from hpctrain.runs.folder import RunFolder
 from hpctrain.runs.tracking import (
-    ATTEMPT_TAG,
     EVAL_TAG,
     TRACKER_EXTRA,
     TRACKER_MODULE,
     MlflowMonitor,
     Scalar,
+    run_config,
     step_events,
 )
 from hpctrain.spec.model import Spec
@@ -57,6 +56,10 @@ def prepare_env(paths: RunFolder, spec: Spec, rank: int) -> None:
     """Before deepspeed.initialize (which calls wandb.init on rank 0)."""
     if rank == 0 and "wandb" in spec.tracking.backends:
         os.environ.update(wandb_env(paths, spec))
+        # WANDB_SERVICE names the wandb service of the process that exported it (sbatch passes the submitting
+        # shell's environment on): a service on another host, or one still holding this run id for an
+        # attempt that died, refuses the run ("run ID ... is in use"). This rank starts its own.
+        os.environ.pop("WANDB_SERVICE", None)
 
 
 class Tracker:
@@ -87,12 +90,20 @@ class Tracker:
         for m in self.extra:
             m.write_events(events)
 
-    def step(self, record: dict[str, Any]) -> None:
-        self.write(step_events(record))
+    def step(self, record: dict[str, Any], attempt: int) -> None:
+        self.write(step_events(record, attempt))
 
-    def attempt(self, attempt: int, step: int) -> None:
-        """Mark where this attempt starts on the step axis (an attempt boundary in every tracker)."""
-        self.write([(ATTEMPT_TAG, float(attempt), step)])
+    def resumed_at(self, step: int) -> None:
+        """A resumed attempt writes again from step+1: TensorBoard gets a SessionLog START there, which its reader
+        takes as a restart and drops the earlier attempts' values from that step on (the steps re-run after the
+        checkpoint), as torch's SummaryWriter(purge_step=...) does. W&B keeps a step's first values; CSV all."""
+        tb = getattr(getattr(self.monitor, "tb_monitor", None), "summary_writer", None)
+        if self.rank != 0 or tb is None or step <= 0:
+            return
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+        tb.file_writer.add_event(Event(step=step + 1, session_log=SessionLog(status=SessionLog.START)))
+        tb.flush()
 
     def eval_loss(self, loss: float | None, step: int) -> None:
         if loss is not None:
@@ -102,9 +113,7 @@ class Tracker:
         """The run's resolved spec, plan and DeepSpeed config as the tracker run's config."""
         if self.rank != 0:
             return
-        config = {"spec": tomllib.loads(paths.spec_toml.read_text(encoding="utf-8")),
-                  "plan": json.loads(paths.plan_json.read_text(encoding="utf-8")),
-                  "ds_config": json.loads(paths.ds_config_json.read_text(encoding="utf-8"))}
+        config = run_config(paths)
         if getattr(self.monitor, "wandb_monitor", None) is not None:
             import wandb
 

@@ -242,7 +242,8 @@ def _train(p: Prepared, stop: StopFlag, beat: Any) -> tuple[Any, LoopState]:
     st = LoopState(start.step, start.step, start.cursor, start.tokens_seen, per_step=p.gas * p.dp)
     st.tracker = tracker = Tracker.for_engine(engine, p.paths, p.spec, p.d.rank)
     tracker.log_config(p.paths)
-    tracker.attempt(attempt_number(), st.step)
+    tracker.resumed_at(st.step)
+    attempt = attempt_number()
     metrics = MetricsWriter(p.paths.metrics_dir, p.d.rank)
     role = _role(p, engine)
     fpt = flops_per_token(p.hf_cfg, n_params, p.spec.data.seq_len)
@@ -257,7 +258,7 @@ def _train(p: Prepared, stop: StopFlag, beat: Any) -> tuple[Any, LoopState]:
         rec = _record(p, st, out, lr, dt, fpt, saved.blocking_s if saved else 0.0, engine)
         rec.update(checkpointer.metrics_fields(saved))
         metrics.step(rec)
-        tracker.step(rec)
+        tracker.step(rec, attempt)
         log.info(step_line(rec))
         if checkpointer.should_stop:
             raise checkpointer.requeue(st.step, metrics)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpctrain.runs.folder import RunFolder
+
 # The trackers a run may name in [tracking] backends / --track (DeepSpeed's monitor blocks, and MLflow,
 # which DeepSpeed 0.19.8 has no monitor for: hpctrain.node.tracking.MlflowMonitor).
 TRACKERS = ("tensorboard", "wandb", "csv", "mlflow")
@@ -43,7 +45,7 @@ STEP_TAGS: dict[str, str] = {
 # Written only where measured: a checkpoint's seconds on its step (not zeros between), GPU memory on GPU ranks.
 ONLY_WHEN_POSITIVE = frozenset({"ckpt_blocking_s", "ckpt_write_s", "ckpt_gbps", "gpu_mem_gb", "gpu_reserved_gb"})
 EVAL_TAG = "eval/loss"
-# The attempt number, written at the first step of each attempt: an attempt boundary on the step axis.
+# The attempt that wrote each step: where it steps up, an attempt began (a boundary on the step axis).
 ATTEMPT_TAG = "run/attempt"
 
 # The tag that finds an hpctrain run's MLflow run again (MLflow chooses its own run ids).
@@ -58,8 +60,8 @@ def _number(value: object) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-def step_events(record: dict[str, Any]) -> list[Scalar]:
-    """The scalar events of one metrics.jsonl record, in STEP_TAGS order."""
+def step_events(record: dict[str, Any], attempt: int | None = None) -> list[Scalar]:
+    """The scalar events of one metrics.jsonl record, in STEP_TAGS order, and the attempt that wrote it."""
     step = record.get("step")
     if not isinstance(step, int) or isinstance(step, bool):
         return []
@@ -69,6 +71,8 @@ def step_events(record: dict[str, Any]) -> list[Scalar]:
         if value is None or (key in ONLY_WHEN_POSITIVE and value <= 0):
             continue
         out.append((tag, value, step))
+    if attempt is not None:
+        out.append((ATTEMPT_TAG, float(attempt), step))
     return out
 
 
@@ -134,3 +138,13 @@ class MlflowMonitor:
 
     def log_config(self, config: dict[str, Any]) -> None:
         self.client.log_dict(self.run_id, config, "hpctrain_config.json")
+
+
+def run_config(folder: RunFolder) -> dict[str, Any]:
+    """The tracker run's config: the resolved spec, the plan and the DeepSpeed config, as the run folder has them."""
+    import json
+    import tomllib
+
+    return {"spec": tomllib.loads(folder.spec_toml.read_text(encoding="utf-8")),
+            "plan": json.loads(folder.plan_json.read_text(encoding="utf-8")),
+            "ds_config": json.loads(folder.ds_config_json.read_text(encoding="utf-8"))}
