@@ -54,7 +54,6 @@ def prepare(run_dir: Path, d: DistEnv) -> Prepared:
     from hpctrain.node.data import build_source
     from hpctrain.node.model import check_model_inputs, hf_config
     from hpctrain.node.tokenize import load_tokenizer
-
     from hpctrain.node.tracking import check_available
 
     paths = RunFolder(run_dir)

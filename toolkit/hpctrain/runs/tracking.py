@@ -10,11 +10,14 @@ count in. Stdlib only: the node and the login side import it.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from hpctrain.runs.folder import RunFolder
 
@@ -142,9 +145,6 @@ class MlflowMonitor:
 
 def run_config(folder: RunFolder) -> dict[str, Any]:
     """The tracker run's config: the resolved spec, the plan and the DeepSpeed config, as the run folder has them."""
-    import json
-    import tomllib
-
     return {"spec": tomllib.loads(folder.spec_toml.read_text(encoding="utf-8")),
             "plan": json.loads(folder.plan_json.read_text(encoding="utf-8")),
             "ds_config": json.loads(folder.ds_config_json.read_text(encoding="utf-8"))}
