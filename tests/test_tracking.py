@@ -154,6 +154,12 @@ def test_two_attempt_run_writes_every_tracker(tmp_path: Path, monkeypatch: pytes
     assert _scalars(folder.tensorboard_dir, "run/attempt") == [(1, 0.0), (2, 0.0), (3, 0.0), (4, 1.0), (5, 1.0),
                                                                (6, 1.0)]
     assert [s for s, _ in _scalars(folder.tensorboard_dir, "eval/loss")] == [6]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder.tensorboard_dir), size_guidance={"tensors": 0})
+    acc.Reload()  # the run's config as TensorBoard text: resolved spec, plan, ds_config
+    text = acc.Tensors("hpctrain/config/text_summary")[-1].tensor_proto.string_val[0].decode()
+    assert all(k in text for k in ('"zero_stage": 3', '"tracking"', '"zero_optimization"'))
     # W&B offline: one offline run per attempt, every one of them the run id (`wandb sync` makes one run of them).
     runs = sorted(folder.wandb_dir.glob("offline-run-*"))
     assert len(runs) == 2 and {p.name.rsplit("-", 4)[-4:] == RUN_ID.split("-") for p in runs} == {True}
