@@ -31,7 +31,7 @@ install-node: install-base
 	$(PIP) install "$(TORCH_SPEC)"
 	$(PIP) install ninja setuptools wheel
 	$(PIP) install --no-build-isolation "$(DEEPSPEED_SPEC)"
-	$(PIP) install -e ".[node,test,plot]"
+	$(PIP) install -e ".[node,test,plot,wandb,mlflow]"
 
 install: install-node
 

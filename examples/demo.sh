@@ -49,4 +49,6 @@ echo "latest checkpoint: $(cat "$folder/checkpoints/latest")"
 echo "== 4. summary"
 $HPC summary "$run"
 echo "exported model: $folder/hf"
+echo "TensorBoard events (loss, lr, tokens/s, memory, checkpoint seconds, eval loss by step): $folder/metrics/tensorboard"
+echo "  view: tensorboard --logdir $folder/metrics/tensorboard   replay into W&B: hpctrain sync $run --to wandb"
 $HPC list

@@ -37,6 +37,7 @@ from hpctrain.spec.model import (
     Parallel,
     Resources,
     Spec,
+    Tracking,
     Train,
 )
 
@@ -67,6 +68,7 @@ def _case_specs() -> dict[str, tuple[Spec, dict[str, object]]]:
         train=Train(micro_batch=2, global_batch=256, activation_checkpointing=True),
         parallel=Parallel(zero="auto"),
         container=Container(runtime="pyxis", image="nvcr.io#nvidia/pytorch:24.05-py3"),
+        tracking=Tracking(backends=("tensorboard", "wandb"), project="pretrain", entity="lab", group="8b"),
         env={"NCCL_DEBUG": "WARN", "NCCL_SOCKET_IFNAME": "ib0"}, secret_env=("MY_SECRET",))
     finetune = Spec(
         name="finetune-offload", resources=Resources(gpus_per_node=1, cpus_per_task=8, mem="64G", time="04:00:00"),
@@ -74,12 +76,13 @@ def _case_specs() -> dict[str, tuple[Spec, dict[str, object]]]:
         data=Data(source="/shared/data/sft.jsonl", format="jsonl"),
         train=Train(micro_batch=1, grad_accum=4, global_batch=4, precision="fp16"),
         parallel=Parallel(zero=3, offload="optimizer"),
-        container=Container(runtime="apptainer", image="/images/train.sif", mounts=("/scratch",)))
+        container=Container(runtime="apptainer", image="/images/train.sif", mounts=("/scratch",)),
+        tracking=Tracking(backends=("csv", "mlflow")))
     sweep = Spec(
         name="sweep", resources=Resources(nodes=2, gpus_per_node=4),
         model=Model(config="llama-1b"), train=Train(micro_batch=1, grad_accum=8),
         parallel=Parallel(zero=1, pp=2), container=Container(runtime="podman", image="localhost/train:1"),
-        env={"OMP_NUM_THREADS": "4"})
+        tracking=Tracking(backends=()), env={"OMP_NUM_THREADS": "4"})
     nvme = Spec(
         name="nvme", resources=Resources(nodes=1, gpus_per_node=2),
         model=Model(config="llama-3b"), train=Train(precision="fp32"),

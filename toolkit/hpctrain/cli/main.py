@@ -413,7 +413,7 @@ def main() -> None:
 
 
 # Command groups of their own modules, each importing only click at module level:
-# list/status/cancel, logs/summary, data prepare, image, resubmit/supervise, export, registry, stacks.
+# list/status/cancel, logs/summary, data prepare, image, resubmit/supervise, export, registry, stacks, sync.
 from hpctrain.cli import collect as cli_collect
 from hpctrain.cli import data as cli_data
 from hpctrain.cli import export as cli_export
@@ -421,7 +421,8 @@ from hpctrain.cli import fault as cli_fault
 from hpctrain.cli import image as cli_image
 from hpctrain.cli import registry as cli_registry
 from hpctrain.cli import runs as cli_runs
+from hpctrain.cli import sync as cli_sync
 from hpctrain.cli import watch as cli_watch
 
-for _module in (cli_runs, cli_collect, cli_data, cli_image, cli_fault, cli_export, cli_registry, cli_watch):
+for _module in (cli_runs, cli_collect, cli_data, cli_image, cli_fault, cli_export, cli_registry, cli_watch, cli_sync):
     _module.register(cli)

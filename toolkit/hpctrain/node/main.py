@@ -41,8 +41,13 @@ def run(run_dir: str, mode: str = "train") -> int:
     # torch's c10d deprecation notices repeat on every collective of DeepSpeed's ZeRO-3 (pages of stderr).
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
     d = dist.detect()
-    paths = RunFolder(run_dir)
+    paths = RunFolder(Path(run_dir).absolute())
     setup_logging(paths.logs_dir, d.rank, attempt_number())
+    # Every rank runs in its run folder: ds_config.json names the trackers' folders relative to it
+    # ("output_path": "metrics", which DeepSpeed joins to the directory it runs in), so they land in the run
+    # folder wherever it sits (moved, resubmitted, bound into a container). Spec paths are absolute already.
+    # The directory is given back at the end, for callers that run this in their own process (tests).
+    before = _enter(paths.path)  # setup_logging made it if it was missing
     log.info("hpctrain node: mode %s, rank %d/%d (local %d) via %s, master %s:%d", mode, d.rank, d.world_size,
              d.local_rank, d.source, d.master_addr, d.master_port)
     code = ExitCode.OK
@@ -83,6 +88,7 @@ def run(run_dir: str, mode: str = "train") -> int:
     finally:
         if initialized:
             _teardown(together=code == ExitCode.OK)
+        _leave(before)
     if code != ExitCode.OK:
         raise SystemExit(int(code))
     return ExitCode.OK
@@ -90,6 +96,24 @@ def run(run_dir: str, mode: str = "train") -> int:
 
 class PreflightFailed(Exception):
     pass
+
+
+def _enter(folder: Path) -> str | None:
+    """chdir into `folder`; the directory left (None when it no longer exists)."""
+    try:
+        before: str | None = os.getcwd()
+    except OSError:
+        before = None
+    os.chdir(folder)
+    return before
+
+
+def _leave(before: str | None) -> None:
+    if before is not None:
+        try:
+            os.chdir(before)
+        except OSError:  # removed meanwhile: stay where we are
+            pass
 
 
 class _Where:

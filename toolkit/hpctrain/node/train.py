@@ -14,7 +14,7 @@ from typing import Any
 from hpctrain.node import checkpoint as ckpt
 from hpctrain.node.checkpointer import Checkpointer, Progress, StopFlag, StopRequested
 from hpctrain.node.dist import DistEnv, comm_device
-from hpctrain.node.metrics import MetricsWriter, host_mem_gb, host_peak_gb, log, step_line
+from hpctrain.node.metrics import MetricsWriter, attempt_number, host_mem_gb, host_peak_gb, log, step_line
 from hpctrain.node.runconf import (
     NodeInputError,
     effective_ds_config,
@@ -55,9 +55,11 @@ def prepare(run_dir: Path, d: DistEnv) -> Prepared:
     from hpctrain.node.data import build_eval_source, build_source
     from hpctrain.node.model import check_model_inputs, hf_config
     from hpctrain.node.tokenize import load_tokenizer
+    from hpctrain.node.tracking import check_available
 
     paths = RunFolder(run_dir)
     spec = read_spec(paths)
+    check_available(spec)
     use_gpu = spec.resources.gpus_per_node > 0 and os.environ.get("DS_ACCELERATOR", "") != "cpu"
     pp, tp = spec.parallel.pp, spec.parallel.tp
     if tp > 1 and pp > 1:
@@ -137,6 +139,7 @@ def build_engine(p: Prepared) -> tuple[Any, int]:
     import torch
 
     from hpctrain.node.model import apply_freeze, build_model, param_count
+    from hpctrain.node.tracking import prepare_env
     from hpctrain.spec import presets
 
     spec = p.spec
@@ -163,6 +166,7 @@ def build_engine(p: Prepared) -> tuple[Any, int]:
     if "scheduler" not in p.ds_config:
         fn = lr_lambda(spec)
         sched = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, fn)
+    prepare_env(p.paths, spec, p.d.rank)  # W&B's run id and folder, read by the wandb.init DeepSpeed calls
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=p.ds_config,
                                            lr_scheduler=sched)
     return engine, n_params
@@ -179,6 +183,7 @@ class LoopState:
     tokens_seen: float
     per_step: int  # micro-batches one optimizer step consumes over all data-parallel ranks (gas x dp)
     last_saved: int = -1  # the step of the attempt's last checkpoint (finish() exports only that one)
+    tracker: Any = None  # node.tracking.Tracker: hpctrain's figures through DeepSpeed's monitor (rank 0)
 
     @property
     def cursor(self) -> int:
@@ -232,6 +237,7 @@ def run_training(p: Prepared, stop: StopFlag) -> tuple[Any, LoopState]:
 def _train(p: Prepared, stop: StopFlag, beat: Any) -> tuple[Any, LoopState]:
     """Engine, resume, then the loop: step, metrics, checkpoint when due, stop on the signal."""
     from hpctrain.node.model import flops_per_token
+    from hpctrain.node.tracking import Tracker
 
     engine, n_params = build_engine(p)
     checkpointer = Checkpointer.for_run(engine, p.spec, p.paths.checkpoints_dir, stop, rank=p.d.rank,
@@ -239,6 +245,10 @@ def _train(p: Prepared, stop: StopFlag, beat: Any) -> tuple[Any, LoopState]:
                                         n_params=n_params, beat=beat)
     start = checkpointer.load(p.resume, p.universal)
     st = LoopState(start.step, start.step, start.cursor, start.tokens_seen, per_step=p.gas * p.dp)
+    st.tracker = tracker = Tracker.for_engine(engine, p.paths, p.spec, p.d.rank)
+    tracker.log_config(p.paths)
+    tracker.resumed_at(st.step)
+    attempt = attempt_number()
     metrics = MetricsWriter(p.paths.metrics_dir, p.d.rank)
     role = _role(p, engine)
     fpt = flops_per_token(p.hf_cfg, n_params, p.spec.data.seq_len)
@@ -255,6 +265,7 @@ def _train(p: Prepared, stop: StopFlag, beat: Any) -> tuple[Any, LoopState]:
         if _eval_due(p, st.step):
             rec.update(evaluate(p, engine, role))
         metrics.step(rec)
+        tracker.step(rec, attempt)
         log.info(step_line(rec))
         if checkpointer.should_stop:
             raise checkpointer.requeue(st.step, metrics)
@@ -441,4 +452,7 @@ def finish(p: Prepared, engine: Any, st: LoopState) -> None:
         record.update(export=str(out), export_s=time.time() - t0)
         log.info("exported Hugging Face model to %s in %.1f s", out, record["export_s"])
     metrics.event(record)
+    if st.tracker is not None:
+        st.tracker.eval_loss(eval_loss, st.step)
+        st.tracker.close()
     log.info("finished at step %d, eval loss %s", st.step, eval_loss)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpctrain.plan.buckets import zero3_buckets
 from hpctrain.plan.memory import SUB_GROUP_SIZE
-from hpctrain.runs.folder import json_text
+from hpctrain.runs.folder import CSV, METRICS, TENSORBOARD, json_text
 from hpctrain.spec.model import Spec
 from hpctrain.spec.rules import partial_offload_ok
 
@@ -78,6 +78,27 @@ def adam_implementation(plan: Plan) -> dict[str, Any]:
     return {"torch_adam": True, "fused": True}
 
 
+def monitor_blocks(spec: Spec) -> dict[str, Any]:
+    """DeepSpeed's monitor blocks for [tracking] backends (deepspeed.monitor: TensorBoard, W&B, CSV).
+
+    output_path is relative: DeepSpeed joins it with job_name under the directory the rank runs in, and the
+    node runs every rank in its run folder (node.main), so the files land in RUN/metrics/tensorboard and
+    RUN/metrics/csv wherever the folder sits. W&B's run id, resume and folder are not fields of DeepSpeed's
+    block: the node sets them in the environment wandb.init reads (node.tracking.wandb_env). MLflow has no
+    DeepSpeed monitor; the node's MlflowMonitor reads [tracking] from spec.toml, so it has no block here.
+    """
+    t = spec.tracking
+    out: dict[str, Any] = {}
+    if "tensorboard" in t.backends:
+        out["tensorboard"] = {"enabled": True, "output_path": METRICS, "job_name": TENSORBOARD}
+    if "csv" in t.backends:
+        out["csv_monitor"] = {"enabled": True, "output_path": METRICS, "job_name": CSV}
+    if "wandb" in t.backends:
+        block = {"enabled": True, "project": t.project, "team": t.entity, "group": t.group}
+        out["wandb"] = {k: v for k, v in block.items() if v != ""}
+    return out
+
+
 def build_ds_config(spec: Spec, plan: Plan) -> dict[str, Any]:
     """The DeepSpeed config of a run. The optimizer block stays minimal: the node builds the LR schedule."""
     t = spec.train
@@ -92,6 +113,7 @@ def build_ds_config(spec: Spec, plan: Plan) -> dict[str, Any]:
         "zero_optimization": _zero_block(spec, plan),
         "steps_per_print": STEPS_PER_PRINT,
         "wall_clock_breakdown": False,
+        **monitor_blocks(spec),
     }
     if t.precision == "bf16":
         cfg["bf16"] = {"enabled": True}

@@ -46,6 +46,10 @@ REPRO_MANIFEST, GIT_DIFF, SNAPSHOT_FILES = "manifest.json", "git.diff", "snapsho
 STACKS = "stacks"  # each rank's Python stacks, dumped on a signal (hpctrain.runs.stacks)
 # Inside metrics/: the rank-0 step records, the heartbeat, the node's structured events, the watchdog's verdicts.
 METRICS_JSONL, HEARTBEAT, EVENTS_JSONL, WATCHDOG_JSONL = "metrics.jsonl", "heartbeat", "events.jsonl", "watchdog.jsonl"
+# Inside metrics/: the trackers' files (hpctrain.runs.tracking). DeepSpeed writes TensorBoard's and the CSV files into
+# metrics/<name> (ds_config.json says "output_path": "metrics", relative to the run folder, where the ranks run);
+# W&B makes its own wandb/ folder in metrics/ (WANDB_DIR), MLflow's file store is metrics/mlruns.
+TENSORBOARD, CSV, WANDB, MLRUNS = "tensorboard", "csv", "wandb", "mlruns"
 # Sub-folders every run folder has from the start, so the node never races to create them.
 SUBDIRS = (SUBMITIT, LOGS, METRICS, CHECKPOINTS)
 _NAME_BAD = re.compile(r"[^A-Za-z0-9_.-]+")
@@ -155,6 +159,30 @@ class RunFolder:
     def stacks_dir(self) -> Path:
         """attempt-K.rank-R.txt: rank R's stack dumps (`hpctrain stacks`, the watchdog before a cancel)."""
         return self.path / STACKS
+
+    @property
+    def tensorboard_dir(self) -> Path:
+        """TensorBoard's event files (DeepSpeed's monitor on rank 0; `hpctrain sync --to tensorboard`)."""
+        return self.metrics_dir / TENSORBOARD
+
+    @property
+    def csv_dir(self) -> Path:
+        """DeepSpeed's CSV monitor: one <tag>.csv per figure."""
+        return self.metrics_dir / CSV
+
+    @property
+    def wandb_dir(self) -> Path:
+        """W&B's run folders (offline-run-*/run-*), under WANDB_DIR = metrics/."""
+        return self.metrics_dir / WANDB
+
+    @property
+    def mlflow_dir(self) -> Path:
+        """MLflow's file store when no tracking URI is given."""
+        return self.metrics_dir / MLRUNS
+
+    def sync_ledger(self, backend: str) -> Path:
+        """What `hpctrain sync --to BACKEND` has written so far (the last step), so a second sync adds nothing."""
+        return self.metrics_dir / f"synced-{backend}.json"
 
     @property
     def checkpoints_dir(self) -> Path:

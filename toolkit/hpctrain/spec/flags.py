@@ -51,6 +51,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--eval-every", "train.eval_every", int, "Evaluate the validation split every N steps (0 = off)."),
     Flag("--mail-type", "slurm.mail_type", str, "SLURM mail types, e.g. END,FAIL (sbatch --mail-type)."),
     Flag("--mail-user", "slurm.mail_user", str, "Where SLURM sends the mail (sbatch --mail-user)."),
+    Flag("--track", "tracking.backends", str,
+         "Trackers, comma-separated: tensorboard (the default), wandb, csv, mlflow; 'none' for none."),
 )
 
 # Flags the CLI declares itself (one flag for two keys, a switch, the site layer), for the hints.

@@ -6,7 +6,7 @@ arithmetic, memory) is *derived* from it once, in `hpctrain.plan.planner`.
 
 The run file mirrors these dataclasses: top-level `name`, then one table per section
 (`[resources]`, `[launch]`, `[model]`, `[data]`, `[train]`, `[parallel]`, `[checkpoint]`,
-`[container]`, `[slurm]`, `[code]`, `[env]`), plus optional `[sites.NAME]` tables that define site profiles inline.
+`[container]`, `[slurm]`, `[code]`, `[tracking]`, `[env]`), plus optional `[sites.NAME]` tables that define site profiles inline.
 
 This module is pure Python (no torch): the login node and the compute node both read it.
 """
@@ -213,6 +213,22 @@ class Code:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Tracking:
+    """The trackers rank 0 writes to through DeepSpeed's monitor (ds_config.json's tensorboard, wandb and
+    csv_monitor blocks; MLflow through hpctrain's monitor of the same interface). Files go to the run
+    folder's metrics/. The W&B run id is the hpctrain run id, so every attempt appends to one W&B run."""
+
+    backends: tuple[str, ...] = ("tensorboard",)  # any of tensorboard, wandb, csv, mlflow; [] or "none" = off
+    project: str = "hpctrain"  # W&B project, MLflow experiment
+    entity: str = ""  # W&B team or user ("" = the API key's default)
+    group: str = ""  # W&B group ("" = none)
+    mlflow_uri: str = ""  # MLflow tracking URI ("" = a file store in the run folder: metrics/mlruns)
+
+    def __post_init__(self) -> None:
+        check(self)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Spec:
     name: str = "hpctrain"
     site: str = ""  # site profile name ("" = none)
@@ -227,6 +243,7 @@ class Spec:
     container: Container = field(default_factory=Container)
     slurm: Slurm = field(default_factory=Slurm)
     code: Code = field(default_factory=Code)
+    tracking: Tracking = field(default_factory=Tracking)
     env: dict[str, str] = field(default_factory=dict)  # plain env for every rank (rendered into sbatch.sh)
     # Names of env vars that are secret: passed through from the submitting environment by name,
     # never written into a rendered file, a log or the registry. HF_TOKEN/WANDB_API_KEY always are.
@@ -251,6 +268,7 @@ SECTIONS: dict[str, type] = {
     "container": Container,
     "slurm": Slurm,
     "code": Code,
+    "tracking": Tracking,
 }
 TOP_SCALARS = ("name", "site", "secret_env")
 # A sweep makes one job array, and an array has one allocation shape and one launch line.

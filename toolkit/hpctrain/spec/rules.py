@@ -15,8 +15,9 @@ from collections.abc import Mapping
 from dataclasses import MISSING, fields
 from typing import TYPE_CHECKING, Any, Literal, Union
 
-from hpctrain.errors import bad_value
+from hpctrain.errors import bad_value, did_you_mean
 from hpctrain.runs.folder import SBATCH_SH
+from hpctrain.runs.tracking import TRACKERS
 from hpctrain.spec.flags import FLAG_FOR
 
 if TYPE_CHECKING:
@@ -32,12 +33,13 @@ if TYPE_CHECKING:
         Resources,
         Slurm,
         Spec,
+        Tracking,
         Train,
     )
 
 # Run-file sections are the dataclass names in lower case: Resources -> [resources].
 SECTION_CLASSES = ("Resources", "Launch", "Fault", "Model", "Data", "Train", "Parallel", "Checkpoint", "Container", "Slurm",
-                   "Code")
+                   "Code", "Tracking")
 
 from hpctrain.secret import (
     ALWAYS_SECRET,
@@ -535,6 +537,25 @@ def _rules_container(c: Container) -> None:
               "a mount is SRC[:DST[:OPTS]] without commas", "write one mount per list entry")
 
 
+_TRACK_FIX = ('pass --track tensorboard,wandb or set [tracking] backends = ["tensorboard", "wandb"] in the run file '
+              "(--track none, or backends = []: no tracker)")
+
+
+def _rules_tracking(t: Tracking) -> None:
+    if t.backends == ("none",):  # --track none: no tracker at all
+        object.__setattr__(t, "backends", ())
+    seen: set[str] = set()
+    for name in t.backends:
+        need(name in TRACKERS, "tracking.backends", name,
+             f"not a tracker hpctrain knows{did_you_mean(name, TRACKERS)}; it knows {', '.join(TRACKERS)}",
+             _TRACK_FIX)
+        need(name not in seen, "tracking.backends", name, "listed twice", "list each tracker once: " + _TRACK_FIX)
+        seen.add(name)
+    if {"wandb", "mlflow"} & seen:
+        need(bool(t.project.strip()), "tracking.project", t.project, "W&B and MLflow need a project name",
+             how_to_set("tracking.project", "'my-project'"))
+
+
 def check_site_name(name: str) -> None:
     """A site profile name is a file name in $HPCTRAIN_CONFIG_DIR/sites: no '/', no control characters."""
     need(bool(_SITE_NAME.fullmatch(name)), "site", shown("site", name),
@@ -603,7 +624,7 @@ def _rules_eval(s: Spec) -> None:
 _RULES: dict[str, Any] = {
     "Resources": _rules_resources, "Launch": _rules_launch, "Fault": _rules_fault, "Model": _rules_model, "Data": _rules_data,
     "Train": _rules_train, "Parallel": _rules_parallel, "Checkpoint": _rules_checkpoint,
-    "Container": _rules_container, "Slurm": _rules_slurm, "Code": _rules_code,
+    "Container": _rules_container, "Slurm": _rules_slurm, "Code": _rules_code, "Tracking": _rules_tracking,
     "Spec": _rules_spec,
 }
 
