@@ -37,6 +37,8 @@ SBATCH_SH = "sbatch.sh"
 HOSTFILE = "hostfile"
 ATTEMPTS_JSONL = "attempts.jsonl"
 SUMMARY_JSON = "summary.json"
+# A user script's stop request: the node entry writes the signal here, hpctrain.runtime.should_stop() reads it.
+STOP_REQUEST_JSON = "stop-request.json"
 SUBMITIT, LOGS, METRICS, CHECKPOINTS, EXPORT = "submitit", "logs", "metrics", "checkpoints", "hf"
 # Inside metrics/: the rank-0 step records, the heartbeat, the node's structured events, the watchdog's verdicts.
 METRICS_JSONL, HEARTBEAT, EVENTS_JSONL, WATCHDOG_JSONL = "metrics.jsonl", "heartbeat", "events.jsonl", "watchdog.jsonl"
@@ -148,6 +150,10 @@ class RunFolder:
     @property
     def checkpoints_dir(self) -> Path:
         return self.path / CHECKPOINTS
+
+    @property
+    def stop_request(self) -> Path:
+        return self.path / STOP_REQUEST_JSON
 
     @property
     def attempts_jsonl(self) -> Path:
