@@ -67,8 +67,18 @@ def main() -> None:
 
     with open(os.environ["HPCTRAIN_DS_CONFIG"], encoding="utf-8") as fh:
         ds_config = json.load(fh)
-    if not torch.cuda.is_available():  # CPU ranks: no 30 s JIT build of DeepSpeed's shared-memory op
+    accelerator_config = {}
+    if not torch.cuda.is_available():  # CPU ranks
+        # No 30 s JIT build of DeepSpeed's shared-memory op (inference only).
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        # accelerate (which the Trainer uses) picks a backend only for accelerators: on CPU ranks it would start
+        # DeepSpeed's process group but count one process. Configure its state with gloo first, and let the
+        # Trainer use it.
+        from accelerate import PartialState
+
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+        PartialState(backend="gloo")
+        accelerator_config = {"use_configured_state": True}
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=4, vocab_size=256,
@@ -76,7 +86,8 @@ def main() -> None:
     args = TrainingArguments(
         output_dir=str(runtime.checkpoint_dir()), max_steps=a.steps, logging_steps=1, report_to="none",
         save_strategy="steps", save_steps=a.save_every or a.steps, seed=0, data_seed=0,
-        deepspeed=ds_config, dataloader_num_workers=0, disable_tqdm=True, **training_args_from_ds_config(ds_config))
+        deepspeed=ds_config, dataloader_num_workers=0, disable_tqdm=True, accelerator_config=accelerator_config,
+        **training_args_from_ds_config(ds_config))
     callbacks: list[TrainerCallback] = [HpctrainCallback()]
     if a.step_sleep:
         callbacks.append(Slow(a.step_sleep))

@@ -46,7 +46,7 @@ class HpctrainCallback(TrainerCallback):
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
                **kwargs: Any) -> Any:
         numbers = {_RENAMES.get(k, k): v for k, v in (logs or {}).items() if isinstance(v, (int, float))}
-        if "loss" in numbers or "train_loss" in numbers:  # a training log line (not the final summary only)
+        if "loss" in numbers:  # a training step's log line (not the final train_loss summary)
             runtime.report(step=state.global_step, **numbers)
         return control
 
