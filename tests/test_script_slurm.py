@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,11 +28,13 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "examples" / "scripts"
 DATA = str(SCRIPTS / "tiny.txt")
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL"}
 STEPS = 10
+# Reaches the script through DeepSpeed's launcher on 2 nodes as one argument, exactly (it is in every record).
+TAG = "a 'b' \"c\" $(touch /tmp/x) `id` ; é 日本\nnext line"
 COMMON = ["--executor", "slurm", "--partition", "debug", "--set", "train.precision=fp32", "--json"]
 TWO_NODES = ["--nodes", "2", "--set", "resources.tasks_per_node=2", "--zero", "2"]
 JOBS = {
     "ds": ["--script", str(SCRIPTS / "ds_loop.py"), "--launcher", "deepspeed", "--pass-ds-config", *TWO_NODES,
-           "--", "--data", DATA, "--steps", str(STEPS), "--step-sleep", "0.5"],
+           "--", "--data", DATA, "--steps", str(STEPS), "--step-sleep", "0.5", "--tag", TAG],
     "hf": ["--script", str(SCRIPTS / "hf_trainer.py"), "--launcher", "torchrun", *TWO_NODES,
            "--", "--data", DATA, "--steps", str(STEPS), "--step-sleep", "0.5"],
     "raise": ["--script", str(SCRIPTS / "ds_loop.py"), "--nodes", "1", "--set", "resources.tasks_per_node=2",
@@ -96,19 +99,32 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             sub = json.loads(proc.stdout)[0]
             jobs.append(str(sub["job_id"]))
             out[name] = (str(sub["job_id"]), Path(sub["run_dir"]))
+            if name in ("ds", "hf"):  # watched from now on: the run may start (and end) while a test waits
+                out[f"{name}_signal"] = _signaller(*out[name])
         yield out
     finally:
-        ids = jobs + [str(n["supervisor_job"]) for _, r in (v for k, v in out.items() if k != "env")
+        ids = jobs + [str(n["supervisor_job"]) for k, (_, r) in out.items() if k in JOBS or k.endswith("_ref")
                       for n in notes(r) if n.get("supervisor_job")]
         subprocess.run(["scancel", *ids], capture_output=True, timeout=30, check=False)
+
+
+def _signaller(job: str, run: Path) -> threading.Thread:
+    """USR2 to the job's steps once its metrics show 3 steps (scancel --signal, as the time limit would)."""
+    def send() -> None:
+        wait_until(lambda: len(records(run)) >= 3, 900, f"{run.name}: 3 training steps", poll=0.5)
+        subprocess.run(["scancel", "--signal=USR2", job], check=True, timeout=30)
+
+    thread = threading.Thread(target=send, name=f"usr2-{job}", daemon=True)
+    thread.start()
+    return thread
 
 
 def _signal_requeue_resume(runs: dict[str, Any], name: str) -> Path:
     """USR2 after 3 steps: the run stops after a checkpoint, is requeued and resumes to the end with the
     uninterrupted run's losses at every step."""
     job, run = runs[name]
-    wait_until(lambda: len(records(run)) >= 3, 600, f"{name}: 3 training steps")
-    subprocess.run(["scancel", "--signal=USR2", job], check=True, timeout=30)
+    runs[f"{name}_signal"].join(timeout=900)
+    assert not runs[f"{name}_signal"].is_alive(), f"{name}: no USR2 sent"
     wait_until(lambda: state(job) in FINAL, 600, f"job {job} ({name}) to end")
     assert state(job) == "COMPLETED", (run / "submitit").as_posix()
     from hpctrain.runs.events import read_events
@@ -137,6 +153,7 @@ def _summary(runs: dict[str, Any], run: Path) -> dict[str, Any]:
 def test_deepspeed_loop_signal_requeue_resume_and_summary(runs: dict[str, Any]) -> None:
     run = _signal_requeue_resume(runs, "ds")
     assert "deepspeed.launcher.runner" in (run / "logs" / "attempt-0.rank-0.log").read_text()
+    assert {r.get("tag") for r in records(run)} == {TAG}
     summary = _summary(runs, run)
     last = summary["attempts"][-1]
     assert last["last_step"] == STEPS and last["last_loss"] == pytest.approx(losses(run)[STEPS])
@@ -153,7 +170,7 @@ def test_hf_trainer_zero2_signal_requeue_resume_and_summary(runs: dict[str, Any]
 
 
 def test_a_script_raising_on_rank_1_is_classified_and_not_retried(runs: dict[str, Any]) -> None:
-    job, run = runs["raise"]
+    _, run = runs["raise"]
     wait_until(lambda: any("decision" in n for n in notes(run)), 600, "the supervisor's decision")
     d = next(n for n in notes(run) if "decision" in n)["decision"]
     assert d["action"] == "stop" and d["failure_class"] == "python_exception", d

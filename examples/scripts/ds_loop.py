@@ -61,6 +61,7 @@ def main() -> None:
     p.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps (0: only on the signal)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to wait per step (to watch it)")
     p.add_argument("--fail-on-rank", type=int, default=-1, help="this rank raises at step 2 (a failure to see)")
+    p.add_argument("--tag", default="", help="a label written into every metrics record")
     p.add_argument("--deepspeed_config", default=os.environ.get("HPCTRAIN_DS_CONFIG"),
                    help="DeepSpeed's config (hpctrain appends it with --pass-ds-config)")
     p.add_argument("--local_rank", type=int, default=-1, help="set by DeepSpeed's launcher")
@@ -95,7 +96,8 @@ def main() -> None:
             engine.step()
             total += loss.detach().float().cpu()
         torch.distributed.all_reduce(total)
-        runtime.report(step=step, loss=total.item() / (accum * world), lr=engine.get_lr()[0])
+        runtime.report(step=step, loss=total.item() / (accum * world), lr=engine.get_lr()[0],
+                       **({"tag": a.tag} if a.tag else {}))
         time.sleep(a.step_sleep)
         stop = runtime.should_stop()
         if stop or (a.save_every and step % a.save_every == 0) or step == a.steps:

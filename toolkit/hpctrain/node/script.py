@@ -63,7 +63,8 @@ class ScriptStop(StopFlag):
     written: set[int] = field(default_factory=set)
 
     def _handle(self, signum: int, frame: Any) -> None:
-        self.signum = signum
+        # The first signal tells why the run stops: the TERM of the requeue that follows a USR2 does not.
+        self.signum = self.signum or signum
         child = self.child
         if child is not None and child.poll() is None and signum == signal.SIGUSR2:
             child.send_signal(signum)  # SLURM signals the whole step; a container may not pass it on
