@@ -103,8 +103,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                 out[f"{name}_signal"] = _signaller(*out[name])
         yield out
     finally:
-        ids = jobs + [str(n["supervisor_job"]) for k, (_, r) in out.items() if k in JOBS or k.endswith("_ref")
-                      for n in notes(r) if n.get("supervisor_job")]
+        folders = [v[1] for k, v in out.items() if k in JOBS or k.endswith("_ref")]
+        ids = jobs + [str(n["supervisor_job"]) for r in folders for n in notes(r) if n.get("supervisor_job")]
         subprocess.run(["scancel", *ids], capture_output=True, timeout=30, check=False)
 
 
