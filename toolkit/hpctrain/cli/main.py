@@ -61,6 +61,25 @@ def cli() -> None:
 # --------------------------------------------------------------------------------------------------
 # Flags shared by `plan` and `submit`: each sets one dotted spec key (the table is hpctrain.spec.flags).
 
+SCRIPT_ARGS = "script_args"
+
+
+class ScriptArgsCommand(click.Command):
+    """`hpctrain submit [OPTIONS] [RUNFILE] -- ARGS...`: every word after the first bare `--` is the user
+    script's (launch.args), kept apart before click parses the rest, so that RUNFILE stays the only positional."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if "--" in args:
+            cut = args.index("--")
+            args, ctx.meta[SCRIPT_ARGS] = args[:cut], tuple(args[cut + 1:])
+        return super().parse_args(ctx, args)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        if SCRIPT_ARGS in ctx.meta:
+            ctx.params[SCRIPT_ARGS] = ctx.meta[SCRIPT_ARGS]
+        return super().invoke(ctx)
+
+
 def _click_type(kind: type | tuple[str, ...]) -> Any:
     return click.Choice(list(kind)) if isinstance(kind, tuple) else kind
 
@@ -77,6 +96,8 @@ def spec_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--activation-checkpointing/--no-activation-checkpointing", default=None,
                      help="Recompute activations in the backward pass (--set train.activation_checkpointing=auto: "
                           "only when the run does not fit without it)."),
+        click.option("--pass-ds-config/--no-pass-ds-config", default=None,
+                     help="With --script/--module: append `--deepspeed_config RUN/ds_config.json` to its arguments."),
     ]
     for f in reversed(FLAGS):
         fn = click.option(f.flag, default=None, type=_click_type(f.kind), help=f.help)(fn)
@@ -97,6 +118,10 @@ def flags_from_options(opts: dict[str, Any]) -> dict[str, Any]:
             flags[f.key] = value
     if opts.get("activation_checkpointing") is not None:
         flags["train.activation_checkpointing"] = opts["activation_checkpointing"]
+    if opts.get("pass_ds_config") is not None:
+        flags["launch.pass_ds_config"] = opts["pass_ds_config"]
+    if opts.get(SCRIPT_ARGS) is not None:  # the words after `--`: the script's arguments, exactly
+        flags["launch.args"] = list(opts[SCRIPT_ARGS])
     model = opts.get("model")
     if model:  # one flag, two fields: a preset or config.json starts fresh, a folder loads weights
         fresh = model in PRESETS or model.endswith(".json")
@@ -139,7 +164,7 @@ def _data_source(spec: Spec, plan: Plan) -> Spec:
     d = spec.data
     from hpctrain.data.format import is_prepared
 
-    source, note = submit_source(d.source, d.tokenizer, d.text_field, int(plan.model["vocab"]), plan.nodes)
+    source, note = submit_source(d.source, d.tokenizer, d.text_field, int(plan.model.get("vocab") or 0), plan.nodes)
     # A prepared folder is read as one whatever raw format the run file named for its inputs ("jsonl"):
     # the folder's manifest.json is not a document.
     fmt = "prepared" if source != "synthetic" and d.format not in ("prepared", "synthetic") and is_prepared(source) \
@@ -154,7 +179,7 @@ def _data_source(spec: Spec, plan: Plan) -> Spec:
 # --------------------------------------------------------------------------------------------------
 # plan
 
-@cli.command("plan", short_help="Validate a request and print its plan.")
+@cli.command("plan", cls=ScriptArgsCommand, short_help="Validate a request and print its plan.")
 @spec_options
 @click.option("--json", "as_json", is_flag=True, help="Print plan.json instead of a table.")
 def plan_cmd(runfile: str | None, as_json: bool, **opts: Any) -> None:
@@ -186,11 +211,20 @@ def print_plan(spec: Spec, plan: Plan) -> None:
         ("ZeRO / offload", f"stage {plan.zero_stage} / {plan.offload}"
          + (f" ratio {plan.offload_ratio:g}" if plan.offload_ratio < 1 else "")),
         ("activation ckpt", "on" if plan.activation_checkpointing else "off"),
-        ("memory", f"{plan.memory['per_rank_gb']:.2f} GiB per rank, {plan.memory['per_host_gb']:.2f} GiB per host"),
+        ("memory", f"{plan.memory['per_rank_gb']:.2f} GiB per rank, {plan.memory['per_host_gb']:.2f} GiB per host"
+         if plan.memory.get("known", True) else "unknown: your script's model is not described (--model)"),
     ]
+    if spec.launch.script or spec.launch.module:
+        rows[3] = ("model", f"{spec.model.path or spec.model.config}: {plan.param_count:,} parameters (as described; "
+                   "your script builds its own)" if plan.param_count else "unknown (your script builds it)")
+        rows.insert(0, ("program", f"{spec.launch.script or '-m ' + spec.launch.module} via {spec.launch.launcher}"))
     for k, v in rows:
         facts.add_row(k, v)
     console.print(facts)
+    if not plan.options:  # nothing estimated: no table of choices
+        for reason in plan.reasons:
+            console.print(f"- {reason}", markup=False, highlight=False)
+        return
     opts = Table(title="memory by ZeRO stage and offload (GiB)")
     for col in ("zero", "offload", "ratio", "micro", "ckpt", "per rank", "per host", "fits"):
         opts.add_column(col)
@@ -271,7 +305,8 @@ def _write_dry_run(out: Path, points: list[tuple[Spec, Plan]], script_for: Calla
     return dirs
 
 
-@cli.command("submit", short_help="Validate, render and submit a training run.")
+@cli.command("submit", cls=ScriptArgsCommand, short_help="Validate, render and submit a training run (or your own "
+             "script: --script PATH -- ARGS).")
 @spec_options
 @click.option("--sweep", multiple=True, metavar="KEY=V1,V2", help="Sweep a key; one job array (repeatable).")
 @click.option("--preflight", is_flag=True, help="Only run the rendezvous + all-reduce check on every rank.")
@@ -282,7 +317,10 @@ def _write_dry_run(out: Path, points: list[tuple[Spec, Plan]], script_for: Calla
 def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry_run: bool, out: str | None,
                as_json: bool, **opts: Any) -> None:
     """Resolve RUNFILE + flags into a spec and plan, write the run folder(s), submit one job
-    (or one job array for --sweep). With --dry-run, print the sbatch script instead."""
+    (or one job array for --sweep). With --dry-run, print the sbatch script instead.
+
+    With --script PATH (or --module pkg.mod) hpctrain runs your own training script on every rank instead of
+    its trainer; the words after `--` are its arguments, passed exactly."""
     from hpctrain.render.runfolder import run_files
     from hpctrain.runs import folder as runs
     from hpctrain.spec.model import parse_sweep

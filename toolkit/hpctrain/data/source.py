@@ -37,7 +37,7 @@ def _check_vocab(source: str, model_vocab: int) -> None:
     except PreparedFormatError as exc:
         raise bad_value("data.source", source, str(exc).rstrip("."), "prepare it again with `hpctrain data prepare`") \
             from None
-    if m.vocab_size > model_vocab:
+    if model_vocab > 0 and m.vocab_size > model_vocab:  # 0: the model is unknown (a user script without [model])
         raise bad_value("data.source", source,
                         f"prepared with a tokenizer of {m.vocab_size} ids ({m.tokenizer or m.tokenizer_hash[:12]}), "
                         f"more than the model's vocab_size {model_vocab}: ids from {model_vocab} on have no embedding",

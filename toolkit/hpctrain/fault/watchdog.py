@@ -144,6 +144,9 @@ class Watchdog:
     # The supervisor passes its take_over (this module stays below the supervisor, which imports it).
     on_peer_lost: Callable[[Path, str], dict[str, Any] | None] | None = None
     stack_timeout_s: float = 10.0  # how long the ranks get to dump their stacks before the cancel
+    # A user's own script beats only when it reports through hpctrain.runtime: one that never beats is not hung,
+    # it just does not tell (the hang check waits for a first beat of this run).
+    after_first_beat: bool = False
 
     def __post_init__(self) -> None:
         self.grace_s = self.grace_s or max(3 * self.timeout_s, 600.0)
@@ -156,7 +159,7 @@ class Watchdog:
         if progress != self.last_progress:
             self.last_progress, self.last_change = progress, now
         phases = {str(b.get("phase")) for b in beats}
-        if beats and phases <= {"done"}:
+        if (beats and phases <= {"done"}) or (self.after_first_beat and not beats):
             return None
         # Before the first step (imports, checkpoint load) and while a checkpoint is written, steps take long.
         slow = progress is None or bool(phases & {"start", "checkpoint"})
@@ -283,10 +286,12 @@ def main(argv: list[str] | None = None,
     w.add_argument("--timeout", type=float, required=True)
     w.add_argument("--world", type=int, default=1)
     w.add_argument("--job", default=os.environ.get("SLURM_JOB_ID", ""))
+    w.add_argument("--after-first-beat", action="store_true", help="no hang verdict before a rank's first beat")
     a = p.parse_args(argv)
     if not a.job:
         print("hpctrain watchdog: no SLURM_JOB_ID; nothing to watch", file=sys.stderr)
         return 2
     Watchdog(Path(a.run_dir), a.job, a.timeout, world=a.world, attempt=log_attempt(),
-             restart=os.environ.get("SLURM_RESTART_COUNT") or "0", on_peer_lost=on_peer_lost).run()
+             restart=os.environ.get("SLURM_RESTART_COUNT") or "0", on_peer_lost=on_peer_lost,
+             after_first_beat=a.after_first_beat).run()
     return 0

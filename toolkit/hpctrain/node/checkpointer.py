@@ -33,7 +33,12 @@ from hpctrain.spec.model import Spec
 
 
 class StopRequested(Exception):
-    """Training stopped after a checkpoint because SLURM signalled (time limit near, or preemption)."""
+    """Training stopped after a checkpoint because SLURM signalled (time limit near, or preemption).
+    `checkpointed`: a checkpoint was saved on the signal (a user's script may stop without one)."""
+
+    def __init__(self, message: str, checkpointed: bool = True) -> None:
+        super().__init__(message)
+        self.checkpointed = checkpointed
 
 
 @dataclass

@@ -17,7 +17,7 @@ import time
 import traceback
 from pathlib import Path
 
-from hpctrain.node import dist, preflight
+from hpctrain.node import dist, preflight, script
 from hpctrain.node import stacks as node_stacks
 from hpctrain.node.checkpointer import StopFlag, StopRequested
 from hpctrain.node.dist import OtherRankFailed
@@ -26,6 +26,7 @@ from hpctrain.node.runconf import NodeInputError, read_spec
 from hpctrain.runs import events, repro
 from hpctrain.runs.checkpoints import complete_steps
 from hpctrain.runs.folder import RunFolder
+from hpctrain.spec.model import Spec, user_script
 from hpctrain.states import ExitCode, FailureClass
 
 
@@ -47,12 +48,13 @@ def run(run_dir: str, mode: str = "train") -> int:
     # ("output_path": "metrics", which DeepSpeed joins to the directory it runs in), so they land in the run
     # folder wherever it sits (moved, resubmitted, bound into a container). Spec paths are absolute already.
     # The directory is given back at the end, for callers that run this in their own process (tests).
-    before = _enter(paths.path)  # setup_logging made it if it was missing
+    before: str | None = None
     log.info("hpctrain node: mode %s, rank %d/%d (local %d) via %s, master %s:%d", mode, d.rank, d.world_size,
              d.local_rank, d.source, d.master_addr, d.master_port)
     code = ExitCode.OK
     initialized = False
     stop: StopFlag | None = None
+    own = False  # the user's own program (submit --script) instead of the trainer
     where = _Where(d.rank, attempt_number(), d.job_id)
     _stack_dumps(paths, where)
     if d.rank == 0:
@@ -68,8 +70,16 @@ def run(run_dir: str, mode: str = "train") -> int:
         _preflight(spec.launch.preflight_timeout_s)
         if mode == "preflight":
             return ExitCode.OK
+        if user_script(spec):
+            own, stop = True, script.ScriptStop()
+            stop.install()  # before the program starts: a signal from now on stops it for requeue
+            _run_user_script(spec, paths, d, stop)
+            return ExitCode.OK
         from hpctrain.node import train
 
+        # The trainer runs in the run folder: ds_config.json's monitor paths are relative to it. (A user's
+        # script, above, keeps the directory the job started in: its own relative paths.)
+        before = _enter(paths.path)
         prep = train.prepare(paths.path, d)  # every input checked before any collective can hang
         dist.init_process_group(d, prep.use_gpu, timeout_min=float(_env_float("DEEPSPEED_TIMEOUT", 10)))
         initialized = True
@@ -89,6 +99,8 @@ def run(run_dir: str, mode: str = "train") -> int:
         if initialized:
             _teardown(together=code == ExitCode.OK)
         _leave(before)
+    if own and code == ExitCode.STOPPED and stop is not None:
+        script.requeue_pending(d.rank, stop)  # after the stop event: rank 0's submitit requeues the job
     if code != ExitCode.OK:
         raise SystemExit(int(code))
     return ExitCode.OK
@@ -114,6 +126,25 @@ def _leave(before: str | None) -> None:
             os.chdir(before)
         except OSError:  # removed meanwhile: stay where we are
             pass
+
+
+def _run_user_script(spec: Spec, paths: RunFolder, d: dist.DistEnv, stop: script.ScriptStop) -> None:
+    """The user's program in place of the trainer: returns when it succeeded; raises StopRequested when it ended
+    after the stop signal (exit 3: requeue, resume from its latest complete checkpoint), ScriptFailed else."""
+    from hpctrain.node.runconf import read_plan
+
+    plan = read_plan(paths)
+    before = complete_steps(paths.checkpoints_dir)
+    code, tail = script.run_script(spec, paths, d, stop, ranks_per_node=plan.ranks_per_node, nodes=plan.nodes)
+    if stop.signum:
+        saved = complete_steps(paths.checkpoints_dir)
+        new = bool(saved) and saved != before
+        what = f"its checkpoint of step {saved[-1]}" if new else (
+            f"no new checkpoint (latest complete: step {saved[-1]})" if saved else "no checkpoint")
+        raise StopRequested(f"stopped on signal {stop.signum}: the script exited with code {code} after {what}",
+                            checkpointed=new)
+    if code != 0:
+        raise script.failure(code, tail)
 
 
 class _Where:
@@ -151,6 +182,8 @@ def failure_of(exc: BaseException) -> tuple[FailureClass | None, ExitCode]:
         return None, ExitCode.ERROR
     if isinstance(exc, MemoryError):
         return FailureClass.HOST_OOM, ExitCode.ERROR
+    if isinstance(exc, script.ScriptFailed):  # the collector refines it by the program's exception text
+        return (FailureClass.UNKNOWN if exc.returncode < 0 else FailureClass.PYTHON_EXCEPTION), ExitCode.ERROR
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(exc, getattr(torch, "OutOfMemoryError", ())):
         return FailureClass.GPU_OOM, ExitCode.ERROR
@@ -179,7 +212,7 @@ def _fail(exc: Exception, paths: RunFolder, where: _Where, signum: int) -> ExitC
     """Log the failure, print its one line on stderr, append its event; the exit code."""
     if isinstance(exc, StopRequested):
         _event(paths.path, where, events.STOP, _stop_class(signum), message=str(exc), exit_code=ExitCode.STOPPED,
-               signum=signum, extra={"checkpointed": True})
+               signum=signum, extra={"checkpointed": exc.checkpointed})
         return ExitCode.STOPPED
     if _submitit_refused_requeue(exc):
         # submitit's requeue handler runs on its signal, USR2 (hpctrain's --signal=USR2@N), and declined to
@@ -197,6 +230,12 @@ def _fail(exc: Exception, paths: RunFolder, where: _Where, signum: int) -> ExitC
     cls, code = failure_of(exc)
     exc_line = traceback.format_exception_only(type(exc), exc)[-1].strip()
     tb: tuple[str, ...] = ()
+    if isinstance(exc, script.ScriptFailed):  # the program's own exception and traceback, from its stderr
+        print(f"hpctrain: rank {where.rank}: {exc} (its stderr is in this log)", file=sys.stderr, flush=True)
+        log.error("%s", exc)
+        _event(paths.path, where, events.FAILURE, cls, exception=exc.exception or exc_line, message=str(exc),
+               exit_code=code, tb=tuple(exc.tail[-12:]))
+        return code
     if cls == FailureClass.INPUT_ERROR:
         _report(where.rank, f"hpctrain: {exc}", str(exc))
     elif cls == FailureClass.PREFLIGHT:

@@ -29,7 +29,7 @@ from hpctrain.plan.memory import (
     layer_params,
     parse_mem_gb,
 )
-from hpctrain.spec.model import Model, Spec
+from hpctrain.spec.model import Model, Spec, user_script
 from hpctrain.spec.presets import PRESETS
 from hpctrain.spec.rules import (
     MODEL_BOOL_KEYS,
@@ -393,6 +393,8 @@ def _explain(spec: Spec, chosen: Estimate, micros: list[int], acs: list[bool], r
 def make_plan(spec: Spec) -> Plan:
     """Derive the plan; refuse (HpcUsageError) what cannot run, saying which value fixes it."""
     rpn, world, dp = _degrees(spec)
+    if user_script(spec) and not (spec.model.path or spec.model.config):
+        return _plan_unknown_model(spec, rpn, world, dp)
     micros = _micro_options(spec, dp)
     micro, accum, glob = batch_sizes(spec, dp)
     arch = model_arch(load_model_config(spec.model), set(spec.model.overrides))
@@ -428,4 +430,36 @@ def make_plan(spec: Spec) -> Plan:
                 reasons=reasons, device="gpu" if r.gpus_per_node else "cpu", precision=t.precision,
                 model=arch, options=[asdict(e) for e in options], offload_ratio=chosen.offload_ratio,
                 activation_checkpointing=chosen.activation_checkpointing, spare_nodes=r.spare_nodes,
+                in_job_restarts=spec.fault.in_job_restarts or r.spare_nodes)
+
+
+def _plan_unknown_model(spec: Spec, rpn: int, world: int, dp: int) -> Plan:
+    """A user script without [model]: the shape and the batch arithmetic (ds_config.json carries them) are
+    known; the model, so its parameter count and memory, is not, and the plan says so instead of inventing a
+    fit. ZeRO auto needs an estimate to choose by."""
+    p, t, r = spec.parallel, spec.train, spec.resources
+    if p.zero == "auto":
+        raise bad_value("parallel.zero", "auto", "your script's model is unknown to the planner (no [model]), so "
+                        "there is no memory estimate to choose a ZeRO stage by",
+                        "pass --zero 0, 1, 2 or 3, or describe the model with --model (a preset or a config.json) "
+                        "to have it estimated")
+    micro, accum, glob = batch_sizes(spec, dp)
+    ratio = p.offload_ratio if isinstance(p.offload_ratio, float) and p.offload_ratio > 0 else 1.0
+    ac = t.activation_checkpointing is True
+    reasons = [f"world {world} = {r.nodes} nodes x {rpn} ranks; dp {dp} = world / (tp {p.tp} x pp {p.pp})",
+               (f"global batch {glob} = micro {micro} x accum {accum} x dp {dp} (ds_config.json; your script may "
+                "use them or not)"),
+               ("model unknown: your script builds it, and no [model] describes it, so there is no parameter count "
+                "and no memory estimate (nothing is known to fit or not to fit); pass --model with a preset or a "
+                "config.json of the same shape to have the memory checked"),
+               f"ZeRO stage {p.zero} / offload {p.offload}: as requested, not checked against memory"]
+    if not r.gpus_per_node:
+        reasons.append("CPU ranks: DS_ACCELERATOR=cpu with gloo")
+    memory: dict[str, Any] = {"known": False, "per_rank_gb": None, "per_host_gb": None, "breakdown": {}, "fits": None,
+              "device_capacity_gb": (r.gpu_mem_gb or DEFAULT_GPU_GB) if r.gpus_per_node else None,
+              "host_capacity_gb": parse_mem_gb(r.mem) or DEFAULT_HOST_GB, "cpu_fraction": None}
+    return Plan(world_size=world, nodes=r.nodes, ranks_per_node=rpn, dp=dp, pp=p.pp, tp=p.tp, micro_batch=micro,
+                grad_accum=accum, global_batch=glob, zero_stage=int(p.zero), offload=p.offload, param_count=0,
+                memory=memory, reasons=reasons, device="gpu" if r.gpus_per_node else "cpu", precision=t.precision,
+                model={}, options=[], offload_ratio=ratio, activation_checkpointing=ac, spare_nodes=r.spare_nodes,
                 in_job_restarts=spec.fault.in_job_restarts or r.spare_nodes)

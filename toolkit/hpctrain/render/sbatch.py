@@ -23,8 +23,9 @@ from hpctrain.errors import HpcUsageError, bad_value
 from hpctrain.nodelist import rendezvous_port_shell
 from hpctrain.render import containers
 from hpctrain.runs.folder import RunFolder
+from hpctrain.spec import launch as user_launch
 from hpctrain.spec import sbatch_args
-from hpctrain.spec.model import Spec
+from hpctrain.spec.model import Spec, user_script
 from hpctrain.spec.rules import secret_names
 
 if TYPE_CHECKING:
@@ -190,6 +191,8 @@ def container_binds(spec: Spec, run_dirs: Sequence[Path]) -> list[tuple[str, str
     model, data, tokenizer, NVMe folder, and the spec's extra mounts ("SRC[:DST]")."""
     paths: list[str] = [_bind_root(run_dirs)]
     m, d = spec.model, spec.data
+    if spec.launch.script:  # the user's script and the files beside it (its modules, configs)
+        paths.append(str(Path(spec.launch.script).parent))
     if m.path:
         paths.append(m.path)
     if m.config and "/" in m.config:
@@ -291,8 +294,9 @@ def sbatch_directives(spec: Spec, plan: Plan, folder: Path, array: str | None, d
     start-up). The time-limit/preemption self-requeue still works: rank 0 (or the container hand-off)
     turns requeue on just before `scontrol requeue`, and the rerun turns it off again."""
     r = spec.resources
-    per_node_tasks = 1 if spec.launch.launcher == "deepspeed" else plan.ranks_per_node
-    cpus = r.cpus_per_task * (plan.ranks_per_node if spec.launch.launcher == "deepspeed" else 1)
+    per_node = user_launch.per_node(spec.launch)
+    per_node_tasks = 1 if per_node else plan.ranks_per_node
+    cpus = r.cpus_per_task * (plan.ranks_per_node if per_node else 1)
     log = _log_pattern(folder, array, "0")
     flags: dict[str, object] = {
         "job-name": _job_name(spec.name), "nodes": r.nodes + r.spare_nodes, "ntasks-per-node": per_node_tasks,
@@ -313,12 +317,20 @@ def sbatch_directives(spec: Spec, plan: Plan, folder: Path, array: str | None, d
 
 def _launch_line(spec: Spec, plan: Plan, folder: Path, array: str | None, command: str,
                  run_dirs: Sequence[Path], python: str | None, mode: str) -> tuple[str, str]:
+    """The batch script's one srun line (and the comment above it): what every task of the job step runs."""
     log = _log_pattern(folder, array, "%t")
     srun = ["srun", "--unbuffered", "--kill-on-bad-exit=1", "--output", shlex.quote(log + ".out"),
             "--error", shlex.quote(log + ".err")]
     # In a container the runtime sets the folder (-w, --pwd, ...): the snapshot's, when the job runs one.
     flags, prefix = container_wrap(spec, run_dirs, spec.code.dir or _bind_root(run_dirs))
-    if spec.launch.launcher == "deepspeed":
+    if user_script(spec):
+        # submitit's runner on every task, as for the trainer (requeue, result files); the node entry
+        # starts the user's program after the pre-flight.
+        cmd = command
+        if user_launch.per_node(spec.launch):
+            srun += ["--ntasks-per-node=1"]
+        note = _user_script_note(spec, plan, command, python)
+    elif spec.launch.launcher == "deepspeed":
         py = python or (shlex.quote(shlex.split(command)[0]) if command.strip() else "python")
         cmd = f'{py} -u -m {NODE_MODULE} "$HPCTRAIN_RUN_DIR" --launcher deepspeed --mode {shlex.quote(mode)}'
         srun += ["--ntasks-per-node=1"]
@@ -329,6 +341,32 @@ def _launch_line(spec: Spec, plan: Plan, folder: Path, array: str | None, comman
     # In a container the login node's python means nothing: the image's python runs, behind a guard.
     cmd = containers.rank_command(spec, cmd)
     return " ".join([*srun, *flags, *prefix, cmd]), note
+
+
+# The allocation's facts, as the dry run shows them (the node fills in their values).
+_SHOWN = user_launch.Where(python="python", ds_config="$HPCTRAIN_RUN_DIR/ds_config.json",
+                           hostfile="$HPCTRAIN_RUN_DIR/hostfile", nnodes="$SLURM_JOB_NUM_NODES",
+                           ranks_per_node="$HPCTRAIN_RANKS_PER_NODE", node_rank="$SLURM_NODEID",
+                           master_addr="$MASTER_ADDR", master_port="$MASTER_PORT")
+
+
+def _user_script_note(spec: Spec, plan: Plan, command: str, python: str | None) -> str:
+    """The comment above the srun line of a user-script run: the program every rank (or node) starts."""
+    import dataclasses
+
+    if spec.container.runtime != "none":
+        py = containers.container_python(spec)
+    else:
+        py = python or (shlex.split(command)[0] if command.strip() else "python")
+    at = dataclasses.replace(_SHOWN, python=py, ranks_per_node=str(plan.ranks_per_node), nnodes=str(plan.nodes),
+                             gpu=plan.device == "gpu")
+    argv = user_launch.script_command(spec.launch, at)
+    keep = frozenset(v for v in (at.ds_config, at.hostfile, at.node_rank, at.master_addr, at.master_port))
+    who = (f"one task per node; after the pre-flight its node entry runs {spec.launch.launcher}, which starts "
+           f"{plan.ranks_per_node} rank(s)") if user_launch.per_node(spec.launch) else (
+           f"{plan.ranks_per_node} task(s) per node, one per rank; after the pre-flight each rank's node entry runs")
+    env = "RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT HPCTRAIN_RUN_DIR HPCTRAIN_DS_CONFIG"
+    return f"{who} (with {env} set):\n#   {user_launch.shell_line(argv, keep)}"
 
 
 def _shell_path(path: Path) -> str:
@@ -386,8 +424,10 @@ def _watchdog_line(spec: Spec, plan: Plan, command: str, python: str | None) -> 
     if not spec.launch.hang_timeout_s or not (python or command.strip()):
         return ""
     py = shlex.quote(shlex.split(command)[0]) if command.strip() else str(python)
+    # A user script beats only through hpctrain.runtime.report: one that never does is not a hang.
+    armed = " --after-first-beat" if user_script(spec) else ""
     return (f'{py} -m hpctrain.fault.supervisor watch "$HPCTRAIN_RUN_DIR" --timeout {spec.launch.hang_timeout_s} '
-            f"--world {plan.world_size}")
+            f"--world {plan.world_size}{armed}")
 
 
 def _injob_line(spec: Spec, plan: Plan, command: str, python: str | None, launch_line: str) -> str:
@@ -396,10 +436,15 @@ def _injob_line(spec: Spec, plan: Plan, command: str, python: str | None, launch
     if not plan.in_job_restarts or not (python or command.strip()):
         return ""
     py = shlex.quote(shlex.split(command)[0]) if command.strip() else str(python)
-    per_node = 1 if spec.launch.launcher == "deepspeed" else plan.ranks_per_node
+    own = user_script(spec)
+    per_node = 1 if (user_launch.per_node(spec.launch) if own else spec.launch.launcher == "deepspeed") \
+        else plan.ranks_per_node
+    # A user script beats only through hpctrain.runtime.report: the driver's hang check would take silence for
+    # a hang, so it is off for scripts (lost peers and crashes still restart them).
+    hang = 0 if own else spec.launch.hang_timeout_s
     return (f'{py} -m hpctrain.fault.injob "$HPCTRAIN_RUN_DIR" --nodes {plan.nodes} --tasks-per-node {per_node} '
             f"--restarts {plan.in_job_restarts} --world {plan.world_size} "
-            f"--hang-timeout {spec.launch.hang_timeout_s}"
+            f"--hang-timeout {hang}"
             + (f" --straggler-patience {f.straggler_patience_s} --straggler-ratio {f.straggler_ratio:g}"
                if (f := spec.fault).straggler_patience_s else "")
             + f" -- {launch_line}")

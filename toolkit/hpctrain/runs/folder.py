@@ -40,6 +40,8 @@ SBATCH_SH = "sbatch.sh"
 HOSTFILE = "hostfile"
 ATTEMPTS_JSONL = "attempts.jsonl"
 SUMMARY_JSON = "summary.json"
+# A user script's stop request: the node entry writes the signal here, hpctrain.runtime.should_stop() reads it.
+STOP_REQUEST_JSON = "stop-request.json"
 SUBMITIT, LOGS, METRICS, CHECKPOINTS, EXPORT = "submitit", "logs", "metrics", "checkpoints", "hf"
 REPRO, CODE = "repro", "code"
 REPRO_MANIFEST, GIT_DIFF, SNAPSHOT_FILES = "manifest.json", "git.diff", "snapshot-files.txt"
@@ -215,6 +217,10 @@ class RunFolder:
     def code_dir(self) -> Path:
         """`submit --snapshot`: the copy of the code the job runs from."""
         return self.path / CODE
+
+    @property
+    def stop_request(self) -> Path:
+        return self.path / STOP_REQUEST_JSON
 
     @property
     def attempts_jsonl(self) -> Path:

@@ -41,7 +41,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--global-batch", "train.global_batch", int, "Global batch (micro x accum x dp)."),
     Flag("--pp", "parallel.pp", int, "Pipeline-parallel degree."),
     Flag("--tp", "parallel.tp", int, "Tensor-parallel degree."),
-    Flag("--launcher", "launch.launcher", ("srun", "deepspeed"), "How ranks start."),
+    Flag("--launcher", "launch.launcher", ("srun", "torchrun", "deepspeed", "accelerate"),
+         "How ranks start (torchrun, accelerate: a user script only)."),
+    Flag("--script", "launch.script", str, "Run your own training script instead of hpctrain's trainer."),
+    Flag("--module", "launch.module", str, "Run your own module (python -m pkg.mod) instead of the trainer."),
     Flag("--executor", "launch.executor", ("slurm", "local", "auto"), "Where the job runs."),
     Flag("--steps", "train.steps", int, "Optimizer steps."),
     Flag("--spare-nodes", "resources.spare_nodes", int,
@@ -60,6 +63,7 @@ OTHER_FLAGS: dict[str, str] = {
     "site": "--site", "model.path": "--model", "model.config": "--model",
     "train.activation_checkpointing": "--activation-checkpointing",
     "slurm.extra": "--sbatch-arg", "code.snapshot": "--snapshot",
+    "launch.pass_ds_config": "--pass-ds-config", "launch.args": "-- ARGS",
 }
 
 FLAG_FOR: dict[str, str] = {**{f.key: f.flag for f in FLAGS}, **OTHER_FLAGS}

@@ -32,7 +32,7 @@ AsyncSave = Switch
 Offload = Literal["none", "optimizer", "param", "all"]
 OffloadDevice = Literal["cpu", "nvme"]
 Precision = Literal["bf16", "fp16", "fp32"]
-Launcher = Literal["srun", "deepspeed"]
+Launcher = Literal["srun", "torchrun", "deepspeed", "accelerate"]
 ExecutorName = Literal["slurm", "local", "auto"]
 Runtime = Literal["none", "apptainer", "pyxis", "podman", "charliecloud"]
 
@@ -65,7 +65,12 @@ class Resources:
 @dataclass(frozen=True, kw_only=True)
 class Launch:
     executor: ExecutorName = "auto"  # auto = slurm if `sbatch` is on PATH, else local
-    launcher: Launcher = "srun"  # srun: one task per rank; deepspeed: its runner with our hostfile
+    launcher: Launcher = "srun"  # srun: one task per rank; deepspeed: its runner with our hostfile (torchrun and
+    # accelerate: one task per node starting the ranks, for a user script only)
+    script: str = ""  # the user's own training script (`submit --script`) instead of hpctrain's trainer
+    module: str = ""  # or a module run as `python -m pkg.mod` (`submit --module`)
+    args: tuple[str, ...] = ()  # the script's arguments, passed exactly (the words after `--`)
+    pass_ds_config: bool = False  # append `--deepspeed_config RUN/ds_config.json` to the script's arguments
     retries: int = 3  # automatic resubmissions (capped in resubmit policy)
     hang_timeout_s: int = 300  # hang watchdog: no rank advances this long -> cancel + retry (0 = off)
     preflight_timeout_s: int = 60  # rendezvous + all-reduce must finish within this
@@ -476,7 +481,7 @@ def absolute_paths(spec: Spec) -> Spec:
     model = dataclasses.replace(m, path=absol(m.path), config=m.config if m.config in PRESETS else absol(m.config))
     data = dataclasses.replace(d, source=d.source if d.source == "synthetic" else absol(d.source),
                                tokenizer=d.tokenizer if d.tokenizer == "byte" else absol(d.tokenizer))
-    launch = dataclasses.replace(la, template_dir=absol(la.template_dir))
+    launch = dataclasses.replace(la, template_dir=absol(la.template_dir), script=absol(la.script))
     if spec.parallel.nvme_path and not spec.parallel.nvme_path.startswith("/"):
         raise bad_value("parallel.nvme_path", spec.parallel.nvme_path, "must be an absolute node-local path",
                         how_to_set("parallel.nvme_path", "/local/nvme"))
@@ -491,6 +496,11 @@ def _exists(path: Path, kind: str = "") -> bool:
         return False
 
 
+def user_script(spec: Spec) -> bool:
+    """The run launches the user's own script or module, not hpctrain's trainer."""
+    return bool(spec.launch.script or spec.launch.module)
+
+
 def check_paths(spec: Spec) -> None:
     """Submit-time checks that need the filesystem: model and data must exist on the shared FS.
 
@@ -499,7 +509,10 @@ def check_paths(spec: Spec) -> None:
     from hpctrain.spec.presets import PRESETS
 
     m = spec.model
-    if not m.path and not m.config:
+    if spec.launch.script:
+        need(_exists(Path(spec.launch.script), "file"), "launch.script", spec.launch.script, "not a file",
+             "pass --script with the path of your training script on the shared filesystem")
+    if not m.path and not m.config and not user_script(spec):
         raise bad_value("model.path", "", "no model given",
                         "pass --model /shared/models/NAME (a local HF folder) or set [model] config = "
                         "'llama-tiny' (a preset or a config.json path)")

@@ -182,7 +182,10 @@ def check(obj: Any) -> None:
 # The one exception is TEXT_VALUES: a model.overrides value is config.json content (a prompt or
 # template string may well hold newlines); it reaches only spec.toml (escaped) and the model's config,
 # never a script or sbatch. Its keys are still checked.
+# launch.args are the user script's arguments: they reach the script's argv as a list (never a shell) and the
+# batch script only in a comment, written with $'...' escapes (hpctrain.spec.launch.shell_word).
 TEXT_VALUES = frozenset({"model.overrides"})
+ARGV_VALUES = frozenset({"launch.args"})
 
 def _control_char(text: str) -> str | None:
     """The first C0 control character or DEL in text, as a readable name; None when clean."""
@@ -202,6 +205,10 @@ def check_strings(key: str, value: object, secret_keys: frozenset[str] = frozens
              "remove it (a run file saved with Windows line endings is fine; a CR or LF inside a value is not)")
     elif isinstance(value, (tuple, list)):
         for item in value:
+            if key in ARGV_VALUES:  # any text but NUL, which no argv can hold
+                need("\x00" not in str(item), key, shown(key, item), "contains a NUL byte, which no command "
+                     "argument can hold", "remove it from the script's arguments")
+                continue
             check_strings(key, item, secret_keys)
     elif isinstance(value, dict):
         for k, v in value.items():
@@ -329,6 +336,28 @@ def _rules_launch(x: Launch) -> None:
           "must be at least 1 second", "set [launch] preflight_timeout_s = 60")
     for m in x.modules:
         need(bool(m.strip()), "launch.modules", m, "empty module name", "remove the empty entry")
+    _rules_user_script(x)
+
+
+_PY_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def _rules_user_script(x: Launch) -> None:
+    """`submit --script/--module`: one of them; the per-node launchers and the arguments belong to them."""
+    need(not (x.script and x.module), "launch.script", x.script,
+         f"both launch.script and launch.module ({x.module!r}) are set; a run starts one program",
+         "keep --script PATH or --module pkg.mod, not both")
+    need(not x.module or bool(_PY_MODULE.fullmatch(x.module)), "launch.module", x.module,
+         "not a Python module name", "pass --module with a dotted name such as mypkg.train")
+    own = bool(x.script or x.module)
+    need(own or x.launcher in ("srun", "deepspeed"), "launch.launcher", x.launcher,
+         "starts a user script's ranks; hpctrain's trainer runs under srun or deepspeed",
+         "pass --script PATH (or --module pkg.mod), or use --launcher srun")
+    need(own or not x.args, "launch.args", list(x.args), "arguments for a user script, but no script is set",
+         "pass --script PATH (or --module pkg.mod) before `-- ARGS`, or drop the arguments")
+    need(own or not x.pass_ds_config, "launch.pass_ds_config", x.pass_ds_config,
+         "hands ds_config.json to a user script, but no script is set",
+         "pass --script PATH (or --module pkg.mod), or drop --pass-ds-config")
 
 
 def _rules_model(m: Model) -> None:
@@ -638,7 +667,7 @@ _RULES: dict[str, Any] = {
 # (`--container podman:--privileged` would run a privileged container). Flags hpctrain writes as `--flag=VALUE`
 # (partition, account, pyxis' --container-*) cannot be misread and are checked by their own rules.
 COMMAND_ARGUMENTS: dict[str, tuple[str, ...]] = {
-    "Launch": ("modules", "template_dir"), "Model": ("path", "config"), "Data": ("source", "tokenizer"),
+    "Launch": ("modules", "template_dir", "script"), "Model": ("path", "config"), "Data": ("source", "tokenizer"),
     "Parallel": ("nvme_path",), "Container": ("image", "mounts", "python"),
 }
 _DASH_FIX = {

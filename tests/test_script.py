@@ -1,0 +1,366 @@
+"""`submit --script/--module`: the spec, the launch line (hostile arguments), the dry run, the plan of an
+unknown model, the node entry running a user's program, and hpctrain.runtime (no torch, no cluster)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tomllib
+from click.testing import CliRunner
+
+from hpctrain.cli.main import cli
+from hpctrain.errors import HpcUsageError
+from hpctrain.spec import launch as L
+from hpctrain.spec.model import Launch
+
+HOSTILE = ["a b", "it's", 'say "hi"', "$(touch /tmp/pwned)", "`id`", "x\ny", "tab\there", "é ü 日本", "--flag=1",
+           "", "semi;colon", "back\\slash", "*", "~", "-", "--"]
+WHERE = L.Where(python="/py", ds_config="/run dir/ds_config.json", hostfile="/run dir/hostfile", nnodes="2",
+                ranks_per_node="4", node_rank="1", master_addr="node1", master_port="20001")
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HPCTRAIN_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("HPCTRAIN_RUNS_DIR", str(tmp_path / "runs"))
+    monkeypatch.setenv("HPCTRAIN_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.chdir(tmp_path)
+
+
+def invoke(*args: str) -> Any:
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+# -- the command line ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("launcher", ["srun", "torchrun", "deepspeed", "accelerate"])
+def test_every_launcher_passes_the_arguments_exactly_at_the_end(launcher: str) -> None:
+    argv = L.script_command(Launch(launcher=launcher, script="/s/train.py", args=tuple(HOSTILE)), WHERE)  # type: ignore[arg-type]
+    assert argv[0] == "/py" and argv[-len(HOSTILE):] == HOSTILE
+    assert argv[-len(HOSTILE) - 1] == "/s/train.py"
+    with_ds = L.script_command(Launch(launcher=launcher, script="/s/t.py", args=("x",), pass_ds_config=True), WHERE)  # type: ignore[arg-type]
+    assert with_ds[-3:] == ["x", "--deepspeed_config", "/run dir/ds_config.json"]
+
+
+def test_launcher_lines_carry_the_allocation() -> None:
+    torchrun = L.script_command(Launch(launcher="torchrun", module="pkg.train"), WHERE)
+    assert torchrun == ["/py", "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=4", "--node-rank=1",
+                        "--master-addr=node1", "--master-port=20001", "--module", "pkg.train"]
+    ds = L.script_command(Launch(launcher="deepspeed", script="/s/t.py"), WHERE)
+    assert ds[:4] == ["/py", "-u", "-m", "deepspeed.launcher.runner"] and "--no_ssh" in ds
+    assert ds[ds.index("--hostfile") + 1] == "/run dir/hostfile" and ds[ds.index("--node_rank") + 1] == "1"
+    acc = L.script_command(Launch(launcher="accelerate", script="/s/t.py"), WHERE)
+    assert acc[acc.index("--num_processes") + 1] == "8" and "--cpu" in acc
+    assert L.script_command(Launch(module="pkg.train", args=("-v",)), WHERE) == ["/py", "-u", "-m", "pkg.train", "-v"]
+
+
+def test_shell_line_reads_back_as_the_same_words_in_bash() -> None:
+    """What the dry run shows is one line that bash turns into exactly the argv (newlines as $'...')."""
+    argv = ["printf", "%s\\0", *HOSTILE]
+    line = L.shell_line(argv)
+    assert "\n" not in line
+    out = subprocess.run(["bash", "-c", line], capture_output=True, timeout=30, check=True).stdout
+    assert out.decode().split("\0")[:-1] == HOSTILE
+
+
+# -- the spec ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("launch, field", [
+    ({"launcher": "torchrun"}, "launch.launcher"),
+    ({"script": "/a.py", "module": "m"}, "launch.script"),
+    ({"args": ("x",)}, "launch.args"),
+    ({"pass_ds_config": True}, "launch.pass_ds_config"),
+    ({"module": "not-a-module"}, "launch.module"),
+    ({"script": "-rf"}, "launch.script"),
+    ({"script": "/a.py", "args": ("nul\x00",)}, "launch.args"),
+])
+def test_script_rules_refuse_with_the_field(launch: dict[str, Any], field: str) -> None:
+    with pytest.raises(HpcUsageError, match=field.replace(".", r"\.")):
+        Launch(**launch)
+
+
+def test_newlines_and_quotes_are_allowed_in_arguments_only() -> None:
+    Launch(script="/a.py", args=("x\ny", "'", "$(id)"))
+    with pytest.raises(HpcUsageError, match="launch.script"):
+        Launch(script="/a\nb.py")
+
+
+def _dry(tmp_path: Path, *args: str) -> dict[str, Any]:
+    script = tmp_path / "my train.py"
+    script.write_text("print('hi')\n")
+    res = invoke("submit", "--script", str(script), "--zero", "2", "--nodes", "2", "--set", "resources.tasks_per_node=2",
+                 "--dry-run", "--json", *args)
+    assert res.exit_code == 0, res.output
+    return dict(json.loads(res.output))
+
+
+def test_dry_run_shows_the_program_and_keeps_the_arguments(tmp_path: Path) -> None:
+    out = _dry(tmp_path, "--launcher", "deepspeed", "--pass-ds-config", "--", *HOSTILE)
+    sbatch = out["sbatch"]
+    line = next(ln for ln in sbatch.splitlines() if "deepspeed.launcher.runner" in ln)
+    assert line.startswith("#   ") and str(tmp_path / "my train.py").replace(" ", "' '") not in line
+    assert L.shell_line(list(HOSTILE)) in line and line.endswith('--deepspeed_config "$HPCTRAIN_RUN_DIR/ds_config.json"')
+    assert "--ntasks-per-node=1" in sbatch and "#SBATCH --ntasks-per-node=1" in sbatch
+    assert "#SBATCH --cpus-per-task=2" in sbatch  # the node's task holds both ranks' cores
+    assert "--after-first-beat" in sbatch and "submitit.core._submit" in sbatch.splitlines()[-1]
+    assert out["plans"][0]["memory"]["known"] is False and out["plans"][0]["param_count"] == 0
+
+
+def test_written_run_folder_holds_the_exact_arguments(tmp_path: Path) -> None:
+    script = tmp_path / "t.py"
+    script.write_text("")
+    res = invoke("submit", "--script", str(script), "--zero", "1", "--dry-run", "--out", str(tmp_path / "o"),
+                 "--", *HOSTILE)
+    assert res.exit_code == 0, res.output
+    spec = tomllib.loads((tmp_path / "o" / "spec.toml").read_text())
+    assert spec["launch"]["args"] == HOSTILE and spec["launch"]["script"] == str(script)
+    from hpctrain.runs.folder import RunFolder
+    from hpctrain.spec.model import from_toml_text
+
+    assert list(from_toml_text((tmp_path / "o" / "spec.toml").read_text()).launch.args) == HOSTILE
+    assert RunFolder(tmp_path / "o").sbatch_sh.is_file()
+    shellcheck = Path(sys.executable).parent / "shellcheck"
+    if shellcheck.exists():
+        proc = subprocess.run([str(shellcheck), "-S", "warning", str(tmp_path / "o" / "sbatch.sh")],
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert proc.returncode == 0, proc.stdout
+
+
+def test_run_file_launch_table_and_flags(tmp_path: Path) -> None:
+    script = tmp_path / "t.py"
+    script.write_text("")
+    run = tmp_path / "run.toml"
+    run.write_text(f'[launch]\nscript = "{script}"\nargs = ["--lr", "3e-4"]\nlauncher = "torchrun"\n'
+                   '[parallel]\nzero = 2\n')
+    out = invoke("submit", str(run), "--dry-run")
+    assert "torch.distributed.run" in out.output and "--lr 3e-4" in out.output
+    replaced = invoke("submit", str(run), "--dry-run", "--", "--lr", "1")  # `--` replaces the file's arguments
+    assert "--lr 1\n" in replaced.output
+
+
+def test_missing_script_and_zero_auto_are_refused(tmp_path: Path) -> None:
+    res = CliRunner().invoke(cli, ["submit", "--script", str(tmp_path / "nope.py"), "--zero", "2", "--dry-run"])
+    assert res.exit_code == 2 and "launch.script" in res.output and "not a file" in res.output
+    (tmp_path / "t.py").write_text("")
+    res = CliRunner().invoke(cli, ["submit", "--script", str(tmp_path / "t.py"), "--zero", "auto", "--dry-run"])
+    assert res.exit_code == 2 and "parallel.zero" in res.output and "unknown" in res.output
+
+
+def test_plan_says_what_is_and_is_not_known(tmp_path: Path) -> None:
+    (tmp_path / "t.py").write_text("")
+    out = invoke("plan", "--script", str(tmp_path / "t.py"), "--zero", "2").output
+    assert "unknown (your script builds it)" in out and "no memory estimate" in out
+    described = invoke("plan", "--script", str(tmp_path / "t.py"), "--zero", "2", "--model", "llama-tiny").output
+    assert "as described" in described and "per rank" in described  # with a model, the estimate is made
+
+
+# -- the node entry running a program (a plain python script: no torch) ----------------------------------
+
+PROBE = """
+import json, os, sys, time
+from pathlib import Path
+env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                                       "MASTER_PORT", "HPCTRAIN_RUN_DIR", "HPCTRAIN_DS_CONFIG")}
+Path(os.environ["OUT"]).write_text(json.dumps({"argv": sys.argv[1:], "env": env}))
+if sys.argv[1:2] == ["raise"]:
+    raise KeyError("boom on purpose")
+if sys.argv[1:2] == ["wait"]:
+    from hpctrain import runtime
+    Path(os.environ["OUT"] + ".ready").write_text("")
+    for step in range(1, 600):
+        runtime.report(step=step, loss=1.0 / step)
+        if runtime.should_stop():
+            ck = runtime.checkpoint_dir() / f"step-{step}"
+            ck.mkdir()
+            (ck / "state.bin").write_bytes(b"x" * 10)
+            runtime.mark_checkpoint(step)
+            sys.exit(0)
+        time.sleep(0.05)
+"""
+
+
+def _node_run(tmp_path: Path, *args: str) -> Path:
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    out = tmp_path / "run"
+    res = invoke("submit", "--script", str(script), "--zero", "0", "--set", "launch.preflight_timeout_s=5",
+                 "--dry-run", "--out", str(out), "--", *args)
+    assert res.exit_code == 0, res.output
+    return out
+
+
+def _start(run: Path, tmp_path: Path) -> subprocess.Popen[str]:
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29999", "OUT": str(tmp_path / "probe.json"), "SLURM_JOB_ID": "77",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "toolkit")}
+    env.pop("SLURM_RESTART_COUNT", None)
+    return subprocess.Popen([sys.executable, "-m", "hpctrain.node", str(run)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _events(run: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+
+
+def test_node_entry_runs_the_program_with_exact_arguments_and_variables(tmp_path: Path) -> None:
+    run = _node_run(tmp_path, *HOSTILE)
+    proc = _start(run, tmp_path)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    seen = json.loads((tmp_path / "probe.json").read_text())
+    assert seen["argv"] == HOSTILE
+    assert seen["env"] == {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "HPCTRAIN_RUN_DIR": str(run),
+                           "HPCTRAIN_DS_CONFIG": str(run / "ds_config.json")}
+
+
+def test_a_raising_program_is_a_python_exception_with_its_own_words(tmp_path: Path) -> None:
+    run = _node_run(tmp_path, "raise")
+    proc = _start(run, tmp_path)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert "KeyError: 'boom on purpose'" in err  # the program's stderr passes through
+    fail = next(e for e in _events(run) if e["kind"] == "failure")
+    assert fail["class"] == "python_exception" and fail["exception"] == "KeyError: 'boom on purpose'"
+    assert any("Traceback" in line for line in fail["traceback"])
+    from hpctrain.collect.classify import classify
+    from hpctrain.runs.events import read_events
+
+    verdict = classify("FAILED", [], exit_code="1:0", events=read_events(run))
+    assert verdict.failure_class == "python_exception" and "boom on purpose" in verdict.message
+    from hpctrain.states import is_retryable
+
+    assert not is_retryable(verdict.failure_class)
+
+
+def test_usr2_stops_the_program_after_its_checkpoint(tmp_path: Path) -> None:
+    """The signal to the node entry reaches the program (forwarded, and through stop-request.json); the program
+    checkpoints through hpctrain.runtime and ends; the node entry exits 3 with a stop event."""
+    run = _node_run(tmp_path, "wait")
+    proc = _start(run, tmp_path)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "probe.json.ready").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGUSR2)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3, err
+    stop = next(e for e in _events(run) if e["kind"] == "stop")
+    assert stop["class"] == "time_limit" and stop["checkpointed"] is True and "checkpoint of step" in stop["message"]
+    assert json.loads((run / "stop-request.json").read_text())["job"] == "77"
+    from hpctrain.runs.checkpoints import complete_steps
+
+    assert complete_steps(run / "checkpoints") and (run / "metrics" / "metrics.jsonl").is_file()
+
+
+def test_failure_tail_finds_the_last_exception() -> None:
+    from hpctrain.node.script import failure
+
+    tail = ["noise", "Traceback (most recent call last):", '  File "t.py", line 3, in <module>',
+            "[rank1]: RuntimeError: Connection closed by peer [10.0.0.2]:123", "more noise"]
+    f = failure(1, tail)
+    assert f.exception == "RuntimeError: Connection closed by peer [10.0.0.2]:123" and f.tail[0].startswith("Traceback")
+    killed = failure(-9, ["Killed"])
+    assert "killed by signal SIGKILL" in str(killed) and killed.exception == ""
+
+
+# -- hpctrain.runtime ----------------------------------------------------------------------------------
+
+@pytest.fixture
+def rt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    from hpctrain import runtime
+
+    monkeypatch.setenv("HPCTRAIN_RUN_DIR", str(tmp_path / "r"))
+    monkeypatch.setenv("SLURM_JOB_ID", "55")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    monkeypatch.setattr(runtime, "_signal_seen", 0)
+    return runtime
+
+
+def test_runtime_report_writes_what_the_collector_and_watchdog_read(rt: Any, tmp_path: Path) -> None:
+    rt.report(step=3, loss=2.5, lr=1e-3, tokens_per_s=100)
+    from hpctrain.collect.metrics import read_metrics
+    from hpctrain.runs.beats import read_beats
+
+    recs, bad = read_metrics(tmp_path / "r" / "metrics" / "metrics.jsonl")
+    assert bad == 0 and recs[0]["step"] == 3 and recs[0]["loss"] == 2.5
+    beat = read_beats(tmp_path / "r", "55", "0")[0]
+    assert beat["rank"] == 0 and beat["step"] == 4 and beat["phase"] == "compute"
+    assert json.loads((tmp_path / "r" / "metrics" / "heartbeat").read_text())["step"] == 3
+
+
+def test_runtime_checkpoints_count_by_the_shared_rule(rt: Any, tmp_path: Path) -> None:
+    from hpctrain.runs.checkpoints import complete_steps
+
+    assert rt.resume_from() is None and rt.resume_step() == 0
+    for step in (2, 4):
+        d = rt.checkpoint_dir() / f"step-{step}"
+        d.mkdir()
+        (d / "w.bin").write_bytes(b"1" * step)
+        rt.mark_checkpoint(step)
+    half = rt.checkpoint_dir() / "step-6"
+    half.mkdir()  # saved but never marked: does not count
+    assert complete_steps(tmp_path / "r" / "checkpoints") == [2, 4]
+    assert rt.resume_from() == rt.checkpoint_dir() / "step-4" and rt.resume_step() == 4
+    (rt.checkpoint_dir() / "step-4" / "w.bin").write_bytes(b"")  # torn: the manifest says 4 bytes
+    assert rt.resume_step() == 2
+    elsewhere = tmp_path / "hf" / "checkpoint-8"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "model.safetensors").write_bytes(b"abc")
+    rt.mark_checkpoint(8, elsewhere)
+    assert rt.resume_from() == elsewhere and rt.resume_step() == 8
+    with pytest.raises(FileNotFoundError):
+        rt.mark_checkpoint(9)
+
+
+def test_runtime_should_stop_on_signal_or_request_of_this_run_only(rt: Any, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    assert rt.should_stop() is False
+    req = tmp_path / "r" / "stop-request.json"
+    req.parent.mkdir(parents=True, exist_ok=True)
+    req.write_text(json.dumps({"job": "55", "restart": "1", "signal": 12}))  # an earlier run of the job
+    assert rt.should_stop() is False
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert rt.should_stop() is True
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    assert rt.should_stop() is False
+    os.kill(os.getpid(), signal.SIGUSR2)  # the handler installed at import only notes it
+    assert rt.should_stop() is True
+
+
+def test_runtime_imports_no_torch() -> None:
+    code = "import sys, hpctrain.runtime; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_hf_training_args_follow_the_rendered_config() -> None:
+    pytest.importorskip("transformers")
+    from hpctrain.runtime.hf import training_args_from_ds_config
+
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3, "gradient_clipping": 1.0,
+           "bf16": {"enabled": True}, "optimizer": {"params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                              "weight_decay": 0.1}}}
+    assert training_args_from_ds_config(cfg) == {
+        "per_device_train_batch_size": 2, "gradient_accumulation_steps": 3, "bf16": True, "fp16": False,
+        "max_grad_norm": 1.0, "learning_rate": 1e-3, "weight_decay": 0.1, "adam_epsilon": 1e-8,
+        "adam_beta1": 0.9, "adam_beta2": 0.95}
+
+
+def test_watchdog_waits_for_a_first_beat_of_a_script(tmp_path: Path) -> None:
+    from hpctrain.fault.watchdog import Watchdog
+
+    dog = Watchdog(tmp_path, "1", timeout_s=10, world=2, grace_s=10, after_first_beat=True,
+                   started=0.0, last_change=0.0)
+    assert dog.check(now=1e6) is None  # never beat: a script that does not report, not a hang
+    plain = Watchdog(tmp_path, "1", timeout_s=10, world=2, grace_s=10, started=0.0, last_change=0.0)
+    assert plain.check(now=1e6) is not None

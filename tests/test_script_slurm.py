@@ -1,0 +1,182 @@
+"""`hpctrain submit --script` on the local SLURM cluster, with real DeepSpeed on the CPU.
+
+The two example scripts (examples/scripts/) each run twice on 2 nodes x 2 ranks: once signalled with USR2
+after a few steps (checkpoint through hpctrain.runtime -> submitit requeues the job -> the requeued run resumes)
+and once uninterrupted; the losses must be the same at every step. A plain DeepSpeed loop goes through DeepSpeed's
+launcher (one task per node, `--pass-ds-config`), the HF Trainer with ZeRO-2 through torchrun. A script raising on
+rank 1 is classified from its own traceback and not retried. All jobs are submitted at once (module fixture),
+so they queue together and each test waits only for its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.slurm, pytest.mark.deepspeed]
+SCRIPTS = Path(__file__).resolve().parents[1] / "examples" / "scripts"
+DATA = str(SCRIPTS / "tiny.txt")
+FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL"}
+STEPS = 10
+# Reaches the script through DeepSpeed's launcher on 2 nodes as one argument, exactly (it is in every record).
+TAG = "a 'b' \"c\" $(touch /tmp/x) `id` ; é 日本\nnext line"
+COMMON = ["--executor", "slurm", "--partition", "debug", "--set", "train.precision=fp32", "--json"]
+TWO_NODES = ["--nodes", "2", "--set", "resources.tasks_per_node=2", "--zero", "2"]
+JOBS = {
+    "ds": ["--script", str(SCRIPTS / "ds_loop.py"), "--launcher", "deepspeed", "--pass-ds-config", *TWO_NODES,
+           "--", "--data", DATA, "--steps", str(STEPS), "--step-sleep", "0.5", "--tag", TAG],
+    "hf": ["--script", str(SCRIPTS / "hf_trainer.py"), "--launcher", "torchrun", *TWO_NODES,
+           "--", "--data", DATA, "--steps", str(STEPS), "--step-sleep", "0.5"],
+    "raise": ["--script", str(SCRIPTS / "ds_loop.py"), "--nodes", "1", "--set", "resources.tasks_per_node=2",
+              "--zero", "1", "--", "--data", DATA, "--steps", "5", "--fail-on-rank", "1"],
+}
+
+
+def wait_until(cond: Callable[[], Any], timeout: float, what: str, poll: float = 2.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def state(job: str) -> str:
+    out = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job, "-o", "State"], capture_output=True, text=True,
+                         timeout=30, check=False).stdout
+    lines = [ln.split()[0] for ln in out.splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def records(run: Path) -> list[dict[str, Any]]:
+    from hpctrain.collect.metrics import read_metrics
+
+    return read_metrics(run / "metrics" / "metrics.jsonl")[0]
+
+
+def losses(run: Path) -> dict[int, float]:
+    """The loss of every step (a step run twice, before and after a resume, keeps its later value)."""
+    return {int(r["step"]): float(r["loss"]) for r in records(run)}
+
+
+def notes(run: Path) -> list[dict[str, Any]]:
+    from hpctrain.runs.folder import read_attempts
+
+    return read_attempts(run / "attempts.jsonl")
+
+
+def hpctrain(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hpctrain", *args], capture_output=True, text=True, timeout=timeout,
+                          check=False, env=env, stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    if not shutil.which("sbatch"):
+        pytest.skip("no SLURM client on PATH (bash tests/cluster/slurm.sh up)")
+    base = tmp_path_factory.mktemp("script")
+    env = {**os.environ, "HPCTRAIN_RUNS_DIR": str(base / "runs"), "HPCTRAIN_STATE_DIR": str(base / "state"),
+           "HPCTRAIN_CONFIG_DIR": str(base / "config")}
+    out: dict[str, Any] = {"env": env}
+    jobs: list[str] = []
+    try:
+        for name, flags in [("ds", JOBS["ds"]), ("ds_ref", JOBS["ds"]), ("hf", JOBS["hf"]), ("hf_ref", JOBS["hf"]),
+                            ("raise", JOBS["raise"])]:
+            cut = flags.index("--")
+            proc = hpctrain(env, "submit", "--job-name", name, *flags[:cut], *COMMON, *flags[cut:])
+            assert proc.returncode == 0, proc.stderr
+            sub = json.loads(proc.stdout)[0]
+            jobs.append(str(sub["job_id"]))
+            out[name] = (str(sub["job_id"]), Path(sub["run_dir"]))
+            if name in ("ds", "hf"):  # watched from now on: the run may start (and end) while a test waits
+                out[f"{name}_signal"] = _signaller(*out[name])
+        yield out
+    finally:
+        folders = [v[1] for k, v in out.items() if k in JOBS or k.endswith("_ref")]
+        ids = jobs + [str(n["supervisor_job"]) for r in folders for n in notes(r) if n.get("supervisor_job")]
+        subprocess.run(["scancel", *ids], capture_output=True, timeout=30, check=False)
+
+
+def _signaller(job: str, run: Path) -> threading.Thread:
+    """USR2 to the job's steps once its metrics show 3 steps (scancel --signal, as the time limit would)."""
+    def send() -> None:
+        wait_until(lambda: len(records(run)) >= 3, 900, f"{run.name}: 3 training steps", poll=0.5)
+        subprocess.run(["scancel", "--signal=USR2", job], check=True, timeout=30)
+
+    thread = threading.Thread(target=send, name=f"usr2-{job}", daemon=True)
+    thread.start()
+    return thread
+
+
+def _signal_requeue_resume(runs: dict[str, Any], name: str) -> Path:
+    """USR2 after 3 steps: the run stops after a checkpoint, is requeued and resumes to the end with the
+    uninterrupted run's losses at every step."""
+    job, run = runs[name]
+    runs[f"{name}_signal"].join(timeout=900)
+    assert not runs[f"{name}_signal"].is_alive(), f"{name}: no USR2 sent"
+    wait_until(lambda: state(job) in FINAL, 600, f"job {job} ({name}) to end")
+    assert state(job) == "COMPLETED", (run / "submitit").as_posix()
+    from hpctrain.runs.events import read_events
+
+    stop = next(e for e in read_events(run) if e.kind == "stop")
+    assert stop.failure_class == "time_limit" and stop.extra.get("checkpointed") is True, stop
+    starts = [e for e in read_events(run) if e.kind == "start"]
+    assert [e.attempt for e in starts if e.rank == 0] == [0, 1]  # the requeued run: SLURM_RESTART_COUNT=1
+    steps = [r["step"] for r in records(run)]
+    assert steps.count(1) == 1 and steps[-1] == STEPS  # resumed from the checkpoint, not from scratch
+    ref_job, ref = runs[f"{name}_ref"]
+    wait_until(lambda: state(ref_job) in FINAL, 600, f"reference job {ref_job} to end")
+    assert state(ref_job) == "COMPLETED"
+    got, want = losses(run), losses(ref)
+    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
+    assert got == pytest.approx(want, rel=1e-6), (got, want)
+    return run
+
+
+def _summary(runs: dict[str, Any], run: Path) -> dict[str, Any]:
+    proc = hpctrain(runs["env"], "summary", str(run), "--json")
+    assert proc.returncode == 0, proc.stderr
+    return dict(json.loads(proc.stdout)["runs"][0])
+
+
+def test_deepspeed_loop_signal_requeue_resume_and_summary(runs: dict[str, Any]) -> None:
+    run = _signal_requeue_resume(runs, "ds")
+    assert "deepspeed.launcher.runner" in (run / "logs" / "attempt-0.rank-0.log").read_text()
+    assert {r.get("tag") for r in records(run)} == {TAG}
+    summary = _summary(runs, run)
+    last = summary["attempts"][-1]
+    assert last["last_step"] == STEPS and last["last_loss"] == pytest.approx(losses(run)[STEPS])
+    assert summary["attempts"][0]["failure_class"] == "time_limit"
+
+
+def test_hf_trainer_zero2_signal_requeue_resume_and_summary(runs: dict[str, Any]) -> None:
+    run = _signal_requeue_resume(runs, "hf")
+    cfg = json.loads((run / "ds_config.json").read_text())
+    assert cfg["zero_optimization"]["stage"] == 2
+    assert any(p.name.startswith("checkpoint-") for p in (run / "checkpoints").iterdir())  # the Trainer's own saves
+    summary = _summary(runs, run)
+    assert summary["attempts"][-1]["last_step"] == STEPS and summary["attempts"][-1]["last_loss"] is not None
+
+
+def test_a_script_raising_on_rank_1_is_classified_and_not_retried(runs: dict[str, Any]) -> None:
+    _, run = runs["raise"]
+    wait_until(lambda: any("decision" in n for n in notes(run)), 600, "the supervisor's decision")
+    d = next(n for n in notes(run) if "decision" in n)["decision"]
+    assert d["action"] == "stop" and d["failure_class"] == "python_exception", d
+    assert "example failure on rank 1" in d["reason"] and "not retried" in d["reason"]
+    assert [n["attempt"] for n in notes(run) if n.get("state") == "PENDING"] == [0]  # no second attempt
+    summary = _summary(runs, run)
+    row = summary["attempts"][0]
+    assert row["failure_class"] == "python_exception" and row["failure"]["rank"] == 1
+    assert "ValueError: example failure on rank 1" in row["failure"]["exception"]

@@ -1,0 +1,171 @@
+"""The user's own program (`submit --script/--module`), started by the node entry in place of the trainer.
+
+node/main.py runs the same path for it as for the trainer: run-folder checks, the pre-flight rendezvous, the
+start/stop/failure events, the exit codes; this module starts the program and tells how it ended:
+
+* srun: this process is one rank; the program runs as its child with RANK, WORLD_SIZE, LOCAL_RANK,
+  LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set. torchrun/deepspeed/accelerate: this process is the
+  node's one task, and the launcher (its child) starts the node's ranks and sets their variables.
+  Every rank gets HPCTRAIN_RUN_DIR and HPCTRAIN_DS_CONFIG (hpctrain.runtime reads them).
+* SLURM's pre-timeout USR2 (or a preemption's TERM) reaches every process of the step. The program starts
+  with USR2 ignored (so that torchrun's or DeepSpeed's launcher does not die of it: they do not handle it);
+  hpctrain.runtime installs its handler when the script imports it. The signal is also written to
+  stop-request.json, which runtime.should_stop() reads: a signal that came before the import is not lost.
+* When the program ends after the signal, the run stopped for requeue (exit 3, resumed by hpctrain.runtime's
+  resume_from); otherwise a non-zero exit is the script's failure, told by the last exception of its stderr
+  (which passes through here to the log unchanged, its tail kept for the failure event).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from hpctrain.node.checkpointer import StopFlag
+from hpctrain.node.dist import DistEnv
+from hpctrain.node.metrics import log
+from hpctrain.runs.folder import RunFolder
+from hpctrain.spec import launch as user_launch
+from hpctrain.spec.model import Spec
+
+TAIL_LINES = 200
+STARTED_ENV = "HPCTRAIN_STARTED"  # when this run's node entry started (unix time)
+# The last line of a Python traceback: "ValueError: boom", "torch.OutOfMemoryError: CUDA out of memory".
+_EXC_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning)\b(?::.*)?)$")
+
+
+class ScriptFailed(Exception):
+    """The user's program exited non-zero (no stop signal came): its last exception and stderr tail."""
+
+    def __init__(self, returncode: int, exception: str, tail: list[str]) -> None:
+        how = (f"killed by signal {signal.Signals(-returncode).name}" if returncode < 0 and -returncode in
+               signal.valid_signals() else f"exited with code {returncode}")
+        super().__init__(f"the script {how}" + (f": {exception}" if exception else ""))
+        self.returncode, self.exception, self.tail = returncode, exception, tail
+
+
+@dataclass
+class ScriptStop(StopFlag):
+    """StopFlag that also hands the signal to the program and writes stop-request.json (once per signal)."""
+
+    child: subprocess.Popen[bytes] | None = None
+    request: str = ""
+    started: float = field(default_factory=time.time)  # before install(): a request from now on is this run's
+    written: set[int] = field(default_factory=set)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        # The first signal tells why the run stops: the TERM of the requeue that follows a USR2 does not.
+        self.signum = self.signum or signum
+        child = self.child
+        if child is not None and child.poll() is None and signum == signal.SIGUSR2:
+            child.send_signal(signum)  # SLURM signals the whole step; a container may not pass it on
+        if self.request and signum not in self.written:
+            self.written.add(signum)
+            _write_request(self.request, signum)
+
+
+def _write_request(path: str, signum: int) -> None:
+    rec = {"job": os.environ.get("SLURM_JOB_ID", ""), "restart": os.environ.get("SLURM_RESTART_COUNT", "0") or "0",
+           "signal": signum, "time": time.time()}
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(json.dumps(rec) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        pass  # the signal itself still reaches the program
+
+
+def where(spec: Spec, d: DistEnv, paths: RunFolder, ranks_per_node: int, nodes: int) -> user_launch.Where:
+    """The allocation's facts for this node's command (spec.launch.script_command)."""
+    return user_launch.Where(python=sys.executable, ds_config=str(paths.ds_config_json), hostfile=str(paths.hostfile),
+                             nnodes=str(nodes), ranks_per_node=str(ranks_per_node), node_rank=str(d.node_rank),
+                             master_addr=d.master_addr, master_port=str(d.master_port),
+                             gpu=spec.resources.gpus_per_node > 0)
+
+
+def child_env(spec: Spec, d: DistEnv, paths: RunFolder, ranks_per_node: int, started: float,
+              base: dict[str, str] | None = None) -> dict[str, str]:
+    """The program's environment: this process's (prepare_process_env ran), plus the run folder and the
+    rendered DeepSpeed config; under a per-node launcher the rank variables are the launcher's to set."""
+    env = dict(os.environ if base is None else base)
+    env.update(HPCTRAIN_RUN_DIR=str(paths.path), HPCTRAIN_DS_CONFIG=str(paths.ds_config_json),
+               MASTER_ADDR=d.master_addr, MASTER_PORT=str(d.master_port))
+    # A stop request older than this start is an earlier run's (hpctrain.runtime.should_stop ignores it).
+    env[STARTED_ENV] = repr(started)
+    if user_launch.per_node(spec.launch):
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            env.pop(key, None)
+        env["NODE_RANK"] = str(d.node_rank)
+    else:
+        env.update(RANK=str(d.rank), WORLD_SIZE=str(d.world_size), LOCAL_RANK=str(d.local_rank),
+                   LOCAL_WORLD_SIZE=str(ranks_per_node), NODE_RANK=str(d.node_rank))
+    return env
+
+
+def run_script(spec: Spec, paths: RunFolder, d: DistEnv, stop: ScriptStop, *, ranks_per_node: int,
+               nodes: int) -> tuple[int, list[str]]:
+    """Start the program, pass its stderr through, wait for it. Returns (exit code, stderr tail)."""
+    argv = user_launch.script_command(spec.launch, where(spec, d, paths, ranks_per_node, nodes))
+    log.info("starting the user's program: %s", user_launch.shell_line(argv))
+    stop.request = str(paths.stop_request)  # {"job", "restart", "signal", "time"}
+    proc = subprocess.Popen(argv, env=child_env(spec, d, paths, ranks_per_node, stop.started), stderr=subprocess.PIPE,
+                            preexec_fn=_ignore_usr2)  # noqa: PLW1509 - one signal disposition, nothing else
+    stop.child = proc
+    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+    pump = threading.Thread(target=_pump, args=(proc, tail), name="hpctrain-script-stderr", daemon=True)
+    pump.start()
+    code = proc.wait()
+    pump.join(timeout=10)
+    log.info("the user's program exited with code %d%s", code, f" after signal {stop.signum}" if stop.signum else "")
+    return code, list(tail)
+
+
+def _ignore_usr2() -> None:
+    """In the child before exec: USR2 ignored (inherited by the launcher and the ranks) until hpctrain.runtime
+    installs its handler."""
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+
+
+def _pump(proc: subprocess.Popen[bytes], tail: collections.deque[str]) -> None:
+    """The program's stderr to ours, line by line as it comes, keeping the last lines."""
+    assert proc.stderr is not None
+    out = sys.stderr.buffer
+    for raw in iter(proc.stderr.readline, b""):
+        try:
+            out.write(raw)
+            out.flush()
+        except (OSError, ValueError):
+            pass
+        tail.append(raw.decode("utf-8", errors="replace").rstrip("\n"))
+
+
+def failure(code: int, tail: list[str]) -> ScriptFailed:
+    """The program's non-zero exit as the exception node/main.py reports: its last exception line, and the
+    traceback that ends in it."""
+    exc, start = "", 0
+    for i in range(len(tail) - 1, -1, -1):
+        m = _EXC_LINE.match(tail[i].strip())
+        if m:
+            exc = m.group(1)
+            start = next((j for j in range(i, -1, -1) if "Traceback (most recent call last)" in tail[j]), i)
+            break
+    return ScriptFailed(code, exc, tail[start:] if exc else tail[-12:])
+
+
+def requeue_pending(rank: int, stop: StopFlag) -> None:
+    """After the stop event: rank 0 hands the job back to SLURM (submitit requeues it, as for the trainer);
+    the other ranks wait, so that their exit does not end the step (srun --kill-on-bad-exit) first."""
+    if rank == 0:
+        stop.chain()
+    elif os.environ.get("SLURM_JOB_ID"):
+        time.sleep(float(os.environ.get("HPCTRAIN_REQUEUE_GRACE_S", "20")))
