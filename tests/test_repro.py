@@ -160,3 +160,26 @@ def test_submit_writes_the_bundle_and_snapshot_sets_the_jobs_folder(tmp_path: Pa
     assert doc["snapshot"]["workdir"] == str(run / "code" / "sub") and doc["submitted_from"] == str(repo / "sub")
     assert seen[0].code.dir == str(run / "code" / "sub") == read_resolved(run).code.dir
     assert (run / "code" / "train.py").read_text() == "print('v1')\n"
+
+
+def test_snapshot_of_a_users_script_runs_the_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """submit --script S --snapshot: the job runs the snapshot's copy of S, not the file an edit can change."""
+    from hpctrain.slurm import dispatch
+
+    repo = _repo(tmp_path)
+    monkeypatch.chdir(tmp_path)  # submitted from outside the script's repository
+    seen: list[Any] = []
+
+    def fake_submit(run_dirs: list[Path], spec: Any, plan: Any, executor: str = "auto", mode: str = "train",
+                    dependency: str = "") -> list[Any]:
+        seen.append(spec)
+        return [dispatch.Submitted(run_id=d.name, run_dir=d, job_id="7", executor="local") for d in run_dirs]
+    monkeypatch.setattr(dispatch, "submit", fake_submit)
+    res = CliRunner().invoke(cli, ["submit", "--script", str(repo / "train.py"), "--executor", "local", "--snapshot",
+                                   "--json"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    run = Path(json.loads(res.output)[0]["run_dir"])
+    assert seen[0].launch.script == str(run / "code" / "train.py") == read_resolved(run).launch.script
+    (repo / "train.py").write_text("print('v2')\n")  # an edit after submit
+    assert Path(seen[0].launch.script).read_text() == "print('v1')\n"
+    assert repro.read_manifest(run)["git"]["sha"] == _git(repo, "rev-parse", "HEAD").strip()

@@ -67,13 +67,22 @@ def prepare_runs(points: list[tuple[Spec, Plan]], run_dirs: list[Path]) -> list[
     from hpctrain.runs import repro, snapshot
     from hpctrain.spec.model import to_toml
 
-    src = Path.cwd()
     spec = points[0][0]
+    # The code is the user's script's (submit --script), else the submit directory's.
+    script = Path(spec.launch.script) if spec.launch.script else None
+    src = script.parent if script is not None else Path.cwd()
     snap_info = None
     if spec.code.snapshot:
         workdir = snapshot.snapshot_code(src, run_dirs[0])
         snap_info = snapshot.describe(src, run_dirs[0], workdir)
-        points = [(dataclasses.replace(s, code=dataclasses.replace(s.code, dir=str(workdir))), p) for s, p in points]
+
+        def moved(s: Spec) -> Spec:
+            launch = s.launch
+            if script is not None:  # the job runs the copy of the script: edits after submit do not reach it
+                launch = dataclasses.replace(launch, script=str(workdir / script.name))
+            return dataclasses.replace(s, code=dataclasses.replace(s.code, dir=str(workdir)), launch=launch)
+
+        points = [(moved(s), p) for s, p in points]
         for d, (s, _) in zip(run_dirs, points):
             runs.write_private(runs.RunFolder(d).spec_toml, to_toml(s))
     doc, diff = repro.manifest(src, image_identity(spec), snap_info)  # git runs once, also for a sweep
