@@ -123,6 +123,19 @@ def status(run: str, as_json: bool) -> None:
     _warn(warnings)
 
 
+def _request_cancel(folder: str, jobs: list[str]) -> None:
+    """RUN/cancel-requested.json names the jobs this cancel stops (best effort: a read-only folder still cancels)."""
+    from hpctrain.runs.folder import RunFolder, json_text, write_private
+
+    run = RunFolder(folder)
+    old = run.cancel_request() or {}
+    jobs = list(dict.fromkeys([*(str(j) for j in old.get("jobs") or []), *jobs]))
+    try:
+        write_private(run.cancel_requested, json_text({"time": time.time(), "jobs": jobs, "by": "hpctrain cancel"}))
+    except OSError:
+        pass
+
+
 @click.command(short_help="Cancel a run's job.")
 @click.argument("run")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
@@ -138,6 +151,8 @@ def cancel(run: str, as_json: bool) -> None:
     _reconcile(reg, [rec])  # an unanswered submission's job is cancelled too, once SLURM lists it
     refresh(reg, [rec])
     live = [a for a in rec.attempts if not a.final]
+    if live:  # first: the ranks that get SIGTERM stop as cancelled, and the supervisor calls it a user cancel
+        _request_cancel(rec.folder, [a.job_id for a in live])
     if rec.executor == "slurm" and live:
         from hpctrain.slurm import commands as _slurm
 

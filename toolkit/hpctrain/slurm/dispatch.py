@@ -195,16 +195,9 @@ def _point_summary(sub: Submitted, first: dict[str, Any]) -> dict[str, Any]:
 # -- SLURM ----------------------------------------------------------------------------------------
 def time_minutes(text: str) -> int:
     """SLURM --time ("MM", "MM:SS", "HH:MM:SS", "D-HH[:MM[:SS]]") -> whole minutes (>= 1)."""
-    days, _, rest = text.rpartition("-")
-    parts = [int(p) for p in rest.split(":")]
-    if days:
-        h, m, s = (parts + [0, 0])[:3]
-    elif len(parts) == 3:
-        h, m, s = parts
-    else:
-        h, (m, s) = 0, (parts + [0])[:2]
-    total_s = int(days or 0) * 86400 + h * 3600 + m * 60 + s
-    return max(1, (total_s + 59) // 60)
+    from hpctrain.spec.rules import time_limit_s
+
+    return max(1, (time_limit_s(text) + 59) // 60)
 
 
 def _submit_slurm(dirs: list[Path], spec: Spec, plan: Plan, mode: str) -> list[Submitted]:
