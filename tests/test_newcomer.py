@@ -222,3 +222,32 @@ def test_a_user_cancel_is_told_as_such(env: dict[str, Any]) -> None:  # noqa: F8
     d = decide([AttemptRecord(attempt=0, job_id="70", state="CANCELLED", failure_class="cancelled")], Policy(),
                Fit(nodes_needed=1, partition_nodes=4))
     assert d.action == "stop" and "a user's cancel" in d.reason and "from outside" not in d.reason
+
+
+# -- the summary table fits the terminal ----------------------------------------------------------------------
+@pytest.mark.parametrize("columns", [60, 80, 120, 200])
+def test_summary_table_fits_the_terminal(env: dict[str, Any], monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+                                         columns: int) -> None:
+    make_run(env, "tiny-20261201-181443-f695", [{"attempt": 0, "job_id": "28959", "state": "COMPLETED",
+                                                 "nodes": "node1", "started": T0, "ended": T0 + 40}],
+             metrics=metrics(range(1, 41), 0))
+    monkeypatch.setenv("COLUMNS", str(columns))
+    out = invoke("summary", "tiny-20261201-181443-f695").stdout
+    table = [ln for ln in out.splitlines() if ln.startswith(("┃", "│", "┏", "└"))]
+    assert table and max(len(ln) for ln in table) <= columns
+    head = next(ln for ln in table if ln.startswith("┃"))
+    for col in ("RUN", "STATE", "FAILURE"):  # the most important columns stay
+        assert col in head
+    # A CPU run: CPU-hours, and no TFLOPS/MFU columns (0.00 against no peak says nothing).
+    assert "GPU-H" not in out and "TFLOPS" not in out and "MFU" not in out
+    assert ("CPU-H" in head) is (columns >= 120)
+    if columns < 200:
+        assert "not shown at this width:" in out
+
+
+def test_gpu_runs_keep_tflops_when_there_is_room(env: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    make_run(env, "g", [{"attempt": 0, "job_id": "1", "state": "COMPLETED", "nodes": "node1", "started": T0,
+                         "ended": T0 + 40}], gpus=8, metrics=metrics(range(1, 41), 0))
+    monkeypatch.setenv("COLUMNS", "250")
+    out = invoke("summary", "g").stdout
+    assert "GPU-H" in out and "TFLOPS" in out and "MFU%" in out and "not shown" not in out
