@@ -251,3 +251,41 @@ def test_gpu_runs_keep_tflops_when_there_is_room(env: dict[str, Any], monkeypatc
     monkeypatch.setenv("COLUMNS", "250")
     out = invoke("summary", "g").stdout
     assert "GPU-H" in out and "TFLOPS" in out and "MFU%" in out and "not shown" not in out
+
+
+# -- list / status: why a job waits, and a failure told without `summary` first -------------------------------
+def _runs_cli(*args: str) -> Any:
+    import click
+    from click.testing import CliRunner
+
+    from hpctrain.cli import runs as cli_runs
+
+    group = click.Group()
+    cli_runs.register(group)
+    return CliRunner().invoke(group, list(args), catch_exceptions=False)
+
+
+def test_pending_reason_in_list_and_status(env: dict[str, Any]) -> None:  # noqa: F811
+    sq = env["tmp"] / "bin" / "squeue"
+    sq.write_text('#!/bin/sh\necho "$@" >> ' + str(env["tmp"] / "squeue.calls") +
+                  '\necho "61|ReqNodeNotAvail, UnavailableNodes:node2"\necho "90_[0-2]|Priority"\n')
+    sq.chmod(0o755)
+    _node_loss_run(env, {"attempt": 1, "job_id": "61", "state": "PENDING", "nodes": ""})
+    out = _runs_cli("status", "lost").stdout
+    assert "PENDING (ReqNodeNotAvail, UnavailableNodes:node2)" in out
+    doc = json.loads(_runs_cli("status", "lost", "--json").stdout)
+    assert doc["attempts"][1]["pending_reason"] == "ReqNodeNotAvail, UnavailableNodes:node2"
+    assert "PENDING (ReqNodeNotAvail" in _runs_cli("list").stdout
+    from hpctrain.slurm.commands import pending_reasons
+
+    assert pending_reasons(["90_1", "61", "62"]) == {"90_1": "Priority", "61": "ReqNodeNotAvail, UnavailableNodes:node2"}
+
+
+def test_status_tells_a_lost_node_without_summary_first(env: dict[str, Any]) -> None:  # noqa: F811
+    """--retries 0: no supervisor stored a class; `status` asks the collector and stores it."""
+    from hpctrain.runs.registry import Registry
+
+    _node_loss_run(env, None)
+    out = _runs_cli("status", "lost").stdout
+    assert "node_fail" in out and "attempt 0: node_fail rank 1 on node2" in out
+    assert Registry().get_run("lost").attempts[0].failure_class == "node_fail"
