@@ -289,3 +289,53 @@ def test_status_tells_a_lost_node_without_summary_first(env: dict[str, Any]) -> 
     out = _runs_cli("status", "lost").stdout
     assert "node_fail" in out and "attempt 0: node_fail rank 1 on node2" in out
     assert Registry().get_run("lost").attempts[0].failure_class == "node_fail"
+
+
+# -- resubmit: what it will do, or why not --------------------------------------------------------------------
+def _fault_cli(*args: str) -> Any:
+    import click
+    from click.testing import CliRunner
+
+    from hpctrain.cli import fault as cli_fault
+
+    group = click.Group()
+    cli_fault.register(group)
+    return CliRunner().invoke(group, list(args))
+
+
+def _finished_run(env: dict[str, Any], state: str, exit_code: str) -> Path:  # noqa: F811
+    import shutil
+
+    folder = make_run(env, f"r-{state.lower()}", [{"attempt": 0, "job_id": "80", "state": state, "nodes": "node1",
+                                                   "started": T0, "ended": T0 + 20, "exit_code": exit_code}],
+                      metrics=metrics(range(1, 11), 0, ckpt_every=5), ckpts=(5, 10))
+    shutil.copy(Path(__file__).resolve().parents[1] / "examples" / "tiny.toml", folder / "spec.toml")
+    return folder
+
+
+def test_resubmit_of_a_completed_run_is_refused(env: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    from hpctrain.fault import supervisor as sup
+
+    _finished_run(env, "COMPLETED", "0:0")
+    monkeypatch.setattr(sup, "resubmit_run", lambda *a, **k: pytest.fail("a completed run was resubmitted"))
+    res = _fault_cli("resubmit", "r-completed", "--exclude-failed-nodes")
+    assert res.exit_code == 2 and "COMPLETED at step 10" in res.output and "train nothing" in res.output
+
+
+def test_exclude_failed_nodes_without_a_failed_node_says_so(env: dict[str, Any],  # noqa: F811
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpctrain.fault import policy as pol
+    from hpctrain.fault import supervisor as sup
+
+    _finished_run(env, "FAILED", "1:0")
+    got: dict[str, Any] = {}
+
+    def fake(run_dir: Path, **kw: Any) -> dict[str, Any]:
+        got.update(kw)
+        return {"run_id": run_dir.name, "attempt": 1, "job_id": "81", "supervisor": None, "excluded": []}
+
+    monkeypatch.setattr(sup, "resubmit_run", fake)
+    monkeypatch.setattr(sup, "fit_of", lambda spec: pol.Fit(nodes_needed=1, partition_nodes=4))
+    res = _fault_cli("resubmit", "r-failed", "--exclude-failed-nodes")
+    assert res.exit_code == 0, res.output
+    assert "implicates no host; nothing more is excluded" in res.output and got["exclude"] == ()
