@@ -339,3 +339,26 @@ def test_exclude_failed_nodes_without_a_failed_node_says_so(env: dict[str, Any],
     res = _fault_cli("resubmit", "r-failed", "--exclude-failed-nodes")
     assert res.exit_code == 0, res.output
     assert "implicates no host; nothing more is excluded" in res.output and got["exclude"] == ()
+
+
+# -- a sweep's dry run ---------------------------------------------------------------------------------------
+def test_sweep_dry_run_gives_each_point_its_own_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from hpctrain.cli.main import cli
+
+    monkeypatch.setenv("HPCTRAIN_RUNS_DIR", str(tmp_path / "runs"))
+    monkeypatch.setenv("HPCTRAIN_STATE_DIR", str(tmp_path / "state"))
+    tiny = str(Path(__file__).resolve().parents[1] / "examples" / "tiny.toml")
+    res = CliRunner().invoke(cli, ["submit", tiny, "--dry-run", "--json", "--sweep", "train.seed=1,2,3",
+                                   "--out", str(tmp_path / "sw")], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    array = json.loads(res.output)["sbatch"]
+    # The array's task i writes into point i's folder (through the sweep's %a links), never into point 0's.
+    out_line = next(ln for ln in array.splitlines() if ln.startswith("#SBATCH --output="))
+    assert "/.sweeps/" in out_line and "/%a/submitit/%A_%a_0_log.out" in out_line and "point-0" in out_line
+    for i in range(3):
+        own = (tmp_path / "sw" / f"point-{i}" / "sbatch.sh").read_text()
+        assert "--array" not in own and f"seed = {i + 1}" in (tmp_path / "sw" / f"point-{i}" / "spec.toml").read_text()
+        others = {f"point-{j}" for j in range(3)} - {f"point-{i}"}
+        assert f"point-{i}/submitit" in own and not any(o in own for o in others)

@@ -230,9 +230,15 @@ def _submit_slurm(dirs: list[Path], spec: Spec, plan: Plan, mode: str) -> list[S
             for i, (d, j) in enumerate(zip(dirs, job_ids))]
 
 
+def sweep_links_dir(dirs: Sequence[Path]) -> Path:
+    """`<runs_dir>/.sweeps/<first run id>`: its `<i>` links to run folder i, so that the array's `%a` in
+    `--output` and in submitit's folder sends task i's files into its own point's folder."""
+    return Path(dirs[0]).parent / SWEEPS_DIR / Path(dirs[0]).name
+
+
 def _make_sweep_links(dirs: list[Path]) -> Path:
     """`<runs_dir>/.sweeps/<first run id>/<i>` -> run folder i (what `%a` resolves through)."""
-    base = dirs[0].parent / SWEEPS_DIR / dirs[0].name
+    base = sweep_links_dir(dirs)
     base.mkdir(parents=True, mode=0o700)
     for i, d in enumerate(dirs):
         os.symlink(d, base / str(i), target_is_directory=True)
