@@ -362,3 +362,32 @@ def test_sweep_dry_run_gives_each_point_its_own_script(tmp_path: Path, monkeypat
         assert "--array" not in own and f"seed = {i + 1}" in (tmp_path / "sw" / f"point-{i}" / "spec.toml").read_text()
         others = {f"point-{j}" for j in range(3)} - {f"point-{i}"}
         assert f"point-{i}/submitit" in own and not any(o in own for o in others)
+
+
+# -- the example's header command works on a fresh clone ------------------------------------------------------
+def test_llama_example_header_command_works_on_a_fresh_clone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import re
+    import shlex
+
+    from click.testing import CliRunner
+
+    from hpctrain.cli.main import cli
+
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.setenv("HPCTRAIN_CONFIG_DIR", str(tmp_path / "empty-config"))  # no site copied anywhere
+    monkeypatch.chdir(repo)
+    header = (repo / "examples" / "llama-8b-h200.toml").read_text()
+    commands = re.findall(r"^#\s+(hpctrain .+)$", header, re.MULTILINE)
+    assert commands
+    for command in commands:
+        res = CliRunner().invoke(cli, shlex.split(command)[1:] + ["--json"], catch_exceptions=False)
+        assert res.exit_code == 0, (command, res.output)
+    # the path of a site file works from anywhere
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(cli, ["plan", str(repo / "examples" / "llama-8b-h200.toml"), "--site",
+                                   os.path.relpath(repo / "examples" / "sites" / "h200-single.toml"), "--json"])
+    assert res.exit_code == 0, res.output
+    (tmp_path / "run.toml").write_text((repo / "examples" / "tiny.toml").read_text())
+    res = CliRunner().invoke(cli, ["plan", "run.toml", "--site", "h200-single"])  # no sites/ beside it
+    assert res.exit_code != 0 and "unknown site profile" in res.output and "path of a site file" in res.output
