@@ -391,3 +391,24 @@ def test_llama_example_header_command_works_on_a_fresh_clone(tmp_path: Path, mon
     (tmp_path / "run.toml").write_text((repo / "examples" / "tiny.toml").read_text())
     res = CliRunner().invoke(cli, ["plan", "run.toml", "--site", "h200-single"])  # no sites/ beside it
     assert res.exit_code != 0 and "unknown site profile" in res.output and "path of a site file" in res.output
+
+
+# -- the plot marks where each attempt took over --------------------------------------------------------------
+def test_plot_marks_the_resume(env: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+
+    from hpctrain.collect.plot import boundaries
+
+    logs = {"logs/attempt-0.rank-0.log": rank_log(0, [(1, "hpctrain node: rank 0/2"), (12, "x")]),
+            "logs/attempt-1.rank-0.log": rank_log(0, [(30, "resumed from step-10 at step 10"), (70, "done")])}
+    make_run(env, "plotted", [{"attempt": 0, "job_id": "5", "state": "COMPLETED", "nodes": "", "ended": T0 + 70}],
+             logs=logs, metrics=metrics(range(1, 13), 0) + metrics(range(11, 31), 30))
+    _stop_event(env["runs"] / "plotted", 0, FC.PREEMPTED, 12, job="5")
+    run = json.loads(invoke("summary", "plotted", "--json").stdout)["runs"][0]
+    assert boundaries(run) == [(10.5, "a1: resumed at step 10 after preempted, 2 steps redone")]
+    lines: list[float] = []
+    real = Axes.axvline
+    monkeypatch.setattr(Axes, "axvline", lambda self, x=0, *a, **k: (lines.append(x), real(self, x, *a, **k))[1])
+    res = invoke("summary", "plotted", "--plot", str(env["tmp"] / "p.png"))
+    assert res.exit_code == 0 and lines == [10.5, 10.5]  # both panels

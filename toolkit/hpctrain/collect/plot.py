@@ -26,6 +26,23 @@ def series(run: dict[str, Any]) -> list[tuple[int, list[dict[str, Any]]]]:
     return list(zip(keys, per))
 
 
+def boundaries(run: dict[str, Any]) -> list[tuple[float, str]]:
+    """(x, label) of every attempt boundary of a summary record: where each attempt after the first took
+    over, at the checkpoint it resumed from (its first step - 1), with how it ended before and what it lost."""
+    out: list[tuple[float, str]] = []
+    rows = run.get("attempts", [])
+    for prev, row in zip(rows, rows[1:]):
+        first = row.get("first_step")
+        if first is None:
+            continue
+        why = prev.get("failure_class") or str(prev.get("state", "")).lower()
+        lost = prev.get("lost_steps")
+        redo = f", {lost} step{'s' if lost != 1 else ''} redone" if lost else ""
+        resumed = f"resumed at step {first - 1}" if first > 1 else "restarted from step 0"
+        out.append((first - 0.5, f"a{row['attempt']}: {resumed} after {why}{redo}"))
+    return out
+
+
 def plot_runs(runs: list[dict[str, Any]], out: Path) -> int:
     """Draw every run into one PNG (two panels: loss, tokens/s). Returns the number of points drawn."""
     try:
@@ -47,12 +64,15 @@ def plot_runs(runs: list[dict[str, Any]], out: Path) -> int:
                                 [p[1] for p in pts if p[1] is not None], label=label)[0]
             ax_tps.plot([p[0] for p in pts if p[2] is not None], [p[2] for p in pts if p[2] is not None],
                         color=line.get_color())
-            for ax in (ax_loss, ax_tps):  # where this attempt started (a resume starts mid-way)
-                ax.axvline(pts[0][0], color=line.get_color(), linestyle="--", linewidth=0.8, alpha=0.7)
             drawn += len(pts)
+        for x, text in boundaries(run):  # where each later attempt took over (a resume starts mid-way)
+            for ax in (ax_loss, ax_tps):
+                ax.axvline(x, color="grey", linestyle="--", linewidth=0.9, alpha=0.8)
+            ax_loss.annotate(text, (x, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -3),
+                             textcoords="offset points", rotation=90, va="top", fontsize="x-small", color="grey")
     ax_loss.set_ylabel("loss")
     ax_tps.set_ylabel("tokens/s")
-    ax_tps.set_xlabel("step (dashed: attempt start)")
+    ax_tps.set_xlabel("step (dashed: an attempt boundary, at the checkpoint the next attempt resumed from)")
     from matplotlib.ticker import MaxNLocator
 
     ax_tps.xaxis.set_major_locator(MaxNLocator(integer=True))
