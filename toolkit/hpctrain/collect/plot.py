@@ -5,6 +5,7 @@ matplotlib is optional (the `plot` extra) and imported only here, inside `plot_r
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ def boundaries(run: dict[str, Any]) -> list[tuple[float, str]]:
     over, at the checkpoint it resumed from (its first step - 1), with how it ended before and what it lost."""
     out: list[tuple[float, str]] = []
     rows = run.get("attempts", [])
-    for prev, row in zip(rows, rows[1:]):
+    for prev, row in itertools.pairwise(rows):
         first = row.get("first_step")
         if first is None:
             continue
