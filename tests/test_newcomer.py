@@ -412,3 +412,23 @@ def test_plot_marks_the_resume(env: dict[str, Any], monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(Axes, "axvline", lambda self, x=0, *a, **k: (lines.append(x), real(self, x, *a, **k))[1])
     res = invoke("summary", "plotted", "--plot", str(env["tmp"] / "p.png"))
     assert res.exit_code == 0 and lines == [10.5, 10.5]  # both panels
+
+
+# -- docs a clone can follow ----------------------------------------------------------------------------------
+def test_docs_link_only_what_a_clone_has() -> None:
+    """README, docs/, examples/ and containers/ never point outside the repository (a clone has no shared
+    folder beside it), and every relative markdown link resolves inside the clone."""
+    import re
+
+    repo = Path(__file__).resolve().parents[1]
+    outside = ".." + "/shared"  # spelled apart so that this file does not match itself
+    texts = [repo / "README.md", *(repo / d for d in ("docs", "examples", "containers"))]
+    files = [p for t in texts for p in ([t] if t.is_file() else sorted(t.rglob("*"))) if p.is_file()]
+    assert len(files) > 5
+    for path in files:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        assert outside not in text and "/work/shared" not in text, path
+        for target in re.findall(r"\]\(([^)#\s]+)", text):
+            if not re.match(r"[a-z]+:", target):
+                assert (path.parent / target).resolve().is_relative_to(repo), (path, target)
+                assert (path.parent / target).exists(), (path, target)
