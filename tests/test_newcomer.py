@@ -35,6 +35,13 @@ def test_stop_class(signum: int, left: float | None, cancelled: bool, want: str 
     assert stop_class(signum, left, 90.0, cancelled=cancelled) == want
 
 
+def test_start_up_slack_when_the_job_start_is_a_guess() -> None:
+    """Counted from the rank's own start, 4 min "left" of a 2 h limit may be the start-up: still the time limit."""
+    assert stop_class(signal.SIGUSR2, 240.0, 90.0) == FC.PREEMPTED
+    assert stop_class(signal.SIGUSR2, 240.0, 90.0, limit_s=7200.0) == FC.TIME_LIMIT
+    assert stop_class(signal.SIGUSR2, 3000.0, 90.0, limit_s=7200.0) == FC.PREEMPTED
+
+
 def test_stop_flag_knows_the_time_left_and_whose_cancel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import time
 

@@ -93,7 +93,9 @@ class StopFlag:
         from hpctrain.states import stop_class
 
         sig = self.signum if signum is None else signum
-        return stop_class(sig, self.seconds_left(), self.window_s, cancelled=self.cancelled())
+        guessed = "SLURM_JOB_END_TIME" not in os.environ and "SLURM_JOB_START_TIME" not in os.environ
+        return stop_class(sig, self.seconds_left(), self.window_s, cancelled=self.cancelled(),
+                          limit_s=(self.limit_s or 0.0) if guessed else 0.0)
 
     def install(self) -> None:
         for sig in (signal.SIGUSR2, signal.SIGTERM):
