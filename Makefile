@@ -5,8 +5,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 PYTHON ?= python3
-# The CPU wheel of torch lies on disk on these machines; an unpinned torch pulls a multi-GB CUDA build.
+# torch is pinned; which build comes depends on the index: PyPI's Linux wheel is the CUDA build (multi-GB, what
+# GPU nodes want), TORCH_INDEX=https://download.pytorch.org/whl/cpu gets the CPU build (a login node, a test box).
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 DEEPSPEED_SPEC ?= deepspeed==0.19.8
 CLUSTER := tests/cluster/slurm.sh
 
@@ -18,22 +20,28 @@ help:
 	@echo "make install   base CLI + node extra into $(VENV)"
 
 $(VENV)/bin/python:
+	@echo "== install: a virtual environment in $(VENV) (seconds)"
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip setuptools wheel
 
 # Login-node install: the CLI only (click, jinja2, submitit, rich, tomli-w). No torch.
 install-base: $(VENV)/bin/python
+	@echo "== install: the hpctrain CLI (base profile, no torch)"
 	$(PIP) install -e .
 
 # Compute-side install. Order matters: torch first (pinned), then deepspeed from source against it
 # (--no-build-isolation, so its build sees this torch), then the rest of the node extra.
 install-node: install-base
-	$(PIP) install "$(TORCH_SPEC)"
+	@echo "== install: $(TORCH_SPEC)$(if $(TORCH_INDEX), from $(TORCH_INDEX),) (the largest download: minutes on a cold cache)"
+	$(PIP) install "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)",)
 	$(PIP) install ninja setuptools wheel
+	@echo "== install: $(DEEPSPEED_SPEC), built from source against that torch"
 	$(PIP) install --no-build-isolation "$(DEEPSPEED_SPEC)"
+	@echo "== install: the node extra (transformers, datasets, ...), test and plot tools, trackers (wandb, mlflow)"
 	$(PIP) install -e ".[node,test,plot,wandb,mlflow]"
 
 install: install-node
+	@echo "== installed. Put hpctrain on PATH in your shell: source $(VENV)/bin/activate"
 
 # Debian packages the tests need: SLURM + accounting (slurmdbd, MariaDB), munge, and tools for the cluster
 # namespaces; podman, runc, debootstrap and Charliecloud for the container tests (as root; each skips apt
@@ -64,6 +72,7 @@ test-fast: install-base
 	$(PY) -m pytest -q -m "not slurm and not deepspeed and not container" tests
 
 demo: install
+	@echo "== demo: train, preempt, resume, summarise (about a minute on an idle machine)"
 	bash examples/demo.sh
 
 bench: install

@@ -149,13 +149,32 @@ def test_python_exception_on_one_rank(lab: dict[str, Any]) -> None:
 
 
 def test_cancelled(lab: dict[str, Any]) -> None:
+    """`hpctrain cancel`: SLURM's SIGTERM reaches the ranks, which stop as cancelled by the user (never "for
+    requeue"), and the summary says whose cancel it was."""
     sub = submit(lab, "--steps", "100000")
     wait_file(Path(sub["run_dir"]) / "metrics" / "metrics.jsonl")
-    subprocess.run(["scancel", sub["job_id"]], check=True, timeout=30)
+    proc = subprocess.run([sys.executable, "-m", "hpctrain", "cancel", sub["run_id"]], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
     run = final_summary(sub["run_id"], sub["job_id"])
     a = run["attempts"][0]
     assert (a["state"], a["failure_class"]) == ("CANCELLED", "cancelled")
-    assert a["last_step"] >= 1
+    assert a["last_step"] >= 1 and a["failure"]["message"].startswith("cancelled by the user (hpctrain cancel)")
+    logs = "".join(p.read_text(errors="replace") for p in (Path(sub["run_dir"]) / "logs").glob("attempt-0.rank-*.log"))
+    assert "for requeue" not in logs
+
+
+def test_pending_reason_is_squeues() -> None:
+    """squeue's %r for a job that waits (here: for its begin time), as `list`/`status` show it."""
+    from hpctrain.slurm.commands import pending_reasons
+
+    out = subprocess.run(["sbatch", "--parsable", "--partition", "debug", "--begin", "now+3600", "--wrap", "true"],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    job = out.strip().split(";")[0]
+    try:
+        assert pending_reasons([job]) == {job: "BeginTime"}
+    finally:
+        subprocess.run(["scancel", job], capture_output=True, timeout=30, check=False)
 
 
 def test_time_limit(lab: dict[str, Any]) -> None:

@@ -209,9 +209,12 @@ def test_stop_on_signal_is_a_stop_event(tmp_path: Path, signum: int, cls: str | 
 
     (paths.checkpoints_dir / "step-5").mkdir(parents=True)  # the checkpoint the signal's stop wrote
     (paths.checkpoints_dir / "step-5" / MARKER).write_text("{}\n")
-    assert main._fail(StopRequested("stopped on signal at step 5"), paths, where, signum) == ExitCode.STOPPED
+    from hpctrain.node.checkpointer import StopFlag
+
+    stop = StopFlag(signum=signum, run_dir=tmp_path)  # no time limit known: USR2 keeps its meaning (time limit)
+    assert main._fail(StopRequested("stopped on signal at step 5"), paths, where, stop) == ExitCode.STOPPED
     refused = UncompletedJobError("Job not requeued because: checkpoint function returned None.")
-    assert main._fail(refused, paths, where, signum) == ExitCode.ERROR
+    assert main._fail(refused, paths, where, stop) == ExitCode.ERROR
     evs = events.read_events(tmp_path)
     # submitit's handler runs on USR2 only: without a signal of its own the rank got it before StopFlag was
     # installed, straight from SLURM (nothing saved yet).

@@ -254,7 +254,8 @@ def test_usr2_stops_the_program_after_its_checkpoint(tmp_path: Path) -> None:
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 3, err
     stop = next(e for e in _events(run) if e["kind"] == "stop")
-    assert stop["class"] == "time_limit" and stop["checkpointed"] is True and "checkpoint of step" in stop["message"]
+    # USR2 long before the job's time limit: a preemption, not the pre-timeout signal (states.stop_class)
+    assert stop["class"] == "preempted" and stop["checkpointed"] is True and "checkpoint of step" in stop["message"]
     assert json.loads((run / "stop-request.json").read_text())["job"] == "77"
     from hpctrain.runs.checkpoints import complete_steps
 

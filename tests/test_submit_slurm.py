@@ -247,6 +247,10 @@ def test_sweep_is_one_array_and_cancel(cluster: Any, env: dict[str, Path]) -> No
     rec = _wait_final(subs[2].run_id)
     assert rec["state"] == "COMPLETED", rec
     assert (dirs[2] / "submitit" / f"{subs[2].job_id}_0_result.pkl").is_file()
+    for i, d in enumerate(dirs):  # every array task logged into its own point's folder, none into point 0's
+        _wait_final(subs[i].run_id)
+        assert sorted(p.name for p in (d / "submitit").glob("*_log.out")) == [f"{subs[i].job_id}_0_log.out"]
+        assert list((d / "logs").glob("attempt-0.rank-*.log"))
     # cancel on a finished run is a no-op that says so
     import click
 

@@ -221,3 +221,30 @@ def class_of_exit(exit_code: str | int | None) -> FailureClass | None:
         return CLASS_OF_EXIT.get(ExitCode(status))
     except ValueError:
         return None
+
+
+# SLURM sends the --signal=SIG@N signal up to 60 s earlier than asked ("due to the resolution of event handling",
+# man sbatch); more slack covers a rank that reached its step boundary late.
+SIGNAL_EARLY_S = 90.0
+
+
+def stop_class(signum: int, seconds_left: float | None, window_s: float, cancelled: bool = False,
+               limit_s: float = 0.0) -> FailureClass | None:
+    """Why a rank was told to stop, from the signal and how much of the time limit was left.
+
+    USR1/USR2 is the pre-timeout signal only near the end (`seconds_left` within the signal window plus
+    SLURM's early margin); earlier it is a preemption (PreemptParameters=send_user_signal) or a person's
+    `scancel --signal`. TERM is a preemption, unless `hpctrain cancel` asked for it (`cancelled`). With
+    the time left unknown, USR1/USR2 keep their documented meaning (the time limit). 0: this rank learned of
+    the stop from a peer (None: the peer's event names it). Where the time left is counted from the rank's own
+    start (no SLURM_JOB_START_TIME), the job's start-up went before it: 5% of the limit (`limit_s`) more slack
+    keeps a real time limit from reading as a preemption (either is retried and resumes)."""
+    import signal
+
+    if cancelled and signum:
+        return FailureClass.CANCELLED
+    if signum in (signal.SIGUSR1, signal.SIGUSR2):
+        if seconds_left is not None and seconds_left > window_s + SIGNAL_EARLY_S + 0.05 * limit_s:
+            return FailureClass.PREEMPTED
+        return FailureClass.TIME_LIMIT
+    return FailureClass.PREEMPTED if signum == signal.SIGTERM else None

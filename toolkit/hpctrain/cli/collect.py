@@ -203,48 +203,98 @@ def _when(t: float | None) -> str:
     return time.strftime("%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
 
 
-def _row(run: dict[str, Any], a: dict[str, Any]) -> list[str]:
+# The table's columns, most important first: a narrow terminal loses columns from the end of this list
+# (each line of the table stays one line). Hours are GPU-hours for GPU runs, CPU-hours for CPU runs.
+_COLUMNS = ["RUN", "A", "STATE", "FAILURE", "STEP", "LOSS", "LOST", "ELAPSED", "HOURS", "TOK/S", "JOB", "TFLOPS",
+            "MFU%", "NODES", "START"]
+_RIGHT = {"STEP", "LOSS", "LOST", "TOK/S", "TFLOPS", "MFU%", "HOURS", "NODES"}
+_GPU_ONLY = ("TFLOPS", "MFU%")  # a CPU run has no peak to compare with: not shown when no run in view has GPUs
+_BORDER = 3  # rich's default box: one space each side of a cell and one rule between cells
+
+
+def _row(run: dict[str, Any], a: dict[str, Any]) -> dict[str, str]:
     hours = a["gpu_hours"] if run["gpus_per_node"] > 0 else a["cpu_hours"]
-    return [run["run_id"], str(a["attempt"]), a.get("step_id") or a["job_id"], a["state"], a["failure_class"] or "-", str(a["nodes"]),
-            _when(a["start"]), _dur(a["elapsed_s"]), f"{hours:.3f}", _fmt(a["last_step"]), _fmt(a["last_loss"], ".4f"),
-            _fmt(a["tokens_per_s"], ".0f"), _fmt(a["tflops"], ".2f"),
-            _fmt(None if a["mfu"] is None else 100 * a["mfu"], ".1f"), _fmt(a["lost_steps"])]
+    return {"RUN": run["run_id"], "A": str(a["attempt"]), "JOB": a.get("step_id") or a["job_id"], "STATE": a["state"],
+            "FAILURE": a["failure_class"] or "-", "NODES": str(a["nodes"]), "START": _when(a["start"]),
+            "ELAPSED": _dur(a["elapsed_s"]), "HOURS": f"{hours:.3f}", "STEP": _fmt(a["last_step"]),
+            "LOSS": _fmt(a["last_loss"], ".4f"), "TOK/S": _fmt(a["tokens_per_s"], ".0f"),
+            "TFLOPS": _fmt(a["tflops"], ".2f"), "MFU%": _fmt(None if a["mfu"] is None else 100 * a["mfu"], ".1f"),
+            "LOST": _fmt(a["lost_steps"])}
 
 
-_HEADER = ["RUN", "A", "JOB", "STATE", "FAILURE", "NODES", "START", "ELAPSED", "GPU-H*", "STEP", "LOSS",
-           "TOK/S", "TFLOPS", "MFU%", "LOST"]
+def _total_row(run: dict[str, Any]) -> dict[str, str]:
+    t = run["totals"]
+    hours = t["gpu_hours"] if run["gpus_per_node"] > 0 else t["cpu_hours"]
+    return {"RUN": run["run_id"], "A": "all", "STATE": run["state"], "FAILURE": run["failure_class"] or "-",
+            "ELAPSED": _dur(t["elapsed_s"]), "HOURS": f"{hours:.3f}", "STEP": _fmt(t["last_step"]),
+            "LOSS": _fmt(t["last_loss"], ".4f"), "LOST": _fmt(t["lost_steps"])}
+
+
+def _hours_header(records: list[dict[str, Any]]) -> str:
+    gpu = {r["gpus_per_node"] > 0 for r in records}
+    return "GPU-H" if gpu == {True} else "CPU-H" if gpu == {False} else "GPU-H*"
+
+
+def fit_columns(rows: list[dict[str, str]], width: int | None, gpu: bool, border: int = _BORDER) -> list[str]:
+    """The columns shown: every one that has a value in some row (TFLOPS/MFU only with a GPU run in view),
+    then, when `width` is given, the most important ones that fit it (at least RUN, A, STATE, FAILURE)."""
+    cols = [c for c in _COLUMNS if gpu or c not in _GPU_ONLY]
+    widths = {c: max([len(c)] + [len(r.get(c, "")) for r in rows]) for c in cols}
+    if width is None:
+        return cols
+    shown: list[str] = []
+    used = 1
+    for c in cols:
+        if used + widths[c] + border > width and len(shown) >= 4:
+            continue  # a later, narrower column may still fit
+        shown.append(c)
+        used += widths[c] + border
+    return shown
+
+
+def _terminal_width() -> int | None:
+    """The terminal's width ($COLUMNS first); None when printing to a pipe or a file: every column."""
+    import os
+    import shutil
+
+    if os.environ.get("COLUMNS", "").isdigit() or sys.stdout.isatty():
+        return shutil.get_terminal_size((100, 24)).columns
+    return None
 
 
 def _print_table(records: list[dict[str, Any]], warnings: list[str]) -> None:
-    """A rich table (plain columns past 200 rows: rich's layout cost grows with the row count)."""
-    rows: list[list[str]] = []
+    """A rich table fitted to the terminal (plain columns past 200 rows: rich's layout cost grows with the rows)."""
+    rows: list[dict[str, str]] = []
     for run in records:
-        for a in run["attempts"]:
-            rows.append(_row(run, a))
+        rows.extend(_row(run, a) for a in run["attempts"])
         if len(run["attempts"]) != 1:
-            t = run["totals"]
-            hours = t["gpu_hours"] if run["gpus_per_node"] > 0 else t["cpu_hours"]
-            rows.append([run["run_id"], "all", "", run["state"], run["failure_class"] or "-", "", "",
-                         _dur(t["elapsed_s"]), f"{hours:.3f}", _fmt(t["last_step"]), _fmt(t["last_loss"], ".4f"),
-                         "", "", "", _fmt(t["lost_steps"])])
+            rows.append(_total_row(run))
+    width = _terminal_width()
+    cols = fit_columns(rows, width, gpu=any(r["gpus_per_node"] > 0 for r in records))
+    hidden = [c for c in _COLUMNS if c not in cols and (c not in _GPU_ONLY or any(r["gpus_per_node"] > 0
+                                                                                  for r in records))]
+    names = {"HOURS": _hours_header(records)}
+    header = [names.get(c, c) for c in cols]
+    body = [[r.get(c, "") for c in cols] for r in rows]
     if not records:
         click.echo("no runs to summarise")
     elif len(rows) > 200:
-        widths = [max(len(x) for x in col) for col in zip(_HEADER, *rows)]
-        click.echo("\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [_HEADER, *rows]))
+        widths = [max(len(x) for x in col) for col in zip(header, *body)]
+        click.echo("\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *body]))
     else:
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title="hpctrain summary", caption="GPU-H*: GPU-hours; CPU-hours for CPU runs")
-        for col in _HEADER:
-            table.add_column(col, overflow="fold", justify="right" if col in ("STEP", "LOSS", "TOK/S") else "left")
-        for r in rows:
+        caption = "GPU-H*: GPU-hours; CPU-hours for CPU runs" if names["HOURS"] == "GPU-H*" else None
+        table = Table(title="hpctrain summary", caption=caption)
+        for col, name in zip(cols, header):
+            table.add_column(name, overflow="fold", justify="right" if col in _RIGHT else "left")
+        for r in body:
             table.add_row(*r)
-        # 15 columns do not fit 80: keep rows on one line each and let a narrow terminal scroll.
-        import shutil
-
-        Console(width=max(shutil.get_terminal_size((160, 24)).columns, 160)).print(table)
+        Console(width=width or 1000).print(table)
+    if records and hidden:
+        click.echo(f"(not shown at this width: {', '.join(names.get(c, c) for c in hidden)}; "
+                   "`hpctrain summary --json` has every field)")
     for run in records:
         _print_eval(run)
         _print_failures(run)

@@ -59,7 +59,7 @@ def resubmit_cmd(run: str, exclude_failed_nodes: bool, extra_exclude: str, max_r
     from hpctrain.fault import supervisor as sup
     from hpctrain.runs import folder as runs_mod
     from hpctrain.spec.model import read_resolved
-    from hpctrain.states import is_final
+    from hpctrain.states import JobState, is_final
 
     if max_retries is not None and max_retries < 0:
         raise bad_value("--max-retries", max_retries, "cannot be negative", "pass --max-retries 0 or more")
@@ -88,6 +88,12 @@ def resubmit_cmd(run: str, exclude_failed_nodes: bool, extra_exclude: str, max_r
         if row is not None and not is_final(row["state"]):
             raise HpcUsageError(f"RUN = {run!r}: attempt {row['attempt']} (job {row['job_id']}) is still "
                                 f"{row['state']}. Fix: wait for it to end, or `hpctrain cancel {run}` first")
+        if row is not None and row["state"] == JobState.COMPLETED and not row.get("failure_class"):
+            raise HpcUsageError(
+                f"RUN = {run!r}: attempt {row['attempt']} (job {row['job_id']}) COMPLETED at step "
+                f"{row.get('last_step')}: training is done, a resubmission would resume at its last step and "
+                "train nothing. Fix: to train longer, submit a new run with more --steps (`hpctrain submit "
+                "RUN.toml --steps N`); to export the model, `hpctrain export`")
         spec = read_resolved(run_dir)
         exclude = list(spec.resources.exclude)
         exclude += [h.strip() for h in extra_exclude.split(",") if h.strip() and h.strip() not in exclude]
@@ -96,8 +102,16 @@ def resubmit_cmd(run: str, exclude_failed_nodes: bool, extra_exclude: str, max_r
             import dataclasses
 
             last = dataclasses.replace(hist[-1], excluded=tuple(exclude))
-            grown, _added, _kept, notes = pol.exclusions(last, pol.Policy(), sup.fit_of(spec))
+            grown, added, kept, notes = pol.exclusions(last, pol.Policy(), sup.fit_of(spec))
             exclude = list(grown)
+            if not added and not kept:
+                cls = hist[-1].failure_class or "none"
+                named = [h for h in hist[-1].implicated if h]
+                notes.append(f"--exclude-failed-nodes: the last failure (attempt {hist[-1].attempt}, class {cls}) "
+                             + (f"implicates {', '.join(named)}, already excluded" if named else "implicates no host")
+                             + "; nothing more is excluded")
+        elif exclude_failed_nodes:
+            notes.append("--exclude-failed-nodes: no failed attempt to take hosts from; nothing more is excluded")
         ck = sup.latest_checkpoint(run_dir)
         out = sup.resubmit_run(run_dir, exclude=tuple(exclude), time_limit=time_limit, retries=max_retries,
                                record={"manual": True, "resubmitted_after": last_job,

@@ -89,7 +89,8 @@ def spec_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     extra = [
         click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
                      help="Override any spec key, e.g. --set train.lr=1e-4 (repeatable)."),
-        click.option("--site", default=None, help="Site profile ($HPCTRAIN_CONFIG_DIR/sites/NAME.toml or [sites.NAME])."),
+        click.option("--site", default=None, help="Site profile: NAME ($HPCTRAIN_CONFIG_DIR/sites/NAME.toml, [sites.NAME], "
+                     "or sites/NAME.toml beside the run file) or the path of a site file."),
         click.option("--container", default=None, metavar="RUNTIME:IMAGE",
                      help="Container runtime and image, e.g. apptainer:/images/train.sif."),
         click.option("--model", default=None, help="Local model folder, a config.json, or a preset (llama-tiny...)."),
@@ -274,28 +275,34 @@ def _writing(field: str, where: Path, fix: str) -> Callable[[OSError], Exception
 
 
 def _script(spec: Spec, plan: Plan, run_dirs: list[Path], mode: str = "train", dependency: str = "") -> str:
-    """The batch script as it would be submitted (one job, or one array over run_dirs)."""
+    """The batch script as it would be submitted: one job, or one array over run_dirs whose task i writes its
+    logs and submitit's files into run_dirs[i] (through the sweep's `%a` links, as slurm.dispatch submits it)."""
     import shlex
 
     from hpctrain.render.sbatch import render_sbatch, submitit_command
     from hpctrain.runs.folder import RunFolder
 
     first = run_dirs[0]
-    command = submitit_command(shlex.quote(sys.executable), str(RunFolder(first).submitit_dir))
     if len(run_dirs) == 1:
+        command = submitit_command(shlex.quote(sys.executable), str(RunFolder(first).submitit_dir))
         return render_sbatch(spec, plan, first, command, mode=mode, dependency=dependency)
+    from hpctrain.slurm.dispatch import sweep_links_dir
+
+    folder = RunFolder(sweep_links_dir(run_dirs) / "%a").submitit_dir
+    command = submitit_command(shlex.quote(sys.executable), str(folder))
     return render_sbatch(spec, plan, first, command, array=f"0-{len(run_dirs) - 1}", run_dirs=run_dirs, mode=mode,
-                         dependency=dependency)
+                         submitit_folder=folder, dependency=dependency)
 
 
-def _write_dry_run(out: Path, points: list[tuple[Spec, Plan]], script_for: Callable[[list[Path]], str]) -> list[Path]:
-    """--dry-run --out DIR: the files of each run into DIR (one run) or DIR/point-<i> (a sweep)."""
+def _write_dry_run(out: Path, points: list[tuple[Spec, Plan]], mode: str, dependency: str = "") -> list[Path]:
+    """--dry-run --out DIR: the files of each run into DIR (one run) or DIR/point-<i> (a sweep). Each point's
+    sbatch.sh is its own: the script that runs that point alone, logging into its own folder."""
     from hpctrain.render.runfolder import run_files
     from hpctrain.runs import folder as runs
 
     dirs = [out.absolute()] if len(points) == 1 else [(out / f"point-{i}").absolute() for i in range(len(points))]
-    script = script_for(dirs)
-    files = [run_files(spec, plan, script) for spec, plan in points]  # all checked before the first write
+    # all checked before the first write
+    files = [run_files(spec, plan, _script(spec, plan, [d], mode, dependency)) for d, (spec, plan) in zip(dirs, points)]
     try:
         out.mkdir(parents=True, exist_ok=True, mode=0o700)
         for d, texts in zip(dirs, files):
@@ -346,7 +353,7 @@ def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry
         check_submit(spec, executor=resolve_executor(spec.launch.executor))
     if dry_run:
         if out:
-            dirs = _write_dry_run(Path(out), points, lambda ds: _script(spec, plan, ds, mode, dependency))
+            dirs = _write_dry_run(Path(out), points, mode, dependency)
         else:
             dirs = [(runs.runs_dir_default() / runs.new_run_id(s.name)).absolute() for s, _ in points]
         script = _script(spec, plan, dirs, mode, dependency)

@@ -53,6 +53,51 @@ def _reconcile(reg: Registry, runs: list[Run]) -> list[str]:
 
 
 
+def _pending_reasons(runs: list[Run]) -> dict[str, str]:
+    """SLURM's reason for each pending SLURM attempt in view (one squeue call); {} when squeue cannot say."""
+    ids = [a.job_id for r in runs if r.executor == "slurm" for a in r.attempts if a.state == JobState.PENDING]
+    if not ids:
+        return {}
+    try:
+        from hpctrain.slurm import commands as _slurm
+
+        return _slurm.pending_reasons(ids)
+    except Exception:  # noqa: BLE001 - squeue down: the state alone still says PENDING
+        return {}
+
+
+def _shown_state(state: str, job_id: str, reasons: dict[str, str]) -> str:
+    return f"{state} ({reasons[job_id]})" if state == JobState.PENDING and job_id in reasons else state
+
+
+def _fill_failures(reg: Registry, rec: Run) -> dict[int, str]:
+    """Attempts that ended in failure but carry no class yet (no supervisor ran: retries 0, a sweep, a local
+    run; or `summary` never ran): the collector's verdict, stored in the registry. Returns attempt -> the
+    failure's one line (who, where, what)."""
+    missing = {a.attempt for a in rec.attempts if a.final and a.state != JobState.COMPLETED and not a.failure_class}
+    if not missing:
+        return {}
+    from hpctrain.collect import summary as co
+
+    inp = co.from_registry(rec)
+    try:
+        record = co.summarize([inp])[0]
+    except Exception:  # noqa: BLE001 - a broken run folder must not cost `status` its table
+        return {}
+    co.store_failure_classes(reg, [{**record, "_registry_attempts": inp.attempts}])
+    lines: dict[int, str] = {}
+    rows = {r["attempt"]: r for r in record["attempts"]}
+    for a in rec.attempts:
+        row = rows.get(a.attempt)
+        if a.attempt in missing and row and row["state"] == a.state and row.get("failure"):
+            f = row["failure"]
+            a.failure_class = row["failure_class"]
+            where = " ".join(x for x in (f"rank {f['rank']}" if f.get("rank") is not None else "",
+                                         f"on {f['host']}" if f.get("host") else "") if x)
+            lines[a.attempt] = f"{f['failure_class']}{' ' + where if where else ''}: {f['message']}"
+    return lines
+
+
 def _age(ts: float | None) -> str:
     if not ts:
         return "-"
@@ -89,10 +134,11 @@ def list_runs(show_all: bool, as_json: bool) -> None:
         click.echo(json.dumps([r.to_dict() for r in runs], indent=2, default=str))
         _warn(warnings)
         return
+    reasons = _pending_reasons(runs)
     rows = []
     for r in runs:
         a = r.latest
-        rows.append([r.run_id, r.state, a.job_id if a else "-", str(len(r.attempts)), r.executor,
+        rows.append([r.run_id, _shown_state(r.state, a.job_id, reasons) if a else r.state, a.job_id if a else "-", str(len(r.attempts)), r.executor,
                      str(r.spec.get("nodes", "-")), _age(r.created)])
     if rows:
         click.echo(_table(rows, ["RUN", "STATE", "JOB", "ATTEMPTS", "EXECUTOR", "NODES", "CREATED"]))
@@ -120,16 +166,39 @@ def status(run: str, as_json: bool, watch: bool, interval: float) -> None:
     reg = _registry()
     rec = _find(reg, run)
     warnings = _reconcile(reg, [rec]) + refresh(reg, [rec]) + reg.warnings
+    failures = _fill_failures(reg, rec)
+    reasons = _pending_reasons([rec])
     if as_json:
-        click.echo(json.dumps(rec.to_dict(), indent=2, default=str))
+        doc = rec.to_dict()
+        for a in doc.get("attempts", []):
+            if a.get("job_id") in reasons and a.get("state") == JobState.PENDING:
+                a["pending_reason"] = reasons[a["job_id"]]
+        click.echo(json.dumps(doc, indent=2, default=str))
         _warn(warnings)
         return
-    click.echo(f"run       {rec.run_id}\nstate     {rec.state}\nfolder    {rec.folder}\n"
+    latest = rec.latest
+    state = _shown_state(rec.state, latest.job_id, reasons) if latest else rec.state
+    click.echo(f"run       {rec.run_id}\nstate     {state}\nfolder    {rec.folder}\n"
                f"executor  {rec.executor}\ncreated   {_age(rec.created)}")
-    rows = [[str(a.attempt), a.job_id, a.state, a.nodes or "-", _age(a.started), _age(a.ended),
+    rows = [[str(a.attempt), a.job_id, _shown_state(a.state, a.job_id, reasons), a.nodes or "-", _age(a.started), _age(a.ended),
              a.exit_code or "-", a.failure_class or "-"] for a in rec.attempts]
     click.echo(_table(rows, ["ATTEMPT", "JOB", "STATE", "NODES", "STARTED", "ENDED", "EXIT", "FAILURE"]))
+    for k, line in sorted(failures.items()):
+        click.echo(f"attempt {k}: {line}")
     _warn(warnings)
+
+
+def _request_cancel(folder: str, jobs: list[str]) -> None:
+    """RUN/cancel-requested.json names the jobs this cancel stops (best effort: a read-only folder still cancels)."""
+    from hpctrain.runs.folder import RunFolder, json_text, write_private
+
+    run = RunFolder(folder)
+    old = run.cancel_request() or {}
+    jobs = list(dict.fromkeys([*(str(j) for j in old.get("jobs") or []), *jobs]))
+    try:
+        write_private(run.cancel_requested, json_text({"time": time.time(), "jobs": jobs, "by": "hpctrain cancel"}))
+    except OSError:
+        pass
 
 
 @click.command(short_help="Cancel a run's job.")
@@ -147,6 +216,8 @@ def cancel(run: str, as_json: bool) -> None:
     _reconcile(reg, [rec])  # an unanswered submission's job is cancelled too, once SLURM lists it
     refresh(reg, [rec])
     live = [a for a in rec.attempts if not a.final]
+    if live:  # first: the ranks that get SIGTERM stop as cancelled, and the supervisor calls it a user cancel
+        _request_cancel(rec.folder, [a.job_id for a in live])
     if rec.executor == "slurm" and live:
         from hpctrain.slurm import commands as _slurm
 

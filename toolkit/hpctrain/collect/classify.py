@@ -63,7 +63,7 @@ _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Fail
 # (run folders from before events.jsonl, or a rank that could not write its event).
 _NODE_FAILED = re.compile(r"hpctrain: rank (\d+) failed: ([\w.]+): (.*?)(?: \(traceback in .*\))?$")
 # The node checkpointed on SLURM's pre-timeout signal (USR2) or a preemption (TERM) and exited 3.
-_SIGNAL_STOP = re.compile(r"signal (\d+): checkpointed at step (\d+), stopping for requeue")
+_SIGNAL_STOP = re.compile(r"signal (\d+): checkpointed at step (\d+), stopping(?: for requeue \((\w+)| for requeue|: (cancel)led)?")
 # submitit's own handler for that signal, when chained, refuses to requeue a non-Checkpointable job.
 # (timed-out / preempted / "checkpoint function returned None" when no retry is wanted): a stop, not a bug.
 _SUBMITIT_STOP = re.compile(r"UncompletedJobError: Job not requeued because")
@@ -171,6 +171,7 @@ class _Evidence:
     time: float | None = None  # timestamp of the evidence (or of the nearest timed line before it)
     signal: int | None = None  # a stop: the signal the rank got (from its event)
     checkpointed: bool = False  # a stop: the rank saved a checkpoint first
+    stop_class: str | None = None  # a stop: the class the rank gave it (time_limit, preempted, cancelled)
 
 
 def _kind_of_exception(exc: str) -> str:
@@ -227,7 +228,10 @@ def _scan(src: LogSource) -> list[_Evidence]:
             out.append(_Evidence(_kind_of_exception(exc), exc, src, exc, [exc]))
     stop = _first(_SIGNAL_STOP, lines)
     if stop is not None:
-        out.append(_Evidence("signal_stop", stop.strip(), src, checkpointed=True))
+        m = _SIGNAL_STOP.search(stop)
+        said = (m.group(3) if m.group(3) in (FC.TIME_LIMIT, FC.PREEMPTED) else
+                FC.CANCELLED if m.group(4) else None) if m else None
+        out.append(_Evidence("signal_stop", stop.strip(), src, checkpointed=True, stop_class=said))
     killed = _first(_KILLED, lines)
     if killed is not None:
         out.append(_Evidence("killed", killed.strip(), src))
@@ -245,7 +249,8 @@ def _from_events(evs: Iterable[Event]) -> list[_Evidence]:
         if e.kind == STOP:
             out.append(_Evidence("signal_stop", e.message or f"stopped on signal {e.signal}", src, time=e.time,
                                  signal=e.signal if e.signal is not None else 0,
-                                 checkpointed=e.extra.get("checkpointed") is True))
+                                 checkpointed=e.extra.get("checkpointed") is True,
+                                 stop_class=e.failure_class or None))
         elif e.kind == FAILURE and e.failure_class:
             cls = e.failure_class
             if cls == FC.PYTHON_EXCEPTION:
@@ -301,6 +306,11 @@ def classify(state: str | None, sources: Iterable[LogSource], *, exit_code: str 
                                                 "killed (host memory exhausted?)")
     if "signal_stop" in by_cls and state not in (JobState.CANCELLED, JobState.NODE_FAIL):
         return _signal_stop(by_cls["signal_stop"], state)
+    if "signal_stop" in by_cls and state == JobState.CANCELLED:
+        told = [e for e in by_cls["signal_stop"] if e.stop_class == FC.CANCELLED]
+        if told:
+            return Failure(FC.CANCELLED, "cancelled by the user (hpctrain cancel); " + _tidy(told[0].line),
+                           rank=told[0].src.rank, host=told[0].src.host, source=told[0].src.name)
     if hang and state != JobState.COMPLETED:
         return Failure(FC.HANG, hang_message or "heartbeat stopped long before the job ended")
     if state == JobState.REQUEUED:  # an earlier run of a requeued job: SLURM lost a node or preempted it
@@ -357,8 +367,16 @@ def _signal_stop(evidence: list[_Evidence], state: str) -> Failure:
     ev = next((e for e in stops if _signum(e) != 0), stops[0] if stops else evidence[0])
     sig = _signum(ev)
     words = " ".join(e.line for e in evidence)
-    timed_out = state in (JobState.TIMEOUT, JobState.DEADLINE) or "timed-out" in words or sig in (10, 12)
-    cls = FC.PREEMPTED if state == JobState.PREEMPTED or (not timed_out) else FC.TIME_LIMIT
+    told = next((e.stop_class for e in stops if e.stop_class), None)  # the rank's own verdict (time left)
+    if state in (JobState.TIMEOUT, JobState.DEADLINE):
+        cls: str = FC.TIME_LIMIT
+    elif state == JobState.PREEMPTED:
+        cls = FC.PREEMPTED
+    elif told is not None:
+        cls = told
+    else:  # an old run folder: the signal's documented meaning
+        timed_out = "timed-out" in words or sig in (10, 12)
+        cls = FC.TIME_LIMIT if timed_out else FC.PREEMPTED
     note = " (checkpointed: resumable)" if ev.checkpointed else ""
     return Failure(cls, _tidy(ev.line) + note, rank=ev.src.rank, host=ev.src.host, source=ev.src.name)
 
@@ -411,7 +429,7 @@ def _tidy(msg: str, limit: int = 300) -> str:
 
 
 _PEER = re.compile(r"(?:closed by peer|reset by peer|Read error|Write error|from|to) \[?([0-9]{1,3}(?:\.[0-9]{1,3}){3}|[A-Za-z][\w.-]*)\]?:\d+")
-_ENDED = re.compile(r"\b(?:ERROR|Traceback|done$|finished at step|stopping for requeue)", re.MULTILINE)
+_ENDED = re.compile(r"\b(?:ERROR|Traceback|done$|finished at step|checkpointed at step \d+, stopping)", re.MULTILINE)
 
 
 def lost_host(sources: list[LogSource], resolve: bool = True) -> str | None:

@@ -5,6 +5,7 @@ matplotlib is optional (the `plot` extra) and imported only here, inside `plot_r
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,23 @@ def series(run: dict[str, Any]) -> list[tuple[int, list[dict[str, Any]]]]:
     per = cm.split_by_attempt(records, [a.get("start") for a in atts]) if atts else [records]
     keys = [a["attempt"] for a in atts] or [0]
     return list(zip(keys, per))
+
+
+def boundaries(run: dict[str, Any]) -> list[tuple[float, str]]:
+    """(x, label) of every attempt boundary of a summary record: where each attempt after the first took
+    over, at the checkpoint it resumed from (its first step - 1), with how it ended before and what it lost."""
+    out: list[tuple[float, str]] = []
+    rows = run.get("attempts", [])
+    for prev, row in itertools.pairwise(rows):
+        first = row.get("first_step")
+        if first is None:
+            continue
+        why = prev.get("failure_class") or str(prev.get("state", "")).lower()
+        lost = prev.get("lost_steps")
+        redo = f", {lost} step{'s' if lost != 1 else ''} redone" if lost else ""
+        resumed = f"resumed at step {first - 1}" if first > 1 else "restarted from step 0"
+        out.append((first - 0.5, f"a{row['attempt']}: {resumed} after {why}{redo}"))
+    return out
 
 
 def plot_runs(runs: list[dict[str, Any]], out: Path) -> int:
@@ -51,12 +69,15 @@ def plot_runs(runs: list[dict[str, Any]], out: Path) -> int:
             if evals:  # the validation loss ([train] eval_every), as markers in the training loss's colour
                 ax_loss.plot([e[0] for e in evals], [e[1] for e in evals], marker="o", linestyle=":",
                              color=line.get_color(), label=f"{label} eval")
-            for ax in (ax_loss, ax_tps):  # where this attempt started (a resume starts mid-way)
-                ax.axvline(pts[0][0], color=line.get_color(), linestyle="--", linewidth=0.8, alpha=0.7)
             drawn += len(pts)
+        for x, text in boundaries(run):  # where each later attempt took over (a resume starts mid-way)
+            for ax in (ax_loss, ax_tps):
+                ax.axvline(x, color="grey", linestyle="--", linewidth=0.9, alpha=0.8)
+            ax_loss.annotate(text, (x, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -3),
+                             textcoords="offset points", rotation=90, va="top", fontsize="x-small", color="grey")
     ax_loss.set_ylabel("loss")
     ax_tps.set_ylabel("tokens/s")
-    ax_tps.set_xlabel("step (dashed: attempt start)")
+    ax_tps.set_xlabel("step (dashed: an attempt boundary, at the checkpoint the next attempt resumed from)")
     from matplotlib.ticker import MaxNLocator
 
     ax_tps.xaxis.set_major_locator(MaxNLocator(integer=True))

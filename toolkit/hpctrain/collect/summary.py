@@ -180,6 +180,8 @@ def _attempt_row(inp: RunInput, a: dict[str, Any], files: list[cl.LogFile], recs
     gpu_h, cpu_h = cm.resource_hours(elapsed_s, nodes, shape.gpus_per_node, shape.ranks_per_node * shape.cpus_per_task)
     mine = [f for f in files if f.attempt == k]
     host_of = rank_hosts(mine, str(a.get("nodes") or ""), shape.ranks_per_node)
+    # Each rank's own events name its host (SLURMD_NODENAME): truer than the block distribution guessed above.
+    host_of.update({e.rank: e.host for e in evs if e.rank is not None and e.host})
     sources = [cc.LogSource(rel(f.path, inp.folder), text_of(f, a, start), f.rank,
                             host_of.get(f.rank) if f.rank is not None else None, str(a.get("job_id") or ""))
                for f in mine]
@@ -196,12 +198,18 @@ def _attempt_row(inp: RunInput, a: dict[str, Any], files: list[cl.LogFile], recs
     failure = cc.classify(state if state in ENDED or hang else None, sources, exit_code=a.get("exit_code"),
                           hang=hang, hang_message=hang_msg, hosts=hosts, events=evs)
     lost = a.get("peer_lost") if isinstance(a.get("peer_lost"), dict) else None
-    if lost and state in ENDED and state != JobState.COMPLETED:  # the watchdog cancelled it: a node died, not a person
+    # The watchdog cancelled it (or is cancelling it: its verdict comes first): a node died, not a person, and
+    # the verdict is the one cause; the survivors' errors blame whichever peer each one talked to.
+    if lost and state != JobState.COMPLETED:
         failure = _peer_lost_failure(lost, failure)
     in_job = a.get("_in_job_failure")
     if in_job:  # the in-job driver's verdict on its step (it read the same evidence, and the watchdog's)
         cls, msg, host = in_job
         failure = cc.Failure(cls, f"in-job restart: {msg}", host=host, source=run_events.EVENTS)
+    if failure.failure_class == FailureClass.CANCELLED and not failure.message.startswith("cancelled by the user"):
+        asked = RunFolder(inp.folder).cancel_request() or {}
+        if str(a.get("job_id") or "") in {str(j) for j in asked.get("jobs") or []}:
+            failure.message = f"cancelled by the user (hpctrain cancel); {failure.message}"
     if watch and failure.failure_class == FailureClass.HANG:
         silent, silent_hosts = watch.get("silent_ranks") or [], watch.get("silent_hosts") or []
         failure.rank = silent[0] if len(silent) == 1 else failure.rank
@@ -287,6 +295,14 @@ def _with_in_job_restarts(atts: list[dict[str, Any]], evs: list[run_events.Event
     return out
 
 
+_WAITING = frozenset({JobState.PENDING, JobState.SUBMIT_UNKNOWN, JobState.SUBMIT_FAILED, JobState.REQUEUE_HOLD})
+
+
+def _waiting(a: dict[str, Any]) -> bool:
+    """Never started: queued (or never submitted) and no start time from sacct or from its own logs."""
+    return str(a.get("state") or "") in _WAITING and _float(a.get("started")) is None
+
+
 def _float(v: Any) -> float | None:
     try:
         return float(v) if v is not None and v != "" else None
@@ -315,7 +331,15 @@ def build_run(inp: RunInput, now: float | None = None) -> dict[str, Any]:
     evs = run_events.read_events(inp.folder) if folder_ok else []
     atts = _with_in_job_restarts(atts, evs)
     files = submitit_to_last_run(files, atts)
-    per = cm.split_by_attempt(records, [_float(a.get("_split", a.get("started"))) for a in atts]) if atts else []
+    # An attempt still waiting in the queue (a retry pending) has no metrics and no start: it is left out of
+    # the split, so the previous attempt's steps, loss and lost steps stay on the previous attempt. An in-job
+    # restart's step splits at its `_split` point (the restart's detection), exact where start times are not.
+    ran = [i for i, a in enumerate(atts) if not _waiting(a)]
+    got = cm.split_by_attempt(records, [_float(atts[i].get("_split", atts[i].get("started"))) for i in ran]) \
+        if ran else []
+    per: list[list[dict[str, Any]]] = [[] for _ in atts]
+    for i, recs in zip(ran, got):
+        per[i] = recs
     heartbeat = _read_json(RunFolder(inp.folder).heartbeat) if folder_ok else None
     rows: list[dict[str, Any]] = []
     earlier: list[dict[str, Any]] = []

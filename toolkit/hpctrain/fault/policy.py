@@ -6,7 +6,7 @@ is unit-tested with plain records and the supervisor (`hpctrain.fault.supervisor
 * COMPLETED                                -> done
 * a user error (Python exception in the user's code or config, a bad input file, an OOM the same
   batch would hit again, a broken container image)  -> stop, quoting the evidence; never retried
-* cancelled by a person                    -> stop (the watchdog's cancel is a hang, not this)
+* cancelled by a person (a user's cancel)  -> stop (the watchdog's cancel is a hang, not this)
 * the same failure twice in a row (class, exception text and last step identical) -> stop
 * attempts that make no progress (same last complete checkpoint) `no_progress_attempts` times in a
   row -> stop early
@@ -134,7 +134,8 @@ def decide(history: Sequence[AttemptRecord], policy: Policy, fit: Fit) -> Decisi
         return end("stop", f"{what}: a user error (code, config or sizing); not retried, it would fail the "
                         f"same way. Fix it, then `hpctrain resubmit` the run.")
     if cls in STOPPED_BY_PERSON:
-        return end("stop", f"{what}: cancelled from outside (not by hpctrain's watchdog); not retried")
+        return end("stop", f"{what}: a user's cancel (hpctrain cancel or scancel; hpctrain's watchdog cancels "
+                        "are hang or node_fail); not retried")
     if len(history) >= 2 and _same_failure(history[-2], last):
         return end("stop", f"{what}: the same failure as attempt {history[-2].attempt} (same class, message "
                         f"and last step); not retried again")

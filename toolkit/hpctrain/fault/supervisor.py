@@ -289,11 +289,14 @@ def history(run_dir: Path, job_id: str, sacct_rec: Any = None) -> tuple[list[pol
         if jid == str(job_id) and sacct_rec is not None:
             state = sacct_rec.state
         hang = watchdog_records(run_dir, jid)
+        evidence = _evidence(fail, run_dir)
         if hang:  # the watchdog's verdict: a hang, or a peer lost (its node died) -> node_fail
-            # A lost peer is a node failure: its host goes into --exclude (hpctrain.states.FailureClass).
+            # A lost peer is a node failure: its host goes into --exclude (hpctrain.states.FailureClass). The
+            # verdict is the one cause: the surviving ranks' own errors blame whichever peer they talked to.
             cls = FailureClass.NODE_FAIL if hang[-1].get("event") == "peer_lost" else FailureClass.HANG
             msg, exc = hang[-1]["message"], None
             implicated = list(hang[-1].get("silent_hosts", []))
+            evidence = _verdict_evidence(hang[-1], run_dir)
         if jid == str(job_id) and sacct_rec is not None and state == JobState.NODE_FAIL:
             implicated += down_hosts(sacct_rec.nodelist)
         ck = note.get("checkpoint_step", row.get("last_checkpoint_step"))
@@ -301,7 +304,7 @@ def history(run_dir: Path, job_id: str, sacct_rec: Any = None) -> tuple[list[pol
             ck = latest_checkpoint(run_dir)
         out.append(policy_mod.AttemptRecord(
             attempt=int(row["attempt"]), job_id=jid, state=state, failure_class=cls, exit_code=row.get("exit_code"),
-            exception=exc, message=msg or "", evidence=_evidence(fail, run_dir), last_step=row.get("last_step"),
+            exception=exc, message=msg or "", evidence=evidence, last_step=row.get("last_step"),
             checkpoint_step=ck, hosts=tuple(row.get("hosts") or ()), implicated=tuple(dict.fromkeys(implicated)),
             excluded=tuple(note.get("excluded") or ())))
     return out, summary
@@ -328,6 +331,19 @@ def _evidence(fail: dict[str, Any], run_dir: Path) -> str:
         where.append(f"rank {fail['rank']}" + (f" on {fail['host']}" if fail.get("host") else ""))
     if fail.get("source"):
         where.append(str(run_dir / fail["source"]))
+    return ", ".join(where)
+
+
+def _verdict_evidence(verdict: dict[str, Any], run_dir: Path) -> str:
+    """Where the watchdog's verdict points: the silent ranks and their hosts, and its own file."""
+    ranks, hosts = verdict.get("silent_ranks") or [], verdict.get("silent_hosts") or []
+    where = []
+    if ranks:
+        where.append(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(str(r) for r in ranks)}"
+                     + (f" on {', '.join(str(h) for h in hosts)}" if hosts else ""))
+    elif hosts:
+        where.append(f"host {', '.join(str(h) for h in hosts)}")
+    where.append(str(runs_mod.RunFolder(run_dir).watchdog_jsonl))
     return ", ".join(where)
 
 
@@ -377,8 +393,14 @@ def supervise(run_dir: Path, job_id: str, ending: str | None = None) -> dict[str
     with open(run_dir / _LOCK, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a requeued supervisor must not act twice
         done = already_decided(run_dir, job_id)
-        if done:
-            return dict(done["decision"])
+        if done:  # decided before (the watchdog's take-over, or an earlier run of this supervisor): say so
+            dec = done["decision"]
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(done["time"])) if done.get("time") else "earlier"
+            nxt = done.get("next") or {}
+            then = f" -> attempt {nxt['attempt']} (job {nxt['job_id']})" if nxt.get("job_id") else ""
+            print(f"hpctrain supervise: job {job_id} was already decided at {when}: {dec.get('action')}: "
+                  f"{dec.get('reason')}{then}", flush=True)
+            return dict(dec)
         rec = _slurm.SacctRecord(str(job_id), ending) if ending else wait_final(job_id)
         spec = read_resolved(run_dir)
         hist, _summary = history(run_dir, job_id, rec)

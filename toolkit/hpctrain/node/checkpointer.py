@@ -32,6 +32,22 @@ from hpctrain.node.runconf import NodeInputError
 from hpctrain.spec.model import Spec
 
 
+def _env_time(name: str) -> float | None:
+    try:
+        return float(os.environ[name])
+    except (KeyError, ValueError):
+        return None
+
+
+def _my_job_ids() -> set[str]:
+    """This job as the registry may name it: SLURM's id, an array task's "A_i", the local executor's pid."""
+    env = os.environ
+    ids = {env.get("SLURM_JOB_ID", ""), env.get("SUBMITIT_LOCAL_JOB_ID", "")}
+    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+        ids.add(f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}")
+    return ids - {""}
+
+
 class StopRequested(Exception):
     """Training stopped after a checkpoint because SLURM signalled (time limit near, or preemption).
     `checkpointed`: a checkpoint was saved on the signal (a user's script may stop without one)."""
@@ -41,12 +57,50 @@ class StopRequested(Exception):
         self.checkpointed = checkpointed
 
 
+# When this rank's process started: the job's start where SLURM does not say (SLURM_JOB_START_TIME).
+_PROCESS_START = time.time()
+
+
 @dataclass
 class StopFlag:
-    """Set from a signal handler; acted on at the next step boundary, when all ranks agree."""
+    """Set from a signal handler; acted on at the next step boundary, when all ranks agree.
+
+    `run_dir`, `limit_s` and `window_s` (the time limit and --signal's lead, from the spec) let `why()`
+    tell the pre-timeout signal from a preemption, and both from `hpctrain cancel`."""
 
     signum: int = 0
     previous: dict[int, Any] = field(default_factory=dict)
+    run_dir: Path | None = None
+    limit_s: float | None = None
+    window_s: float = 0.0
+
+    def seconds_left(self, now: float | None = None) -> float | None:
+        """Of the time limit: SLURM's projected end when it exports one, else the limit from the job's start
+        (SLURM_JOB_START_TIME, else this process's start: a requeued or restarted job starts its clock again)."""
+        now = time.time() if now is None else now
+        end = _env_time("SLURM_JOB_END_TIME")
+        if end is not None:
+            return end - now
+        if self.limit_s is None:
+            return None
+        return (_env_time("SLURM_JOB_START_TIME") or _PROCESS_START) + self.limit_s - now
+
+    def cancelled(self) -> bool:
+        """`hpctrain cancel` asked to stop THIS job (its request names the job ids it cancelled: a later
+        attempt of the run is not cancelled by an old request)."""
+        from hpctrain.runs.folder import RunFolder
+
+        req = RunFolder(self.run_dir).cancel_request() if self.run_dir is not None else None
+        return req is not None and bool(_my_job_ids() & {str(j) for j in req.get("jobs") or []})
+
+    def why(self, signum: int | None = None) -> Any:
+        """The failure class of this stop (hpctrain.states.stop_class): time_limit, preempted, cancelled."""
+        from hpctrain.states import stop_class
+
+        sig = self.signum if signum is None else signum
+        guessed = "SLURM_JOB_END_TIME" not in os.environ and "SLURM_JOB_START_TIME" not in os.environ
+        return stop_class(sig, self.seconds_left(), self.window_s, cancelled=self.cancelled(),
+                          limit_s=(self.limit_s or 0.0) if guessed else 0.0)
 
     def install(self) -> None:
         for sig in (signal.SIGUSR2, signal.SIGTERM):
@@ -56,8 +110,11 @@ class StopFlag:
         self.signum = signum
 
     def chain(self) -> None:
-        """Hand the signal to whoever had it before (submitit requeues a preempted job from rank 0)."""
+        """Hand the signal to whoever had it before (submitit requeues a preempted job from rank 0);
+        never for a run that `hpctrain cancel` stops."""
         prev = self.previous.get(self.signum)
+        if self.cancelled():
+            return
         if callable(prev) and self.signum == signal.SIGUSR2:
             prev(self.signum, None)
 
@@ -193,7 +250,15 @@ class Checkpointer:
         the exception that ends this rank (node/main.py exits 3 for it)."""
         metrics.heartbeat(step, "stopped-on-signal")
         metrics.event({"event": "stopped-on-signal", "step": step, "signal": self.stop.signum})
-        log.info("signal %d: checkpointed at step %d, stopping for requeue", self.stop.signum, step)
+        from hpctrain.states import FailureClass
+
+        why = self.stop.why()
+        if why == FailureClass.CANCELLED:
+            log.info("signal %d: checkpointed at step %d, stopping: cancelled by the user (hpctrain cancel)",
+                     self.stop.signum, step)
+            return StopRequested(f"cancelled by the user at step {step}")
+        log.info("signal %d: checkpointed at step %d, stopping for requeue (%s)", self.stop.signum, step,
+                 why or "a peer got the signal")
         if self.rank == 0:
             self.stop.chain()  # under submitit: requeues the job (scontrol requeue) and exits
         elif os.environ.get("SLURM_JOB_ID"):

@@ -15,9 +15,17 @@ class NodeJob:
 
     run_dir: str
     mode: str = "train"  # "train" | "preflight"
+    # Runs of this job before this one, on submitit's local executor (which restarts the tasks on a requeue
+    # but, unlike SLURM, exports no SLURM_RESTART_COUNT): each run logs as an attempt of its own.
+    restarts: int = 0
 
     def __call__(self) -> int:
+        import os
+
         from hpctrain.node.main import run  # heavy imports happen on the node only
+
+        if self.restarts and "SUBMITIT_LOCAL_JOB_ID" in os.environ:
+            os.environ["HPCTRAIN_LOCAL_RESTARTS"] = str(self.restarts)
 
         return run(self.run_dir, self.mode)
 
@@ -44,7 +52,8 @@ class NodeJob:
         except (OSError, ValueError):
             pass  # unreadable spec: requeue, the ranks will report it
         _allow_requeue(os.environ.get("SLURM_JOB_ID", ""))
-        return DelayedSubmission(NodeJob(self.run_dir, self.mode))
+        local = "SUBMITIT_LOCAL_JOB_ID" in os.environ
+        return DelayedSubmission(NodeJob(self.run_dir, self.mode, self.restarts + 1 if local else self.restarts))
 
 
 def _allow_requeue(job_id: str) -> None:

@@ -71,7 +71,10 @@ def run(run_dir: str, mode: str = "train") -> int:
         if mode == "preflight":
             return ExitCode.OK
         if user_script(spec):
-            own, stop = True, script.ScriptStop()
+            from hpctrain.spec.rules import time_limit_s
+
+            own, stop = True, script.ScriptStop(run_dir=paths.path, limit_s=float(time_limit_s(spec.resources.time)),
+                                                window_s=float(spec.resources.signal_seconds))
             stop.install()  # before the program starts: a signal from now on stops it for requeue
             _run_user_script(spec, paths, d, stop)
             return ExitCode.OK
@@ -83,7 +86,10 @@ def run(run_dir: str, mode: str = "train") -> int:
         prep = train.prepare(paths.path, d)  # every input checked before any collective can hang
         dist.init_process_group(d, prep.use_gpu, timeout_min=float(_env_float("DEEPSPEED_TIMEOUT", 10)))
         initialized = True
-        stop = StopFlag()
+        from hpctrain.spec.rules import time_limit_s
+
+        stop = StopFlag(run_dir=paths.path, limit_s=float(time_limit_s(spec.resources.time)),
+                        window_s=float(spec.resources.signal_seconds))
         stop.install()  # before the engine build: a signal during it is acted on at the first step boundary
         engine, state = train.run_training(prep, stop)
         train.finish(prep, engine, state)
@@ -92,7 +98,7 @@ def run(run_dir: str, mode: str = "train") -> int:
         del engine, state
         gc.collect()
     except Exception as exc:  # noqa: BLE001 - the entrypoint owns every failure: log it, event it, exit non-zero
-        code = _fail(exc, paths, where, stop.signum if stop is not None else 0)
+        code = _fail(exc, paths, where, stop if stop is not None else StopFlag(run_dir=paths.path))
     else:
         log.info("done")
     finally:
@@ -195,23 +201,18 @@ def failure_of(exc: BaseException) -> tuple[FailureClass | None, ExitCode]:
     return FailureClass.PYTHON_EXCEPTION, ExitCode.ERROR
 
 
-def _stop_class(signum: int) -> FailureClass | None:
-    """USR1/USR2: SLURM's pre-timeout signal; TERM: preemption; 0: this rank learned of the stop from a peer."""
-    if signum in (signal.SIGUSR1, signal.SIGUSR2):
-        return FailureClass.TIME_LIMIT
-    return FailureClass.PREEMPTED if signum == signal.SIGTERM else None
-
-
 def _submitit_refused_requeue(exc: BaseException) -> bool:
     """submitit's UncompletedJobError, by class; submitit is looked up, not imported (no job, no submitit)."""
     utils = sys.modules.get("submitit.core.utils")
     return utils is not None and isinstance(exc, getattr(utils, "UncompletedJobError", ()))
 
 
-def _fail(exc: Exception, paths: RunFolder, where: _Where, signum: int) -> ExitCode:
-    """Log the failure, print its one line on stderr, append its event; the exit code."""
+def _fail(exc: Exception, paths: RunFolder, where: _Where, stop: StopFlag) -> ExitCode:
+    """Log the failure, print its one line on stderr, append its event; the exit code. The stop's class
+    (time limit, preemption, a user's cancel) is StopFlag.why's."""
+    signum = stop.signum
     if isinstance(exc, StopRequested):
-        _event(paths.path, where, events.STOP, _stop_class(signum), message=str(exc), exit_code=ExitCode.STOPPED,
+        _event(paths.path, where, events.STOP, stop.why(), message=str(exc), exit_code=ExitCode.STOPPED,
                signum=signum, extra={"checkpointed": exc.checkpointed})
         return ExitCode.STOPPED
     if _submitit_refused_requeue(exc):
@@ -224,7 +225,7 @@ def _fail(exc: Exception, paths: RunFolder, where: _Where, signum: int) -> ExitC
         what = f"stopped on signal at step {saved[-1]} after its checkpoint" if saved else (
             "stopped on signal before training, nothing saved")
         log.info("%s; submitit did not requeue: %s", what, exc)
-        _event(paths.path, where, events.STOP, _stop_class(sig), message=f"{what}; submitit did not requeue ({exc})",
+        _event(paths.path, where, events.STOP, stop.why(sig), message=f"{what}; submitit did not requeue ({exc})",
                exit_code=ExitCode.ERROR, signum=sig, extra={"checkpointed": bool(saved)})
         return ExitCode.ERROR
     cls, code = failure_of(exc)

@@ -42,6 +42,9 @@ ATTEMPTS_JSONL = "attempts.jsonl"
 SUMMARY_JSON = "summary.json"
 # A user script's stop request: the node entry writes the signal here, hpctrain.runtime.should_stop() reads it.
 STOP_REQUEST_JSON = "stop-request.json"
+# Written by `hpctrain cancel` before it signals the job: the ranks that get SIGTERM then stop as cancelled by
+# the user (not "for requeue"), and the supervisor calls it a user cancel.
+CANCEL_REQUESTED = "cancel-requested.json"
 SUBMITIT, LOGS, METRICS, CHECKPOINTS, EXPORT = "submitit", "logs", "metrics", "checkpoints", "hf"
 REPRO, CODE = "repro", "code"
 REPRO_MANIFEST, GIT_DIFF, SNAPSHOT_FILES = "manifest.json", "git.diff", "snapshot-files.txt"
@@ -229,6 +232,18 @@ class RunFolder:
     @property
     def summary_json(self) -> Path:
         return self.path / SUMMARY_JSON
+
+    @property
+    def cancel_requested(self) -> Path:
+        return self.path / CANCEL_REQUESTED
+
+    def cancel_request(self) -> dict[str, Any] | None:
+        """What `hpctrain cancel` wrote ({"time", "jobs", "by"}), or None: nobody asked to cancel this run."""
+        try:
+            obj = json.loads(self.cancel_requested.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return obj if isinstance(obj, dict) else None
 
     def is_run_folder(self) -> bool:
         """A folder hpctrain made: it has a spec.toml (or, for an old run, an attempts.jsonl)."""

@@ -294,6 +294,24 @@ def queue_state(job_id: str) -> str:
     return _run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], timeout_s=15.0).stdout.strip()
 
 
+def pending_reasons(job_ids: Iterable[str]) -> dict[str, str]:
+    """Why SLURM keeps jobs waiting (squeue's %r: "Resources", "Priority", "ReqNodeNotAvail, UnavailableNodes:
+    node2", "BeginTime", ...), in ONE squeue call; jobs not pending (or gone) are left out. Keys are the ids
+    as given (array tasks "A_i": an unsplit pending range "A_[0-3]" gives its reason to each task)."""
+    ids = sorted({str(j) for j in job_ids if str(j)})
+    if not ids:
+        return {}
+    parents = sorted({j.split("_", 1)[0] for j in ids})
+    out = _run(["squeue", "-h", "-t", "PENDING", "-j", ",".join(parents), "-o", "%i|%r"], timeout_s=15.0).stdout
+    found: dict[str, str] = {}
+    for line in out.splitlines():
+        jid, _, reason = line.strip().partition("|")
+        if jid and reason and reason != "None":
+            for key in _expand_array_id(jid):
+                found[key] = reason
+    return {j: found.get(j) or found[j.split("_", 1)[0]] for j in ids if j in found or j.split("_", 1)[0] in found}
+
+
 def jobs_by_comment(comments: Iterable[str], since: float) -> dict[str, tuple[str, str]]:
     """Jobs whose --comment is one of `comments` -> (job id, state): squeue first (every job it still
     lists, finished ones included for MinJobAge), then sacct from `since` on (sacct keeps comments

@@ -199,16 +199,9 @@ def _point_summary(sub: Submitted, first: dict[str, Any]) -> dict[str, Any]:
 # -- SLURM ----------------------------------------------------------------------------------------
 def time_minutes(text: str) -> int:
     """SLURM --time ("MM", "MM:SS", "HH:MM:SS", "D-HH[:MM[:SS]]") -> whole minutes (>= 1)."""
-    days, _, rest = text.rpartition("-")
-    parts = [int(p) for p in rest.split(":")]
-    if days:
-        h, m, s = (parts + [0, 0])[:3]
-    elif len(parts) == 3:
-        h, m, s = parts
-    else:
-        h, (m, s) = 0, (parts + [0])[:2]
-    total_s = int(days or 0) * 86400 + h * 3600 + m * 60 + s
-    return max(1, (total_s + 59) // 60)
+    from hpctrain.spec.rules import time_limit_s
+
+    return max(1, (time_limit_s(text) + 59) // 60)
 
 
 def _submit_slurm(dirs: list[Path], spec: Spec, plan: Plan, mode: str, dependency: str = "") -> list[Submitted]:
@@ -241,9 +234,15 @@ def _submit_slurm(dirs: list[Path], spec: Spec, plan: Plan, mode: str, dependenc
             for i, (d, j) in enumerate(zip(dirs, job_ids))]
 
 
+def sweep_links_dir(dirs: Sequence[Path]) -> Path:
+    """`<runs_dir>/.sweeps/<first run id>`: its `<i>` links to run folder i, so that the array's `%a` in
+    `--output` and in submitit's folder sends task i's files into its own point's folder."""
+    return Path(dirs[0]).parent / SWEEPS_DIR / Path(dirs[0]).name
+
+
 def _make_sweep_links(dirs: list[Path]) -> Path:
     """`<runs_dir>/.sweeps/<first run id>/<i>` -> run folder i (what `%a` resolves through)."""
-    base = dirs[0].parent / SWEEPS_DIR / dirs[0].name
+    base = sweep_links_dir(dirs)
     base.mkdir(parents=True, mode=0o700)
     for i, d in enumerate(dirs):
         os.symlink(d, base / str(i), target_is_directory=True)

@@ -456,8 +456,13 @@ def resolve(run_file: str | Path | None, flags: dict[str, Any], site: str | None
     flags = {k: v for k, v in flags.items() if v is not None}
     site_name = site or flags.get("site") or run_layer.get("site") or ""
     site_layer: dict[str, Any] = {}
-    if site_name:
-        site_layer = config.site_to_overrides(site_name, config.load_site(str(site_name), inline))
+    by_path = config.site_path(str(site_name)) if site_name else None
+    if by_path is not None:  # --site path/to/NAME.toml: the profile NAME, read from that file
+        site_name = by_path.stem
+        site_layer = config.site_to_overrides(site_name, config.read_toml(by_path, f"site file {str(by_path)!r}"))
+    elif site_name:
+        near = Path(run_file).parent if run_file else None
+        site_layer = config.site_to_overrides(site_name, config.load_site(str(site_name), inline, near))
     spec = absolute_paths(_build(_merge([site_layer, run_layer, flags, {"site": site_name}])))
     if check:
         check_paths(spec)

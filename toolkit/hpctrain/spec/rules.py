@@ -52,6 +52,20 @@ from hpctrain.secret import (
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _MEM = re.compile(r"(\d+)([KMGT]?)")
 _TIME = re.compile(r"\d{1,9}|\d{1,9}:\d{1,2}|\d{1,9}:\d{1,2}:\d{1,2}|\d{1,7}-\d{1,2}(:\d{1,2}(:\d{1,2})?)?")
+
+
+def time_limit_s(text: str) -> int:
+    """A SLURM time limit ("MM", "MM:SS", "HH:MM:SS", "D-HH[:MM[:SS]]", checked by _TIME) in seconds: the
+    dispatcher's --time and the node's "how much time was left when the signal came" both read it."""
+    days, _, rest = text.rpartition("-")
+    parts = [int(p) for p in rest.split(":")]
+    if days:
+        h, m, s = (parts + [0, 0])[:3]
+    elif len(parts) == 3:
+        h, m, s = parts
+    else:
+        h, (m, s) = 0, (parts + [0])[:2]
+    return int(days or 0) * 86400 + h * 3600 + m * 60 + s
 _SLURM_WORD = re.compile(r"[A-Za-z0-9_.,:@+\-\[\]|&*!()]*")
 _HOSTLIST = re.compile(r"[A-Za-z0-9_.\-\[\],]+")
 _SITE_NAME = re.compile(r"[A-Za-z0-9_.-]+")

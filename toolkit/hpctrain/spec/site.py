@@ -107,8 +107,16 @@ def known_sites(inline: dict[str, Any]) -> list[str]:
     return sorted(names)
 
 
-def load_site(name: str, inline: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Return site profile NAME as a raw dict: the run file's `[sites.NAME]` wins over the config dir.
+def site_path(ref: str) -> Path | None:
+    """`--site path/to/NAME.toml`: a site file given by its path (it ends in .toml, or names a file)."""
+    p = Path(ref).expanduser()
+    return p if (ref.endswith(".toml") or "/" in ref) and p.is_file() else None
+
+
+def load_site(name: str, inline: dict[str, Any] | None = None, near: Path | None = None) -> dict[str, Any]:
+    """Return site profile NAME as a raw dict: the run file's `[sites.NAME]` wins over the config dir, which
+    wins over a `sites/NAME.toml` shipped beside the run file (`near`: the run file's folder, so that
+    `hpctrain plan examples/llama-8b-h200.toml --site h200-single` works on a fresh clone).
 
     Unknown site names are refused, listing the known ones; unknown keys inside a profile are
     refused by `site_to_overrides`.
@@ -125,11 +133,15 @@ def load_site(name: str, inline: dict[str, Any] | None = None) -> dict[str, Any]
     path = config_dir() / "sites" / f"{name}.toml"
     if path.is_file():
         return read_toml(path, f"site profile {name!r}")
-    known = known_sites(inline)
+    beside = near / "sites" / f"{name}.toml" if near is not None else None
+    if beside is not None and beside.is_file():
+        return read_toml(beside, f"site profile {name!r}")
+    known = sorted(set(known_sites(inline)) | ({p.stem for p in (near / "sites").glob("*.toml")}
+                                               if near is not None and (near / "sites").is_dir() else set()))
     listing = ", ".join(known) if known else "none defined"
     raise HpcUsageError(
         f"site = {name!r}: unknown site profile{did_you_mean(name, known)}. Fix: use one of ({listing}), "
-        f"create {path}, or add a [sites.{name}] table to the run file"
+        f"create {path}, pass --site with the path of a site file, or add a [sites.{name}] table to the run file"
     )
 
 
