@@ -49,6 +49,8 @@ def bench_tables(*, name: str, model: str, zero: int, gpus: int, mb: int, seq: i
                   "peak_tflops": 0.0 if cpu else peak_tflops},
         "parallel": {"zero": zero, "offload": offload},
         "checkpoint": {"every_steps": ckpt_every, "keep": 1, "export_hf": False},
+        # No tracker: the GPU image has no tensorboard, and the plain loop beside it writes none either.
+        "tracking": {"backends": []},
     }
     if not cpu:  # one H200: 139 GiB usable (nvidia-smi 143,771 MiB less the CUDA context)
         tables["resources"]["gpu_mem_gb"] = 139.0
