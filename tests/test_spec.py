@@ -317,3 +317,18 @@ def test_dash_inside_or_after_a_path_start_is_fine(tmp_path: Path) -> None:
                             "launch.modules": "gcc/12-x,cuda-12", "container.runtime": "podman",
                             "container.image": "localhost/my-image:1", "container.mounts": "/a-b:/c-d"})
     assert spec.data.source == str(tmp_path / "-data.jsonl") and spec.launch.modules == ("gcc/12-x", "cuda-12")
+
+
+def test_a_table_field_given_a_scalar_is_a_usage_error(tmp_path: Path) -> None:
+    """[model] overrides = '' (a string where a table belongs), then --set model.overrides.KEY=V: the field is
+    named, not a TypeError traceback (found by the property test)."""
+    from hpctrain.errors import HpcUsageError
+    from hpctrain.spec.model import resolve
+
+    run_file = tmp_path / "run.toml"
+    run_file.write_text("[model]\nconfig = 'llama-tiny'\noverrides = ''\n")
+    with pytest.raises(HpcUsageError, match="model.overrides"):
+        resolve(run_file, {}, check=False)
+    run_file.write_text("[model]\nconfig = 'llama-tiny'\n")
+    with pytest.raises(HpcUsageError, match="model.overrides"):
+        resolve(run_file, {"model.overrides": "3", "model.overrides.hidden_size": "64"}, check=False)

@@ -360,7 +360,10 @@ def _flatten(data: dict[str, Any], where: str) -> dict[str, Any]:
             for name, v in value.items():
                 if name not in hints:
                     raise unknown_key(f"{where} [{key}]", name, hints)
-                if typing.get_origin(hints[name]) is dict and isinstance(v, dict):
+                if typing.get_origin(hints[name]) is dict:
+                    if not isinstance(v, dict):
+                        raise bad_value(f"{key}.{name}", v, "must be a table of keys and values",
+                                        f"write [{key}.{name}] with one `key = value` per line in {where}")
                     out.update({f"{key}.{name}.{k}": x for k, x in v.items()})
                     out.setdefault(f"{key}.{name}", {})
                 else:
@@ -395,6 +398,9 @@ def _merge(layers: list[dict[str, Any]]) -> dict[str, Any]:
                 target = nested.setdefault(parts[0], {})
                 if len(parts) == 3:
                     target = target.setdefault(parts[1], {})
+                    if not isinstance(target, dict):  # e.g. --set model.overrides=3 then model.overrides.x=1
+                        raise bad_value(".".join(parts[:2]), target, "must be a table of keys and values",
+                                        f"set {key} alone, or give {'.'.join(parts[:2])} as a table")
                 target[parts[-1]] = value
             elif len(parts) == 2:
                 section = nested.setdefault(parts[0], {})
