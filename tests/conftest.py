@@ -9,6 +9,7 @@ keeps a cluster this session started running after the session.
 
 Helper fixtures:
   run_cmd(args, timeout=60, check=True, ...)      subprocess.run with a deadline, no stdin, text output
+  wait_until(cond, timeout, what, poll=1.0)        poll cond() until it is true, bounded
   wait_job_state(job_id, states, timeout=60)       poll ``sacct -X -n -P -j ID -o State`` until a state
 """
 
@@ -45,6 +46,17 @@ class SlurmCluster:
     cpus_per_node: int = 2
     started_here: bool = False
     script: Path = SLURM_SH
+
+
+def wait_until(cond: Callable[[], Any], timeout: float, what: str, poll: float = 1.0) -> Any:
+    """cond() until it returns something true (which is returned), at most `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def run_cmd(

@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 from conftest import SLURM_SH, run_cmd
+from conftest import wait_until as _wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.deepspeed]
 TINY = str(Path(__file__).resolve().parents[1] / "examples" / "tiny.toml")
@@ -156,14 +157,9 @@ def metrics(run: Path) -> list[dict[str, Any]]:
     return read_metrics(run / "metrics" / "metrics.jsonl")[0]
 
 
+
 def wait_until(cond: Callable[[], Any], timeout: float, what: str, poll: float = 3.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+    return _wait_until(cond, timeout, what, poll)
 
 
 def wait_decided(run: Path, timeout: float = 540) -> dict[str, Any]:

@@ -15,14 +15,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import SLURM_SH, run_cmd
+from conftest import SLURM_SH, run_cmd, wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.deepspeed]
 TINY = str(Path(__file__).resolve().parents[1] / "examples" / "tiny.toml")
@@ -33,14 +32,6 @@ FLAGS = ["--executor", "slurm", "--partition", "debug", "--set", "resources.task
          "--steps", str(STEPS), "--nodes", "2", "--spare-nodes", "1", "--retries", "2"]
 
 
-def wait_until(cond: Callable[[], Any], timeout: float, what: str, poll: float = 1.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def jsonl(path: Path) -> list[dict[str, Any]]:

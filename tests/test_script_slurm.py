@@ -16,12 +16,13 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from conftest import wait_until as _wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.deepspeed]
 SCRIPTS = Path(__file__).resolve().parents[1] / "examples" / "scripts"
@@ -42,14 +43,9 @@ JOBS = {
 }
 
 
+
 def wait_until(cond: Callable[[], Any], timeout: float, what: str, poll: float = 2.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+    return _wait_until(cond, timeout, what, poll)
 
 
 def state(job: str) -> str:

@@ -13,26 +13,19 @@ import json
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from conftest import wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.deepspeed]
 TINY = str(Path(__file__).resolve().parents[1] / "examples" / "tiny.toml")
 HANG_STEP = 12
 
 
-def wait_until(cond: Callable[[], Any], timeout: float, what: str, poll: float = 1.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def hpctrain(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
