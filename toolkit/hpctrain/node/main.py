@@ -16,6 +16,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import TypeVar
 
 from hpctrain.node import dist, preflight, script
 from hpctrain.node import stacks as node_stacks
@@ -44,11 +45,7 @@ def run(run_dir: str, mode: str = "train") -> int:
     d = dist.detect()
     paths = RunFolder(Path(run_dir).absolute())
     setup_logging(paths.logs_dir, d.rank, attempt_number())
-    # Every rank runs in its run folder: ds_config.json names the trackers' folders relative to it
-    # ("output_path": "metrics", which DeepSpeed joins to the directory it runs in), so they land in the run
-    # folder wherever it sits (moved, resubmitted, bound into a container). Spec paths are absolute already.
-    # The directory is given back at the end, for callers that run this in their own process (tests).
-    before: str | None = None
+    before: str | None = None  # the directory to give back at the end (the trainer runs in the run folder)
     log.info("hpctrain node: mode %s, rank %d/%d (local %d) via %s, master %s:%d", mode, d.rank, d.world_size,
              d.local_rank, d.source, d.master_addr, d.master_port)
     code = ExitCode.OK
@@ -71,25 +68,21 @@ def run(run_dir: str, mode: str = "train") -> int:
         if mode == "preflight":
             return ExitCode.OK
         if user_script(spec):
-            from hpctrain.spec.rules import time_limit_s
-
-            own, stop = True, script.ScriptStop(run_dir=paths.path, limit_s=float(time_limit_s(spec.resources.time)),
-                                                window_s=float(spec.resources.signal_seconds))
+            own, stop = True, _stop_flag(script.ScriptStop, spec, paths)
             stop.install()  # before the program starts: a signal from now on stops it for requeue
             _run_user_script(spec, paths, d, stop)
             return ExitCode.OK
         from hpctrain.node import train
 
-        # The trainer runs in the run folder: ds_config.json's monitor paths are relative to it. (A user's
-        # script, above, keeps the directory the job started in: its own relative paths.)
+        # The trainer runs in its run folder: ds_config.json names the trackers' folders relative to it
+        # ("output_path": "metrics", joined by DeepSpeed to the directory it runs in), so they land there
+        # wherever the folder sits (moved, resubmitted, in a container). A user's script, above, keeps the
+        # directory the job started in (its own relative paths). Given back at the end (tests run in-process).
         before = _enter(paths.path)
         prep = train.prepare(paths.path, d)  # every input checked before any collective can hang
         dist.init_process_group(d, prep.use_gpu, timeout_min=float(_env_float("DEEPSPEED_TIMEOUT", 10)))
         initialized = True
-        from hpctrain.spec.rules import time_limit_s
-
-        stop = StopFlag(run_dir=paths.path, limit_s=float(time_limit_s(spec.resources.time)),
-                        window_s=float(spec.resources.signal_seconds))
+        stop = _stop_flag(StopFlag, spec, paths)
         stop.install()  # before the engine build: a signal during it is acted on at the first step boundary
         engine, state = train.run_training(prep, stop)
         train.finish(prep, engine, state)
@@ -110,6 +103,17 @@ def run(run_dir: str, mode: str = "train") -> int:
     if code != ExitCode.OK:
         raise SystemExit(int(code))
     return ExitCode.OK
+
+
+_Stop = TypeVar("_Stop", bound=StopFlag)
+
+
+def _stop_flag(kind: type[_Stop], spec: Spec, paths: RunFolder) -> _Stop:
+    """The run's stop flag, with what StopFlag.why() tells a time limit, a preemption and a cancel apart by."""
+    from hpctrain.spec.rules import time_limit_s
+
+    return kind(run_dir=paths.path, limit_s=float(time_limit_s(spec.resources.time)),
+                window_s=float(spec.resources.signal_seconds))
 
 
 class PreflightFailed(Exception):
