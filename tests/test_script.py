@@ -219,7 +219,15 @@ def test_node_entry_runs_the_program_with_exact_arguments_and_variables(tmp_path
     assert seen["argv"] == HOSTILE
     assert seen["env"] == {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "HPCTRAIN_RUN_DIR": str(run),
-                           "HPCTRAIN_DS_CONFIG": str(run / "ds_config.json")}
+                           "HPCTRAIN_DS_CONFIG": str(run / "ds_config.effective.json")}
+    # The program runs in its own directory: its config names the trackers' folders inside the run folder
+    # (the rendered one says "metrics", relative to the run folder, where hpctrain's trainer runs).
+    rendered = json.loads((run / "ds_config.json").read_text())
+    given = json.loads((run / "ds_config.effective.json").read_text())
+    assert rendered["tensorboard"]["output_path"] == "metrics"
+    assert given["tensorboard"]["output_path"] == str(run / "metrics")
+    assert {k: v for k, v in given.items() if k != "tensorboard"} == \
+        {k: v for k, v in rendered.items() if k != "tensorboard"}
 
 
 def test_a_raising_program_is_a_python_exception_with_its_own_words(tmp_path: Path) -> None:

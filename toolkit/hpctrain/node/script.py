@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hpctrain.node.checkpointer import StopFlag
@@ -85,9 +86,32 @@ def _write_request(path: str, signum: int) -> None:
         pass  # the signal itself still reaches the program
 
 
+# ds_config.json's monitor blocks whose output_path is relative to the run folder (render/deepspeed.py).
+MONITOR_BLOCKS = ("tensorboard", "csv_monitor", "wandb")
+
+
+def script_ds_config(paths: RunFolder) -> Path:
+    """The DeepSpeed config a user's program gets. The rendered one names the trackers' folders relative to
+    the run folder, where hpctrain's trainer runs; a script runs in its own directory, so its copy
+    (ds_config.effective.json) names them absolutely. The rendered file when nothing is relative."""
+    from hpctrain.runs.folder import json_text, write_private
+
+    cfg = json.loads(paths.ds_config_json.read_text())
+    moved = False
+    for block in MONITOR_BLOCKS:
+        sect = cfg.get(block)
+        if isinstance(sect, dict) and sect.get("output_path") and not os.path.isabs(str(sect["output_path"])):
+            sect["output_path"] = str(paths.path / str(sect["output_path"]))
+            moved = True
+    if not moved:
+        return paths.ds_config_json
+    write_private(paths.ds_config_effective_json, json_text(cfg))  # every rank writes the same bytes, atomically
+    return paths.ds_config_effective_json
+
+
 def where(spec: Spec, d: DistEnv, paths: RunFolder, ranks_per_node: int, nodes: int) -> user_launch.Where:
     """The allocation's facts for this node's command (spec.launch.script_command)."""
-    return user_launch.Where(python=sys.executable, ds_config=str(paths.ds_config_json), hostfile=str(paths.hostfile),
+    return user_launch.Where(python=sys.executable, ds_config=str(script_ds_config(paths)), hostfile=str(paths.hostfile),
                              nnodes=str(nodes), ranks_per_node=str(ranks_per_node), node_rank=str(d.node_rank),
                              master_addr=d.master_addr, master_port=str(d.master_port),
                              gpu=spec.resources.gpus_per_node > 0)
@@ -98,7 +122,7 @@ def child_env(spec: Spec, d: DistEnv, paths: RunFolder, ranks_per_node: int, sta
     """The program's environment: this process's (prepare_process_env ran), plus the run folder and the
     rendered DeepSpeed config; under a per-node launcher the rank variables are the launcher's to set."""
     env = dict(os.environ if base is None else base)
-    env.update(HPCTRAIN_RUN_DIR=str(paths.path), HPCTRAIN_DS_CONFIG=str(paths.ds_config_json),
+    env.update(HPCTRAIN_RUN_DIR=str(paths.path), HPCTRAIN_DS_CONFIG=str(script_ds_config(paths)),
                MASTER_ADDR=d.master_addr, MASTER_PORT=str(d.master_port))
     # A stop request older than this start is an earlier run's (hpctrain.runtime.should_stop ignores it).
     env[STARTED_ENV] = repr(started)
