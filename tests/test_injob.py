@@ -134,7 +134,7 @@ def _driver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scripts: list[str],
     monkeypatch.setattr(commands, "start_step", fake.start)
     monkeypatch.setattr(commands, "step_ids", lambda job: [f"7.{i}" for i in range(len(fake.argv))])
     monkeypatch.setattr(Driver, "_down", lambda self, hosts: [])
-    env = {"PATH": "/usr/bin:/bin", "SLURM_RESTART_COUNT": "0", "HPCTRAIN_ATTEMPT": "0"}
+    env = {"PATH": "/usr/bin:/bin", "SLURM_RESTART_COUNT": "0", "HPCTRAIN_ATTEMPT": "0", "MASTER_PORT": "20100"}
     return Driver(run, "7", ["node1", "node2"], 2, 1, budget, ["srun", "x"], world=2, env=env), fake
 
 
@@ -176,7 +176,7 @@ def test_a_peer_lost_verdict_swaps_the_dead_host_for_a_spare(tmp_path: Path, mon
     verdict = {"event": "peer_lost", "silent_hosts": ["node2"], "message": "rank 0 lost its peer on node2",
                "time": 5.0}
     calls = iter([verdict])
-    monkeypatch.setattr(injob.Watchdog, "peer_check", lambda self: next(calls, None))
+    monkeypatch.setattr(injob.Watchdog, "peer_check", lambda self, **kw: next(calls, None))
     monkeypatch.setattr(injob.Driver, "_stop_step", lambda self, proc, step: proc.kill())
     assert d.run() == 0
     assert "--nodelist=node1,node3" in fake.argv[1]
@@ -251,3 +251,107 @@ def test_summary_shows_each_step_as_an_attempt_with_the_node_its_spare_replaced(
     assert rows[0]["hosts"] == ["node1", "node2"] and rows[1]["hosts"] == ["node1", "node3"]
     assert (rows[0]["last_step"], rows[1]["first_step"], rows[1]["last_step"]) == (9, 9, 20)
     assert rows[1]["state"] == "COMPLETED" and rows[1]["failure_class"] is None
+
+
+# -- restart overhead: fresh ports, the ended step's ranks, a dead node seen without the confirmation wait ------
+def test_each_restart_has_its_own_rendezvous_ports_and_restart_number(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dying rank 0 of the ended step may still hold MASTER_PORT: the next step rendezvouses 2 ports up (the
+    pre-flight takes +1), and its ranks know which restart they are (they wait for the ended step's ranks)."""
+    run = tmp_path / "run"
+    d, fake = _driver(tmp_path, monkeypatch, [_failure(run, 0, FailureClass.COMM_TIMEOUT),
+                                              _failure(run, 1, FailureClass.COMM_TIMEOUT), "pass"], budget=2)
+    assert d.run() == 0
+    assert [e["MASTER_PORT"] for e in fake.envs] == ["20100", "20102", "20104"]
+    assert [e["HPCTRAIN_INJOB_RESTART"] for e in fake.envs] == ["0", "1", "2"]
+
+
+def _lost_peer_files(run: Path, attempt: int) -> None:
+    from hpctrain.runs import beats
+
+    ranks = beats.ranks_dir(run / "metrics")
+    ranks.mkdir(parents=True, exist_ok=True)
+    now = __import__("time").time()
+    failed = {"rank": 0, "host": "node1", "step": 5, "phase": "failed", "time": now, "job": "7", "restart": "0",
+              "attempt": attempt, "error": "RuntimeError: Connection reset by peer"}
+    beats.write_record(ranks, beats.failed_name("7", "0", 0), failed)
+    beats.write_record(ranks, beats.beat_name(0), failed)
+    beats.write_record(ranks, beats.beat_name(1), {"rank": 1, "host": "node2", "step": 5, "phase": "compute",
+                                                   "time": now - 30, "job": "7", "restart": "0",
+                                                   "attempt": attempt})
+
+
+@pytest.mark.parametrize("slurmd_up, expect", [(False, True), (True, False)])
+def test_a_dead_node_is_condemned_at_once_a_live_one_after_the_confirmation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                           slurmd_up: bool, expect: bool) -> None:
+    """The peer-lost verdict waits 3 s for a step that may end by itself (a rank died on a live node); when the
+    blamed host's slurmd takes no connection, the node is gone and the wait buys nothing."""
+    d, _ = _driver(tmp_path, monkeypatch, [])
+    _lost_peer_files(d.run_dir, 0)
+    probes: list[str] = []
+    monkeypatch.setattr(injob, "_slurmd_answers", lambda host, port: probes.append(host) or slurmd_up)
+    d.slurmd_port = 6818
+    dog = injob.Watchdog(d.run_dir, "7", 1e9, world=2, restart="0", only_attempt=0)
+    assert dog.peer_check() is None  # inside the confirmation period
+    probed: dict[str, bool] = {}
+    rec = d._early_peer_lost(dog, probed)
+    assert (rec is not None) is expect and probes == ["node2"]
+    if rec:
+        assert rec["silent_hosts"] == ["node2"] and "not answering" in rec["message"]
+    d._early_peer_lost(dog, probed)
+    assert probes == ["node2"]  # once per host and step
+
+
+def test_a_late_record_of_the_ended_step_is_not_the_new_steps(tmp_path: Path) -> None:
+    """A rank of attempt 0 that writes its failure after attempt 1 started (same job, same restart count) is not
+    evidence against attempt 1."""
+    from hpctrain.runs import beats
+
+    _lost_peer_files(tmp_path, 0)
+    assert beats.read_failures(tmp_path, "7", "0", attempt=1) == []
+    assert len(beats.read_failures(tmp_path, "7", "0", attempt=0)) == 1
+    assert len(beats.read_beats(tmp_path, "7", "0", attempt=1)) == 0
+    assert len(beats.read_failures(tmp_path, "7", "0")) == 1  # without an attempt: as before
+
+
+def test_the_new_ranks_find_the_ended_steps_processes_on_their_node(tmp_path: Path) -> None:
+    from hpctrain.node import predecessors
+
+    def proc(pid: int, cmd: str, **env: str) -> None:
+        d = tmp_path / str(pid)
+        d.mkdir()
+        (d / "environ").write_bytes(b"\0".join(f"{k}={v}".encode() for k, v in env.items()) + b"\0")
+        (d / "cmdline").write_bytes(cmd.replace(" ", "\0").encode())
+
+    run = {"HPCTRAIN_RUN_DIR": "/runs/a", "HPCTRAIN_ATTEMPT": "0"}
+    proc(11, "python -m hpctrain.node /runs/a", **run, HPCTRAIN_INJOB_RESTART="0")  # the ended step's rank
+    proc(12, "python -m hpctrain.node /runs/a", **run, HPCTRAIN_INJOB_RESTART="1")  # a peer of the new step
+    proc(13, "python -m hpctrain.fault.injob /runs/a", **run)  # the driver: no restart number of its own
+    proc(14, "srun python -m hpctrain.node /runs/b", **{**run, "HPCTRAIN_RUN_DIR": "/runs/b"},
+         HPCTRAIN_INJOB_RESTART="0")  # another run
+    proc(15, "bash job.sh", **run, HPCTRAIN_INJOB_RESTART="0")  # not a node entry
+    assert predecessors.find("/runs/a", 1, proc=tmp_path) == [11]
+    assert predecessors.find("/runs/a", 0, proc=tmp_path) == []
+
+
+def test_a_rank_of_the_ended_step_that_lingers_is_killed_before_the_new_one_starts(tmp_path: Path) -> None:
+    import subprocess
+    import time
+
+    from hpctrain.node import predecessors
+
+    env = {"PATH": "/usr/bin:/bin", "HPCTRAIN_RUN_DIR": str(tmp_path), "HPCTRAIN_ATTEMPT": "0",
+           "HPCTRAIN_INJOB_RESTART": "0"}
+    # Ignores SIGTERM, as a rank stuck in a collective may: only SIGKILL ends it.
+    old = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                            "time.sleep(120)", "hpctrain.node"], env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while not predecessors.find(str(tmp_path), 1) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        said: list[str] = []
+        assert predecessors.wait_gone(str(tmp_path), 1, said.append, grace_s=0.3) == 1
+        assert old.wait(timeout=30) == -9 and any("killing" in s for s in said)
+        assert predecessors.wait_gone(str(tmp_path), 1, said.append) == 0
+    finally:
+        old.kill()

@@ -248,3 +248,8 @@ def stop_class(signum: int, seconds_left: float | None, window_s: float, cancell
             return FailureClass.PREEMPTED
         return FailureClass.TIME_LIMIT
     return FailureClass.PREEMPTED if signum == signal.SIGTERM else None
+
+
+# The in-job driver's restart number k of an srun step (0 or unset: the job's first step), in every rank's
+# environment: hpctrain.fault.injob sets it, hpctrain.node.predecessors reads it.
+INJOB_RESTART_ENV = "HPCTRAIN_INJOB_RESTART"

@@ -37,10 +37,16 @@ from hpctrain.nodelist import expand
 from hpctrain.runs import beats as beats_mod
 from hpctrain.runs import events as events_mod
 from hpctrain.runs import folder as runs_mod
-from hpctrain.states import IMPLICATES_HOST, ExitCode, FailureClass, JobState, is_retryable
+from hpctrain.states import IMPLICATES_HOST, INJOB_RESTART_ENV, ExitCode, FailureClass, JobState, is_retryable
 
 RESTART = events_mod.RESTART  # the events.jsonl kind of one in-job restart
-STOP_GRACE_S = 1.0  # after the step's scancel, how long srun may take to go before it is stopped
+# After the step's scancel, how long srun may take to go before it is killed. srun waits for every node's answer,
+# the dead one's too, and a step stopped by scancel needs nothing more from it: the ranks on the live nodes are
+# SLURM's to end, and the next step's ranks wait for them to be gone on their own node (hpctrain.node.main).
+STOP_GRACE_S = 0.2
+PORT_STRIDE = 2  # each restart's rendezvous ports: MASTER_PORT + 2k (+1 the pre-flight's), none a dying rank holds
+WATCH_POLL_S = min(0.5, PEER_POLL_S)  # the driver's loop: a step's exit or its ranks' failure files, twice a second
+SLURMD_PROBE_S = 1.0  # a blamed host's slurmd that accepts no connection in this long is taken for gone
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +59,7 @@ class Verdict:
     watchdog: dict[str, Any] | None = None  # the watchdog's record (peer_lost / hang), when it decided
     detected: float = 0.0
     stopped: float = 0.0  # when the step was over (ended by itself, or stopped by the driver)
+    first_error: float | None = None  # the step's first rank failure (its beat's time), when one failed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,16 +143,17 @@ class Driver:
     straggler_patience_s: float = 0.0
     straggler_ratio: float = 1.2
     find_stragglers: Callable[[list[dict[str, Any]], float], list[str]] | None = None
+    slurmd_port: int | None = None  # SlurmdPort (scontrol show config), read once when a peer is first lost
 
     def run(self) -> int:
         """Launch the first step, then judge each step's end: return its exit status, restart, or give up."""
         hosts, bad, used = list(self.job_hosts[:self.nodes]), frozenset[str](), 0
         restarts = self.env.get("SLURM_RESTART_COUNT", "0") or "0"
         attempt = log_attempt(self.env)
-        proc, step = self._launch(hosts, attempt, restarts)
+        proc, step = self._launch(hosts, attempt, restarts, 0)
         while True:
             spare_left = used < self.budget and any(h not in hosts and h not in bad for h in self.job_hosts)
-            rc, rec = self._watch(proc, restarts, hosts if spare_left else [])
+            rc, rec = self._watch(proc, restarts, attempt, hosts if spare_left else [])
             if rec is None and rc in (ExitCode.OK, ExitCode.STOPPED):
                 return rc  # finished, or stopped on the time-limit signal (rank 0 requeued the job)
             if rec is not None:
@@ -153,13 +161,15 @@ class Driver:
                 verdict = verdict_of_watchdog(rec)
             else:
                 verdict = classify_exit(self.run_dir, self.job, attempt, rc, self._down(hosts))
-            verdict = dataclasses.replace(verdict, stopped=time.time())
+            fails = beats_mod.read_failures(self.run_dir, self.job, restarts, attempt)
+            first_error = min((float(f.get("time", 0)) for f in fails), default=None)
+            verdict = dataclasses.replace(verdict, stopped=time.time(), first_error=first_error)
             nxt = plan_restart(verdict, hosts, self.job_hosts, bad, used, self.budget)
             if isinstance(nxt, str):
                 return self._give_up(verdict, nxt, rc, bad)
             used += 1
             nxt_attempt = self._next_attempt(attempt)
-            proc, new_step = self._launch(list(nxt.hosts), nxt_attempt, restarts)
+            proc, new_step = self._launch(list(nxt.hosts), nxt_attempt, restarts, used)
             self._record(attempt, step, hosts, nxt_attempt, new_step, verdict, nxt, used)
             swap = ", ".join(f"{a} by {b}" for a, b in nxt.replaced.items())
             print(f"hpctrain: in-job restart {used} of {self.budget}: {verdict.failure_class}: {verdict.message}; "
@@ -177,7 +187,7 @@ class Driver:
                 f"--ntasks={len(hosts) * self.tasks_per_node}", f"--ntasks-per-node={self.tasks_per_node}",
                 "--overlap", *rest]
 
-    def _launch(self, hosts: list[str], attempt: int, restarts: str) -> tuple[Any, str]:
+    def _launch(self, hosts: list[str], attempt: int, restarts: str, used: int) -> tuple[Any, str]:
         from hpctrain.render.sbatch import render_hostfile
         from hpctrain.slurm import commands as _slurm
 
@@ -188,6 +198,9 @@ class Driver:
         runs_mod.write_private(tmp, render_hostfile(hosts, slots))
         os.replace(tmp, folder.hostfile)
         env = dict(self.env, MASTER_ADDR=hosts[0])
+        env[INJOB_RESTART_ENV] = str(used)
+        if used and str(env.get("MASTER_PORT", "")).isdigit():
+            env["MASTER_PORT"] = str(int(env["MASTER_PORT"]) + PORT_STRIDE * used)
         # The ranks number their logs and events K = HPCTRAIN_ATTEMPT + SLURM_RESTART_COUNT: step K's own.
         env["HPCTRAIN_ATTEMPT"] = str(attempt - (int(restarts) if restarts.isdigit() else 0))
         before = set(_safe_steps(self.job))
@@ -204,34 +217,58 @@ class Driver:
             time.sleep(0.2)
         return f"{self.job}.?"
 
-    def _watch(self, proc: Any, restarts: str, replaceable: Sequence[str] = ()) -> tuple[int, dict[str, Any] | None]:
+    def _watch(self, proc: Any, restarts: str, attempt: int,
+               replaceable: Sequence[str] = ()) -> tuple[int, dict[str, Any] | None]:
         """Wait for the step to end (its exit status) or for the watchdog's verdict on it (-1, the record); with
         `replaceable` hosts (a spare is left), a straggler verdict on them that lasts counts too."""
-        dog = Watchdog(self.run_dir, self.job, self.hang_timeout_s or 1e9, world=self.world, restart=restarts)
+        dog = Watchdog(self.run_dir, self.job, self.hang_timeout_s or 1e9, world=self.world, restart=restarts,
+                       attempt=attempt, only_attempt=attempt)
         next_hang = time.monotonic() + dog.poll_s()
         slow = _Persistence(self.straggler_patience_s)
+        probed: dict[str, bool] = {}
         while True:
             try:
-                return int(proc.wait(timeout=PEER_POLL_S)), None
+                return int(proc.wait(timeout=WATCH_POLL_S)), None
             except subprocess.TimeoutExpired:
                 pass
-            rec = dog.peer_check()
+            rec = dog.peer_check() or self._early_peer_lost(dog, probed)
             if rec is None and self.hang_timeout_s and time.monotonic() >= next_hang:
                 next_hang = time.monotonic() + dog.poll_s()
                 rec = dog.check()
             if rec is None and replaceable and self.straggler_patience_s and slow.due():
-                rec = slow.update(self._slow_hosts(restarts, replaceable))
+                rec = slow.update(self._slow_hosts(restarts, attempt, replaceable))
             if rec is not None:
                 if rec.get("event") == "hang":  # which line each rank hung in, before the step is stopped
                     dog.dump_stacks(rec)
                 return -1, rec
 
-    def _slow_hosts(self, restarts: str, replaceable: Sequence[str]) -> list[str]:
+    def _slow_hosts(self, restarts: str, attempt: int, replaceable: Sequence[str]) -> list[str]:
         """Hosts of this step the straggler verdict names (hpctrain.collect.stragglers: per-rank compute times
         in the beats against the other ranks' median)."""
         find = self.find_stragglers or _straggler_finder()
-        beats = beats_mod.read_beats(self.run_dir, self.job, restarts)
+        beats = beats_mod.read_beats(self.run_dir, self.job, restarts, attempt)
         return [h for h in find(beats, self.straggler_ratio) if h in replaceable]
+
+    def _early_peer_lost(self, dog: Watchdog, probed: dict[str, bool]) -> dict[str, Any] | None:
+        """The peer-lost verdict before its confirmation period, when every host it blames has no slurmd
+        answering (a dead node: SLURM itself notices only after SlurmdTimeout). The period is there for a rank
+        that died on a live node: then srun ends the step within a second, and its exit is classified instead.
+        Each host is probed once per step (`probed`: host -> alive)."""
+        rec = dog.peer_check(confirm_s=0.0)
+        hosts = list(rec.get("silent_hosts") or ()) if rec else []
+        if rec is None or not hosts:
+            return None
+        for h in hosts:
+            if h not in probed:
+                probed[h] = _slurmd_answers(h, self._slurmd_port())
+        if any(probed[h] for h in hosts):
+            return None
+        return {**rec, "message": f"{rec.get('message', '')} (slurmd on {', '.join(hosts)} not answering)"}
+
+    def _slurmd_port(self) -> int:
+        if self.slurmd_port is None:
+            self.slurmd_port = _slurmd_port_of_config()
+        return self.slurmd_port
 
     def _stop_step(self, proc: Any, step: str) -> None:
         """End a step the watchdog condemned. The survivors' ranks have usually exited on the peer error already;
@@ -245,12 +282,11 @@ class Driver:
                 _slurm.scancel([step])
             except Exception:  # noqa: BLE001,S110 - srun is stopped below either way
                 pass
-        for stop in (proc.terminate, proc.kill):
-            try:
-                proc.wait(timeout=STOP_GRACE_S)
-                return
-            except subprocess.TimeoutExpired:
-                stop()
+        try:
+            proc.wait(timeout=STOP_GRACE_S)
+            return
+        except subprocess.TimeoutExpired:
+            proc.kill()
         try:
             proc.wait(timeout=5.0)
         except subprocess.TimeoutExpired:
@@ -278,6 +314,7 @@ class Driver:
             message=verdict.message, extra={"step_id": step, "step_hosts": list(step_hosts), "next_step_id": new_step, "next_attempt": nxt_attempt,
                                             "replaced": nxt.replaced, "hosts": list(nxt.hosts), "restart": used,
                                             "budget": self.budget, "detected": verdict.detected, "stopped": verdict.stopped,
+                                            "first_error": verdict.first_error,
                                             "launched": now}))
         # No state, times or nodes here: the collector merges a job's lines into each of its rows (state from
         # SLURM), and takes each step's own times and hosts from the restart event.
@@ -309,9 +346,10 @@ class Driver:
 
 
 def timeline(run_dir: Path) -> list[dict[str, Any]]:
-    """Each in-job restart's timeline in seconds from its detection: step stopped, next step launched (srun
-    started and listed), the first rank's `start` event (processes up), the resume (rank 0's training start,
-    after model build and checkpoint load) and the first training step of the new attempt (metrics.jsonl)."""
+    """Each in-job restart's timeline in seconds from its detection: the step's first rank failure (negative:
+    before the detection), step stopped, next step launched (srun started and listed), the first rank's `start`
+    event (processes up), the resume (rank 0's training start, after model build and checkpoint load), the first
+    training step of the new attempt (metrics.jsonl), and rank 0's start-up part by part (`startup`)."""
     evs = events_mod.read_events(run_dir)
     steps = [r for r in runs_mod.iter_jsonl(runs_mod.RunFolder(run_dir).metrics_jsonl) if "step" in r]
     out = []
@@ -320,14 +358,18 @@ def timeline(run_dir: Path) -> list[dict[str, Any]]:
         mine = [x for x in evs if x.attempt == k]
         up = min((x.time for x in mine if x.kind == events_mod.START), default=None)
         # rank 0's `train` events carry no attempt (the node writes them so): the first one after the restart
-        resumed = min((x.time for x in evs if x.kind == events_mod.TRAIN and x.extra.get("event") == "start"
-                       and x.time > t0), default=None)
+        starts = sorted((x for x in evs if x.kind == events_mod.TRAIN and x.extra.get("event") == "start"
+                         and x.time > t0), key=lambda x: x.time)
+        resumed = starts[0].time if starts else None
         first = min((float(r["time"]) for r in steps if float(r.get("time", 0)) > t0), default=None)
         rel = {name: (None if t is None else round(float(t) - t0, 2)) for name, t in (
-            ("stopped", e.extra.get("stopped")), ("launched", e.extra.get("launched")), ("ranks_up", up),
+            ("first_error", e.extra.get("first_error")), ("stopped", e.extra.get("stopped")), ("launched", e.extra.get("launched")), ("ranks_up", up),
             ("resumed", resumed), ("first_step", first))}
+        # rank 0's start-up, part by part (hpctrain.node.phases): entry, preflight, prepare, process group, engine, load
+        startup = starts[0].extra.get("startup") if starts else None
         out.append({"attempt": e.attempt, "next_attempt": k, "class": e.failure_class,
-                    "replaced": e.extra.get("replaced"), "detected": t0, **rel})
+                    "replaced": e.extra.get("replaced"), "detected": t0, **rel,
+                    **({"startup": startup} if isinstance(startup, dict) else {})})
     return out
 
 
@@ -369,6 +411,29 @@ def _straggler_finder() -> Callable[[list[dict[str, Any]], float], list[str]]:
         return list(verdict["slow_hosts"]) if verdict else []
 
     return find
+
+
+def _slurmd_answers(host: str, port: int, timeout_s: float = SLURMD_PROBE_S) -> bool:
+    """Whether `host`'s slurmd accepts a TCP connection. A name that does not resolve counts as answering: no
+    evidence, so the verdict keeps its confirmation period."""
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except socket.gaierror:
+        return True
+    except OSError:
+        return False
+
+
+def _slurmd_port_of_config() -> int:
+    from hpctrain.slurm import commands as _slurm
+
+    try:
+        return _slurm.slurmd_port()
+    except Exception:  # noqa: BLE001 - SLURM's default
+        return 6818
 
 
 def _safe_steps(job: str) -> list[str]:

@@ -134,6 +134,9 @@ class Watchdog:
     grace_s: float = 0.0  # before the first step and while a checkpoint is written
     attempt: int = 0
     restart: str | None = None  # SLURM_RESTART_COUNT of this run of the job (None: any)
+    # Only this attempt's beats and failures (the in-job driver: each srun step is an attempt of its own, and a
+    # dying rank of the step before may still write); None: any.
+    only_attempt: int | None = None
     started: float = dataclasses.field(default_factory=time.time)
     last_progress: int | None = None
     last_change: float = dataclasses.field(default_factory=time.time)
@@ -154,7 +157,7 @@ class Watchdog:
     def check(self, now: float | None = None) -> dict[str, Any] | None:
         """None while fine; the hang record when the run has made no progress for too long."""
         now = time.time() if now is None else now
-        beats = read_beats(self.run_dir, self.job, self.restart)
+        beats = read_beats(self.run_dir, self.job, self.restart, self.only_attempt)
         progress = max((int(b.get("step", 0)) for b in beats), default=None)
         if progress != self.last_progress:
             self.last_progress, self.last_change = progress, now
@@ -203,14 +206,15 @@ class Watchdog:
             print(f"hpctrain watchdog: could not decide now ({exc}); the supervisor job will", file=sys.stderr,
                   flush=True)
 
-    def peer_check(self, now: float | None = None) -> dict[str, Any] | None:
-        """None, or the peer-lost record (see `lost_peers`); one directory listing while nothing failed."""
+    def peer_check(self, now: float | None = None, confirm_s: float | None = None) -> dict[str, Any] | None:
+        """None, or the peer-lost record (see `lost_peers`); one directory listing while nothing failed.
+        `confirm_s` overrides peer_confirm_s (the in-job driver: 0 once the blamed hosts' slurmd is gone)."""
         now = time.time() if now is None else now
-        failures = read_failures(self.run_dir, self.job, self.restart)
+        failures = read_failures(self.run_dir, self.job, self.restart, self.only_attempt)
         if not failures:
             return None
-        beats = read_beats(self.run_dir, self.job, self.restart)
-        rec = lost_peers(failures, beats, self.world, now, self.peer_confirm_s)
+        beats = read_beats(self.run_dir, self.job, self.restart, self.only_attempt)
+        rec = lost_peers(failures, beats, self.world, now, self.peer_confirm_s if confirm_s is None else confirm_s)
         return None if rec is None else {**rec, "job_id": self.job, "attempt": self.attempt}
 
     def dump_stacks(self, rec: dict[str, Any]) -> dict[str, Any]:

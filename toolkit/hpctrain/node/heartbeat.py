@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.node.gpustats import GpuStats
+from hpctrain.node.metrics import attempt_number
 from hpctrain.runs import beats
 
 
@@ -39,6 +40,7 @@ class RankBeat:
         self.host = socket.gethostname()
         self.job = os.environ.get("SLURM_JOB_ID", "")
         self.restart = os.environ.get("SLURM_RESTART_COUNT", "0") or "0"
+        self.attempt = attempt_number()
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._failed = False
@@ -79,7 +81,7 @@ class RankBeat:
 
     def _record(self) -> dict[str, Any]:
         rec = {"rank": self.rank, "host": self.host, "step": self.step, "phase": self.phase, "time": time.time(),
-               "job": self.job, "restart": self.restart, "pid": os.getpid(), "compute_s": list(self.compute_s)}
+               "job": self.job, "restart": self.restart, "attempt": self.attempt, "pid": os.getpid(), "compute_s": list(self.compute_s)}
         if self.gpu is not None:
             rec.update(self.gpu.read())
         return rec

@@ -18,7 +18,7 @@ import traceback
 from pathlib import Path
 from typing import TypeVar
 
-from hpctrain.node import dist, preflight, script
+from hpctrain.node import dist, phases, predecessors, preflight, script
 from hpctrain.node import stacks as node_stacks
 from hpctrain.node.checkpointer import StopFlag, StopRequested
 from hpctrain.node.dist import OtherRankFailed
@@ -64,7 +64,11 @@ def run(run_dir: str, mode: str = "train") -> int:
         # Export MASTER_ADDR/PORT first: the preflight rendezvous listens on MASTER_PORT + 1.
         dist.prepare_process_env(d, use_gpu=spec.resources.gpus_per_node > 0,
                                  cpus_per_task=max(1, spec.resources.cpus_per_task))
+        predecessors.wait_gone(str(os.environ.get("HPCTRAIN_RUN_DIR", "")), predecessors.restart_of(dict(os.environ)),
+                               log.info)
+        phases.mark("entry")  # interpreter, hpctrain's imports, the run folder's spec (and the step before gone)
         _preflight(spec.launch.preflight_timeout_s)
+        phases.mark("preflight")
         if mode == "preflight":
             return ExitCode.OK
         if user_script(spec):
@@ -80,7 +84,9 @@ def run(run_dir: str, mode: str = "train") -> int:
         # directory the job started in (its own relative paths). Given back at the end (tests run in-process).
         before = _enter(paths.path)
         prep = train.prepare(paths.path, d)  # every input checked before any collective can hang
+        phases.mark("prepare")  # torch, transformers, the tokenizer and data
         dist.init_process_group(d, prep.use_gpu, timeout_min=float(_env_float("DEEPSPEED_TIMEOUT", 10)))
+        phases.mark("process_group")
         initialized = True
         stop = _stop_flag(StopFlag, spec, paths)
         stop.install()  # before the engine build: a signal during it is acted on at the first step boundary

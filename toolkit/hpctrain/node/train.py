@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.node import checkpoint as ckpt
+from hpctrain.node import phases
 from hpctrain.node.checkpointer import Checkpointer, Progress, StopFlag, StopRequested
 from hpctrain.node.dist import DistEnv, comm_device
 from hpctrain.node.metrics import MetricsWriter, attempt_number, host_mem_gb, host_peak_gb, log, step_line
@@ -240,10 +241,12 @@ def _train(p: Prepared, stop: StopFlag, beat: Any) -> tuple[Any, LoopState]:
     from hpctrain.node.tracking import Tracker
 
     engine, n_params = build_engine(p)
+    phases.mark("engine")  # deepspeed's import, the model, deepspeed.initialize
     checkpointer = Checkpointer.for_run(engine, p.spec, p.paths.checkpoints_dir, stop, rank=p.d.rank,
                                         world=p.d.world_size, dp=p.dp, zero=p.zero, use_gpu=p.use_gpu,
                                         n_params=n_params, beat=beat)
     start = checkpointer.load(p.resume, p.universal)
+    phases.mark("load")
     st = LoopState(start.step, start.step, start.cursor, start.tokens_seen, per_step=p.gas * p.dp)
     st.tracker = tracker = Tracker.for_engine(engine, p.paths, p.spec, p.d.rank)
     tracker.log_config(p.paths)
@@ -333,7 +336,8 @@ def _announce(p: Prepared, metrics: MetricsWriter, n_params: int, step0: int) ->
     t = p.spec.train
     if p.d.rank == 0:
         metrics.event({"event": "start", "step": step0, "world_size": p.d.world_size, "dp": p.dp, "zero": p.zero,
-                       "params": n_params, "resumed_from": p.resume.tag if p.resume else None})
+                       "params": n_params, "resumed_from": p.resume.tag if p.resume else None,
+                       "startup": phases.report()})
     log.info("training %d params, world %d (dp %d pp %d), ZeRO %d, %s, micro %d x gas %d, steps %d -> %d",
              n_params, p.d.world_size, p.dp, p.spec.parallel.pp, p.zero, t.precision, p.micro, p.gas, step0, t.steps)
 

@@ -6,7 +6,8 @@ defined once. Stdlib only.
 
 * `rank-R.json`: rank R's latest beat, rewritten atomically every few seconds:
   {"rank", "host", "step" (the step it works on), "phase" (one of PHASES, or "failed"), "time" (unix),
-  "job" (SLURM_JOB_ID), "restart" (SLURM_RESTART_COUNT), "pid", "compute_s" (seconds from each of the last
+  "job" (SLURM_JOB_ID), "restart" (SLURM_RESTART_COUNT), "attempt" (the K of logs/attempt-K: one per srun step
+  of an in-job restart), "pid", "compute_s" (seconds from each of the last
   COMPUTE_WINDOW steps' start to its collective: the rank's own step time, without waiting for its peers;
   hpctrain.collect.stragglers compares them), and on GPU ranks with the `gpu` extra "gpu_util" (%),
   "gpu_mem_used_gb", "gpu_temp_c"}.
@@ -60,14 +61,24 @@ def _records(run_dir: Path, pattern: str) -> list[dict[str, Any]]:
     return out
 
 
-def read_beats(run_dir: Path, job: str | None = None, restart: str | None = None) -> list[dict[str, Any]]:
+def read_beats(run_dir: Path, job: str | None = None, restart: str | None = None,
+               attempt: int | None = None) -> list[dict[str, Any]]:
     """Per-rank beats (of `job` and its run `restart` only, when given: files left by an earlier attempt
-    or an earlier run of a requeued job are ignored)."""
+    or an earlier run of a requeued job are ignored; with `attempt`, of that srun step's ranks only: a rank of
+    the step an in-job restart ended may still write once while it dies)."""
     return [rec for rec in _records(run_dir, beat_name("*"))
             if (job is None or str(rec.get("job")) == str(job))
-            and (restart is None or str(rec.get("restart", "0")) == str(restart))]
+            and (restart is None or str(rec.get("restart", "0")) == str(restart))
+            and _of_attempt(rec, attempt)]
 
 
-def read_failures(run_dir: Path, job: str, restart: str | None = None) -> list[dict[str, Any]]:
+def read_failures(run_dir: Path, job: str, restart: str | None = None,
+                  attempt: int | None = None) -> list[dict[str, Any]]:
     """The failed-JOB-RESTART-R.json records ranks of this job (and run of it) left when training raised."""
-    return [rec for rec in _records(run_dir, failed_name(job, restart or "*", "*")) if "rank" in rec]
+    return [rec for rec in _records(run_dir, failed_name(job, restart or "*", "*"))
+            if "rank" in rec and _of_attempt(rec, attempt)]
+
+
+def _of_attempt(rec: dict[str, Any], attempt: int | None) -> bool:
+    """A record of that attempt; one without the field (written before it existed) counts for any."""
+    return attempt is None or "attempt" not in rec or str(rec["attempt"]) == str(attempt)

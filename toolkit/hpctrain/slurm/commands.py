@@ -289,6 +289,13 @@ def step_ids(job_id: str) -> list[str]:
     return sorted(ids, key=lambda s: int(s.rsplit(".", 1)[1]))
 
 
+def slurmd_port() -> int:
+    """SlurmdPort of the running configuration (`scontrol show config`); SLURM's default 6818 when unset."""
+    out = _run(["scontrol", "show", "config"], timeout_s=15.0).stdout
+    m = re.search(r"^SlurmdPort\s*=\s*(\d+)", out, re.MULTILINE)
+    return int(m.group(1)) if m else 6818
+
+
 def queue_state(job_id: str) -> str:
     """The job's state as squeue shows it now ("RUNNING", "COMPLETING", ...); "" once it left the queue."""
     return _run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], timeout_s=15.0).stdout.strip()
