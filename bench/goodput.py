@@ -2,16 +2,25 @@
 """Goodput under failures: one training run on the local SLURM cluster, hit by injected faults.
 
     .venv/bin/python bench/goodput.py [--nodes 2] [--train-s 240] [--every-s 60] [--first-s S] [--ckpt-steps 40]
-                                      [--faults preempt,node-kill,requeue]
+                                      [--faults preempt,node-kill,requeue] [--spare-nodes K] [--out FILE.json]
+
+    # issue 19's campaign: one node loss or preemption per 10 minutes over 21 minutes of training, with a
+    # spare (in-job restart) and without (resubmission through the queue), one after the other:
+    .venv/bin/python bench/goodput.py --spare-nodes 1 --train-s 1260 --first-s 300 --every-s 600 \
+        --faults node-kill,preempt --ckpt-steps 10 --timeout 2400 --out spare.json
+    .venv/bin/python bench/goodput.py --spare-nodes 0 --train-s 1260 --first-s 300 --every-s 600 \
+        --faults node-kill,preempt --ckpt-steps 10 --timeout 2400 --out resubmit.json
+    .venv/bin/python bench/goodput.py --compare spare.json resubmit.json --queue-wait-s 0,600,3600
 
 The run (tiny Llama, CPU ranks, 1 rank per node) is submitted with `hpctrain submit`; while it trains, a
 fault is injected at --first-s seconds of training (default --every-s) and every --every-s after that,
 cycling through --faults:
   preempt      `scancel --signal=USR2 JOB`  (what SLURM sends before a time limit or a preemption:
                every rank checkpoints, rank 0 requeues the job: same job id)
-  node-kill    `slurm.sh kill-node N` on the job's last node (every process killed, sockets closed: the
+  node-kill    `slurm.sh kill-node N` on the last training node (every process killed, sockets closed: the
                survivors' gloo errors let the watchdog cancel the job and retry it as a new job without
-               that node; the node is restarted once the run moved on, or after 90 s)
+               that node, or with --spare-nodes the in-job driver start a new srun step on the survivor
+               and a spare; the node is restarted once the run moved on, or after 90 s)
   requeue      `scontrol requeue JOB` (a hard preemption: no checkpoint, the work since the last one is lost)
 and the run finishes by itself. Reported, from metrics.jsonl and sacct:
   useful s     time of the steps on the final trajectory (each step's duration, last run of it)
@@ -21,7 +30,10 @@ and the run finishes by itself. Reported, from metrics.jsonl and sacct:
   per fault    allocated time from the last step before it to the first step after it, plus the redone
                steps (lost steps x the median step time)
 plus a projection to one failure per 10 minutes of training: 600 / (600 + startup + overhead per failure).
-Allocated time counts the training jobs' nodes; the 1-CPU supervisor jobs (a second or two each) are left out.
+Allocated time is the jobs' wall time (sacct); node-time efficiency counts every allocated node, idle spares
+too (useful s x training nodes / allocated node-s). The 1-CPU supervisor jobs are left out. An empty local
+queue starts a resubmitted or requeued job at once; `--compare` adds a simulated queue wait W per pass through
+the queue (each SLURM run of a job after the first) to the wall time: goodput(W) = useful / (wall + passes x W).
 Leaves nothing running: the job is cancelled and every killed node restarted in `finally`.
 """
 
@@ -143,17 +155,22 @@ def per_fault(recs: list[dict[str, Any]], starts: list[float], records: list[dic
     return out
 
 
-def analyze(run: Path, injected: list[dict[str, Any]]) -> None:
-    """Print the goodput table of a finished run folder."""
+def node_count(nodes: str) -> int:
+    return len(sh("scontrol", "show", "hostnames", nodes, check=False).split()) if nodes else 0
+
+
+def analyze(run: Path, injected: list[dict[str, Any]], training_nodes: int = 0) -> dict[str, Any]:
+    """Print the goodput table of a finished run folder; return its figures."""
     recs = metrics(run)
     starts = [e["time"] for e in events(run) if e.get("event") == "start"]
     useful, lost = useful_time(recs, starts)
     records = [r for j in run_jobs(run) for r in sacct_runs(j)]
     faults = per_fault(recs, starts, records, lost)
     alloc = sum((r["end"] or time.time()) - r["start"] for r in records if r["start"])
+    node_s = sum(((r["end"] or time.time()) - r["start"]) * node_count(r["nodes"]) for r in records if r["start"])
     first = min(r["start"] for r in records if r["start"])
     startup = starts[0] - first if starts else 0.0
-    restarts = max(1, len(records) - 1)
+    restarts = max(1, len(starts) - 1)  # training starts after the first: in-job steps and new SLURM runs alike
     overhead = (alloc - useful - startup) / restarts
     proj = 600 / (600 + startup + overhead)
     kinds = ", ".join(i["kind"] for i in injected) or f"{restarts} restarts"
@@ -172,6 +189,46 @@ def analyze(run: Path, injected: list[dict[str, Any]]) -> None:
         print(f"  {r['state']:10s} {r['nodes']:10s} {((r['end'] or time.time()) - r['start']):6.0f} s")
     print(f"projection, 1 restart per 10 min of training: goodput = 600 / (600 + {startup:.0f} + {overhead:.0f}) "
           f"= {100 * proj:.1f}%")
+    wall = max((r["end"] or time.time()) for r in records if r["start"]) - first
+    nodes = training_nodes or (int(recs[0].get("world_size", 0)) if recs else 0)
+    eff = useful * nodes / node_s if node_s and nodes else None
+    tl = restart_timeline(run)
+    for t in tl:
+        print(f"in-job restart {t['attempt']} -> {t['next_attempt']} ({t['class']}, replaced {t['replaced']}): "
+              + ", ".join(f"{k} {t[k]}" for k in ("first_error", "stopped", "launched", "ranks_up", "resumed",
+                                                   "first_step") if t.get(k) is not None) + " s from detection; "
+              f"rank 0 start-up {t.get('startup')}")
+    return {"run": str(run), "faults": injected, "final_step": recs[-1]["step"] if recs else None,
+            "useful_s": round(useful, 1), "allocated_s": round(alloc, 1), "wall_s": round(wall, 1),
+            "node_s": round(node_s, 1), "training_nodes": nodes, "goodput": round(useful / alloc, 4),
+            "node_efficiency": round(eff, 4) if eff else None, "startup_s": round(startup, 1),
+            "overhead_per_restart_s": round(overhead, 1), "lost_steps": lost,
+            "per_fault": [{"kind": injected[k]["kind"] if k < len(injected) else "restart", "gap_s": round(g, 1),
+                           "redone_s": round(r, 1)} for k, (g, r) in enumerate(faults)],
+            "queue_passes": max(0, len(records) - 1), "slurm_runs": records, "restart_timeline": tl,
+            "projection_10min": round(proj, 4)}
+
+
+def restart_timeline(run: Path) -> list[dict[str, Any]]:
+    sys.path.insert(0, str(REPO / "toolkit"))
+    from hpctrain.fault.injob import timeline
+
+    return timeline(run)
+
+
+def compare(paths: list[Path], waits: list[float]) -> None:
+    """The campaign's table: each path's goodput, and its wall-clock goodput under a simulated queue wait."""
+    rows = [json.loads(p.read_text()) for p in paths]
+    head = " | ".join(f"wall goodput, queue wait {w:g} s" for w in waits)
+    print(f"\n| path | faults | useful s | allocated s | goodput (allocated) | node-time efficiency | "
+          f"queue passes | {head} |")
+    print("|---|---|---|---|---|---|---|" + "---|" * len(waits))
+    for p, r in zip(paths, rows):
+        walls = " | ".join(f"{100 * r['useful_s'] / (r['wall_s'] + r['queue_passes'] * w):.1f}%" for w in waits)
+        eff = f"{100 * r['node_efficiency']:.1f}%" if r.get("node_efficiency") else "-"
+        kinds = ", ".join(f["kind"] for f in r["faults"])
+        print(f"| {r.get('label', p.stem)} | {kinds} | {r['useful_s']:.0f} | {r['allocated_s']:.0f} | "
+              f"{100 * r['goodput']:.1f}% | {eff} | {r['queue_passes']} | {walls} |")
 
 
 def main() -> int:
@@ -186,8 +243,15 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--step-s", type=float, default=0.35, help="expected seconds per step (sizes --steps)")
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--spare-nodes", type=int, default=0, help="spare nodes (in-job restarts onto them)")
+    ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     ap.add_argument("--analyze", type=Path, default=None, help="only print the table of this finished run folder")
+    ap.add_argument("--compare", type=Path, nargs="+", default=None, help="print the table of these --out files")
+    ap.add_argument("--queue-wait-s", default="0,600,3600", help="simulated queue waits for --compare")
     a = ap.parse_args()
+    if a.compare:
+        compare(a.compare, [float(w) for w in a.queue_wait_s.split(",") if w.strip()])
+        return 0
     if a.analyze:
         analyze(a.analyze, [])
         return 0
@@ -204,7 +268,8 @@ def main() -> int:
             "--partition", "debug", "--nodes", str(a.nodes), "--steps", str(steps), "--job-name", "goodput",
             "--set", "resources.tasks_per_node=1", "--set", f"data.seq_len={a.seq}",
             "--set", f"checkpoint.every_steps={a.ckpt_steps}", "--set", "checkpoint.export_hf=false",
-            "--set", "train.min_lr=0.001", "--set", "train.warmup_steps=0", "--json"]
+            "--set", "train.min_lr=0.001", "--set", "train.warmup_steps=0", "--json",
+            *(["--spare-nodes", str(a.spare_nodes)] if a.spare_nodes else [])]
     sub = json.loads(subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, check=True).stdout)[0]
     job, run = str(sub["job_id"]), Path(sub["run_dir"])
     print(f"run {run.name}: job {job}, {a.nodes} nodes, {steps} steps, checkpoint every {a.ckpt_steps} steps")
@@ -243,7 +308,11 @@ def main() -> int:
                 elif kind == "requeue":
                     sh("scontrol", "requeue", job)
                 else:
-                    host = sh("scontrol", "show", "hostnames", nodes).split()[-1]
+                    # the last training host: never the batch host (it runs the in-job driver), never an idle spare
+                    hostfile = run / "hostfile"
+                    trained_on = [ln.split()[0] for ln in hostfile.read_text().splitlines() if ln.strip()] \
+                        if hostfile.is_file() else []
+                    host = (trained_on or sh("scontrol", "show", "hostnames", nodes).split())[-1]
                     sh("bash", str(SLURM_SH), "kill-node", host[4:], timeout=60)
                     killed[host] = (time.monotonic(), job)
                 injected.append({"kind": kind, "at_step": step, "t": round(time.monotonic() - t0, 1)})
@@ -259,7 +328,11 @@ def main() -> int:
         sup = [json.loads(x).get("supervisor_job") for x in (run / "attempts.jsonl").read_text().splitlines()]
         sh("scancel", *[s for s in sup if s], check=False) if any(sup) else None
     time.sleep(3)
-    analyze(run, injected)
+    res = analyze(run, injected, a.nodes)
+    res.update(label=f"{'spare ' + str(a.spare_nodes) if a.spare_nodes else 'resubmit'} ({a.nodes} nodes)",
+               spare_nodes=a.spare_nodes, argv=sys.argv[1:])
+    if a.out:
+        a.out.write_text(json.dumps(res, indent=1, default=str) + "\n")
     return 0
 
 

@@ -343,8 +343,8 @@ def test_a_rank_of_the_ended_step_that_lingers_is_killed_before_the_new_one_star
     env = {"PATH": "/usr/bin:/bin", "HPCTRAIN_RUN_DIR": str(tmp_path), "HPCTRAIN_ATTEMPT": "0",
            "HPCTRAIN_INJOB_RESTART": "0"}
     # Ignores SIGTERM, as a rank stuck in a collective may: only SIGKILL ends it.
-    old = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                            "time.sleep(120)", "hpctrain.node"], env=env)
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
+    old = subprocess.Popen([sys.executable, "-c", code, "hpctrain.node"], env=env)
     try:
         deadline = time.monotonic() + 30
         while not predecessors.find(str(tmp_path), 1) and time.monotonic() < deadline:

@@ -7,7 +7,7 @@
 #   State, configs, logs and PID files live under $LAB (default /tmp/hpctrain-slurm);
 #   /etc/slurm/*.conf are symlinks into $LAB/etc so plain sbatch/sacct/submitit need no SLURM_CONF.
 #
-# usage: slurm.sh install | up | down | wipe | status | kill-node N | restart-node N
+# usage: slurm.sh install | up | down | wipe | status | kill-node N | restart-node N | slow-net N RATE|off
 #
 #   install        apt-get the packages (skipped when every binary is already present)
 #   up [--keep|--no-keep]  start everything (idempotent; recovers a broken or half-started lab). --keep
@@ -20,6 +20,8 @@
 #                  nodes stopped on purpose with kill-node (a test is exercising node failure), else 1
 #   kill-node N    kill -9 every process in nodeN's namespace (a powered-off node)
 #   restart-node N start nodeN's slurmd again
+#   slow-net N RATE   limit nodeN's link both ways to RATE (tc's units: 40mbit) with a token bucket: a bad cable
+#                  or a degraded port, for the health check's tests; `slow-net N off` restores it
 #
 # Environment: LAB, NNODES (4), NODE_CPUS (2), NODE_MEM (8000 MB), SLURMD_TIMEOUT (30), FAKE_GPUS (0: off;
 #   N>0 advertises N fake GPUs per node as GRES, backed by /dev/tty0..N-1), UP_TIMEOUT (120 s).
@@ -59,7 +61,7 @@ die() {
   exit 1
 }
 usage() {
-  echo "usage: $0 install|up [--keep|--no-keep]|down|wipe|status|kill-node N|restart-node N" >&2
+  echo "usage: $0 install|up [--keep|--no-keep]|down|wipe|status|kill-node N|restart-node N|slow-net N RATE|off" >&2
   exit 2
 }
 
@@ -547,6 +549,22 @@ cmd_restart_node() {
   start_node "$1"
   say "node$1 slurmd running"
 }
+cmd_slow_net() {
+  need_root
+  node_arg "${1:-}"
+  local rate=${2:-}
+  [ -n "$rate" ] || die "usage: $0 slow-net N RATE|off"
+  if [ "$rate" = off ]; then
+    tc qdisc del dev "$VETH$1" root 2>/dev/null || true
+    ip netns exec "$NS$1" tc qdisc del dev eth0 root 2>/dev/null || true
+    say "node$1 link restored"
+    return
+  fi
+  # egress on both ends of the veth pair: what node$1 sends (inside) and what it receives (the bridge side)
+  tc qdisc replace dev "$VETH$1" root tbf rate "$rate" burst 64kbit latency 400ms
+  ip netns exec "$NS$1" tc qdisc replace dev eth0 root tbf rate "$rate" burst 64kbit latency 400ms
+  say "node$1 link limited to $rate both ways; restore with: bash $0 slow-net $1 off"
+}
 
 CMD=${1:-}
 case "$CMD" in
@@ -557,5 +575,6 @@ case "$CMD" in
   status) cmd_status ;;
   kill-node) cmd_kill_node "${2:-}" ;;
   restart-node) cmd_restart_node "${2:-}" ;;
+  slow-net) cmd_slow_net "${2:-}" "${3:-}" ;;
   *) usage ;;
 esac

@@ -253,3 +253,9 @@ def stop_class(signum: int, seconds_left: float | None, window_s: float, cancell
 # The in-job driver's restart number k of an srun step (0 or unset: the job's first step), in every rank's
 # environment: hpctrain.fault.injob sets it, hpctrain.node.predecessors reads it.
 INJOB_RESTART_ENV = "HPCTRAIN_INJOB_RESTART"
+
+# Verdicts in metrics/watchdog.jsonl that blame nodes, not the program: a lost peer (the watchdog), a node that
+# failed the health check and a persistent straggler (the in-job driver, when no spare was left). The supervisor
+# and the collector read each as node_fail on its `silent_hosts`, which a resubmission excludes; "hang" is the
+# other verdict.
+NODE_VERDICTS: frozenset[str] = frozenset({"peer_lost", "unhealthy", "straggler"})

@@ -297,10 +297,28 @@ def _print_table(records: list[dict[str, Any]], warnings: list[str]) -> None:
                    "`hpctrain summary --json` has every field)")
     for run in records:
         _print_eval(run)
+        _print_health(run)
         _print_failures(run)
         _print_stragglers(run)
     for w in dict.fromkeys(warnings + [w for run in records for w in run["warnings"]]):
         click.echo(f"warning: {w}", err=True)
+
+
+def _print_health(run: dict[str, Any]) -> None:
+    """Each health check under the table: nodes that failed it, why, and the spare that took each one's place."""
+    for a in run["attempts"]:
+        h = a.get("health")
+        if not h:
+            continue
+        head = f"{run['run_id']} a{a['attempt']} health check (step {h['step_id']}, {len(h['hosts'])} node(s)"
+        head += f", {h['elapsed_s']:.0f} s)" if h.get("elapsed_s") is not None else ")"
+        if not h["failed"]:
+            click.echo(f"{head}: every node passed")
+        for host, why in sorted(h["failed"].items()):
+            swap = f"; replaced by {h['replaced'][host]}" if host in h["replaced"] else ""
+            click.echo(f"{head}: {host} failed: {why}{swap}")
+        for note in h["notes"]:
+            click.echo(f"{head}: note: {note}")
 
 
 def _print_stragglers(run: dict[str, Any]) -> None:

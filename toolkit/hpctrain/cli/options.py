@@ -1,4 +1,4 @@
-"""`submit`'s escape hatches and reproducibility options: --sbatch-arg, --after, --snapshot.
+"""`submit`'s escape hatches and reproducibility options: --sbatch-arg, --after, --snapshot; --health-check.
 
 Only click at module level. --sbatch-arg adds to the spec's `slurm.extra` (the flags layer: merged with the
 site's and the run file's, a later layer's option replacing an earlier one of the same name); --after becomes
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 
 def hatch_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Attach --sbatch-arg, --after and --snapshot to `submit`."""
+    """Attach --sbatch-arg, --after, --snapshot and --health-check to `submit`."""
     opts = [
         click.option("--sbatch-arg", "sbatch_args", multiple=True, metavar="--OPTION[=VALUE]",
                      help="One more sbatch option, e.g. --sbatch-arg=--exclusive (repeatable; [slurm] extra)."),
@@ -29,6 +29,9 @@ def hatch_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      help="Start only after RUN's job succeeded (ok, the default) or ended (any); repeatable."),
         click.option("--snapshot", is_flag=True, default=None,
                      help="Copy the code into the run folder; the job runs that copy ([code] snapshot)."),
+        click.option("--health-check/--no-health-check", "health_check", default=None,
+                     help="Test every node (GPUs or CPU, network) before training; replace or exclude a failing "
+                          "one ([fault] health_check)."),
     ]
     for opt in reversed(opts):
         fn = opt(fn)
@@ -42,6 +45,8 @@ def hatch_flags(opts: dict[str, Any]) -> dict[str, Any]:
         flags["slurm.extra"] = tuple(opts["sbatch_args"])
     if opts.get("snapshot"):
         flags["code.snapshot"] = True
+    if opts.get("health_check") is not None:
+        flags["fault.health_check"] = bool(opts["health_check"])
     return flags
 
 

@@ -33,8 +33,8 @@ from hpctrain.collect.files import (
 )
 from hpctrain.runs import events as run_events
 from hpctrain.runs.folder import RunFolder
+from hpctrain.states import NODE_VERDICTS, FailureClass, JobState, is_final
 from hpctrain.states import RUN_ENDED_STATES as ENDED
-from hpctrain.states import FailureClass, JobState, is_final
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.runs.registry import Attempt, Registry, Run
@@ -224,6 +224,7 @@ def _attempt_row(inp: RunInput, a: dict[str, Any], files: list[cl.LogFile], recs
         "resubmit": a.get("decision") if isinstance(a.get("decision"), dict) else None,
         **({"step_id": a["step_id"]} if a.get("step_id") else {}),
         **({"in_job_restart": a["in_job_restart"]} if a.get("in_job_restart") else {}),
+        **({"health": a["health"]} if a.get("health") else {}),
     }
 
 
@@ -249,7 +250,7 @@ def _with_fault_notes(folder: Path, atts: list[dict[str, Any]]) -> list[dict[str
             notes.setdefault(str(rec["job_id"]), {}).update(
                 {k: rec[k] for k in ("excluded", "hang", "peer_lost", "decision") if rec.get(k) is not None})
     for rec in read_attempts(RunFolder(folder).watchdog_jsonl):
-        key = "peer_lost" if rec.get("event") == "peer_lost" else "hang"
+        key = "peer_lost" if rec.get("event") in NODE_VERDICTS else "hang"
         if rec.get("job_id") is not None:
             note = notes.setdefault(str(rec["job_id"]), {})
             if "hang" not in note and "peer_lost" not in note:
@@ -295,6 +296,27 @@ def _with_in_job_restarts(atts: list[dict[str, Any]], evs: list[run_events.Event
     return out
 
 
+def _with_health_checks(atts: list[dict[str, Any]], evs: list[run_events.Event]) -> list[dict[str, Any]]:
+    """The health check a job ran before its first step (hpctrain.fault.injob's `health` event) onto the row
+    of the attempt it opened: which nodes failed and why, and the spare that took each one's place."""
+    checks = {(str(e.job_id), e.attempt): e for e in evs if e.kind == run_events.HEALTH}
+    if not checks:
+        return atts
+    out = []
+    for a in atts:
+        e = checks.get((str(a.get("job_id") or ""), int(a["attempt"])))
+        if e is None:
+            out.append(a)
+            continue
+        x = e.extra
+        out.append(dict(a, health={"step_id": str(x.get("step_id") or ""), "hosts": list(x.get("hosts") or []),
+                                   "failed": dict(x.get("failed") or {}), "replaced": dict(x.get("replaced") or {}),
+                                   "train_hosts": list(x.get("train_hosts") or []),
+                                   "notes": [str(n) for n in x.get("notes") or []],
+                                   "elapsed_s": _float(x.get("elapsed_s")), "figures": dict(x.get("figures") or {})}))
+    return out
+
+
 _WAITING = frozenset({JobState.PENDING, JobState.SUBMIT_UNKNOWN, JobState.SUBMIT_FAILED, JobState.REQUEUE_HOLD})
 
 
@@ -330,6 +352,7 @@ def build_run(inp: RunInput, now: float | None = None) -> dict[str, Any]:
     atts = _with_fault_notes(inp.folder, atts) if folder_ok else atts
     evs = run_events.read_events(inp.folder) if folder_ok else []
     atts = _with_in_job_restarts(atts, evs)
+    atts = _with_health_checks(atts, evs)
     files = submitit_to_last_run(files, atts)
     # An attempt still waiting in the queue (a retry pending) has no metrics and no start: it is left out of
     # the split, so the previous attempt's steps, loss and lost steps stay on the previous attempt. An in-job

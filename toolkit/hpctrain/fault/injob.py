@@ -37,9 +37,18 @@ from hpctrain.nodelist import expand
 from hpctrain.runs import beats as beats_mod
 from hpctrain.runs import events as events_mod
 from hpctrain.runs import folder as runs_mod
-from hpctrain.states import IMPLICATES_HOST, INJOB_RESTART_ENV, ExitCode, FailureClass, JobState, is_retryable
+from hpctrain.states import (
+    IMPLICATES_HOST,
+    INJOB_RESTART_ENV,
+    NODE_VERDICTS,
+    ExitCode,
+    FailureClass,
+    JobState,
+    is_retryable,
+)
 
 RESTART = events_mod.RESTART  # the events.jsonl kind of one in-job restart
+HEALTH = events_mod.HEALTH  # the events.jsonl kind of one health check (hpctrain.fault.health's verdict)
 # After the step's scancel, how long srun may take to go before it is killed. srun waits for every node's answer,
 # the dead one's too, and a step stopped by scancel needs nothing more from it: the ranks on the live nodes are
 # SLURM's to end, and the next step's ranks wait for them to be gone on their own node (hpctrain.node.main).
@@ -144,12 +153,23 @@ class Driver:
     straggler_ratio: float = 1.2
     find_stragglers: Callable[[list[dict[str, Any]], float], list[str]] | None = None
     slurmd_port: int | None = None  # SlurmdPort (scontrol show config), read once when a peer is first lost
+    # The health check before the first step (fault.health_check): thresholds of hpctrain.fault.health.judge.
+    health: bool = False
+    health_timeout_s: float = 300.0
+    health_matmul_ratio: float = 0.8
+    health_net_ratio: float = 0.5
+    health_min_busbw_gbps: float = 0.0
 
     def run(self) -> int:
         """Launch the first step, then judge each step's end: return its exit status, restart, or give up."""
         hosts, bad, used = list(self.job_hosts[:self.nodes]), frozenset[str](), 0
         restarts = self.env.get("SLURM_RESTART_COUNT", "0") or "0"
         attempt = log_attempt(self.env)
+        if self.health:
+            checked = self._health_check(attempt, restarts)
+            if isinstance(checked, int):
+                return checked
+            hosts, bad = checked
         proc, step = self._launch(hosts, attempt, restarts, 0)
         while True:
             spare_left = used < self.budget and any(h not in hosts and h not in bad for h in self.job_hosts)
@@ -178,14 +198,70 @@ class Driver:
             hosts, bad, attempt, step = list(nxt.hosts), nxt.bad, nxt_attempt, new_step
 
     # -- one step ------------------------------------------------------------------------------------
-    def srun_argv(self, hosts: Sequence[str]) -> list[str]:
+    def srun_argv(self, hosts: Sequence[str], tasks_per_node: int | None = None) -> list[str]:
         """The batch script's srun line narrowed to `hosts`: one task per rank there, nothing on the rest.
         --overlap: a step whose node died may linger in SLURM's books (COMPLETING on the dead node) until
         that node is declared down; the new step must not wait for its CPUs on the surviving nodes."""
         head, rest = self.launch[0], self.launch[1:]
+        per = self.tasks_per_node if tasks_per_node is None else tasks_per_node
         return [head, f"--nodes={len(hosts)}", f"--nodelist={','.join(hosts)}",
-                f"--ntasks={len(hosts) * self.tasks_per_node}", f"--ntasks-per-node={self.tasks_per_node}",
-                "--overlap", *rest]
+                f"--ntasks={len(hosts) * per}", f"--ntasks-per-node={per}", "--overlap", *rest]
+
+    # -- the health check ----------------------------------------------------------------------------
+    def _health_check(self, attempt: int, restarts: str) -> tuple[list[str], frozenset[str]] | int:
+        """Every node of the job runs hpctrain.node.health in one srun step (one task per node, the training's
+        launch line: its container too); the nodes that pass train, a failed one's place taken by a spare. Returns
+        the training hosts and the failed ones, or the exit status when too few passed (the job ends, and the
+        supervisor resubmits with the failed nodes excluded)."""
+        from hpctrain.fault import health as health_mod
+        from hpctrain.slurm import commands as _slurm
+
+        out_dir = runs_mod.RunFolder(self.run_dir).health_dir(self.job, attempt)
+        shutil.rmtree(out_dir, ignore_errors=True)  # a requeued run of the job checks its nodes again
+        out_dir.mkdir(parents=True, exist_ok=True)
+        env = dict(self.env, MASTER_ADDR=self.job_hosts[0], HPCTRAIN_NODE_MODE="health", HPCTRAIN_HEALTH_DIR=str(out_dir))
+        env["HPCTRAIN_ATTEMPT"] = str(attempt - (int(restarts) if restarts.isdigit() else 0))
+        if str(env.get("MASTER_PORT", "")).isdigit():  # ports of their own: no restart step's, no dying rank's
+            env["MASTER_PORT"] = str(int(env["MASTER_PORT"]) + PORT_STRIDE * (self.budget + 1))
+        t0, before = time.time(), set(_safe_steps(self.job))
+        proc = _slurm.start_step(self.srun_argv(self.job_hosts, tasks_per_node=1), env=env)
+        step = self._step_id(proc, before)
+        try:
+            proc.wait(timeout=self.health_timeout_s)
+        except subprocess.TimeoutExpired:
+            print(f"hpctrain: health check step {step} still running after {self.health_timeout_s:g} s "
+                  "(fault.health_timeout_s); stopping it", file=sys.stderr, flush=True)
+            self._stop_step(proc, step)
+        reports = health_mod.read_reports(out_dir, list(self.job_hosts))
+        verdict = health_mod.judge(reports, matmul_ratio=self.health_matmul_ratio, net_ratio=self.health_net_ratio,
+                                   min_busbw_gbps=self.health_min_busbw_gbps)
+        healthy = verdict.healthy(list(self.job_hosts))
+        chosen = healthy[:self.nodes]
+        planned = list(self.job_hosts[:self.nodes])
+        incoming = [h for h in chosen if h not in planned]
+        replaced = {h: incoming.pop(0) for h in planned if h not in chosen and incoming}
+        self._record_health(attempt, step, verdict, chosen, replaced, time.time() - t0)
+        for line in _health_lines(verdict, replaced):
+            print(f"hpctrain: health check: {line}", file=sys.stderr, flush=True)
+        if len(chosen) < self.nodes:
+            failed = sorted(verdict.failed)
+            msg = (f"health check: {len(healthy)} of {len(self.job_hosts)} node(s) passed, {self.nodes} needed; "
+                   + "; ".join(f"{h}: {verdict.failed[h]}" for h in failed))
+            rec = {"event": "unhealthy", "job_id": self.job, "attempt": attempt, "silent_hosts": failed,
+                   "time": time.time(), "message": msg}
+            give = Verdict(FailureClass.NODE_FAIL, tuple(failed), msg, rec, time.time())
+            return self._give_up(give, "too few nodes passed the health check", int(ExitCode.ERROR),
+                                 frozenset(failed))
+        return chosen, frozenset(verdict.failed)
+
+    def _record_health(self, attempt: int, step: str, verdict: Any, chosen: list[str], replaced: dict[str, str],
+                       elapsed: float) -> None:
+        events_mod.append_event(self.run_dir, events_mod.Event(
+            kind=HEALTH, time=time.time(), job_id=self.job, attempt=attempt,
+            message="; ".join(f"{h}: {w}" for h, w in sorted(verdict.failed.items())),
+            extra={"step_id": step, "hosts": list(self.job_hosts), "failed": dict(verdict.failed),
+                   "notes": list(verdict.notes), "train_hosts": chosen, "replaced": replaced,
+                   "figures": verdict.figures, "elapsed_s": round(elapsed, 2)}))
 
     def _launch(self, hosts: list[str], attempt: int, restarts: str, used: int) -> tuple[Any, str]:
         from hpctrain.render.sbatch import render_hostfile
@@ -336,7 +412,7 @@ class Driver:
         hosts = sorted(set(verdict.watchdog.get("silent_hosts") or ()) | set(bad))
         rec = {**verdict.watchdog, "silent_hosts": hosts, "in_job": why}
         runs_mod.append_attempt(runs_mod.RunFolder(self.run_dir).watchdog_jsonl, rec)
-        if rec.get("event") == "peer_lost":
+        if rec.get("event") in NODE_VERDICTS:
             try:
                 take_over(self.run_dir, self.job)
             except Exception as exc:  # noqa: BLE001 - the supervisor job decides later instead
@@ -413,6 +489,14 @@ def _straggler_finder() -> Callable[[list[dict[str, Any]], float], list[str]]:
     return find
 
 
+def _health_lines(verdict: Any, replaced: dict[str, str]) -> list[str]:
+    if not verdict.failed and not verdict.notes:
+        return ["every node passed"]
+    out = [f"{h} failed: {why}" + (f"; replaced by {replaced[h]}" if h in replaced else "")
+           for h, why in sorted(verdict.failed.items())]
+    return out + list(verdict.notes)
+
+
 def _slurmd_answers(host: str, port: int, timeout_s: float = SLURMD_PROBE_S) -> bool:
     """Whether `host`'s slurmd accepts a TCP connection. A name that does not resolve counts as answering: no
     evidence, so the verdict keeps its confirmation period."""
@@ -471,6 +555,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hang-timeout", type=float, default=0.0)
     p.add_argument("--straggler-patience", type=float, default=0.0)
     p.add_argument("--straggler-ratio", type=float, default=1.2)
+    p.add_argument("--health", action="store_true")
+    p.add_argument("--health-timeout", type=float, default=300.0)
+    p.add_argument("--health-matmul-ratio", type=float, default=0.8)
+    p.add_argument("--health-net-ratio", type=float, default=0.5)
+    p.add_argument("--health-min-busbw", type=float, default=0.0)
     argv = sys.argv[1:] if argv is None else argv
     cut = argv.index("--") if "--" in argv else len(argv)
     a, launch = p.parse_args(argv[:cut]), argv[cut + 1:]
@@ -480,7 +569,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     return Driver(Path(a.run_dir), job, expand(nodelist), a.nodes, a.tasks_per_node, a.restarts, launch,
                   a.hang_timeout, a.world, straggler_patience_s=a.straggler_patience,
-                  straggler_ratio=a.straggler_ratio).run()
+                  straggler_ratio=a.straggler_ratio, health=a.health, health_timeout_s=a.health_timeout,
+                  health_matmul_ratio=a.health_matmul_ratio, health_net_ratio=a.health_net_ratio,
+                  health_min_busbw_gbps=a.health_min_busbw).run()
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ from hpctrain.fault.watchdog import (
 )
 from hpctrain.fault.watchdog import main as watchdog_main
 from hpctrain.runs import folder as runs_mod
-from hpctrain.states import IMPLICATES_HOST, FailureClass, JobState, class_of_state, is_final
+from hpctrain.states import IMPLICATES_HOST, NODE_VERDICTS, FailureClass, JobState, class_of_state, is_final
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.spec.model import Spec
@@ -293,7 +293,7 @@ def history(run_dir: Path, job_id: str, sacct_rec: Any = None) -> tuple[list[pol
         if hang:  # the watchdog's verdict: a hang, or a peer lost (its node died) -> node_fail
             # A lost peer is a node failure: its host goes into --exclude (hpctrain.states.FailureClass). The
             # verdict is the one cause: the surviving ranks' own errors blame whichever peer they talked to.
-            cls = FailureClass.NODE_FAIL if hang[-1].get("event") == "peer_lost" else FailureClass.HANG
+            cls = FailureClass.NODE_FAIL if hang[-1].get("event") in NODE_VERDICTS else FailureClass.HANG
             msg, exc = hang[-1]["message"], None
             implicated = list(hang[-1].get("silent_hosts", []))
             evidence = _verdict_evidence(hang[-1], run_dir)
@@ -418,7 +418,7 @@ def supervise(run_dir: Path, job_id: str, ending: str | None = None) -> dict[str
                                 "decision": decision.to_dict(), "time": time.time()}
         hang = watchdog_records(run_dir, job_id)
         if hang:  # "hang" or "peer_lost" (the collector reads both from here)
-            key = "peer_lost" if hang[-1].get("event") == "peer_lost" else "hang"
+            key = "peer_lost" if hang[-1].get("event") in NODE_VERDICTS else "hang"
             note[key] = {k: hang[-1].get(k) for k in ("last_step", "silent_ranks", "silent_hosts", "stale_s",
                                                        "detected_s", "message") if k in hang[-1]}
         if decision.action == "retry":

@@ -1,7 +1,9 @@
-"""`python -m hpctrain.node RUN_DIR [--mode train|preflight] [--launcher srun|deepspeed]`.
+"""`python -m hpctrain.node RUN_DIR [--mode train|preflight|health] [--launcher srun|deepspeed]`.
 
 With `--launcher deepspeed` (one task per node), this process starts DeepSpeed's runner without ssh on
 its own node, which starts one `python -m hpctrain.node RUN_DIR` per slot with RANK/LOCAL_RANK/... set.
+HPCTRAIN_NODE_MODE=health (the in-job driver's health step, one task per node, the same launch line as the
+training's) runs this node's health check instead (hpctrain.node.health), whatever the launcher.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import sys
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m hpctrain.node", description=__doc__.splitlines()[0])
     p.add_argument("run_dir")
-    p.add_argument("--mode", choices=("train", "preflight"), default="train")
+    p.add_argument("--mode", choices=("train", "preflight", "health"), default="train")
     p.add_argument("--launcher", choices=("srun", "deepspeed"), default="srun",
                    help="srun: this process is one rank; deepspeed: start DeepSpeed's runner for this node")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # DeepSpeed passes it
@@ -42,6 +44,10 @@ def deepspeed_command(run_dir: str, mode: str, env: dict[str, str]) -> list[str]
 def main(argv: list[str] | None = None) -> int:
     os.umask(0o077)  # rank logs, metrics, checkpoints: private to the user, whoever started this process
     args = _parser().parse_args(argv)
+    if os.environ.get("HPCTRAIN_NODE_MODE") == "health" or args.mode == "health":
+        from hpctrain.node import health
+
+        return health.run(args.run_dir)
     if args.launcher == "deepspeed" and "HPCTRAIN_DS_CHILD" not in os.environ:
         cmd = deepspeed_command(args.run_dir, args.mode, dict(os.environ))
         os.environ["HPCTRAIN_DS_CHILD"] = "1"  # the children are ranks, not runners

@@ -390,6 +390,23 @@ def _explain(spec: Spec, chosen: Estimate, micros: list[int], acs: list[bool], r
                        "on the GPU, which is far faster")
 
 
+def fault_reasons(spec: Spec) -> list[str]:
+    """What the job does about failing nodes inside its allocation: spares, the health check."""
+    r, f = spec.resources, spec.fault
+    out = []
+    if r.spare_nodes:
+        out.append(f"{r.spare_nodes} spare node(s) allocated beside the {r.nodes} training node(s) "
+                   f"({r.nodes + r.spare_nodes} in the job): a failing node is replaced in a new srun step, "
+                   f"up to {f.in_job_restarts or r.spare_nodes} time(s)")
+    if f.health_check:
+        what = "GPUs: NVML errors and throttling, bf16 matmul rate" if r.gpus_per_node else "CPU matmul rate"
+        out.append(f"health check before training on all {r.nodes + r.spare_nodes} node(s) ({what}; all-reduce and "
+                   f"ring-pair bandwidth), at most {f.health_timeout_s} s: a failing node is "
+                   + ("replaced by a spare" if r.spare_nodes else "excluded and the job resubmitted")
+                   + " (SLURM jobs; sweeps and the local executor have none)")
+    return out
+
+
 def make_plan(spec: Spec) -> Plan:
     """Derive the plan; refuse (HpcUsageError) what cannot run, saying which value fixes it."""
     rpn, world, dp = _degrees(spec)
@@ -402,10 +419,7 @@ def make_plan(spec: Spec) -> Plan:
     r, t = spec.resources, spec.train
     reasons = [(f"world {world} = {r.nodes} nodes x {rpn} ranks; dp {dp} = world / "
                 f"(tp {spec.parallel.tp} x pp {spec.parallel.pp})")]
-    if r.spare_nodes:
-        reasons.append(f"{r.spare_nodes} spare node(s) allocated beside the {r.nodes} training node(s) "
-                       f"({r.nodes + r.spare_nodes} in the job): a failing node is replaced in a new srun step, "
-                       f"up to {spec.fault.in_job_restarts or r.spare_nodes} time(s)")
+    reasons += fault_reasons(spec)
     if r.gpus_per_node and not r.gpu_mem_gb:
         reasons.append(f"GPU memory assumed {DEFAULT_GPU_GB:g} GiB: set gpu_mem_gb in the site profile")
     if not r.mem:
@@ -455,6 +469,7 @@ def _plan_unknown_model(spec: Spec, rpn: int, world: int, dp: int) -> Plan:
                f"ZeRO stage {p.zero} / offload {p.offload}: as requested, not checked against memory"]
     if not r.gpus_per_node:
         reasons.append("CPU ranks: DS_ACCELERATOR=cpu with gloo")
+    reasons += fault_reasons(spec)
     memory: dict[str, Any] = {"known": False, "per_rank_gb": None, "per_host_gb": None, "breakdown": {}, "fits": None,
               "device_capacity_gb": (r.gpu_mem_gb or DEFAULT_GPU_GB) if r.gpus_per_node else None,
               "host_capacity_gb": parse_mem_gb(r.mem) or DEFAULT_HOST_GB, "cpu_fraction": None}

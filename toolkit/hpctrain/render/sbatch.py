@@ -399,6 +399,10 @@ def render_sbatch(spec: Spec, plan: Plan, run_dir: Path, command: str, *, array:
         raise bad_value("resources.spare_nodes", spec.resources.spare_nodes, "a sweep is one job array, and its "
                         "tasks have no in-job driver to hand a spare to", "drop --spare-nodes for a sweep, or "
                         "submit each point as a run of its own")
+    if array and spec.fault.health_check:
+        raise bad_value("fault.health_check", True, "a sweep is one job array, and its tasks have no in-job driver "
+                        "to run the health check", "drop --health-check for a sweep, or submit each point as a "
+                        "run of its own")
     launch_line, note = _launch_line(spec, plan, folder, array, command, dirs, python, mode)
     injob = "" if array else _injob_line(spec, plan, command, python, launch_line)
     secrets = secret_names(spec)
@@ -414,7 +418,7 @@ def render_sbatch(spec: Spec, plan: Plan, run_dir: Path, command: str, *, array:
         container_check=containers.prelaunch_lines(spec, container_binds(spec, dirs)),
         watchdog="" if injob else _watchdog_line(spec, plan, command, python),
         hang_timeout=spec.launch.hang_timeout_s, injob=injob, spare_nodes=plan.spare_nodes,
-        in_job_restarts=plan.in_job_restarts, code_dir=spec.code.dir,
+        in_job_restarts=plan.in_job_restarts, code_dir=spec.code.dir, health=spec.fault.health_check,
     )
 
 
@@ -431,9 +435,11 @@ def _watchdog_line(spec: Spec, plan: Plan, command: str, python: str | None) -> 
 
 
 def _injob_line(spec: Spec, plan: Plan, command: str, python: str | None, launch_line: str) -> str:
-    """The in-job restart driver (hpctrain.fault.injob) wrapping the srun line, when the run has spare nodes or
-    in-job restarts; it also does the watchdog's checks, on each step. Empty otherwise (the bare srun line)."""
-    if not plan.in_job_restarts or not (python or command.strip()):
+    """The in-job restart driver (hpctrain.fault.injob) wrapping the srun line, when the run has spare nodes,
+    in-job restarts or a health check; it also does the watchdog's checks, on each step. Empty otherwise (the
+    bare srun line)."""
+    f = spec.fault
+    if not (plan.in_job_restarts or f.health_check) or not (python or command.strip()):
         return ""
     py = shlex.quote(shlex.split(command)[0]) if command.strip() else str(python)
     own = user_script(spec)
@@ -446,5 +452,8 @@ def _injob_line(spec: Spec, plan: Plan, command: str, python: str | None, launch
             f"--restarts {plan.in_job_restarts} --world {plan.world_size} "
             f"--hang-timeout {hang}"
             + (f" --straggler-patience {f.straggler_patience_s} --straggler-ratio {f.straggler_ratio:g}"
-               if (f := spec.fault).straggler_patience_s else "")
+               if f.straggler_patience_s else "")
+            + (f" --health --health-timeout {f.health_timeout_s} --health-matmul-ratio {f.health_matmul_ratio:g} "
+               f"--health-net-ratio {f.health_net_ratio:g} --health-min-busbw {f.health_min_busbw_gbps:g}"
+               if f.health_check else "")
             + f" -- {launch_line}")

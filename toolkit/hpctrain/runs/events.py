@@ -31,6 +31,7 @@ START, TRAIN, STOP, FAILURE = "start", "train", "stop", "failure"
 # One in-job restart (hpctrain.fault.injob, not a rank): `attempt` is the attempt whose srun step ended; extra
 # holds step_id, next_step_id, next_attempt, step_hosts, hosts (the next step's), replaced {old: spare}.
 RESTART = "restart"
+HEALTH = "health"  # the in-job driver's health check: which nodes failed it and why (hpctrain.fault.health)
 _MAX_TEXT = 2000  # characters per text field: a line stays one small write
 _MAX_LINES = 12  # traceback lines kept
 

@@ -147,6 +147,10 @@ class RunFolder:
     def watchdog_jsonl(self) -> Path:
         return self.metrics_dir / WATCHDOG_JSONL
 
+    def health_dir(self, job: str, attempt: int) -> Path:
+        """One health step's reports (hpctrain.node.health writes HOST.json, hpctrain.fault.health judges)."""
+        return self.metrics_dir / "health" / f"{job or 'local'}-{attempt}"
+
     @property
     def export_dir(self) -> Path:
         """The consolidated Hugging Face model (`hpctrain export`, checkpoint.export_hf)."""

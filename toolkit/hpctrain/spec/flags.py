@@ -63,7 +63,7 @@ OTHER_FLAGS: dict[str, str] = {
     "site": "--site", "model.path": "--model", "model.config": "--model",
     "train.activation_checkpointing": "--activation-checkpointing",
     "slurm.extra": "--sbatch-arg", "code.snapshot": "--snapshot",
-    "launch.pass_ds_config": "--pass-ds-config", "launch.args": "-- ARGS",
+    "launch.pass_ds_config": "--pass-ds-config", "launch.args": "-- ARGS", "fault.health_check": "--health-check",
 }
 
 FLAG_FOR: dict[str, str] = {**{f.key: f.flag for f in FLAGS}, **OTHER_FLAGS}

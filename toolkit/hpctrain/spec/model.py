@@ -93,6 +93,17 @@ class Fault:
     # straggler_ratio x the other ranks' median (heartbeats) for straggler_patience_s is replaced (0 = off).
     straggler_patience_s: int = 0
     straggler_ratio: float = 1.2
+    # Health check before training (SLURM jobs; hpctrain.node.health measures, hpctrain.fault.health judges):
+    # every node of the job, spares too, runs a short test in an srun step of its own: GPUs (NVML errors and
+    # throttling, a few seconds of bf16 matmul against the measured rate) or the CPU's matmul rate, and the
+    # network (an all-reduce across the nodes, each node against its ring neighbours). A node that fails is
+    # replaced by a spare before any training; without one left, the job ends and the supervisor resubmits
+    # with that node excluded. summary says which node failed and why.
+    health_check: bool = False
+    health_matmul_ratio: float = 0.8  # a GPU (CPU) below this x its kind's measured rate (the nodes' median)
+    health_net_ratio: float = 0.5  # a node whose best ring link is below this x the median node's best link
+    health_min_busbw_gbps: float = 0.0  # all-reduce bus bandwidth floor, GB/s (a note when below; 0 = none)
+    health_timeout_s: int = 300  # the health step's limit; a node without a complete report by then fails
 
     def __post_init__(self) -> None:
         check(self)

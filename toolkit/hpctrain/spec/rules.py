@@ -650,6 +650,13 @@ def _rules_fault(x: Fault) -> None:
          "set [fault] straggler_patience_s = 120 (0 = off)")
     need(x.straggler_ratio > 1.0, "fault.straggler_ratio", x.straggler_ratio, "must be above 1 (slower than the others)",
          "set [fault] straggler_ratio = 1.2")
+    for key, v in (("health_matmul_ratio", x.health_matmul_ratio), ("health_net_ratio", x.health_net_ratio)):
+        need(0.0 < v <= 1.0, f"fault.{key}", v, "must be a fraction, 0 < r <= 1 (of the expected or median rate)",
+             f"set [fault] {key} = {0.8 if 'matmul' in key else 0.5}")
+    need(x.health_min_busbw_gbps >= 0, "fault.health_min_busbw_gbps", x.health_min_busbw_gbps, "cannot be negative",
+         "set [fault] health_min_busbw_gbps = 0 (no floor)")
+    need(x.health_timeout_s > 0, "fault.health_timeout_s", x.health_timeout_s, "must be positive",
+         "set [fault] health_timeout_s = 300")
 
 
 def _rules_eval(s: Spec) -> None:
