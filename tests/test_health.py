@@ -300,3 +300,16 @@ def test_health_thresholds_out_of_range_are_refused_by_name(key: str, value: Any
 
     with pytest.raises(HpcUsageError, match=key.replace(".", r"\.")):
         resolve(Path(__file__).resolve().parents[1] / "examples" / "tiny.toml", {key: value})
+
+
+def test_submitits_callable_runs_the_check_in_the_health_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The training's launch line is submitit's `_submit` of NodeJob: the health step's env turns it into the
+    check (the deepspeed launcher's `python -m hpctrain.node` path reads the same variable)."""
+    from hpctrain.node import __main__ as node_main
+    from hpctrain.node.entry import NodeJob
+
+    ran: list[str] = []
+    monkeypatch.setattr(health, "run", lambda run_dir: ran.append(run_dir) or 0)
+    monkeypatch.setenv("HPCTRAIN_NODE_MODE", "health")
+    assert NodeJob("/runs/a")() == 0 and ran == ["/runs/a"]
+    assert node_main.main(["/runs/b", "--launcher", "deepspeed"]) == 0 and ran[-1] == "/runs/b"

@@ -253,6 +253,9 @@ def stop_class(signum: int, seconds_left: float | None, window_s: float, cancell
 # The in-job driver's restart number k of an srun step (0 or unset: the job's first step), in every rank's
 # environment: hpctrain.fault.injob sets it, hpctrain.node.predecessors reads it.
 INJOB_RESTART_ENV = "HPCTRAIN_INJOB_RESTART"
+# The driver's health step: HPCTRAIN_NODE_MODE=health makes a rank's entry (submitit's callable, or python -m
+# hpctrain.node) run hpctrain.node.health instead of training, writing its report into HPCTRAIN_HEALTH_DIR.
+NODE_MODE_ENV, HEALTH_DIR_ENV = "HPCTRAIN_NODE_MODE", "HPCTRAIN_HEALTH_DIR"
 
 # Verdicts in metrics/watchdog.jsonl that blame nodes, not the program: a lost peer (the watchdog), a node that
 # failed the health check and a persistent straggler (the in-job driver, when no spare was left). The supervisor

@@ -38,8 +38,10 @@ from hpctrain.runs import beats as beats_mod
 from hpctrain.runs import events as events_mod
 from hpctrain.runs import folder as runs_mod
 from hpctrain.states import (
+    HEALTH_DIR_ENV,
     IMPLICATES_HOST,
     INJOB_RESTART_ENV,
+    NODE_MODE_ENV,
     NODE_VERDICTS,
     ExitCode,
     FailureClass,
@@ -219,7 +221,8 @@ class Driver:
         out_dir = runs_mod.RunFolder(self.run_dir).health_dir(self.job, attempt)
         shutil.rmtree(out_dir, ignore_errors=True)  # a requeued run of the job checks its nodes again
         out_dir.mkdir(parents=True, exist_ok=True)
-        env = dict(self.env, MASTER_ADDR=self.job_hosts[0], HPCTRAIN_NODE_MODE="health", HPCTRAIN_HEALTH_DIR=str(out_dir))
+        env = dict(self.env, MASTER_ADDR=self.job_hosts[0])
+        env.update({NODE_MODE_ENV: "health", HEALTH_DIR_ENV: str(out_dir)})
         env["HPCTRAIN_ATTEMPT"] = str(attempt - (int(restarts) if restarts.isdigit() else 0))
         if str(env.get("MASTER_PORT", "")).isdigit():  # ports of their own: no restart step's, no dying rank's
             env["MASTER_PORT"] = str(int(env["MASTER_PORT"]) + PORT_STRIDE * (self.budget + 1))

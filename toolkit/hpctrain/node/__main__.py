@@ -44,7 +44,9 @@ def deepspeed_command(run_dir: str, mode: str, env: dict[str, str]) -> list[str]
 def main(argv: list[str] | None = None) -> int:
     os.umask(0o077)  # rank logs, metrics, checkpoints: private to the user, whoever started this process
     args = _parser().parse_args(argv)
-    if os.environ.get("HPCTRAIN_NODE_MODE") == "health" or args.mode == "health":
+    from hpctrain.states import NODE_MODE_ENV
+
+    if os.environ.get(NODE_MODE_ENV) == "health" or args.mode == "health":
         from hpctrain.node import health
 
         return health.run(args.run_dir)

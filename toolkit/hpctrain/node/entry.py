@@ -22,6 +22,12 @@ class NodeJob:
     def __call__(self) -> int:
         import os
 
+        from hpctrain.states import NODE_MODE_ENV
+
+        if os.environ.get(NODE_MODE_ENV) == "health":  # the in-job driver's health step (hpctrain.node.health)
+            from hpctrain.node import health
+
+            return health.run(self.run_dir)
         from hpctrain.node.main import run  # heavy imports happen on the node only
 
         if self.restarts and "SUBMITIT_LOCAL_JOB_ID" in os.environ:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.runs.folder import RunFolder
+from hpctrain.states import HEALTH_DIR_ENV, NODE_MODE_ENV
 
 MATMUL_S = 2.0  # seconds of matmul per GPU (a few seconds, as the check's budget allows)
 CPU_MATMUL_S = 1.0
@@ -42,8 +43,7 @@ ALLREDUCE_BYTES = {"gpu": 256 << 20, "cpu": 4 << 20}
 PAIR_BYTES = {"gpu": 64 << 20, "cpu": 2 << 20}
 NET_TIME_S = 0.5  # the all-reduce is repeated for about this long (at least 3 times, the count agreed by all)
 PAIR_REPS = 5  # ping-pongs per pair (a fixed count: both ends must run the same number)
-MODE_ENV = "HPCTRAIN_NODE_MODE"
-DIR_ENV = "HPCTRAIN_HEALTH_DIR"
+MODE_ENV, DIR_ENV = NODE_MODE_ENV, HEALTH_DIR_ENV
 INJECT_ENV = "HPCTRAIN_HEALTH_INJECT"
 
 
