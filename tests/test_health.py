@@ -200,7 +200,8 @@ def _driver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reports: dict[str, 
     monkeypatch.setattr(commands, "scancel", lambda ids: None)
     monkeypatch.setattr(injob.Driver, "_down", lambda self, hs: [])
     env = {"PATH": "/usr/bin:/bin", "SLURM_RESTART_COUNT": "0", "HPCTRAIN_ATTEMPT": "0", "MASTER_PORT": "20100"}
-    d = injob.Driver(run, "7", hosts, nodes, 1, spares_budget, ["srun", "python", "-m", "hpctrain.node", str(run)],
+    d = injob.Driver(run, "7", hosts, nodes, 1, spares_budget,
+                     ["srun", "--kill-on-bad-exit=1", "python", "-m", "hpctrain.node", str(run)],
                      world=nodes, env=env, health=True, health_timeout_s=60)
     return d, steps
 
@@ -212,6 +213,7 @@ def test_a_training_node_that_fails_the_check_is_swapped_for_a_spare_before_trai
     assert d.run() == 0
     health_argv, train_argv = steps.argv[0], steps.argv[1]
     assert "--nodelist=node1,node2,node3,node4" in health_argv and "--ntasks-per-node=1" in health_argv
+    assert [a for a in health_argv if a.startswith("--kill-on-bad-exit")] == ["--kill-on-bad-exit=0"]
     assert steps.envs[0]["HPCTRAIN_NODE_MODE"] == "health" and steps.envs[0]["MASTER_PORT"] == "20106"
     assert "--nodelist=node1,node3" in train_argv and "HPCTRAIN_NODE_MODE" not in steps.envs[1]
     (e,) = ev.read_events(d.run_dir, kind=ev.HEALTH)

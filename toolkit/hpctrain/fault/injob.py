@@ -227,7 +227,9 @@ class Driver:
         if str(env.get("MASTER_PORT", "")).isdigit():  # ports of their own: no restart step's, no dying rank's
             env["MASTER_PORT"] = str(int(env["MASTER_PORT"]) + PORT_STRIDE * (self.budget + 1))
         t0, before = time.time(), set(_safe_steps(self.job))
-        proc = _slurm.start_step(self.srun_argv(self.job_hosts, tasks_per_node=1), env=env)
+        # One node's task that dies must not take the others' reports with it (--kill-on-bad-exit would).
+        argv = [a for a in self.srun_argv(self.job_hosts, tasks_per_node=1) if not a.startswith("--kill-on-bad-exit")]
+        proc = _slurm.start_step([argv[0], "--kill-on-bad-exit=0", *argv[1:]], env=env)
         step = self._step_id(proc, before)
         try:
             proc.wait(timeout=self.health_timeout_s)
