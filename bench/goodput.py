@@ -69,11 +69,13 @@ def metrics(run: Path) -> list[dict[str, Any]]:
     """The run's metrics records; a line cut mid-write is skipped (the collector's reader)."""
     from hpctrain.collect.metrics import read_metrics
 
-    return read_metrics(run / "metrics" / "metrics.jsonl")[0]
+    return list(read_metrics(run / "metrics" / "metrics.jsonl")[0])
 
 
 def sacct_runs(job: str) -> list[dict[str, Any]]:
-    """Every run of the job (sacct -D): state, start, end (epoch s)."""
+    """Every allocated record of the job (sacct -D): state, start, end (epoch s). A PENDING record (the job
+    back in the queue after a requeue) holds no allocation and is left out; a job that lost a node under
+    --no-kill shows a RESIZING record up to the node's removal and the rest after it."""
     out = []
     text = sh("sacct", "-X", "-D", "-n", "-P", "-j", job, "-o", "State,Start,End,NodeList", timeout=30)
     for line in text.splitlines():
@@ -85,8 +87,21 @@ def sacct_runs(job: str) -> list[dict[str, Any]]:
             except ValueError:
                 return None
 
-        out.append({"state": state.split()[0], "start": ts(start), "end": ts(end), "nodes": nodes})
+        if state.split()[0] != "PENDING":
+            out.append({"state": state.split()[0], "start": ts(start), "end": ts(end), "nodes": nodes})
     return out
+
+
+def union_s(records: list[dict[str, Any]], weight: Any = None) -> float:
+    """Seconds covered by the records' [start, end] intervals, overlaps counted once (x weight(record), the
+    node count, when given: the largest weight of the records covering each moment)."""
+    edges = sorted({t for r in records if r["start"] for t in (r["start"], r["end"] or time.time())})
+    total = 0.0
+    for a, b in itertools.pairwise(edges):
+        live = [r for r in records if r["start"] and r["start"] <= a and (r["end"] or time.time()) >= b]
+        if live:
+            total += (b - a) * (max(weight(r) for r in live) if weight else 1)
+    return total
 
 
 def run_jobs(run: Path) -> list[str]:
@@ -159,15 +174,39 @@ def node_count(nodes: str) -> int:
     return len(sh("scontrol", "show", "hostnames", nodes, check=False).split()) if nodes else 0
 
 
-def analyze(run: Path, injected: list[dict[str, Any]], training_nodes: int = 0) -> dict[str, Any]:
-    """Print the goodput table of a finished run folder; return its figures."""
+def spans(samples: list[tuple[float, str, str]]) -> list[dict[str, Any]]:
+    """The allocation as this script saw it, polling squeue about once a second: each stretch of RUNNING or
+    COMPLETING samples with the same nodes is one record (start = its first sample, end = the first sample
+    after it). sacct's records of a job that was resized (a node lost under --no-kill) and then requeued are not
+    usable (an end "Unknown", an elapsed time still growing after the job ended)."""
+    out: list[dict[str, Any]] = []
+    cur: dict[str, Any] | None = None
+    for t, state, nodes in samples:
+        live = state in ("RUNNING", "COMPLETING")
+        if cur is not None and (not live or nodes != cur["nodes"]):
+            cur["end"] = t
+            out.append(cur)
+            cur = None
+        if live and cur is None:
+            cur = {"state": state, "start": t, "end": None, "nodes": nodes}
+    if cur is not None:
+        cur["end"] = samples[-1][0]
+        out.append(cur)
+    return out
+
+
+def analyze(run: Path, injected: list[dict[str, Any]], training_nodes: int = 0,
+            samples: list[tuple[float, str, str]] | None = None) -> dict[str, Any]:
+    """Print the goodput table of a finished run folder; return its figures. With the squeue `samples` of the
+    campaign the allocation is taken from them, else from sacct (fine for jobs never resized)."""
     recs = metrics(run)
     starts = [e["time"] for e in events(run) if e.get("event") == "start"]
     useful, lost = useful_time(recs, starts)
-    records = [r for j in run_jobs(run) for r in sacct_runs(j)]
+    records = spans(samples) if samples else [r for j in run_jobs(run) for r in sacct_runs(j)]
     faults = per_fault(recs, starts, records, lost)
-    alloc = sum((r["end"] or time.time()) - r["start"] for r in records if r["start"])
-    node_s = sum(((r["end"] or time.time()) - r["start"]) * node_count(r["nodes"]) for r in records if r["start"])
+    alloc = union_s(records)
+    counts = {r["nodes"]: node_count(r["nodes"]) for r in records}
+    node_s = union_s(records, lambda r: counts[r["nodes"]])
     first = min(r["start"] for r in records if r["start"])
     startup = starts[0] - first if starts else 0.0
     restarts = max(1, len(starts) - 1)  # training starts after the first: in-job steps and new SLURM runs alike
@@ -184,7 +223,7 @@ def analyze(run: Path, injected: list[dict[str, Any]], training_nodes: int = 0) 
         kind = injected[k]["kind"] if k < len(injected) else "restart"
         at = injected[k]["at_step"] if k < len(injected) else "-"
         print(f"| {kind} | {at} | {lost[k] if k < len(lost) else '-'} | {gap:.1f} | {redo:.1f} | {gap + redo:.1f} |")
-    print("\nSLURM runs (job state start->end s):")
+    print("\nallocation (job state start->end s):")
     for r in records:
         print(f"  {r['state']:10s} {r['nodes']:10s} {((r['end'] or time.time()) - r['start']):6.0f} s")
     print(f"projection, 1 restart per 10 min of training: goodput = 600 / (600 + {startup:.0f} + {overhead:.0f}) "
@@ -205,15 +244,24 @@ def analyze(run: Path, injected: list[dict[str, Any]], training_nodes: int = 0) 
             "overhead_per_restart_s": round(overhead, 1), "lost_steps": lost,
             "per_fault": [{"kind": injected[k]["kind"] if k < len(injected) else "restart", "gap_s": round(g, 1),
                            "redone_s": round(r, 1)} for k, (g, r) in enumerate(faults)],
-            "queue_passes": max(0, len(records) - 1), "slurm_runs": records, "restart_timeline": tl,
+            "queue_passes": queue_passes(run), "slurm_runs": records, "restart_timeline": tl,
             "projection_10min": round(proj, 4)}
+
+
+def queue_passes(run: Path) -> int:
+    """How often the run went back through the queue: each start of the ranks after the first that was not an
+    in-job restart (a requeue of the same job, or a resubmitted job)."""
+    evs = events(run)
+    starts = [e for e in evs if e.get("kind") == "start" and e.get("rank") == 0]
+    in_job = [e for e in evs if e.get("kind") == "restart"]
+    return max(0, len(starts) - 1 - len(in_job))
 
 
 def restart_timeline(run: Path) -> list[dict[str, Any]]:
     sys.path.insert(0, str(REPO / "toolkit"))
     from hpctrain.fault.injob import timeline
 
-    return timeline(run)
+    return list(timeline(run))
 
 
 def compare(paths: list[Path], waits: list[float]) -> None:
@@ -231,6 +279,11 @@ def compare(paths: list[Path], waits: list[float]) -> None:
               f"{100 * r['goodput']:.1f}% | {eff} | {r['queue_passes']} | {walls} |")
 
 
+def _hms(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600:02d}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, default=2)
@@ -244,6 +297,8 @@ def main() -> int:
     ap.add_argument("--step-s", type=float, default=0.35, help="expected seconds per step (sizes --steps)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--spare-nodes", type=int, default=0, help="spare nodes (in-job restarts onto them)")
+    ap.add_argument("--time", default=None, help="the job's time limit (default: 3 x --train-s + 10 min, so "
+                    "that no time-limit requeue adds a fault of its own)")
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     ap.add_argument("--analyze", type=Path, default=None, help="only print the table of this finished run folder")
     ap.add_argument("--compare", type=Path, nargs="+", default=None, help="print the table of these --out files")
@@ -269,12 +324,14 @@ def main() -> int:
             "--set", "resources.tasks_per_node=1", "--set", f"data.seq_len={a.seq}",
             "--set", f"checkpoint.every_steps={a.ckpt_steps}", "--set", "checkpoint.export_hf=false",
             "--set", "train.min_lr=0.001", "--set", "train.warmup_steps=0", "--json",
+            "--time", a.time or _hms(3 * a.train_s + 600),
             *(["--spare-nodes", str(a.spare_nodes)] if a.spare_nodes else [])]
     sub = json.loads(subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, check=True).stdout)[0]
     job, run = str(sub["job_id"]), Path(sub["run_dir"])
     print(f"run {run.name}: job {job}, {a.nodes} nodes, {steps} steps, checkpoint every {a.ckpt_steps} steps")
     killed: dict[str, tuple[float, str]] = {}  # host -> (when, the job it was killed under)
     injected: list[dict[str, Any]] = []
+    samples: list[tuple[float, str, str]] = []  # (time, squeue state, nodes) of the run's latest job
     t0 = time.monotonic()
     try:
         trained = 0.0
@@ -282,6 +339,7 @@ def main() -> int:
         while time.monotonic() - t0 < a.timeout:
             job = run_jobs(run)[-1]
             state, nodes = squeue_state(job)
+            samples.append((time.time(), state, nodes))
             recs = metrics(run)
             if not state and recs and recs[-1]["step"] >= steps:
                 break
@@ -328,7 +386,8 @@ def main() -> int:
         sup = [json.loads(x).get("supervisor_job") for x in (run / "attempts.jsonl").read_text().splitlines()]
         sh("scancel", *[s for s in sup if s], check=False) if any(sup) else None
     time.sleep(3)
-    res = analyze(run, injected, a.nodes)
+    samples.append((time.time(), "", ""))
+    res = analyze(run, injected, a.nodes, samples)
     res.update(label=f"{'spare ' + str(a.spare_nodes) if a.spare_nodes else 'resubmit'} ({a.nodes} nodes)",
                spare_nodes=a.spare_nodes, argv=sys.argv[1:])
     if a.out:

@@ -136,7 +136,7 @@ def test_a_spare_replaces_a_dead_node_in_the_same_job_then_the_queue_takes_over(
     atts = rec["runs"][0]["attempts"] if "runs" in rec else rec["attempts"]
     a0 = atts[0]
     assert a0["step_id"] == f"{job}.0" and a0["failure_class"] == "node_fail"
-    assert a0["in_job_restart"]["replaced"] == {hosts[1]: spare}
+    assert a0["in_job_restart"]["replaced"] == {hosts[2]: spare}
     assert atts[1]["step_id"] == f"{job}.1" and atts[1]["job_id"] == job and atts[-1]["job_id"] == nxt
 
     from hpctrain.fault.injob import timeline
