@@ -172,7 +172,7 @@ def build_engine(p: Prepared) -> tuple[Any, int]:
     if p.use_gpu and p.zero == 3 and "offload_optimizer" in p.ds_config["zero_optimization"]:
         from hpctrain.node.zero_offload import install
 
-        log.info("ZeRO-3 optimizer offload step fix: %s", install(engine.optimizer))
+        log.info("ZeRO-3 optimizer offload step fix: %s", install(getattr(engine, "optimizer", None)))
     return engine, n_params
 
 
