@@ -72,13 +72,16 @@ def run_entry(a: argparse.Namespace, run: Path, log: Path) -> dict[str, Any]:
     (log.with_suffix(".metrics.jsonl")).write_text((run / "metrics" / "metrics.jsonl").read_text())
     steady = recs[a.warmup:]
     tps = statistics.median(r["tokens_per_s"] for r in steady)
+    # What the node logged about the ZeRO-3 offload step fix (hpctrain.node.zero_offload), if anything.
+    fix = [ln.split("step fix: ", 1)[1] for ln in log.read_text(errors="replace").splitlines() if "step fix: " in ln]
     return {"impl": "hpctrain-node", "model": a.model, "tokens_per_s_per_gpu": round(tps, 1),
             "model_tflops_per_gpu": round(statistics.median(r["tflops"] for r in steady), 1),
             "mfu": round(statistics.median(r["mfu"] for r in steady), 3) if steady[0]["mfu"] is not None else None,
             "gpu_peak_gb": round(max(r["gpu_mem_gb"] for r in recs), 1),
             "host_rss_gb": round(max(r["host_mem_gb"] for r in recs), 1),
             "first_loss": round(recs[0]["loss"], 3), "last_loss": round(recs[-1]["loss"], 3),
-            "wall_s": round(time.time() - t0, 1)}
+            "step_s": round(statistics.median(r["tokens"] / r["tokens_per_s"] for r in steady), 4),
+            "zero3_offload_fix": fix[-1] if fix else "", "wall_s": round(time.time() - t0, 1)}
 
 
 def main() -> None:

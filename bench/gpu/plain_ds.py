@@ -50,6 +50,11 @@ def main() -> None:
     ap.add_argument("--offload", default="none", choices=["none", "optimizer"])
     ap.add_argument("--ratio", type=float, default=1.0)
     ap.add_argument("--no-ac", action="store_true", help="no activation checkpointing")
+    ap.add_argument("--init-on-cpu", action="store_true", help="random init on the CPU (before 2026-12-01b)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="time forward, backward, step and the ZeRO-3 step's pieces (synchronising: not a baseline)")
+    ap.add_argument("--zero3-offload-fix", action="store_true",
+                    help="install hpctrain.node.zero_offload on the engine (an A/B of the fix, not the baseline)")
     ap.add_argument("--torch-adam", action="store_true",
                     help="torch's fused AdamW instead of FusedAdam (same speed, no JIT build; not with offload)")
     args = ap.parse_args()
@@ -73,26 +78,48 @@ def main() -> None:
         "steps_per_print": 10**9,
     }
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    # The random init runs on the GPU (HF's init of 3 B parameters on the CPU took minutes per run, most of a
+    # device call); deepspeed.initialize then partitions the model as before, so the steps are the same.
+    with torch.device("cpu" if args.init_on_cpu else "cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     if not args.no_ac:
         model.gradient_checkpointing_enable()
     n_params = sum(p.numel() for p in model.parameters())
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    if args.zero3_offload_fix:
+        from hpctrain.node.zero_offload import install
+
+        print("zero_offload:", install(engine.optimizer), flush=True)
+    pieces: dict[str, list[float]] = {}
+    if args.breakdown:
+        from ds_timers import wrap_step_pieces
+
+        wrap_step_pieces(engine.optimizer, pieces)
 
     tokens_per_step = args.mb * args.seq * world
     times: list[float] = []
     losses: list[float] = []
     g = torch.Generator(device="cuda").manual_seed(rank)
+    phases: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}
     for step in range(args.warmup + args.steps):
         x = torch.randint(0, cfg.vocab_size, (args.mb, args.seq), device="cuda", generator=g)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         loss = engine(input_ids=x, labels=x).loss
+        t1 = _sync_time(args.breakdown)
         engine.backward(loss)
+        t2 = _sync_time(args.breakdown)
         engine.step()
         torch.cuda.synchronize()
+        t3 = time.perf_counter()
         if step >= args.warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(t3 - t0)
+            if args.breakdown:
+                for k, v in (("forward", t1 - t0), ("backward", t2 - t1), ("step", t3 - t2)):
+                    phases[k].append(v)
+        elif args.breakdown:
+            for v in pieces.values():
+                v.clear()  # warm-up steps are not counted
         losses.append(float(loss))
     times.sort()
     step_s = times[len(times) // 2]
@@ -107,7 +134,24 @@ def main() -> None:
             "gpu_peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 1),
             "host_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 1),
             "first_loss": round(losses[0], 3), "last_loss": round(losses[-1], 3),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS", ""), "torch_threads": torch.get_num_threads(),
+            "cpus": len(os.sched_getaffinity(0)), "zero3_offload_fix": args.zero3_offload_fix,
+            **({"breakdown_s": {k: round(_median(v), 4) for k, v in phases.items() if v},
+                "step_pieces_s_per_step": {k: round(sum(v) / max(1, args.steps), 4) for k, v in pieces.items()},
+                "step_pieces_calls_per_step": {k: len(v) / max(1, args.steps) for k, v in pieces.items()}}
+               if args.breakdown else {}),
         }), flush=True)
+
+
+def _median(v: list[float]) -> float:
+    return sorted(v)[len(v) // 2]
+
+
+def _sync_time(sync: bool) -> float:
+    """perf_counter after the GPU is idle (only when timing phases: the syncs cost the overlap)."""
+    if sync:
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 if __name__ == "__main__":

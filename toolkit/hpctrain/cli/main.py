@@ -212,6 +212,8 @@ def print_plan(spec: Spec, plan: Plan) -> None:
         ("ZeRO / offload", f"stage {plan.zero_stage} / {plan.offload}"
          + (f" ratio {plan.offload_ratio:g}" if plan.offload_ratio < 1 else "")),
         ("activation ckpt", "on" if plan.activation_checkpointing else "off"),
+        *([("predicted step", f"{plan.predicted_step_s:.2f} s (hpctrain.plan.timemodel)")]
+          if plan.predicted_step_s else []),
         ("memory", f"{plan.memory['per_rank_gb']:.2f} GiB per rank, {plan.memory['per_host_gb']:.2f} GiB per host"
          if plan.memory.get("known", True) else "unknown: your script's model is not described (--model)"),
     ]
@@ -227,15 +229,18 @@ def print_plan(spec: Spec, plan: Plan) -> None:
             console.print(f"- {reason}", markup=False, highlight=False)
         return
     opts = Table(title="memory by ZeRO stage and offload (GiB)")
-    for col in ("zero", "offload", "ratio", "micro", "ckpt", "per rank", "per host", "fits"):
+    timed = any(o.get("predicted_step_s") for o in plan.options)  # GPU plans: the time model's step per option
+    for col in ("zero", "offload", "ratio", "micro", "ckpt", "per rank", "per host", *(["step s"] if timed else []),
+                "fits"):
         opts.add_column(col)
     for o in plan.options:
         same = (o["zero"], o["offload"], o["offload_ratio"]) == (plan.zero_stage, plan.offload, plan.offload_ratio)
         mark = "<- chosen" if same else ""
         ratio = f"{o['offload_ratio']:g} ({o['cpu_fraction']:.0%} CPU)" if o["offload"] in ("optimizer", "all") else "-"
+        step = [f"{o['predicted_step_s']:.2f}" if o.get("predicted_step_s") else "-"] if timed else []
         opts.add_row(str(o["zero"]), o["offload"], ratio, str(o["micro_batch"]),
                      "on" if o["activation_checkpointing"] else "off", f"{o['device_gb']:.2f}",
-                     f"{o['host_gb']:.2f}", ("yes " if o["fits"] else "no ") + mark)
+                     f"{o['host_gb']:.2f}", *step, ("yes " if o["fits"] else "no ") + mark)
     console.print(opts)
     for reason in plan.reasons:
         console.print(f"- {reason}", markup=False, highlight=False)

@@ -170,6 +170,10 @@ def build_engine(p: Prepared) -> tuple[Any, int]:
     prepare_env(p.paths, spec, p.d.rank)  # W&B's run id and folder, read by the wandb.init DeepSpeed calls
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=p.ds_config,
                                            lr_scheduler=sched)
+    if p.use_gpu and p.zero == 3 and "offload_optimizer" in p.ds_config["zero_optimization"]:
+        from hpctrain.node.zero_offload import install
+
+        log.info("ZeRO-3 optimizer offload step fix: %s", install(getattr(engine, "optimizer", None)))
     return engine, n_params
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from hpctrain.plan.memory import (
     layer_params,
     parse_mem_gb,
 )
+from hpctrain.plan.timemodel import H200, StepTime, predict
 from hpctrain.spec.model import Model, Spec, user_script
 from hpctrain.spec.presets import PRESETS
 from hpctrain.spec.rules import (
@@ -230,25 +232,42 @@ def _micro_options(spec: Spec, dp: int) -> list[int] | None:
     return divisors(per_rank)[::-1]
 
 
-def _search(sh: Shape, kind: Kind, micros: list[int], acs: list[bool]) -> tuple[Estimate, bool]:
-    """The first fitting estimate of one kind: checkpointing off before on (recompute costs ~25%), then
-    for ratio auto the smallest CPU share (CPU Adam is the slowest part of a step), then the largest
-    micro-batch. (estimate, fits); when nothing fits, the smallest estimate tried."""
+def _search(sh: Shape, kind: Kind, micros: list[int], acs: list[bool],
+            accum_of: Callable[[int], int]) -> tuple[Estimate, bool, StepTime | None]:
+    """The fastest fitting estimate of one kind, by the time model (hpctrain.plan.timemodel) on GPU ranks:
+    every checkpointing choice and micro-batch, each at the smallest CPU share that fits (a larger share only
+    adds CPU Adam time). CPU ranks have no measured rates: the first fit in the old order (checkpointing off
+    first, then the smallest ratio, then the largest micro-batch). (estimate, fits, predicted step); when
+    nothing fits, the smallest estimate tried."""
     zero, offload, ratio = kind
     ratios = _ratio_steps() if ratio == "auto" else [float(ratio)]
     tried: list[Estimate] = []
+    fitting: list[tuple[float, int, Estimate, StepTime]] = []
     for ac in acs:
-        for r in ratios:
-            for micro in micros:
+        for micro in micros:
+            for r in ratios:
                 e = estimate(sh, zero, offload, micro, ac, r)
                 if ratio == "auto" and e.cpu_fraction >= 1.0:
-                    break  # no longer partial: the same as full offload, which comes later in the order
+                    break  # no longer partial: the same as full offload, which is its own kind
                 tried.append(e)
-                if e.fits:
-                    return e, True
+                if not e.fits:
+                    continue
+                if not sh.gpu:
+                    return e, True, None
+                t = predict(sh, e, accum_of(micro))
+                fitting.append((round(t.total, 4), len(fitting), e, t))
+                break
+    if fitting:
+        _, _, best, t = min(fitting, key=lambda f: (f[0], f[1]))  # ties: the earlier in the order above
+        return best, True, t
     if not tried:  # ratio auto found no partial split at all (a single sub-group)
         tried.append(estimate(sh, zero, offload, micros[-1], acs[-1], 1.0))
-    return min(tried, key=lambda e: e.device_gb), False
+    return min(tried, key=lambda e: e.device_gb), False, None
+
+
+def _option(e: Estimate, t: StepTime | None) -> dict[str, Any]:
+    """One row of plan.options: the memory estimate and, where there is one, its predicted step."""
+    return {**asdict(e), "predicted_step_s": round(t.total, 3) if t else None}
 
 
 def _describe(e: Estimate) -> str:
@@ -291,6 +310,7 @@ class Plan:
     activation_checkpointing: bool = False  # what the node does (spec true/false, or the planner's auto pick)
     spare_nodes: int = 0  # allocated beside `nodes`, idle until one replaces a failing node (fault.injob)
     in_job_restarts: int = 0  # srun steps after the first within one job (spec fault.in_job_restarts, or spares)
+    predicted_step_s: float = 0.0  # hpctrain.plan.timemodel's step of the chosen option (0: no time model)
 
     def to_json(self) -> str:
         """Deterministic JSON (sorted keys) for plan.json and `hpctrain plan --json`."""
@@ -343,25 +363,38 @@ def _degrees(spec: Spec) -> tuple[int, int, int]:
     return rpn, world, world // (p.tp * p.pp)
 
 
+# Kinds predicted within 5% (or 0.05 s) of the fastest count as equal and the earlier (less sharding) wins:
+# the time model leaves out communication, which grows with the stage, and runs vary 5-9%.
+TIE, TIE_S = 1.05, 0.05
+
+
 def _choose(spec: Spec, sh: Shape, kinds: list[Kind], micros: list[int], acs: list[bool],
-            reasons: list[str]) -> tuple[Estimate, list[Estimate]]:
-    """The first kind (in speed order) with a fitting estimate; explicit choices are kept with a warning."""
+            accum_of: Callable[[int], int],
+            reasons: list[str]) -> tuple[Estimate, list[tuple[Estimate, StepTime | None]], StepTime | None]:
+    """Zero auto: the fitting kind of the shortest predicted step (GPU ranks; within TIE of it the earlier in
+    zero_choices' order, since the time model leaves out communication, which grows with the stage), or the
+    first fitting kind in that order (CPU ranks). An explicit choice is kept, with a warning if it does not fit."""
     p = spec.parallel
-    found = [_search(sh, k, micros, acs) for k in kinds]
-    options = [e for e, _ in found]
+    found = [_search(sh, k, micros, acs, accum_of) for k in kinds]
+    options = [(e, t) for e, _, t in found]
     if p.zero != "auto":
-        chosen, fits = found[0]
+        chosen, fits, t = found[0]
         reasons.append(f"{_describe(chosen)}: as requested")
         if not fits:
             reasons.append(f"WARNING: estimated {_fit_text(chosen)} exceeds 90% of capacity; try --zero auto")
-        return chosen, options
-    for i, (e, fits) in enumerate(found):
-        if fits:
-            faster = [f"{z}/{o}" + (" partial" if r != 1.0 else "") for z, o, r in kinds[:i]]
-            why = f" (faster choices do not fit: {', '.join(faster)})" if faster else " (the fastest choice)"
-            reasons.append(f"zero auto -> {_describe(e)}: fits in {_fit_text(e)}{why}")
-            return e, options
-    best = min(options, key=lambda e: e.device_gb)
+        return chosen, options, t
+    fitting = [(i, e, t) for i, (e, fits, t) in enumerate(found) if fits]
+    if fitting:
+        fastest = min((t.total for _, _, t in fitting if t is not None), default=None)
+        i, e, t = next(f for f in fitting if fastest is None or f[2] is None or f[2].total <= TIE * fastest + TIE_S)
+        faster = [f"{z}/{o}" + (" partial" if r != 1.0 else "") for z, o, r in kinds[:i]
+                  if not found[kinds.index((z, o, r))][1]]
+        why = f" (earlier choices do not fit: {', '.join(faster)})" if faster else " (the fastest choice)"
+        if t is not None and len(fitting) > 1:
+            why += f"; predicted {t.total:.2f} s, the shortest of the {len(fitting)} that fit"
+        reasons.append(f"zero auto -> {_describe(e)}: fits in {_fit_text(e)}{why}")
+        return e, options, t
+    best = min((e for e, _ in options), key=lambda e: e.device_gb)
     raise bad_value("parallel.zero", "auto",
                     f"no ZeRO/offload choice fits: the smallest needs {_fit_text(best)}",
                     "add nodes (--nodes), turn on --activation-checkpointing, lower --micro-batch, "
@@ -369,25 +402,30 @@ def _choose(spec: Spec, sh: Shape, kinds: list[Kind], micros: list[int], acs: li
                     "--nvme-path DIR)")
 
 
-def _explain(spec: Spec, chosen: Estimate, micros: list[int], acs: list[bool], reasons: list[str]) -> None:
-    """Reasons for the automatic micro-batch, checkpointing and ratio choices."""
+def _explain(spec: Spec, chosen: Estimate, t: StepTime | None, micros: list[int], acs: list[bool],
+             reasons: list[str]) -> None:
+    """Reasons for the automatic micro-batch, checkpointing and ratio choices, and the predicted step."""
+    how = "the shortest predicted step" if t is not None else "the largest that fits"
     if len(micros) > 1:
-        larger = [m for m in micros if m > chosen.micro_batch]
-        ctx = " with activation checkpointing off" if len(acs) > 1 and not chosen.activation_checkpointing else ""
-        if chosen.offload_ratio < 1:
-            ctx += f" at offload ratio {chosen.offload_ratio:g}"
-        why = f"micro {', '.join(map(str, larger))} do not fit{ctx}" if larger else "the largest divisor"
-        reasons.append(f"micro-batch auto -> {chosen.micro_batch}: the largest that divides global_batch / dp = "
-                       f"{micros[0]} and fits ({why})")
+        reasons.append(f"micro-batch auto -> {chosen.micro_batch}: {how} among the divisors of global_batch / dp = "
+                       f"{micros[0]} (larger micro-batches: fewer per-micro-step gradient offloads, more memory)")
     if len(acs) > 1:
-        reasons.append("activation checkpointing auto -> " + (
-            "on: the run does not fit without it (recompute costs ~25% more compute)" if chosen.activation_checkpointing
-            else "off: the run fits without it (no recompute, ~25% less compute)"))
+        if t is not None:
+            reasons.append(f"activation checkpointing auto -> {'on' if chosen.activation_checkpointing else 'off'}: "
+                           "the shorter predicted step of the two (recompute costs 1/3 more compute; it frees "
+                           "memory for larger micro-batches)")
+        else:
+            reasons.append("activation checkpointing auto -> " + (
+                "on: the run does not fit without it (recompute costs ~25% more compute)"
+                if chosen.activation_checkpointing else "off: the run fits without it (no recompute, ~25% less compute)"))
     if chosen.offload_ratio < 1 and spec.parallel.offload_ratio != chosen.offload_ratio:
         reasons.append(f"offload ratio auto -> {chosen.offload_ratio:g}: the smallest ratio (steps of {RATIO_STEP:g}) "
                        f"whose GPU estimate fits; DeepSpeed moves whole sub-groups of {SUB_GROUP_SIZE:.0e} elements, "
                        f"so {chosen.cpu_fraction:.1%} of the optimizer state goes to CPU Adam and the rest is stepped "
                        "on the GPU, which is far faster")
+    if t is not None:
+        reasons.append(f"predicted step {t.describe()}: hpctrain.plan.timemodel with the {H200.name} figures "
+                       "(docs/planner.md); communication between ranks is not modelled")
 
 
 def fault_reasons(spec: Spec) -> list[str]:
@@ -429,11 +467,13 @@ def make_plan(spec: Spec) -> Plan:
     sh = _shape(spec, arch, params, dp)
     acs = [False, True] if t.activation_checkpointing == "auto" else [bool(t.activation_checkpointing)]
     kinds = zero_choices(spec.parallel, gpu=bool(r.gpus_per_node))  # an explicit choice first, then the rest
-    chosen, options = _choose(spec, sh, kinds, micros or [micro], acs, reasons)
+    per_rank = glob // dp
+    accum_of: Callable[[int], int] = (lambda m: per_rank // m) if micros else (lambda m: accum)
+    chosen, options, predicted = _choose(spec, sh, kinds, micros or [micro], acs, accum_of, reasons)
     if micros:
         micro, accum = chosen.micro_batch, glob // (chosen.micro_batch * dp)
     reasons.insert(1, f"global batch {glob} = micro {micro} x accum {accum} x dp {dp}")
-    _explain(spec, chosen, micros or [micro], acs, reasons)
+    _explain(spec, chosen, predicted, micros or [micro], acs, reasons)
     memory = {"per_rank_gb": chosen.device_gb, "per_host_gb": chosen.host_gb, "breakdown": chosen.breakdown,
               "device_capacity_gb": (r.gpu_mem_gb or DEFAULT_GPU_GB) if r.gpus_per_node else None,
               "host_capacity_gb": parse_mem_gb(r.mem) or DEFAULT_HOST_GB, "fits": chosen.fits,
@@ -442,7 +482,8 @@ def make_plan(spec: Spec) -> Plan:
                 tp=spec.parallel.tp, micro_batch=micro, grad_accum=accum, global_batch=glob,
                 zero_stage=chosen.zero, offload=chosen.offload, param_count=params, memory=memory,
                 reasons=reasons, device="gpu" if r.gpus_per_node else "cpu", precision=t.precision,
-                model=arch, options=[asdict(e) for e in options], offload_ratio=chosen.offload_ratio,
+                model=arch, options=[_option(e, t) for e, t in options], offload_ratio=chosen.offload_ratio,
+                predicted_step_s=round(predicted.total, 3) if predicted else 0.0,
                 activation_checkpointing=chosen.activation_checkpointing, spare_nodes=r.spare_nodes,
                 in_job_restarts=spec.fault.in_job_restarts or r.spare_nodes)
 

@@ -1,0 +1,128 @@
+"""Two fixes to DeepSpeed 0.19.8's ZeRO-3 optimizer step when the optimizer lives on the CPU.
+
+Found against the step's parts measured alone (bench/gpu/offload_parts.py, BENCHMARKS.md December): at 3B the
+ZeRO-3 offload step spent ~1.5 s beyond forward+backward, CPU Adam and the copies. DeepSpeed's stage3.py does,
+for every CPU sub-group of the optimizer, after CPU Adam:
+
+1. `_reassign_or_swap_out_partitioned_parameters`: `gpu_bf16.copy_(cpu_fp32)`, a blocking copy with a dtype
+   change. torch converts blocking cross-device copies on the CPU (aten/native/cuda/Copy.cu: "for blocking
+   transfers conversions are performed on CPU"), into a fresh pageable bf16 tensor of the sub-group's size
+   (2 GB per 1e9 elements, page-faulted anew every step), then copies that pageable tensor to the GPU at the
+   driver's staged pace. ZeRO-1/2 (stage_1_and_2.py) keep a pinned bf16 buffer for the same copy; ZeRO-3 does
+   not. Here: two small pinned bf16 buffers, reused; the CPU converts one chunk while the previous chunk
+   crosses PCIe (non-blocking), so the copy runs near the pinned rate. The same rounding (the CPU's
+   fp32 -> bf16 cast), so the parameters are bit-identical.
+2. `unscale_and_clip_grads`: `fp32_grad.mul_(1 / combined_scale)` over every CPU gradient (12.8 GB at 3B), also
+   when the combined scale is 1 (bf16 has no loss scale; the gradient norm is below the clip). ZeRO-1/2 skip
+   it only when clipping is off. Here: skipped when the scale is exactly 1.0 (a multiply by 1.0 changes no
+   bit), the original otherwise.
+
+`install` patches one optimizer instance (not DeepSpeed's class), checks that the attributes it relies on
+exist (another DeepSpeed version may differ: then nothing is patched and the reason is returned), and is
+turned off with HPCTRAIN_ZERO3_OFFLOAD_FIX=0 (for A/B runs). Only the node imports this module.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from typing import Any
+
+import torch
+
+CHUNK_ELEMENTS = 64 << 20  # 64 Mi elements: 128 MiB of bf16 per pinned buffer, two buffers
+NEEDED = ("fp16_partitioned_groups_flat", "fp32_partitioned_groups_flat", "subgroup_to_device", "clip_grad",
+          "loss_scale", "offload_optimizer", "_unflatten_partitioned_parameters", "unscale_and_clip_grads",
+          "_reassign_or_swap_out_partitioned_parameters")
+
+
+class PinnedStager:
+    """CPU fp32 -> GPU 16-bit through two reused pinned buffers: convert chunk k on the CPU while chunk k-1
+    is in flight; a buffer is refilled only after its last copy's event has completed."""
+
+    def __init__(self, dtype: torch.dtype, chunk: int = CHUNK_ELEMENTS) -> None:
+        self.chunk = chunk
+        self.bufs = [torch.empty(chunk, dtype=dtype, pin_memory=True) for _ in range(2)]
+        self.events = [torch.cuda.Event() for _ in range(2)]  # type: ignore[no-untyped-call]
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """dst (flat, on the GPU) = src (flat, on the CPU), converted to dst's dtype on the CPU."""
+        n = src.numel()
+        for k, start in enumerate(range(0, n, self.chunk)):
+            i = k % 2
+            self.events[i].synchronize()  # an event never recorded returns at once
+            m = min(self.chunk, n - start)
+            buf = self.bufs[i][:m]
+            buf.copy_(src[start:start + m])
+            dst[start:start + m].copy_(buf, non_blocking=True)
+            self.events[i].record()
+        # Done when it returns, as DeepSpeed's blocking copy was: ZeRO-3 fetches parameters on its own stream,
+        # which does not wait for this one (costs the last chunk's flight, ~2-5 ms per sub-group).
+        for event in self.events:
+            event.synchronize()
+
+
+def enabled(env: dict[str, str] | os._Environ[str] | None = None) -> bool:
+    """Off only when HPCTRAIN_ZERO3_OFFLOAD_FIX is "0" (the A/B switch of the benchmarks)."""
+    env = os.environ if env is None else env
+    return env.get("HPCTRAIN_ZERO3_OFFLOAD_FIX", "1") != "0"
+
+
+def applies(opt: Any) -> str:
+    """"" when the fixes apply to this optimizer, else why not."""
+    if type(opt).__name__ != "DeepSpeedZeroOptimizer_Stage3":
+        return f"not ZeRO-3 ({type(opt).__name__})"
+    missing = [a for a in NEEDED if not hasattr(opt, a)]
+    if missing:
+        return f"this DeepSpeed's ZeRO-3 optimizer lacks {', '.join(missing)}"
+    if not opt.offload_optimizer:
+        return "the optimizer is not offloaded"
+    if getattr(opt, "swap_optimizer", False):
+        return "the optimizer is swapped to NVMe (another copy path)"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if "cpu" not in set(opt.subgroup_to_device.values()):
+        return "no optimizer sub-group on the CPU"
+    return ""
+
+
+def install(opt: Any) -> str:
+    """Patch this ZeRO-3 optimizer instance; returns what was done (or why nothing was), for the log."""
+    if not enabled():
+        return "off (HPCTRAIN_ZERO3_OFFLOAD_FIX=0)"
+    why = applies(opt)
+    if why:
+        return f"not installed: {why}"
+    groups = [g for g in opt.fp16_partitioned_groups_flat if g is not None]
+    stager = PinnedStager(groups[0].dtype)
+    reassign, unscale = opt._reassign_or_swap_out_partitioned_parameters, opt.unscale_and_clip_grads
+
+    def reassign_fast(self: Any, sub_group_id: int) -> None:
+        dst = self.fp16_partitioned_groups_flat[sub_group_id]
+        src = self.fp32_partitioned_groups_flat[sub_group_id]
+        if dst is None or src.device.type != "cpu" or dst.device.type != "cuda":
+            reassign(sub_group_id)
+            return
+        stager.copy(dst.data, src.data)
+        self._unflatten_partitioned_parameters(sub_group_id)
+
+    def unscale_unless_one(self: Any, sub_group_id: int, total_norm: Any) -> None:
+        scale = combined_scale(float(self.loss_scale), float(self.clip_grad), total_norm)
+        if scale != 1.0 or self.fp32_partitioned_groups_flat[sub_group_id].device.type != "cpu":
+            unscale(sub_group_id, total_norm)
+
+    opt._reassign_or_swap_out_partitioned_parameters = types.MethodType(reassign_fast, opt)
+    opt.unscale_and_clip_grads = types.MethodType(unscale_unless_one, opt)
+    n_cpu = sum(1 for d in opt.subgroup_to_device.values() if d == "cpu")
+    return (f"installed on {n_cpu} CPU sub-group(s): pinned chunked bf16 copy-back, no multiply by 1.0 "
+            f"(2 x {stager.chunk * stager.bufs[0].element_size() >> 20} MiB pinned)")
+
+
+def combined_scale(loss_scale: float, clip_grad: float, total_norm: Any) -> float:
+    """DeepSpeed's combined_scale of stage3.unscale_and_clip_grads, as a float: the same tensor operations in
+    the same order (so "exactly 1.0" here is exactly 1.0 there)."""
+    if clip_grad <= 0.0:
+        return loss_scale
+    norm = total_norm if isinstance(total_norm, torch.Tensor) else torch.tensor(float(total_norm))
+    clip = torch.clamp(((norm / loss_scale) + 1e-6) / clip_grad, min=1.0)
+    return float(clip * loss_scale)
