@@ -322,11 +322,15 @@ def run(run_dir: str) -> int:
     rec: dict[str, Any] = {"host": host, "rank": d.rank, "world": d.world_size, "start": time.time()}
     _write(out_dir, host, rec)
     try:
-        _injected_failure(Path(run_dir), d.rank)
         spec = read_spec(RunFolder(Path(run_dir)))
         use_gpu = spec.resources.gpus_per_node > 0 and os.environ.get("DS_ACCELERATOR", "") != "cpu"
         dist.prepare_process_env(d, use_gpu=use_gpu, cpus_per_task=max(1, spec.resources.cpus_per_task))
-        rec.update(local_report(use_gpu, host))
+        try:
+            _injected_failure(Path(run_dir), d.rank)
+            rec.update(local_report(use_gpu, host))
+        except Exception as exc:  # noqa: BLE001 - this node fails; it still joins the network test, so that
+            # the other nodes are not left waiting for it at the rendezvous (NET_TIMEOUT_S)
+            rec["error"] = f"{type(exc).__name__}: {exc}"[:1000]
         rec["local_s"] = round(time.time() - rec["start"], 2)
         _write(out_dir, host, rec)
         if d.world_size > 1:
