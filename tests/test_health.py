@@ -315,3 +315,16 @@ def test_submitits_callable_runs_the_check_in_the_health_step(monkeypatch: pytes
     monkeypatch.setenv("HPCTRAIN_NODE_MODE", "health")
     assert NodeJob("/runs/a")() == 0 and ran == ["/runs/a"]
     assert node_main.main(["/runs/b", "--launcher", "deepspeed"]) == 0 and ran[-1] == "/runs/b"
+
+
+@pytest.mark.parametrize("flags, key", [({"resources.spare_nodes": 1}, "resources.spare_nodes = 1"),
+                                        ({"fault.health_check": True}, "fault.health_check = true")])
+def test_the_local_executor_refuses_spares_and_the_health_check(tmp_path: Path, flags: dict[str, Any], key: str) -> None:
+    from hpctrain.errors import HpcUsageError
+    from hpctrain.plan.planner import make_plan
+    from hpctrain.slurm import dispatch
+    from hpctrain.spec.model import resolve
+
+    spec = resolve(Path(__file__).resolve().parents[1] / "examples" / "tiny.toml", flags)
+    with pytest.raises(HpcUsageError, match=key.replace(".", r"\.")):
+        dispatch._submit_local([tmp_path / "run"], spec, make_plan(spec), "train")

@@ -416,6 +416,14 @@ def _submit_local(dirs: list[Path], spec: Spec, plan: Plan, mode: str) -> list[S
         raise HpcUsageError(
             f"resources.nodes = {plan.nodes}: the local executor runs on this machine only. "
             "Fix: use --nodes 1, or --executor slurm on a cluster")
+    # Both need the in-job driver of a SLURM job (hpctrain.fault.injob): the local executor has neither.
+    if spec.resources.spare_nodes:
+        raise HpcUsageError(f"resources.spare_nodes = {spec.resources.spare_nodes}: the local executor runs on this "
+                            "machine only and has no spare node to hand over. Fix: drop --spare-nodes, or use "
+                            "--executor slurm on a cluster")
+    if spec.fault.health_check:
+        raise HpcUsageError("fault.health_check = true: the local executor runs no health step (a SLURM job's "
+                            "in-job driver does). Fix: pass --no-health-check, or use --executor slurm")
     import submitit
 
     from hpctrain.node.entry import NodeJob
