@@ -121,6 +121,17 @@ def torchrun(run_dir: Path, nproc: int, *, timeout: float = 180, env: dict[str, 
     return subprocess.run(cmd, env=node_env(env), capture_output=True, text=True, timeout=timeout, check=False)
 
 
+def jsonl(path: Path) -> list[dict[str, Any]]:
+    """A JSON-lines file's records, skipping a line being written (a job still running appends to it)."""
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
 def metrics(run_dir: Path) -> list[dict[str, Any]]:
     from hpctrain.runs.folder import RunFolder
 

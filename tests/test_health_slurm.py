@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from conftest import SLURM_SH, run_cmd, wait_until
+from runkit import jsonl
 
 pytestmark = [pytest.mark.slurm, pytest.mark.deepspeed]
 TINY = str(Path(__file__).resolve().parents[1] / "examples" / "tiny.toml")
@@ -27,16 +28,6 @@ STEPS = 24
 FLAGS = ["--executor", "slurm", "--partition", "debug", "--set", "resources.tasks_per_node=1",
          "--set", "data.seq_len=32", "--set", "checkpoint.export_hf=false", "--set", "checkpoint.every_steps=8",
          "--steps", str(STEPS), "--health-check", "--json"]
-
-
-def jsonl(path: Path) -> list[dict[str, Any]]:
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
 
 
 def health_events(run: Path) -> list[dict[str, Any]]:

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from conftest import SLURM_SH, run_cmd, wait_until
+from runkit import jsonl
 
 pytestmark = [pytest.mark.slurm, pytest.mark.deepspeed]
 TINY = str(Path(__file__).resolve().parents[1] / "examples" / "tiny.toml")
@@ -36,16 +37,6 @@ REFERENCE = ["--executor", "local", "--set", "resources.tasks_per_node=3", "--se
              "--set", "checkpoint.every_steps=40", "--steps", str(STEPS)]
 
 
-
-
-def jsonl(path: Path) -> list[dict[str, Any]]:
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # a line being written
-    return out
 
 
 def steps_seen(run: Path) -> list[dict[str, Any]]:

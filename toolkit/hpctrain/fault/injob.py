@@ -221,11 +221,9 @@ class Driver:
         out_dir = runs_mod.RunFolder(self.run_dir).health_dir(self.job, attempt)
         shutil.rmtree(out_dir, ignore_errors=True)  # a requeued run of the job checks its nodes again
         out_dir.mkdir(parents=True, exist_ok=True)
-        env = dict(self.env, MASTER_ADDR=self.job_hosts[0])
+        # ports of their own: no restart step's, no dying rank's
+        env = self._step_env(self.job_hosts[0], attempt, restarts, ports=self.budget + 1)
         env.update({NODE_MODE_ENV: "health", HEALTH_DIR_ENV: str(out_dir)})
-        env["HPCTRAIN_ATTEMPT"] = str(attempt - (int(restarts) if restarts.isdigit() else 0))
-        if str(env.get("MASTER_PORT", "")).isdigit():  # ports of their own: no restart step's, no dying rank's
-            env["MASTER_PORT"] = str(int(env["MASTER_PORT"]) + PORT_STRIDE * (self.budget + 1))
         t0, before = time.time(), set(_safe_steps(self.job))
         # One node's task that dies must not take the others' reports with it (--kill-on-bad-exit would).
         argv = [a for a in self.srun_argv(self.job_hosts, tasks_per_node=1) if not a.startswith("--kill-on-bad-exit")]
@@ -278,15 +276,21 @@ class Driver:
         tmp = folder.hostfile.with_name(folder.hostfile.name + ".tmp")
         runs_mod.write_private(tmp, render_hostfile(hosts, slots))
         os.replace(tmp, folder.hostfile)
-        env = dict(self.env, MASTER_ADDR=hosts[0])
+        env = self._step_env(hosts[0], attempt, restarts, ports=used)
         env[INJOB_RESTART_ENV] = str(used)
-        if used and str(env.get("MASTER_PORT", "")).isdigit():
-            env["MASTER_PORT"] = str(int(env["MASTER_PORT"]) + PORT_STRIDE * used)
-        # The ranks number their logs and events K = HPCTRAIN_ATTEMPT + SLURM_RESTART_COUNT: step K's own.
-        env["HPCTRAIN_ATTEMPT"] = str(attempt - (int(restarts) if restarts.isdigit() else 0))
         before = set(_safe_steps(self.job))
         proc = _slurm.start_step(self.srun_argv(hosts), env=env)
         return proc, self._step_id(proc, before)
+
+    def _step_env(self, master: str, attempt: int, restarts: str, ports: int) -> dict[str, str]:
+        """One step's environment: rank 0's host, the rendezvous ports MASTER_PORT + PORT_STRIDE x `ports`,
+        and HPCTRAIN_ATTEMPT such that the ranks number their logs and events K = HPCTRAIN_ATTEMPT +
+        SLURM_RESTART_COUNT: the step's own attempt."""
+        env = dict(self.env, MASTER_ADDR=master)
+        if ports and str(env.get("MASTER_PORT", "")).isdigit():
+            env["MASTER_PORT"] = str(int(env["MASTER_PORT"]) + PORT_STRIDE * ports)
+        env["HPCTRAIN_ATTEMPT"] = str(attempt - (int(restarts) if restarts.isdigit() else 0))
+        return env
 
     def _step_id(self, proc: Any, before: set[str], timeout_s: float = 15.0) -> str:
         """The new step's id ("123.1") from squeue (bounded wait); "JOB.?" when SLURM did not list it in time."""

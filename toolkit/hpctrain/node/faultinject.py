@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 from hpctrain.runs.folder import RunFolder
@@ -44,6 +45,17 @@ def parse_faults(text: str) -> list[Fault]:
     return out
 
 
+def fire_once(run_dir: str | Path, name: str) -> bool:
+    """True the first time for this run (a marker RUN/metrics/faults/NAME is left), False ever after: an
+    injected fault fires once, so the retry passes."""
+    marker = RunFolder(run_dir).metrics_dir / "faults" / name
+    if marker.exists():
+        return False
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(f"{time.time()}\n")
+    return True
+
+
 def inject(where: str, step: int, step0: int, rank: int, log: Any = None) -> None:
     """Test hook the node calls at `where` ("step": step N computed, before its collective; "checkpoint":
     step N's checkpoint half written). Each fault fires once per run and rank (a marker in
@@ -65,12 +77,8 @@ def inject(where: str, step: int, step0: int, rank: int, log: Any = None) -> Non
             if not run_dir:
                 if step0 >= step:
                     continue
-            else:
-                marker = RunFolder(run_dir).metrics_dir / "faults" / f"{f.kind}-step{step}-rank{rank}"
-                if marker.exists():
-                    continue
-                marker.parent.mkdir(parents=True, exist_ok=True)
-                marker.write_text(f"{time.time()}\n")
+            elif not fire_once(run_dir, f"{f.kind}-step{step}-rank{rank}"):
+                continue
         if log is not None:
             log.info("fault injection: %s at step %d on rank %d", f.kind, step, rank)
             for h in getattr(log, "handlers", []):

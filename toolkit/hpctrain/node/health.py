@@ -33,8 +33,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from hpctrain.node.faultinject import fire_once
 from hpctrain.runs.folder import RunFolder
-from hpctrain.states import HEALTH_DIR_ENV, NODE_MODE_ENV
+from hpctrain.states import HEALTH_DIR_ENV
 
 MATMUL_S = 2.0  # seconds of matmul per GPU (a few seconds, as the check's budget allows)
 CPU_MATMUL_S = 1.0
@@ -43,7 +44,6 @@ ALLREDUCE_BYTES = {"gpu": 256 << 20, "cpu": 4 << 20}
 PAIR_BYTES = {"gpu": 64 << 20, "cpu": 2 << 20}
 NET_TIME_S = 0.5  # the all-reduce is repeated for about this long (at least 3 times, the count agreed by all)
 PAIR_REPS = 5  # ping-pongs per pair (a fixed count: both ends must run the same number)
-MODE_ENV, DIR_ENV = NODE_MODE_ENV, HEALTH_DIR_ENV
 INJECT_ENV = "HPCTRAIN_HEALTH_INJECT"
 
 
@@ -95,12 +95,7 @@ def slow_factor(host: str, text: str | None = None) -> float:
 def _injected_failure(run_dir: Path, rank: int) -> None:
     """fail:rank=R, once per run: the first check of rank R raises."""
     for kind, kw in injected():
-        if kind == "fail" and int(kw["rank"]) == rank:
-            marker = RunFolder(run_dir).metrics_dir / "faults" / f"health-fail-rank{rank}"
-            if marker.exists():
-                continue
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.write_text(f"{time.time()}\n")
+        if kind == "fail" and int(kw["rank"]) == rank and fire_once(run_dir, f"health-fail-rank{rank}"):
             raise RuntimeError(f"health check failed on rank {rank} (injected by {INJECT_ENV})")
 
 
@@ -316,7 +311,7 @@ def run(run_dir: str) -> int:
     from hpctrain.node.runconf import read_spec
 
     host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    out_dir = Path(os.environ.get(DIR_ENV) or RunFolder(Path(run_dir)).health_dir(os.environ.get("SLURM_JOB_ID", ""), 0))
+    out_dir = Path(os.environ.get(HEALTH_DIR_ENV) or RunFolder(Path(run_dir)).health_dir(os.environ.get("SLURM_JOB_ID", ""), 0))
     out_dir.mkdir(parents=True, exist_ok=True)
     d = dist.detect()
     rec: dict[str, Any] = {"host": host, "rank": d.rank, "world": d.world_size, "start": time.time()}
