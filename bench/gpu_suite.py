@@ -1,21 +1,20 @@
-"""Issue #8 in one call on one H200: every single-GPU benchmark, a table last, and a markdown report.
+"""The GPU benchmarks of issues 8 and 18 on one H200, in device calls that fit the 10-minute limit.
 
-Runs, one after the other until --budget-s is spent (later ones are listed as not run):
-
-  1b-mfu     bench/node_gpu.py: 1B ZeRO-3, micro-batch 6, no activation checkpointing (entrypoint), and
-             the plain DeepSpeed loop at the same settings                           (goal 4)
-  8b-plan    bench/plan_check.py: 8B, everything auto (ZeRO, offload ratio, micro-batch, recompute)   (goals 1, 2)
-  dynbatch   bench/node_dynamic_batching.py: padded vs dynamic vs packed, 1B, seq 4096          (goal 6)
-  ckpt       bench/checkpoint_io.py: dd vs sync save vs async save, 1B ZeRO-3                   (goal 5)
-  3b-offload bench/gpu/offload_parts.py: 3B optimizer-offload step parts alone, then the entrypoint and the
-             plain loop (issue 18 goals 1 and 3; GPU only)
-  plan-*     bench/plan_check.py: 1B/3B ZeRO-3 with and without optimizer offload: memory vs plan (goals 1, 3)
+Every timed case runs the hpctrain entrypoint and the plain DeepSpeed loop (bench/gpu/plain_ds.py) at the same
+settings in fresh processes (bench/node_gpu.py --only entry|plain), alternating, the order rotated each round;
+the table gives medians and the ratio of medians. Cases with `plan` in their name leave ZeRO, offload ratio,
+micro-batch x accumulation and recompute to the planner (global batch 16 x 4096 tokens) and run the plain loop
+at the planner's choice. A call runs its cases in order and starts no run that would end past --budget-s.
 
     source bench/gpu/setup.sh
-    python bench/gpu_suite.py --out /tmp/suite --md $OUT/BENCHMARKS-run.md --budget-s 540
-    python bench/gpu_suite.py --cpu --out /tmp/suite-cpu        # smoke test of this script (tiny models)
+    python bench/gpu_suite.py --call 1 --out $OUT      # sdpa probe, 3B offload vs its parts, 1B planner's choice
+    python bench/gpu_suite.py --call 2 --out $OUT      # 8B planner's choice (issue 18 goal 4)
+    python bench/gpu_suite.py --call 3 --out $OUT      # 3B planner's choice, the issue's 1B rows
+    python bench/gpu_suite.py --cases 1b-mb6 --rounds 3 --out $OUT
+    python bench/gpu_suite.py --cpu --cases cpu-smoke --out /tmp/suite   # this script on the CPU (tiny model)
 
-Issue 18's goal 3 (the 3B offload step against the sum of its parts) is the 3b-offload case.
+Files under --out (what a device call brings back: at most 8 files): suite.jsonl (one row per run, written as
+it ends), suite.md (the tables), logs.tar.gz (every run's log and metrics).
 """
 
 from __future__ import annotations
@@ -25,93 +24,188 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
+import tarfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 BENCH = Path(__file__).resolve().parent
+NODE_GPU = str(BENCH / "node_gpu.py")
+PLAN_AUTO = ["--zero", "auto", "--offload-ratio", "auto", "--ac", "auto", "--global-batch", "16"]
 
 
-# Cases that need longer than --case-timeout: 3b-offload is the parts (~115 s, the CPU Adam JIT build in it)
-# and one entrypoint and one plain run (~90 s each).
-CASE_TIMEOUT = {"3b-offload": 400.0}
+@dataclass(frozen=True)
+class Case:
+    """One benchmark: `variants` (name -> extra node_gpu.py args) alternate for `rounds` rounds."""
+
+    args: list[str]
+    variants: dict[str, list[str]] = field(default_factory=lambda: {"entry": ["--only", "entry"],
+                                                                    "plain": ["--only", "plain"]})
+    rounds: int = 3
+    est_s: float = 60.0  # one run, start to end (the budget's unit)
+    cpu_adam: bool = False  # needs DeepSpeedCPUAdam (JIT-built once per machine, in the background)
+    script: str = NODE_GPU
+    note: str = ""
 
 
-def cases(cpu: bool) -> list[tuple[str, list[str]]]:
-    """(name, argv after the python executable). --cpu swaps in tiny models and short sequences."""
-    big, mid, huge, seq = ("llama-tiny", "llama-tiny", "llama-10m", "128") if cpu else \
-        ("llama-1b", "llama-3b", "llama-8b", "4096")
-    dev = ["--cpu"] if cpu else []
-    pc = [str(BENCH / "plan_check.py"), "--seq", seq, *dev]
-    return [
-        ("1b-mfu", [str(BENCH / "node_gpu.py"), "--model", big, "--zero", "3", "--mb", "6", "--seq", seq,
-                    "--no-ac", "--steps", "5", "--warmup", "2"] + (["--only", "entry", "--cpu"] if cpu else [])),
-        ("8b-plan", [*pc, "--model", huge, "--offload", "optimizer", "--ratio", "auto", "--global-batch", "16",
-                     "--ac", "auto", "--steps", "3", "--warmup", "1"]),
-        ("dynbatch", [str(BENCH / "node_dynamic_batching.py"), "--model", big, "--seq", seq, "--mb", "4",
-                      "--steps", "6", "--warmup", "2", *([] if cpu else ["--gpu"])]),
-        ("ckpt", [str(BENCH / "checkpoint_io.py"), "--model", big, "--dir", "/tmp/hpctrain-ckio",
-                  *([] if cpu else ["--gpu"])]),
-        *([] if cpu else [("3b-offload", [str(BENCH / "gpu" / "offload_parts.py"), "--parts", "--variants",
-                                          "entry3,plain3", "--rounds", "1", "--steps", "3", "--warmup", "2",
-                                          "--timeout", "150", "--budget", "330", "--est", "85"])]),
-        ("plan-1b", [*pc, "--model", big, "--mb", "4"]),
-        ("plan-1b-offload", [*pc, "--model", big, "--mb", "4", "--offload", "optimizer"]),
-        ("plan-3b", [*pc, "--model", mid, "--mb", "4"]),
-        ("plan-3b-offload", [*pc, "--model", mid, "--mb", "4", "--offload", "optimizer"]),
-    ]
+CASES: dict[str, Case] = {
+    # torch's SDPA backends alone at the Llama shapes (decides [model] attention = "auto").
+    "sdpa": Case([], {"probe": []}, rounds=1, est_s=45, script=str(BENCH / "gpu" / "sdpa_probe.py"),
+                 note="forward+backward of causal SDPA by backend"),
+    # Issue 18 goal 3: the parts of the 3B offload step alone (same call as the steps below).
+    "3b-parts": Case(["--parts-only", "--model", "llama-3b", "--mb", "4", "--seq", "4096"], {"parts": []},
+                     rounds=1, est_s=110, cpu_adam=True, script=str(BENCH / "gpu" / "offload_parts.py"),
+                     note="forward+backward, CPU Adam and the copies of the 3B offload step, each alone"),
+    "3b-offload": Case(["--model", "llama-3b", "--zero", "3", "--offload", "optimizer", "--mb", "4",
+                        "--steps", "3", "--warmup", "2"], rounds=3, est_s=75, cpu_adam=True,
+                       note="Llama-3B ZeRO-3, full optimizer offload, micro-batch 4, recompute (issue 18 goals 1, 3)"),
+    "1b-plan": Case(["--model", "llama-1b", *PLAN_AUTO, "--steps", "4", "--warmup", "2"],
+                    {"entry": ["--only", "entry"], "entry-cudnn": ["--only", "entry", "--attention", "sdpa-cudnn"],
+                     "plain": ["--only", "plain"]}, rounds=3, est_s=50,
+                    note="Llama-1B, the planner's choice (issue 18 goals 1, 5)"),
+    "3b-plan": Case(["--model", "llama-3b", *PLAN_AUTO, "--steps", "3", "--warmup", "2"], rounds=2, est_s=70,
+                    note="Llama-3B, the planner's choice (issue 18 goal 1)"),
+    "8b-plan": Case(["--model", "llama-8b", *PLAN_AUTO, "--steps", "3", "--warmup", "1", "--timeout", "330"],
+                    rounds=3, est_s=125, cpu_adam=True,
+                    note="Llama-8B, the planner's choice (issue 18 goals 1, 4)"),
+    "1b-mb6": Case(["--model", "llama-1b", "--zero", "3", "--mb", "6", "--no-ac", "--steps", "8", "--warmup", "3"],
+                   rounds=3, est_s=45, note="Llama-1B ZeRO-3, micro-batch 6, no recompute (issue 18's row)"),
+    "1b-mb4": Case(["--model", "llama-1b", "--zero", "3", "--mb", "4", "--steps", "8", "--warmup", "3"],
+                   rounds=3, est_s=40, note="Llama-1B ZeRO-3, micro-batch 4, recompute (issue 18's row)"),
+    # Issue 8's single runs (entrypoint only or their own baselines).
+    "dynbatch": Case(["--model", "llama-1b", "--seq", "4096", "--mb", "4", "--steps", "6", "--warmup", "2", "--gpu"],
+                     {"run": []}, rounds=1, est_s=150, script=str(BENCH / "node_dynamic_batching.py"),
+                     note="padded vs dynamic vs packed batches (issue 8 goal 6)"),
+    "ckpt": Case(["--model", "llama-1b", "--gpu", "--dir", "/tmp/hpctrain-ckio"], {"run": []}, rounds=1, est_s=200,
+                 script=str(BENCH / "checkpoint_io.py"), note="dd vs sync vs async checkpoint writes (issue 18 goal 2)"),
+    # --cpu: the suite's own smoke test on a tiny model (tests/test_bench.py).
+    "cpu-smoke": Case(["--model", "llama-tiny", "--zero", "auto", "--offload-ratio", "auto", "--ac", "auto",
+                       "--global-batch", "4", "--seq", "64", "--steps", "2", "--warmup", "1", "--cpu"],
+                      {"entry": ["--only", "entry"]}, rounds=2, est_s=30, note="tiny model on the CPU"),
+}
+# A call: cases (every round of each) or single runs "case:variant", in order, most needed first. Calls 1 and 2
+# are sent back to back (the machine stays warm 30 s: call 2 keeps call 1's CPU Adam build and wheels).
+CALLS: dict[str, list[str]] = {
+    "1": ["sdpa", "3b-parts", "3b-offload:entry", "1b-plan:entry", "1b-plan:entry-cudnn", "1b-plan:plain",
+          "3b-offload:plain", "3b-offload:entry"],
+    "2": ["8b-plan:entry", "8b-plan:plain", "8b-plan:entry"],
+    "3": ["1b-plan", "3b-plan", "1b-mb6"],
+    "8": ["dynbatch", "ckpt"],
+}
 
 
-def run_one(name: str, argv: list[str], out: Path, timeout: float) -> dict[str, Any]:
-    """Run one benchmark; keep its log; collect its `RESULT {json}` lines (the table of dynbatch too)."""
-    log = out / f"{name}.log"
+def command(name: str, case: Case, variant: str, rnd: int, work: Path) -> list[str]:
+    folder = work / f"{name}-{variant}-{rnd}"
+    where = {"checkpoint_io.py": ["--json", str(folder / "result.json")], "offload_parts.py": ["--out", str(folder)]}
+    tail = where.get(Path(case.script).name, ["--out", str(folder)])
+    return [sys.executable, case.script, *case.args, *case.variants[variant], *tail]
+
+
+def run_one(name: str, case: Case, variant: str, rnd: int, work: Path, timeout: float) -> dict[str, Any]:
+    """One fresh process; its RESULT/ROW lines become rows; its output is kept in work/logs."""
+    cmd = command(name, case, variant, rnd, work)
     t0 = time.time()
     try:
-        where = ["--json", str(out / f"{name}.json")] if "checkpoint_io" in argv[0] else ["--out", str(out / name)]
-        proc = subprocess.run([sys.executable, *argv, *where], capture_output=True, text=True, timeout=timeout,
-                              check=False, cwd=str(BENCH.parent))
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False,
+                              cwd=str(BENCH.parent))
         text, rc = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as exc:
-        text, rc = f"{exc.stdout or ''}{exc.stderr or ''}\ntimed out after {timeout:.0f} s", 124
-    if isinstance(text, bytes):
-        text = text.decode(errors="replace")
-    log.write_text(text)
-    results = [json.loads(line[7:]) for line in text.splitlines() if line.startswith("RESULT ")]
-    table = [line for line in text.splitlines() if line.startswith("| ")]
-    return {"name": name, "rc": rc, "wall_s": round(time.time() - t0, 1), "results": results, "table": table}
+        text = _text(exc.stdout) + _text(exc.stderr) + f"\ntimed out after {timeout:.0f} s"
+        rc = 124
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    (work / "logs" / f"{name}-{variant}-{rnd}.log").write_text(" ".join(cmd) + "\n" + text)
+    results = [json.loads(ln.split(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(("RESULT ", "ROW "))]
+    return {"case": name, "variant": variant, "round": rnd, "rc": rc, "wall_s": round(time.time() - t0, 1),
+            "utc": datetime.datetime.now(datetime.UTC).strftime("%H:%M:%S"), "results": results,
+            "table": [ln for ln in text.splitlines() if ln.startswith("| ")],
+            "error_tail": "" if rc == 0 else "\n".join(text.splitlines()[-15:])}
 
 
-def summary_rows(runs: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    """One (case, figures) line per run, for the table printed last."""
-    rows = []
-    for r in runs:
-        if r["rc"]:
-            rows.append((r["name"], f"FAILED rc {r['rc']} (see {r['name']}.log)"))
-            continue
-        parts = []
-        for res in r["results"]:
-            if "impl" in res:  # node_gpu.py
-                parts.append(f"{res['impl']}: {res['tokens_per_s_per_gpu']:.0f} tok/s, "
-                             f"{res['model_tflops_per_gpu']:.0f} TFLOPS, MFU {res.get('mfu')}, GPU {res['gpu_peak_gb']} GB")
-            elif "plan" in res:  # plan_check.py
-                p = res["plan"]
-                parts.append(f"plan z{p['zero']} {p['offload']} r{p['offload_ratio']} mb{p['micro_batch']}x"
-                             f"{p['grad_accum']} ac={p['activation_checkpointing']}: {res.get('model_tflops_per_gpu')}"
-                             f" TFLOPS; GPU {res.get('gpu_peak_gb')} GB (pred {res['pred_gpu_gb']}, "
-                             f"{res.get('gpu_err')}), host {res.get('host_peak_gb')} GB (pred {res['pred_host_gb']}, "
-                             f"{res.get('host_err')})")
-            elif "sync_vs_dd" in res:  # checkpoint_io.py
-                parts.append(f"dd {res['dd']['gbps']:.2f} GB/s; sync/dd {res['sync_vs_dd']:.2f}; async write/dd "
-                             f"{res['async_write_vs_dd']:.2f}; async blocking/sync {res['async_blocking_vs_sync']:.3f}")
-        if not parts and r["table"]:
-            parts.append(" ".join(r["table"][-3:]))
-        rows.append((r["name"], "; ".join(parts) or "no RESULT line"))
-    return rows
+def _text(x: Any) -> str:
+    return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
 
 
-def markdown(runs: list[dict[str, Any]], skipped: list[str], argv: list[str]) -> str:
+def prebuild_cpu_adam() -> subprocess.Popen[bytes] | None:
+    """DeepSpeed JIT-builds CPU Adam on first use (46 s on the H200 machine): start it now, beside other cases."""
+    try:
+        code = "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
+        return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except OSError:
+        return None
+
+
+def schedule(case: Case, rounds: int) -> list[tuple[str, int]]:
+    """(variant, round) in run order: every round runs each variant once, the order rotated by one each round."""
+    names = list(case.variants)
+    out = []
+    for rnd in range(rounds):
+        k = rnd % len(names)
+        out += [(v, rnd) for v in names[k:] + names[:k]]
+    return out
+
+
+def expand(tokens: list[str], rounds: int) -> list[tuple[str, str, int]]:
+    """(case, variant, round) of a call or --cases list: "case" = every round of it, "case:variant" = one run."""
+    out: list[tuple[str, str, int]] = []
+    for tok in tokens:
+        name, _, variant = tok.partition(":")
+        if variant:
+            if variant not in CASES[name].variants:
+                raise SystemExit(f"{tok}: {name} has the variants {', '.join(CASES[name].variants)}")
+            out.append((name, variant, sum(1 for c, v, _ in out if (c, v) == (name, variant))))
+        else:
+            out += [(name, v, r) for v, r in schedule(CASES[name], rounds or CASES[name].rounds)]
+    return out
+
+
+# ------------------------------------------------------------------------------------------ tables
+def _figures(row: dict[str, Any]) -> dict[str, Any]:
+    return row["results"][-1] if row["results"] else {}
+
+
+def case_table(name: str, rows: list[dict[str, Any]]) -> list[str]:
+    """Median per variant; speed ratio against the plain loop's median; the planner's predictions."""
+    ok = [r for r in rows if r["case"] == name and r["rc"] == 0 and r["results"]]
+    failed = [r for r in rows if r["case"] == name and r["rc"] != 0]
+    out = [f"### {name}: {CASES[name].note}" if name in CASES else f"### {name}", ""]
+    per: dict[str, list[dict[str, Any]]] = {}
+    for r in ok:
+        per.setdefault(r["variant"], []).append(_figures(r))
+    if any("tokens_per_s_per_gpu" in f for fs in per.values() for f in fs):
+        plain = per.get("plain")
+        base = statistics.median(f["step_s"] for f in plain) if plain else None
+        head = ("| variant | n | median step s (runs) | tok/s | model TFLOPS | MFU | x plain | GPU GB (pred) | "
+                "host GB (pred) | chosen | predicted step s |")
+        out += [head, "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for v, fs in per.items():
+            med = statistics.median(f["step_s"] for f in fs)
+            runs = ", ".join(f"{f['step_s']:.3f}" for f in fs)
+            tflops = statistics.median(f["model_tflops_per_gpu"] for f in fs)
+            mfu = tflops / 788.0 if tflops else None
+            ratio = f"{base / med:.3f}" if base and v != "plain" else ("1" if v == "plain" else "-")
+            f0 = fs[0]
+            host = f0.get("host_peak_gb") or f0.get("host_rss_gb")
+            ch = f0.get("chosen") or {}
+            chosen = (f"z{ch.get('zero')} {ch.get('offload')} r{ch.get('ratio')} {ch.get('mb')}x{ch.get('accum')} "
+                      f"ac={ch.get('ac')}") if ch else "-"
+            out.append(f"| {v} | {len(fs)} | {med:.3f} ({runs}) | "
+                       f"{statistics.median(f['tokens_per_s_per_gpu'] for f in fs):,.0f} | {tflops:.0f} | "
+                       f"{f'{mfu:.1%}' if mfu else '-'} | {ratio} | {f0.get('gpu_peak_gb')} ({f0.get('pred_gpu_gb', '-')}) | "
+                       f"{host} ({f0.get('pred_host_gb', '-')}) | {chosen} | {f0.get('pred_step_s') or '-'} |")
+    else:
+        for r in ok:
+            out += [f"{r['variant']} round {r['round']}:", "", *(r["table"] or
+                    [f"    {json.dumps(x)}" for x in r["results"]]), ""]
+    out += [f"- FAILED {r['variant']} round {r['round']} (rc {r['rc']}): "
+            f"{r['error_tail'].splitlines()[-1] if r['error_tail'] else ''}" for r in failed]
+    return out + [""]
+
+
+def report(rows: list[dict[str, Any]], skipped: list[str], argv: list[str]) -> str:
     gpu = "cpu"
     try:
         gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
@@ -120,45 +214,61 @@ def markdown(runs: list[dict[str, Any]], skipped: list[str], argv: list[str]) ->
         pass
     lines = [f"# bench/gpu_suite.py, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC", "",
              f"Machine: {gpu}; {os.cpu_count()} cores; {platform.platform()}.",
-             f"Command: `python bench/gpu_suite.py {' '.join(argv)}`", "", "| case | rc | s | figures |",
-             "|---|---|---|---|"]
-    for (name, text), r in zip(summary_rows(runs), runs, strict=True):
-        lines.append(f"| {name} | {r['rc']} | {r['wall_s']} | {text} |")
-    lines += [f"| {s} | - | - | not run: budget spent |" for s in skipped]
-    for r in runs:
-        if r["table"]:
-            lines += ["", f"{r['name']}:", "", *r["table"]]
+             f"Command: `python bench/gpu_suite.py {' '.join(argv)}`", ""]
+    for name in dict.fromkeys(r["case"] for r in rows):
+        lines += case_table(name, rows)
+    lines += [f"- not run (budget): {s}" for s in skipped]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default="", help="comma list of case names (default: all, in order)")
-    ap.add_argument("--budget-s", type=float, default=540, help="start no case after this many seconds")
-    ap.add_argument("--case-timeout", type=float, default=240)
-    ap.add_argument("--cpu", action="store_true", help="tiny models on the CPU: a smoke test of the suite")
-    ap.add_argument("--out", default="/tmp/hpctrain-gpu-suite")
-    ap.add_argument("--md", default="", help="write the report here too (e.g. $OUT/BENCHMARKS-run.md)")
+    ap.add_argument("--call", default="", help=f"a call's cases: {CALLS}")
+    ap.add_argument("--cases", default="", help=f"comma list of {sorted(CASES)}")
+    ap.add_argument("--rounds", type=int, default=0, help="override each case's rounds")
+    ap.add_argument("--budget-s", type=float, default=560, help="start no run expected to end past this")
+    ap.add_argument("--cpu", action="store_true", help="allow running on a machine without a GPU (cpu-smoke)")
+    ap.add_argument("--work", default="/tmp/hpctrain-gpu-suite")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/hpctrain-gpu-suite-out"))
     a = ap.parse_args()
-    out = Path(a.out)
+    tokens = CALLS[a.call] if a.call else [c for c in a.cases.split(",") if c]
+    names = list(dict.fromkeys(t.partition(":")[0] for t in tokens))
+    unknown = [n for n in names if n not in CASES]
+    if not names or unknown:
+        raise SystemExit(f"pick a --call ({', '.join(CALLS)}) or --cases from {', '.join(CASES)}"
+                         + (f"; unknown: {', '.join(unknown)}" if unknown else ""))
+    out, work = Path(a.out), Path(a.work)
     out.mkdir(parents=True, exist_ok=True)
-    wanted = [c for c in a.only.split(",") if c]
-    todo = [(n, argv) for n, argv in cases(a.cpu) if not wanted or n in wanted]
+    work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    runs: list[dict[str, Any]] = []
+    builder = prebuild_cpu_adam() if any(CASES[n].cpu_adam for n in names) and not a.cpu else None
+    rows: list[dict[str, Any]] = []
     skipped: list[str] = []
-    for name, argv in todo:
-        if time.time() - t0 > a.budget_s:
-            skipped.append(name)
+    for name, variant, rnd in expand(tokens, a.rounds):
+        case = CASES[name]
+        left = a.budget_s - (time.time() - t0)
+        if left < case.est_s:
+            skipped.append(f"{name} {variant} round {rnd}")
             continue
-        runs.append(run_one(name, argv, out, max(a.case_timeout, CASE_TIMEOUT.get(name, 0.0))))
-        print(f"{name}: rc {runs[-1]['rc']} in {runs[-1]['wall_s']} s", flush=True)
-    report = markdown(runs, skipped, sys.argv[1:])
-    (out / "suite.json").write_text(json.dumps(runs, indent=1))
-    (out / "BENCHMARKS-run.md").write_text(report)
-    if a.md:
-        Path(a.md).write_text(report)
-    print(report, flush=True)
+        if case.cpu_adam and builder is not None:
+            try:
+                builder.wait(timeout=max(1.0, left - case.est_s))
+            except subprocess.TimeoutExpired:
+                builder.kill()  # the run builds it itself
+            builder = None
+        row = run_one(name, case, variant, rnd, work, timeout=max(30.0, left - 5))
+        rows.append(row)
+        with (out / "suite.jsonl").open("a") as fh:
+            fh.write(json.dumps(row) + "\n")
+        print(f"{time.time() - t0:6.0f} s  {name} {variant} round {rnd}: rc {row['rc']}, {row['wall_s']} s; "
+              + json.dumps(_figures(row))[:400], flush=True)
+    text = report(rows, skipped, sys.argv[1:])
+    (out / "suite.md").write_text(text)
+    with tarfile.open(out / "logs.tar.gz", "w:gz") as tar:
+        for p in sorted(work.rglob("*")):
+            if p.is_file() and p.suffix in (".log", ".jsonl", ".json", ".md") and p.stat().st_size < 20 << 20:
+                tar.add(p, arcname=str(p.relative_to(work)))
+    print(text, flush=True)
 
 
 if __name__ == "__main__":

@@ -96,6 +96,27 @@ def test_auto_mode_needs_gpu_and_host_memory() -> None:
     assert ckpt.choose_async(True, False, 1, 1, None) == (True, "[checkpoint] async_save = true")
 
 
+def test_no_snapshot_buffers_without_a_scheduled_save(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A run that saves only on a signal neither writes in the background nor reserves the snapshot's host
+    memory (at 3B with optimizer offload that was ~45 GB of pinned memory beside CPU Adam's); one that saves
+    by steps reserves the rank's whole state."""
+    from hpctrain.node.checkpointer import Checkpointer, StopFlag
+    from hpctrain.spec.model import from_toml_text
+    from runkit import spec_toml, tiny_tables
+
+    on, why = ckpt.choose_async("auto", True, 10**9, 1, 10**12, scheduled=False)
+    assert not on and "no save is scheduled" in why
+    seen: list[dict[str, object]] = []
+    monkeypatch.setattr(ckpt_async, "install", lambda engine, **kw: seen.append(kw))
+    monkeypatch.setattr(ckpt, "host_available_bytes", lambda: 10**12)
+    for every in (0, 5):
+        spec = from_toml_text(spec_toml(tiny_tables(checkpoint={"every_steps": every, "export_hf": False})))
+        Checkpointer.for_run(object(), spec, tmp_path, StopFlag(run_dir=tmp_path), rank=0, world=1, dp=1, zero=3,
+                             use_gpu=True, n_params=10**9)
+    state = ckpt.estimate_state_bytes(10**9, 1, 3, spec.train.precision)
+    assert [(kw["async_mode"], kw["reserve_bytes"]) for kw in seen] == [(False, 0), (True, state)]
+
+
 # ------------------------------------------------------------------------------------------ real DeepSpeed
 CASES = {"w2-zero3": (2, 3), "w1-zero2": (1, 2), "w2-zero2": (2, 2), "w1-zero3": (1, 3)}
 

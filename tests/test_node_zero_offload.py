@@ -37,7 +37,7 @@ def fake_stage3(**over: Any) -> Any:
     attrs = {"fp16_partitioned_groups_flat": [], "fp32_partitioned_groups_flat": [], "subgroup_to_device": {0: "cpu"},
              "clip_grad": 1.0, "loss_scale": 1.0, "offload_optimizer": True, "swap_optimizer": False,
              "_unflatten_partitioned_parameters": print, "unscale_and_clip_grads": print,
-             "_reassign_or_swap_out_partitioned_parameters": print, **over}
+             "_reassign_or_swap_out_partitioned_parameters": print, "_post_step": print, **over}
     for k, v in attrs.items():
         setattr(opt, k, v)
     return opt

@@ -6,7 +6,7 @@
    (fp32 gradients GPU -> host, bf16 parameters host -> GPU). Beside them, the two pieces of DeepSpeed's
    ZeRO-3 step that are neither (found in stage3.py): the blocking fp32 -> bf16 copy-back from pageable
    memory, and the multiply of every CPU gradient by the combined scale; and hpctrain.node.zero_offload's
-   pinned, chunked copy-back.
+   copy-backs (the pinned, chunked one; the default one, cast on the GPU from the page-locked master).
 2. `--breakdown V` (after the runs): the plain loop (bench/gpu/plain_ds.py --breakdown) once per variant, timing forward,
    backward, step and the step's pieces between synchronisations (not a baseline).
 3. `--variants` (before the breakdowns): the entrypoint and the plain loop in alternating fresh processes (bench/node_gpu.py
@@ -117,7 +117,7 @@ def _copy_parts(n: int) -> dict[str, Any]:
     the CPU multiply of every gradient (unscale_and_clip_grads)."""
     import torch
 
-    from hpctrain.node.zero_offload import PinnedStager
+    from hpctrain.node.zero_offload import DeviceCast, PinnedStager, pin_in_place
 
     sync = torch.cuda.synchronize
     gpu32 = torch.empty(n, dtype=torch.float32, device="cuda")
@@ -148,6 +148,21 @@ def _copy_parts(n: int) -> dict[str, Any]:
     gpu16.zero_()
     res["fixed_copy_back_s"] = round(_timed(fixed_copy_back, sync, 3), 4)
     res["fixed_copy_back_bit_identical_first_16M"] = bool(torch.equal(gpu16[: 1 << 24], expect))
+    # The default since 2026-12-02: the master page-locked in place, fp32 over PCIe, the cast on the GPU
+    # (asynchronous in a step; timed here until its copies are done).
+    t0 = time.perf_counter()
+    res["device_cast_pinned_in_place"] = pin_in_place(master)
+    res["pin_in_place_s"] = round(time.perf_counter() - t0, 3)
+    caster = DeviceCast()
+
+    def device_cast_copy_back() -> None:
+        for s, m in spans:
+            caster.copy(gpu16[s:s + m], master[s:s + m])
+        caster.wait()
+
+    gpu16.zero_()
+    res["device_cast_copy_back_s"] = round(_timed(device_cast_copy_back, sync, 3), 4)
+    res["device_cast_bit_identical_first_16M"] = bool(torch.equal(gpu16[: 1 << 24], expect))
     res["cpu_grad_mul_s"] = round(_timed(lambda: master.mul_(1.0), lambda: None, 3), 4)
     return res
 

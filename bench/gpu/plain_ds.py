@@ -44,6 +44,7 @@ def main() -> None:
     ap.add_argument("--model", default="llama-1b", choices=sorted(SHAPES))
     ap.add_argument("--zero", type=int, default=3)
     ap.add_argument("--mb", type=int, default=4)
+    ap.add_argument("--accum", type=int, default=1, help="gradient accumulation steps per optimizer step")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
@@ -57,18 +58,28 @@ def main() -> None:
                     help="install hpctrain.node.zero_offload on the engine (an A/B of the fix, not the baseline)")
     ap.add_argument("--torch-adam", action="store_true",
                     help="torch's fused AdamW instead of FusedAdam (same speed, no JIT build; not with offload)")
+    ap.add_argument("--sdpa-first", default="", choices=["", "cudnn", "flash", "efficient"],
+                    help="put this SDPA backend first in torch's order (an A/B of hpctrain's attention choice)")
     args = ap.parse_args()
 
     deepspeed.init_distributed()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     cfg = LlamaConfig(vocab_size=128256, max_position_embeddings=args.seq, **SHAPES[args.model])
-    zero: dict = {"stage": args.zero, "overlap_comm": True, "contiguous_gradients": True}
+    zero: dict = {"stage": args.zero, **({"overlap_comm": True, "contiguous_gradients": True} if args.zero else {})}
     if args.offload == "optimizer":
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True, "ratio": args.ratio}
+    if args.sdpa_first:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        names = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
+        first = getattr(SDPBackend, names[args.sdpa_first])
+        rest = [b for b in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                            SDPBackend.MATH) if b != first]
+        sdpa_kernel([first, *rest], set_priority=True).__enter__()
     ds_config = {
         "train_micro_batch_size_per_gpu": args.mb,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": args.accum,
         "gradient_clipping": 1.0,
         "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0,
@@ -96,26 +107,35 @@ def main() -> None:
 
         wrap_step_pieces(engine.optimizer, pieces)
 
-    tokens_per_step = args.mb * args.seq * world
+    tokens_per_step = args.mb * args.accum * args.seq * world
     times: list[float] = []
     losses: list[float] = []
     g = torch.Generator(device="cuda").manual_seed(rank)
     phases: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}
     for step in range(args.warmup + args.steps):
-        x = torch.randint(0, cfg.vocab_size, (args.mb, args.seq), device="cuda", generator=g)
+        xs = [torch.randint(0, cfg.vocab_size, (args.mb, args.seq), device="cuda", generator=g)
+              for _ in range(args.accum)]
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss = engine(input_ids=x, labels=x).loss
-        t1 = _sync_time(args.breakdown)
-        engine.backward(loss)
-        t2 = _sync_time(args.breakdown)
+        t1 = t2 = 0.0  # forward and backward of the step's micro-batches (timed only with --breakdown)
+        for x in xs:  # DeepSpeed steps the optimizer at the last micro-batch's engine.step()
+            a = time.perf_counter()
+            loss = engine(input_ids=x, labels=x).loss
+            b = _sync_time(args.breakdown)
+            engine.backward(loss)
+            c = _sync_time(args.breakdown)
+            if x is not xs[-1]:
+                engine.step()
+            t1, t2 = t1 + (b - a), t2 + (c - b)
+        t2_end = time.perf_counter()
         engine.step()
         torch.cuda.synchronize()
         t3 = time.perf_counter()
+        t1, t2 = t0 + t1, t0 + t1 + t2  # forward = t1 - t0, backward = t2 - t1, step = t3 - t2_end
         if step >= args.warmup:
             times.append(t3 - t0)
             if args.breakdown:
-                for k, v in (("forward", t1 - t0), ("backward", t2 - t1), ("step", t3 - t2)):
+                for k, v in (("forward", t1 - t0), ("backward", t2 - t1), ("step", t3 - t2_end)):
                     phases[k].append(v)
         elif args.breakdown:
             for v in pieces.values():
@@ -128,7 +148,8 @@ def main() -> None:
     if rank == 0:
         print("RESULT " + json.dumps({
             "impl": "plain-deepspeed", "model": args.model, "params": n_params, "zero": args.zero,
-            "offload": args.offload, "ratio": args.ratio, "world": world, "mb": args.mb, "seq": args.seq,
+            "offload": args.offload, "ratio": args.ratio, "world": world, "mb": args.mb, "accum": args.accum,
+            "seq": args.seq, "ac": not args.no_ac, "sdpa_first": args.sdpa_first,
             "step_s": round(step_s, 4), "tokens_per_s_per_gpu": round(tps_gpu, 1),
             "model_tflops_per_gpu": round(tflops, 1),
             "gpu_peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 1),

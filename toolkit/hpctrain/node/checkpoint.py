@@ -188,10 +188,14 @@ def estimate_state_bytes(n_params: int, dp: int, zero: int, precision: str) -> i
 
 
 def choose_async(setting: bool | str, use_gpu: bool, rank_bytes: int, ranks_per_node: int,
-                 avail_bytes: int | None) -> tuple[bool, str]:
-    """Whether to save in the background, and why (for the run's log)."""
+                 avail_bytes: int | None, *, scheduled: bool = True) -> tuple[bool, str]:
+    """Whether to save in the background, and why (for the run's log). `scheduled`: the run saves by steps,
+    minutes or at its end (else only on a signal, a save that training waits for anyway)."""
     if setting is True or setting is False:
         return bool(setting), f"[checkpoint] async_save = {str(setting).lower()}"
+    if not scheduled:
+        return False, ("async_save = auto: no save is scheduled (every_steps and every_minutes are 0, no final "
+                       "save), and a save on a signal waits for its write anyway")
     need = rank_bytes * ranks_per_node
     if not use_gpu:
         return False, ("async_save = auto: CPU ranks save synchronously (their state already lives in host "

@@ -171,15 +171,18 @@ class Checkpointer:
         from hpctrain.node import ckpt_async
 
         c = spec.checkpoint
-        rank_bytes = ckpt.estimate_state_bytes(n_params, dp, zero, spec.train.precision)
-        per_node = max(1, min(world, spec.resources.tasks_per_node))
-        on, why = ckpt.choose_async(c.async_save, use_gpu, rank_bytes, per_node, ckpt.host_available_bytes())
-        log.info("checkpoints: %s (%s)", "asynchronous" if on else "synchronous", why)
-        io = ckpt_async.install(engine, async_mode=on, pin=on and use_gpu, rank=rank, world=world,
-                                reserve_bytes=rank_bytes)
         # A checkpoint at the end unless the run asked for none at all (benchmarks: 15-50 GB saved).
         final = c.every_steps > 0 or c.every_minutes > 0 or c.export_hf
         policy = SavePolicy(c.every_steps, c.every_minutes, spec.train.steps, final)
+        rank_bytes = ckpt.estimate_state_bytes(n_params, dp, zero, spec.train.precision)
+        per_node = max(1, min(world, spec.resources.tasks_per_node))
+        on, why = ckpt.choose_async(c.async_save, use_gpu, rank_bytes, per_node, ckpt.host_available_bytes(),
+                                    scheduled=final)
+        log.info("checkpoints: %s (%s)", "asynchronous" if on else "synchronous", why)
+        # The snapshot's host buffers (the whole rank state, pinned) only where a save is scheduled: a run that
+        # saves only on a signal would hold them, unused, beside the optimizer's own host memory.
+        io = ckpt_async.install(engine, async_mode=on, pin=on and use_gpu, rank=rank, world=world,
+                                reserve_bytes=rank_bytes if final else 0)
         layout = {"world_size": world, "dp": dp, "pp": spec.parallel.pp, "tp": spec.parallel.tp, "zero": zero,
                   "precision": spec.train.precision}
         return cls(engine, ckpt_dir, policy, stop, rank=rank, keep=c.keep, layout=layout, io=io, beat=beat)

@@ -105,7 +105,14 @@ def prepare_process_env(d: DistEnv, use_gpu: bool, env: MutableMapping[str, str]
     # A hung peer should fail the job in minutes, not DeepSpeed's default 30.
     env.setdefault("DEEPSPEED_TIMEOUT", "10")
     fix_cuda_arch_list(env)
-    if not use_gpu:
+    if use_gpu:
+        # Expandable segments: freed blocks are mapped back into one growing segment instead of staying
+        # split. Near the planner's 90% limit, ZeRO-3's changing gather sizes otherwise strand memory as
+        # reserved-but-unallocated (8B at 8 x 2 on one H200 died at step 2 with 9.9 GB of it).
+        # torch reads PYTORCH_ALLOC_CONF and, older, PYTORCH_CUDA_ALLOC_CONF: a user's setting of either wins.
+        if not env.get("PYTORCH_ALLOC_CONF") and not env.get("PYTORCH_CUDA_ALLOC_CONF"):
+            env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    else:
         env["DS_ACCELERATOR"] = "cpu"
         # One rank per allocated core: torch would otherwise start a thread per core in every rank
         # and oversubscribe the node (submitit's local executor sets no limit).

@@ -64,18 +64,22 @@ def hf_config(model_spec: Any) -> Any:
     return cfg
 
 
-def build_model(model_spec: Any, cfg: Any, precision: str, ds_config: dict[str, Any], zero3: bool) -> Any:
-    """from_pretrained or from_config, partitioned at construction for ZeRO-3 (no rank holds it whole)."""
+def build_model(model_spec: Any, cfg: Any, precision: str, ds_config: dict[str, Any], zero3: bool,
+                attn: str = "") -> Any:
+    """from_pretrained or from_config, partitioned at construction for ZeRO-3 (no rank holds it whole).
+    `attn`: transformers' attn_implementation ("": transformers' default; hpctrain.node.attention)."""
     import deepspeed
     from transformers import AutoModelForCausalLM
 
     _import_model_code(cfg)
     dtype = DTYPES[precision]
     if model_spec.path and not zero3:
-        return AutoModelForCausalLM.from_pretrained(model_spec.path, config=cfg, dtype=dtype, local_files_only=True)
+        return AutoModelForCausalLM.from_pretrained(model_spec.path, config=cfg, dtype=dtype, local_files_only=True,
+                                                    attn_implementation=attn or None)
     init = deepspeed.zero.Init(config_dict_or_path=ds_config) if zero3 else contextlib.nullcontext()
     with init:
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)  # type: ignore[no-untyped-call]
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32,  # type: ignore[no-untyped-call]
+                                                 attn_implementation=attn or None)
     if model_spec.path:
         # ZeRO-3: fill the partitioned model one tensor at a time (transformers' own ZeRO-3 loading
         # path needs `accelerate`; this needs nothing and never holds more than one tensor whole).

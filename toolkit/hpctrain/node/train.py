@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpctrain.node import attention, phases
 from hpctrain.node import checkpoint as ckpt
-from hpctrain.node import phases
 from hpctrain.node.checkpointer import Checkpointer, Progress, StopFlag, StopRequested
 from hpctrain.node.dist import DistEnv, comm_device
 from hpctrain.node.metrics import MetricsWriter, attempt_number, host_mem_gb, host_peak_gb, log, step_line
@@ -145,6 +145,10 @@ def build_engine(p: Prepared) -> tuple[Any, int]:
 
     spec = p.spec
     torch.manual_seed(spec.train.seed)  # same init on every rank
+    attn = attention.resolve(spec.model.attention, attention.capability() if p.use_gpu else None)
+    kept = attention.apply(attn)
+    log.info("attention: %s%s (%s)", attn.hf or "transformers' default", f", SDPA backend {attn.first} first"
+             if attn.first and not kept else "", kept or attn.why)
     if spec.parallel.pp > 1:
         from hpctrain.node.pipeline import build_pipeline, load_pretrained_into
 
@@ -153,7 +157,8 @@ def build_engine(p: Prepared) -> tuple[Any, int]:
             load_pretrained_into(model, spec.model.path, p.hf_cfg.num_hidden_layers)
         n_params = presets.llama_param_count(p.hf_cfg.to_dict())
     else:
-        model = build_model(spec.model, p.hf_cfg, spec.train.precision, p.ds_config, zero3=p.zero == 3)
+        model = build_model(spec.model, p.hf_cfg, spec.train.precision, p.ds_config, zero3=p.zero == 3,
+                            attn=attn.hf)
         if p.checkpointing:
             # The library's default flavour (transformers renamed the method in 5.2x; both exist there).
             enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable

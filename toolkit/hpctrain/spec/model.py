@@ -35,6 +35,10 @@ Precision = Literal["bf16", "fp16", "fp32"]
 Launcher = Literal["srun", "torchrun", "deepspeed", "accelerate"]
 ExecutorName = Literal["slurm", "local", "auto"]
 Runtime = Literal["none", "apptainer", "pyxis", "podman", "charliecloud"]
+# "auto": transformers' "sdpa" with torch's SDPA backends in the order measured fastest on the rank's GPU
+# (hpctrain.node.attention); "sdpa-<backend>": that backend first; the rest are transformers' own names.
+Attention = Literal["auto", "sdpa", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "eager", "flash_attention_2",
+                    "flash_attention_3", "flex_attention"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +121,7 @@ class Model:
     config: str = ""  # path to a config.json, or a built-in preset name such as "llama-tiny"
     overrides: dict[str, object] = field(default_factory=dict)  # config.json keys to override
     freeze: tuple[str, ...] = ()  # fnmatch patterns of parameter names to freeze
+    attention: Attention = "auto"  # the attention kernel (hpctrain.node.attention)
 
     def __post_init__(self) -> None:
         check(self)
