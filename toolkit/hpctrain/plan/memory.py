@@ -7,9 +7,11 @@ can be laid next to it and one constant recalibrated at a time.
 
 ZeRO-3, as DeepSpeed 0.19.8 allocates it (dp = data-parallel ranks, N = parameters):
 - bf16 weights: 2 N/dp on the GPU (`offload_param`: pinned on the host instead).
-- gradient partition: fp32 (`gradient_accumulation_dtype=torch.float32`), 4 N/dp, in one flat buffer
+- gradient partition: in the model's dtype (the engine passes `gradient_accumulation_dtype` = the
+  `data_types.grad_accum_dtype` it is given, else the model dtype: bf16 here), 2 N/dp, in one flat buffer
   on the optimizer's device. With optimizer offload that buffer is pinned host memory for *all*
-  parameters, whatever the ratio.
+  parameters, whatever the ratio. (Counted as fp32 until 2026-12-02: every estimate with it was high by
+  2 N, 16 GB of host memory for 8B.)
 - optimizer: fp32 master + Adam m + v = 12 N/dp, in "sub-groups" of `sub_group_size` (1e9) elements.
   Optimizer offload at ratio r puts the last n - int((1 - r) * n) of the n sub-groups on the CPU: their
   master, m, v (pageable) and a fp32 gradient copy (pinned), 16 B/param; the others stay on the GPU
@@ -29,14 +31,12 @@ trainer does not keep the model output alive across backward; hpctrain's node do
 
 Host per rank: the python + torch + DeepSpeed process, plus whatever offload pins or keeps there.
 
-Checked against H200 measurements (seq 4096, bf16, activation checkpointing, one GPU, GPU figure =
-torch.cuda.max_memory_allocated, compared with the estimate minus `runtime`, GB = 1e9 B; the table is
-in docs/planner.md and tests/test_plan_gpu.py holds it to 10%): Llama 1B ZeRO-3 mb 4 47.4 GB
-(predicted +4.6%), ZeRO-2 43.9 GB (+5.0%), ZeRO-3 + full optimizer offload 30.1 GB (-0.9%); 3B ZeRO-3 +
-full offload mb 4 35.9 GB (+0.5%); 8B ZeRO-3 + offload ratio 0.5 mb 2 98 GB GPU (+0.9%) and 84 GB host
-RSS (+16%: the one figure outside 10%, on the safe side); 8B full offload killed for host memory on a
-125 GiB host (predicted 152 GiB: refused). hpctrain's node before it stopped holding the model output
-across backward: 1B ZeRO-3 mb 4 50.6 GB (-2%), 3B + offload 39.2 GB (-8%).
+Checked against H200 measurements (seq 4096, bf16, one GPU; GPU figure = torch.cuda.max_memory_allocated,
+compared with the estimate minus `runtime`; host figure = the process's peak RSS; GB = 1e9 B; the table is in
+docs/planner.md and tests/test_plan_gpu.py holds every row to 10%): ten GPU peaks of 1B, 3B and 8B with and
+without offload and recompute, among them the planner's own 1B and 8B choices, within +1.0% to +5.0%; five host
+peaks with optimizer offload (1B, 3B full; 8B ratios 0.15, 0.3, 0.5) within -1.7% to +2.3%; 8B full offload
+killed for host memory on a 125 GiB host (predicted 140 GiB: refused).
 """
 
 from __future__ import annotations
@@ -55,10 +55,14 @@ FIT_FRACTION = 0.9  # leave 10% for fragmentation and the allocator
 
 # --- calibration constants (bytes unless named _GB) -------------------------------------------------
 GPU_RUNTIME_GB = 1.5  # CUDA context, NCCL, cuBLAS workspaces: outside torch's max_memory_allocated
-HOST_RANK_GB = 2.5  # one python + torch + deepspeed process on the host (GPU rank)
+# One python + torch + deepspeed process on the host (GPU rank), with what offload needs beside its named
+# buffers (the pinned allocator's rounding, CPU Adam's threads): fitted to the host peaks (ru_maxrss) of
+# 8B ratio 0.15 2 x 8 (51.1 GB), 8B ratio 0.5 mb 2 (86.0), 3B full offload (63.6) and 1B full offload (28.7),
+# all within 3% with it (BENCHMARKS.md, December).
+HOST_RANK_GB = 5.5
 CPU_RANK_GB = 1.5  # the same on a CPU-only rank (no CUDA libraries)
 SUB_GROUP_SIZE = 10**9  # DeepSpeed's zero_optimization.sub_group_size default (elements)
-ZERO3_GRAD_BYTES = 4  # ZeRO-3 accumulates the gradient partition in fp32
+ZERO3_GRAD_BYTES = 4  # ZeRO-3's fp32 copies of a sub-group's gradient (optimizer step, GPU sub-groups)
 ADAM_BYTES_MIXED = 12  # fp32 master + m + v when training in bf16/fp16
 ADAM_BYTES_FP32 = 8  # m + v: the fp32 weights are the master copy
 OFFLOADED_GROUP_BYTES = 16  # per parameter of a CPU sub-group: master, m, v + the pinned fp32 gradient copy
@@ -219,12 +223,12 @@ def estimate(sh: Shape, zero: int, offload: str, micro: int, ac: bool, ratio: fl
             cpu_frac = cpu_share(groups, ratio)
             grads = 0.0
             optim = GPU_GROUP_BYTES * part * (1 - cpu_frac)
-            host_pinned = ZERO3_GRAD_BYTES * part  # the flat gradient buffer, pinned, for every parameter
+            host_pinned = wb * part  # the flat gradient buffer (model dtype), pinned, for every parameter
             host_state = OFFLOADED_GROUP_BYTES * part * cpu_frac
             on_gpu = groups[: int((1 - ratio) * len(groups))]
             step_transient = ZERO3_GRAD_BYTES * max(on_gpu, default=0)  # torch AdamW's temporaries
         else:
-            grads = ZERO3_GRAD_BYTES * part
+            grads = wb * part  # the flat gradient buffer, in the model dtype
             optim = adam * part
             step_transient = ZERO3_GRAD_BYTES * max(groups)  # the flattened gradient of one sub-group
     else:

@@ -2,18 +2,23 @@
 
 Pure arithmetic (no torch), like the memory model beside it (hpctrain.plan.memory). A step is
 
-    max(compute, pcie) + cpu_adam + copy_back + unscale + gpu_adam
+    compute + pcie + cpu_adam + copy_back + unscale + gpu_adam
 
 - compute: model FLOPs of the step's tokens (6 N' + 12 L H S per token, N' without the input-embedding
   lookup) x 4/3 with activation checkpointing (one more forward), at `efficiency(hidden)` x the measured bf16
   matmul rate. The efficiency is what a whole Llama forward+backward reached on this machine, by hidden size.
-- pcie: ZeRO-3 with optimizer offload keeps the fp32 gradient partition of *every* parameter in pinned host
-  memory (stage3.py partition_grads): the first micro-step of a step copies 4 N bytes to the host, every
-  further one copies them back, adds on the GPU and copies out again (4 N each way, at `duplex` x the one-way
-  time: the two directions overlap in part). It runs beside the backward (overlap_comm), hence the max().
+- pcie, the part of the gradient offload that the backward does not hide: ZeRO-3 with optimizer offload keeps
+  the gradient partition of *every* parameter in pinned host memory (stage3.py partition_grads). The last
+  micro-step of a step (the accumulation boundary) copies it out, back, and the CPU share out again in fp32,
+  in one chain that does not overlap the backward: one 4 N-byte copy's time, exposed. Every other micro-step
+  copies the buffer in, adds on the GPU and copies it out (`duplex` x a 4 N copy: the directions overlap in
+  part) beside that micro-step's backward (overlap_comm), which hides up to its own length: 3/4 of the
+  micro-step's compute with recompute (recompute + backward), 2/3 without. So small micro-batches with many
+  accumulation steps pay for the offload, large ones do not: 8B at 2 x 8 ran 1.4 s slower than at 4 x 4.
 - cpu_adam: DeepSpeedCPUAdam over the parameters of the CPU sub-groups (memory.cpu_share).
-- copy_back: the updated CPU master weights back to the GPU in bf16: hpctrain.node.zero_offload's pinned copy
-  (measured), or DeepSpeed's own blocking copy from pageable memory (plain DeepSpeed, `pageable_copy_back`).
+- copy_back: the updated CPU master weights back to the GPU: hpctrain.node.zero_offload casts them on the GPU,
+  asynchronously, behind the next sub-group's CPU Adam, so only the last sub-group's fp32 flight shows; plain
+  DeepSpeed's own blocking copy from pageable memory (`pageable_copy_back`) costs all of it.
 - unscale: gradient clipping multiplies every CPU gradient (bf16: whenever the norm exceeds the clip).
 - gpu_adam: torch's fused AdamW on the GPU's share, memory-bound (~32 bytes per parameter).
 Communication between ranks is not modelled (the figures are one GPU's); nor is ZeRO-3's per-layer fetch
@@ -25,10 +30,13 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from hpctrain.plan.memory import Estimate, Shape
+from hpctrain.plan.memory import SUB_GROUP_SIZE, Estimate, Shape
 
 RECOMPUTE_FACTOR = 4.0 / 3.0  # activation checkpointing runs the forward twice: 8 N instead of 6 N per token
 GPU_ADAM_BYTES = 32  # fused AdamW: read p, g, m, v (fp32) + write p, m, v + the bf16 copy, per parameter
+# Share of a micro-step's compute that runs its backward (where the gradient offload can hide): recompute +
+# backward = 6 N of 8 N with activation checkpointing, backward = 4 N of 6 N without.
+BACKWARD_SHARE = {True: 0.75, False: 2.0 / 3.0}
 
 
 @dataclass(frozen=True)
@@ -42,7 +50,6 @@ class Machine:
     duplex: float  # time of a 4 N copy in + 4 N copy out, in units of one 4 N copy (1 = full duplex, 2 = none)
     cpu_adam_gparams: float  # DeepSpeedCPUAdam, all host cores, G params/s
     gpu_mem_tbps: float  # device memory bandwidth reached by streaming kernels, TB/s
-    fixed_copy_back_ns: float  # hpctrain's pinned copy-back, ns per parameter
     pageable_copy_back_ns: float  # DeepSpeed's blocking pageable copy-back, ns per parameter
     unscale_ns: float  # CPU multiply of one fp32 gradient (read + write), ns per parameter
     measured: str  # date, machine and command of the figures
@@ -52,20 +59,22 @@ class Machine:
 H200 = Machine(
     name="H200 (one GPU, 16 host cores)",
     matmul_tflops=788.0,  # 2026-11-29, bf16 8192^3
-    # hidden 2048: Llama-1B ZeRO-3 micro-batch 4 + recompute, the entrypoint's whole step, 33,465 tok/s
-    #   (2026-12-01, bench/gpu/bucket_sweep.py); 3072: Llama-3B forward+backward alone, micro-batch 4 +
-    #   recompute, 0.964 / 0.975 s (2026-12-01b, bench/gpu/offload_parts.py --parts); 4096: Llama-8B ZeRO-3
-    #   ratio 0.5, 4 x 4 + recompute, 287 model TFLOPS, less its modelled CPU tail (issue 18's plain runs).
-    efficiency=((2048, 0.51), (3072, 0.67), (4096, 0.71)),
-    pcie_gbps=55.0,  # 2026-12-01b: 12.85 GB fp32 in 0.233 s both ways (offload_parts.py --parts)
-    duplex=1.55,  # fitted to issue 18's 8B ratio-0.4 1 x 16 run (17.84 s), the one PCIe-bound step measured
-    cpu_adam_gparams=4.2,  # 2026-12-01b: 3.83 and 4.52 G params/s over 3.21 B in 1e9 sub-groups (two calls)
+    # hidden 2048: Llama-1B, between ZeRO-3 micro-batch 4 + recompute (33,465 tok/s, 2026-12-01,
+    #   bench/gpu/bucket_sweep.py: 0.51) and the planner's ZeRO-0 8 x 2 without (49,143 tok/s, 2026-12-02,
+    #   bench/gpu_suite.py: 0.56); 3072: Llama-3B forward+backward alone, micro-batch 4 + recompute,
+    #   0.958-0.975 s (2026-12-01b/02, bench/gpu/offload_parts.py --parts); 4096: Llama-8B ZeRO-3 ratio 0.5,
+    #   4 x 4 + recompute, 287 model TFLOPS, less its modelled offload and CPU tail (issue 18's plain runs).
+    efficiency=((2048, 0.53), (3072, 0.67), (4096, 0.714)),
+    pcie_gbps=55.0,  # 2026-12-01b/02: 12.85 GB fp32 in 0.233-0.239 s both ways (offload_parts.py --parts)
+    duplex=1.55,  # fitted to issue 18's 8B ratio-0.4 1 x 16 run (17.84 s), then checked at 2 x 8 (three runs)
+    cpu_adam_gparams=4.2,  # 3.83, 4.52 (2026-12-01b) and 3.64 (2026-12-02) G params/s over 3.21 B, 1e9 sub-groups
     gpu_mem_tbps=3.0,
-    fixed_copy_back_ns=0.088,  # 2026-12-01b: 0.287 / 0.277 s for 3.21 B (zero_offload.PinnedStager)
-    pageable_copy_back_ns=0.64,  # 2026-12-01b: 2.431 / 1.682 s for 3.21 B (DeepSpeed's copy, two calls)
-    unscale_ns=0.062,  # 2026-12-01b: 0.206 / 0.192 s for 3.21 B
-    measured="2026-11-29 .. 2026-12-01, one H200 (device kind nvidia-h200); bench/gpu/offload_parts.py --parts, "
-             "bench/gpu/bucket_sweep.py, issue 18's 8B runs (BENCHMARKS.md, December)",
+    # 2026-12-01b/02: 2.431, 1.682, 2.177 s for 3.21 B alone (offload_parts.py); 0.5 fits plain DeepSpeed's
+    # whole 3B and 8B steps (the copy overlaps in part with the host's other work there).
+    pageable_copy_back_ns=0.5,
+    unscale_ns=0.062,  # 2026-12-01b: 0.206 / 0.192 s for 3.21 B (0.231 s on 2026-12-02)
+    measured="2026-11-29 .. 2026-12-02, one H200 (device kind nvidia-h200); bench/gpu/offload_parts.py --parts, "
+             "bench/gpu/bucket_sweep.py, bench/gpu_suite.py, issue 18's 8B runs (BENCHMARKS.md, December)",
 )
 
 MACHINES = {"h200": H200}
@@ -101,12 +110,12 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return max(self.compute, self.pcie) + self.cpu_adam + self.copy_back + self.unscale + self.gpu_adam
+        return self.compute + self.pcie + self.cpu_adam + self.copy_back + self.unscale + self.gpu_adam
 
     def describe(self) -> str:
         parts = [f"compute {self.compute:.2f}"]
         if self.pcie:
-            parts.append(f"PCIe {self.pcie:.2f} (beside the backward)")
+            parts.append(f"gradient offload {self.pcie:.2f} (not hidden by the backward)")
         for name, v in (("CPU Adam", self.cpu_adam), ("copy-back", self.copy_back), ("unscale", self.unscale),
                         ("GPU Adam", self.gpu_adam)):
             if v >= 0.005:
@@ -141,10 +150,13 @@ def step_time(m: Machine, w: Work) -> StepTime:
     on_cpu = w.params * w.cpu_fraction if w.offload else 0.0
     if w.offload:
         one_way = 4.0 * w.params / (m.pcie_gbps * 1e9)
-        pcie = one_way * (1 + m.duplex * (w.micro_steps - 1))
+        hidden = BACKWARD_SHARE[w.recompute] * compute / max(1, w.micro_steps)  # one micro-step's backward
+        pcie = one_way + (w.micro_steps - 1) * max(0.0, m.duplex * one_way - hidden)
         cpu_adam = on_cpu / (m.cpu_adam_gparams * 1e9)
-        per = m.pageable_copy_back_ns if (w.pageable_copy_back and w.zero3_offload) else m.fixed_copy_back_ns
-        copy_back = on_cpu * per * 1e-9
+        if w.pageable_copy_back and w.zero3_offload:
+            copy_back = on_cpu * m.pageable_copy_back_ns * 1e-9
+        else:  # the last CPU sub-group's fp32 crossing PCIe: the others hide behind the next one's CPU Adam
+            copy_back = 4.0 * min(on_cpu, SUB_GROUP_SIZE) / (m.pcie_gbps * 1e9)
         unscale = on_cpu * m.unscale_ns * 1e-9 if w.clipping else 0.0
     gpu_adam = (w.params - on_cpu) * GPU_ADAM_BYTES / (m.gpu_mem_tbps * 1e12)
     return StepTime(compute, pcie, cpu_adam, copy_back, unscale, gpu_adam)
