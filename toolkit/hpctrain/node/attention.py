@@ -15,7 +15,11 @@ from dataclasses import dataclass
 
 BACKENDS = ("cudnn", "flash", "efficient", "math")  # names of torch.nn.attention.SDPBackend members, lower-case
 
-# Compute capability -> the backend measured fastest for causal bf16 training at seq 4096 (bench/gpu/sdpa_probe.py).
+# Compute capability -> the backend measured fastest for whole training steps, where it differs from torch's
+# own order. Empty: on the H200 (9.0; torch 2.11, cuDNN 9.19, transformers 5.17) torch's order starts with
+# flash, and cuDNN alone ran causal bf16 SDPA 1.6-1.8x faster at the Llama 1B/3B/8B shapes, seq 4096
+# (bench/gpu/sdpa_probe.py, 2026-12-02), but moved first it changed Llama-1B's whole step by 0.4% (1.329 vs
+# 1.334 s, the planner's 8 x 2, one run each): inside the model it is not what decides (BENCHMARKS.md).
 MEASURED: dict[tuple[int, int], str] = {}
 
 
@@ -32,11 +36,12 @@ def resolve(setting: str, capability: tuple[int, int] | None) -> Choice:
         return Choice("sdpa", setting.removeprefix("sdpa-"), f"[model] attention = {setting}")
     if setting != "auto":
         return Choice(setting, "", f"[model] attention = {setting}")
-    first = MEASURED.get(capability, "") if capability is not None else ""
+    if capability is None:
+        return Choice("", "", "auto: torch's own SDPA order (a CPU rank)")
+    where = f"compute capability {capability[0]}.{capability[1]}"
+    first = MEASURED.get(capability, "")
     if first:
-        return Choice("", first, f"auto: {first} first, measured fastest on compute capability "
-                                 f"{capability[0]}.{capability[1]} (bench/gpu/sdpa_probe.py)")
-    where = "a CPU rank" if capability is None else f"compute capability {capability[0]}.{capability[1]}"
+        return Choice("", first, f"auto: {first} first, measured fastest end to end on {where}")
     return Choice("", "", f"auto: torch's own SDPA order (nothing measured for {where})")
 
 
