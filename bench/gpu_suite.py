@@ -93,7 +93,8 @@ CALLS: dict[str, list[str]] = {
     "1": ["sdpa", "3b-parts", "3b-offload:entry", "1b-plan:entry", "1b-plan:entry-cudnn", "1b-plan:plain",
           "3b-offload:plain", "3b-offload:entry"],
     "2": ["8b-plan:entry", "8b-plan:plain", "8b-plan:entry"],
-    "3": ["1b-plan", "3b-plan", "1b-mb6"],
+    "3": ["1b-plan:entry", "1b-plan:plain", "8b-plan:entry", "8b-plan:plain", "8b-plan:entry"],
+    "4": ["3b-plan", "1b-mb6", "1b-mb4"],
     "8": ["dynbatch", "ckpt"],
 }
 
