@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-import gpu_suite as G  # noqa: E402
+import gpu_suite as G
 
 
 def test_every_call_names_known_cases_and_variants() -> None:

@@ -75,3 +75,33 @@ def test_gpu_ranks_get_expandable_segments_unless_the_user_set_the_allocator() -
     cpu: dict[str, str] = {}
     prepare_process_env(d, use_gpu=False, env=cpu)
     assert "PYTORCH_CUDA_ALLOC_CONF" not in cpu
+
+
+def test_an_implementation_transformers_refuses_is_a_usage_error() -> None:
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("transformers")
+    import importlib.util
+    from types import SimpleNamespace
+
+    from hpctrain.node.model import build_model, hf_config
+    from hpctrain.node.runconf import NodeInputError
+
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash-attn is installed here")
+    spec = SimpleNamespace(path="", config="llama-tiny", overrides={}, freeze=())
+    with pytest.raises(NodeInputError, match=r"\[model\] attention = 'flash_attention_2'.*Fix: install"):
+        build_model(spec, hf_config(spec), "fp32", {}, zero3=False, attn="flash_attention_2")
+
+
+def test_a_fresh_model_without_zero3_is_built_on_the_ranks_device() -> None:
+    """GPU ranks build it on their GPU (device="cuda"); "meta" here stands in for a device this machine lacks."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("transformers")
+    from types import SimpleNamespace
+
+    from hpctrain.node.model import build_model, hf_config
+
+    spec = SimpleNamespace(path="", config="llama-tiny", overrides={}, freeze=())
+    model = build_model(spec, hf_config(spec), "fp32", {}, zero3=False, device="meta")
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert {p.device.type for p in build_model(spec, hf_config(spec), "fp32", {}, zero3=False).parameters()} == {"cpu"}

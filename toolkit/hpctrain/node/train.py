@@ -158,7 +158,7 @@ def build_engine(p: Prepared) -> tuple[Any, int]:
         n_params = presets.llama_param_count(p.hf_cfg.to_dict())
     else:
         model = build_model(spec.model, p.hf_cfg, spec.train.precision, p.ds_config, zero3=p.zero == 3,
-                            attn=attn.hf)
+                            attn=attn.hf, device="cuda" if p.use_gpu else "cpu")
         if p.checkpointing:
             # The library's default flavour (transformers renamed the method in 5.2x; both exist there).
             enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable

@@ -148,9 +148,14 @@ def install(opt: Any) -> str:
     if why:
         return f"not installed: {why}"
     groups = [g for g in opt.fp16_partitioned_groups_flat if g is not None]
-    stager = PinnedStager(groups[0].dtype)
     cpu_masters = [opt.fp32_partitioned_groups_flat[i] for i, d in opt.subgroup_to_device.items() if d == "cpu"]
     caster = DeviceCast() if all(pin_in_place(t.data) for t in cpu_masters) else None
+    stagers: list[PinnedStager] = []  # the blocking path's pinned buffers, made when first needed
+
+    def stager() -> PinnedStager:
+        if not stagers:
+            stagers.append(PinnedStager(groups[0].dtype))
+        return stagers[0]
     reassign, unscale, post_step = (opt._reassign_or_swap_out_partitioned_parameters, opt.unscale_and_clip_grads,
                                     opt._post_step)
 
@@ -163,7 +168,7 @@ def install(opt: Any) -> str:
         if caster is not None and src.data.is_pinned():  # a resume may have replaced the registered storage
             caster.copy(dst.data, src.data)
         else:
-            stager.copy(dst.data, src.data)
+            stager().copy(dst.data, src.data)
         self._unflatten_partitioned_parameters(sub_group_id)
 
     def post_step_after_copies(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -182,7 +187,7 @@ def install(opt: Any) -> str:
     how = ("copy-back cast on the GPU, asynchronous (master weights page-locked in place, "
            f"{len(cpu_masters)} sub-group(s), {sum(t.numel() for t in cpu_masters) * 4 / 1e9:.1f} GB)"
            if caster is not None else
-           f"pinned chunked bf16 copy-back (2 x {stager.chunk * stager.bufs[0].element_size() >> 20} MiB pinned; "
+           f"pinned chunked bf16 copy-back (2 x {CHUNK_ELEMENTS * groups[0].element_size() >> 20} MiB pinned; "
            "the master weights could not be page-locked)")
     return f"installed on {len(cpu_masters)} CPU sub-group(s): {how}, no multiply by 1.0"
 
