@@ -143,8 +143,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-1b")
     ap.add_argument("--zero", default="3", help="0-3 or auto")
-    ap.add_argument("--mb", type=int, default=4, help="micro-batch (0 with --global-batch: the planner's)")
-    ap.add_argument("--accum", type=int, default=1, help="gradient accumulation (0 with --global-batch: the planner's)")
+    ap.add_argument("--mb", type=int, default=None,
+                    help="micro-batch (default 4; with --global-batch alone: the planner's)")
+    ap.add_argument("--accum", type=int, default=None,
+                    help="gradient accumulation (default 1; with --global-batch alone: the planner's)")
     ap.add_argument("--global-batch", type=int, default=0)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=10)
@@ -169,10 +171,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=280)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench-node"))
     a = ap.parse_args()
-    if a.global_batch and a.mb == 4 and "--mb" not in sys.argv:
-        a.mb = 0  # --global-batch alone: the planner splits it
-    if a.global_batch and "--accum" not in sys.argv:
-        a.accum = 0
+    # --global-batch alone: the planner splits it (0 = its choice); otherwise micro-batch 4 without accumulation.
+    a.mb = a.mb if a.mb is not None else (0 if a.global_batch else 4)
+    a.accum = a.accum if a.accum is not None else (0 if a.global_batch else 1)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     ratio = a.offload_ratio if a.offload_ratio == "auto" else (f"{float(a.offload_ratio):g}"

@@ -117,7 +117,8 @@ def _copy_parts(n: int) -> dict[str, Any]:
     the CPU multiply of every gradient (unscale_and_clip_grads)."""
     import torch
 
-    from hpctrain.node.zero_offload import DeviceCast, PinnedStager, pin_in_place
+    from hpctrain.node.pinned import pin_in_place
+    from hpctrain.node.zero_offload import DeviceCast, PinnedStager
 
     sync = torch.cuda.synchronize
     gpu32 = torch.empty(n, dtype=torch.float32, device="cuda")

@@ -27,6 +27,7 @@ import torch
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
 from hpctrain.node.checkpoint import fsync_path, write_file
+from hpctrain.node.pinned import pin_in_place
 
 DONE_DIR = ".done"
 CHUNK = 64 << 20  # smallest host buffer allocated at once
@@ -121,14 +122,9 @@ class Arena:
         Registered with cudaHostRegister at its exact size: torch's pinned allocator (pin_memory=True)
         rounds each request up to a power of two, i.e. up to 1.7x the checkpoint in locked memory."""
         t = torch.empty(n, dtype=torch.uint8)
-        if not self.pin:
+        if not self.pin or pin_in_place(t):
             return t
-        try:
-            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-            torch.cuda.check_error(cudart.cudaHostRegister(t.data_ptr(), n, 0))
-            return t
-        except Exception:  # noqa: BLE001 - no cudart binding or registration refused: torch's allocator
-            return torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        return torch.empty(n, dtype=torch.uint8, pin_memory=True)  # registration refused: torch's allocator
 
 
 def snapshot(obj: Any, arena: Arena, memo: dict[Any, Any]) -> Any:

@@ -39,24 +39,12 @@ from typing import Any
 
 import torch
 
+from hpctrain.node.pinned import pin_in_place
+
 CHUNK_ELEMENTS = 64 << 20  # 64 Mi elements: 128 MiB of bf16 per pinned buffer, two buffers
 NEEDED = ("fp16_partitioned_groups_flat", "fp32_partitioned_groups_flat", "subgroup_to_device", "clip_grad",
           "loss_scale", "offload_optimizer", "_unflatten_partitioned_parameters", "unscale_and_clip_grads",
           "_reassign_or_swap_out_partitioned_parameters", "_post_step")
-
-
-def pin_in_place(t: torch.Tensor) -> bool:
-    """Page-lock a CPU tensor's memory where it lies (cudaHostRegister): asynchronous copies from it then run
-    at the pinned rate. False when it cannot be (no cudart binding, refused): the caller keeps a blocking path.
-    The registration lasts as long as the process (the optimizer's master weights live as long)."""
-    if t.is_pinned():
-        return True
-    try:
-        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-        torch.cuda.check_error(cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
-    except Exception:  # noqa: BLE001 - not registrable here: the blocking path copies instead
-        return False
-    return t.is_pinned()
 
 
 class DeviceCast:
