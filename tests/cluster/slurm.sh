@@ -236,6 +236,7 @@ JobAcctGatherType=jobacct_gather/linux
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=2,sched_interval=2
 MpiDefault=none
 SlurmdParameters=config_overrides
 ReturnToService=2
