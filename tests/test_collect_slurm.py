@@ -1,7 +1,8 @@
 """`hpctrain summary` on REAL jobs of the local SLURM cluster (tests/cluster/slurm.sh: node1..node4).
 
 Each test submits the tiny CPU example (2 nodes x 1 rank) with `hpctrain submit --executor slurm`,
-waits for the job's end, and checks state, failure class, and the rank/host at fault. Marked `slurm`.
+waits for the job's end, and checks state, failure class, and the rank/host at fault. Marked `slurm`. The
+short jobs that need no node to themselves are submitted together (module fixture `side_by_side`).
 A Python exception on ONE rank is injected without touching the node code: a sitecustomize.py on
 PYTHONPATH (the job inherits the submitting environment through --export=ALL) wraps the node's
 per-step test hook on the chosen rank only.
@@ -126,8 +127,53 @@ def final_summary(run_id: str, job: str) -> dict[str, Any]:
     raise AssertionError(f"{run_id}: summary never complete: {run}")
 
 
-def test_completed(lab: dict[str, Any]) -> None:
-    sub = submit(lab, "--steps", "6")
+@pytest.fixture(scope="module")
+def side_by_side(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The module's short jobs that need no node of their own, submitted at once (2 nodes x 1 rank each: they
+    fit side by side) so that they run together; each test waits only for its own. `hpctrain logs --follow`
+    starts right after its job's submit, so it follows a job that is still queued or running, as before."""
+    root = tmp_path_factory.mktemp("collect")
+    lab: dict[str, Any] = {"runs": root / "runs", "state": root / "state", "site": root / "site", "jobs": []}
+    lab["site"].mkdir()
+    (lab["site"] / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = {"HPCTRAIN_RUNS_DIR": str(lab["runs"]), "HPCTRAIN_STATE_DIR": str(lab["state"])}
+    out: dict[str, Any] = {"env": env}
+    follow = None
+    try:
+        out["completed"] = submit(lab, "--steps", "6", env=env)
+        pp = f"{lab['site']}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+        out["exception"] = submit(lab, "--steps", "20", env={**env, "PYTHONPATH": pp, "COLLECT_TEST_RAISE_RANK": "1",
+                                                            "COLLECT_TEST_RAISE_STEP": "4"})
+        out["follow"] = submit(lab, "--steps", "5", env=env)
+        entry = ("from hpctrain.cli.main import cli\n"
+                 "if 'logs' not in cli.commands:\n"
+                 "    from hpctrain import cli_collect; cli_collect.register(cli)\n"
+                 "cli()")
+        out["follow_out"], out["follow_err"] = root / "follow.out", root / "follow.err"
+        with out["follow_out"].open("w") as fo, out["follow_err"].open("w") as fe:
+            follow = subprocess.Popen([sys.executable, "-c", entry, "logs", out["follow"]["run_id"], "--follow"],
+                                      stdout=fo, stderr=fe, text=True, env={**os.environ, **env},
+                                      stdin=subprocess.DEVNULL)
+        out["follow_proc"] = follow
+        yield out
+    finally:
+        if follow is not None and follow.poll() is None:
+            follow.kill()
+            follow.wait(timeout=30)
+        if lab["jobs"]:
+            subprocess.run(["scancel", *lab["jobs"]], capture_output=True, timeout=30, check=False)
+
+
+@pytest.fixture()
+def batch(side_by_side: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """side_by_side's jobs, with this process pointed at their registry (the in-process `summary`)."""
+    for key, value in side_by_side["env"].items():
+        monkeypatch.setenv(key, value)
+    return side_by_side
+
+
+def test_completed(batch: dict[str, Any]) -> None:
+    sub = batch["completed"]
     run = final_summary(sub["run_id"], sub["job_id"])
     a = run["attempts"][0]
     assert (a["state"], a["failure_class"], a["last_step"], a["lost_steps"]) == ("COMPLETED", None, 6, 0)
@@ -135,10 +181,8 @@ def test_completed(lab: dict[str, Any]) -> None:
     assert Path(run["folder"], "summary.json").is_file()
 
 
-def test_python_exception_on_one_rank(lab: dict[str, Any]) -> None:
-    pp = f"{lab['site']}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-    sub = submit(lab, "--steps", "20", env={"PYTHONPATH": pp, "COLLECT_TEST_RAISE_RANK": "1",
-                                             "COLLECT_TEST_RAISE_STEP": "4"})
+def test_python_exception_on_one_rank(batch: dict[str, Any]) -> None:
+    sub = batch["exception"]
     run = final_summary(sub["run_id"], sub["job_id"])
     a = run["attempts"][0]
     assert a["state"] == "FAILED" and a["failure_class"] == "python_exception", a
@@ -146,6 +190,22 @@ def test_python_exception_on_one_rank(lab: dict[str, Any]) -> None:
     assert f["rank"] == 1 and f["host"] == a["hosts"][1]
     assert f["exception"] == "ValueError: injected failure at step 4"
     assert a["last_step"] == 4 and a["last_checkpoint_step"] == 3 and a["lost_steps"] == 1
+
+
+def test_logs_follow_until_job_end(batch: dict[str, Any]) -> None:
+    """`hpctrain logs --follow` on a job that is still queued/running returns by itself once it ends."""
+    sub, proc = batch["follow"], batch["follow_proc"]
+    try:
+        proc.wait(timeout=600)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"`hpctrain logs --follow` still running after 600 s; job state {sacct_state(sub['job_id'])}")
+    stdout, stderr = batch["follow_out"].read_text(), batch["follow_err"].read_text()
+    assert proc.returncode == 0, stderr
+    lines = stdout.splitlines()
+    assert any(ln.startswith("a0 r0 ") and "finished at step 5" in ln for ln in lines), \
+        f"state {sacct_state(sub['job_id'])}\n{stdout[-2000:]}\n{stderr[-1000:]}"
+    assert any(ln.startswith("a0 r1 ") for ln in lines)
+    assert sacct_state(sub["job_id"]) in FINAL
 
 
 def test_cancelled(lab: dict[str, Any]) -> None:
@@ -239,20 +299,3 @@ def test_node_lost(lab: dict[str, Any]) -> None:
     assert first["failure_class"] == "node_fail" and first["failure"]["host"] == "node4", first
     assert first["failure"]["rank"] == 1 and "lost its peer on node4" in first["failure"]["message"], first
     assert first["state"] == "CANCELLED" and first["last_step"] >= 1, first
-
-
-def test_logs_follow_until_job_end(lab: dict[str, Any]) -> None:
-    """`hpctrain logs --follow` on a job that is still queued/running returns by itself once it ends."""
-    sub = submit(lab, "--steps", "5")
-    entry = ("from hpctrain.cli.main import cli\n"
-             "if 'logs' not in cli.commands:\n"
-             "    from hpctrain import cli_collect; cli_collect.register(cli)\n"
-             "cli()")
-    proc = subprocess.run([sys.executable, "-c", entry, "logs", sub["run_id"], "--follow"], capture_output=True,
-                          text=True, timeout=600, check=False, env=os.environ.copy())
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
-    assert any(ln.startswith("a0 r0 ") and "finished at step 5" in ln for ln in lines), \
-        f"state {sacct_state(sub['job_id'])}\n{proc.stdout[-2000:]}\n{proc.stderr[-1000:]}"
-    assert any(ln.startswith("a0 r1 ") for ln in lines)
-    assert sacct_state(sub["job_id"]) in FINAL

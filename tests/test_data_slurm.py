@@ -18,7 +18,7 @@ from test_node_slurm import FINAL, lab, state, steps, submit, wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.deepspeed]
 __all__ = ["lab"]  # the fixture, shared with test_node_slurm
-STEPS = 40
+STEPS = 24  # USR2 after step 12, evaluations at steps 10 and 20
 
 
 def _flags(prep: Path, tok: Path) -> list[str]:
@@ -35,7 +35,7 @@ def test_prepared_zero3_usr2_resume_mid_epoch_matches_uninterrupted(lab: list[st
     tok = build_tokenizer(tmp_path / "tok", vocab_size=320)  # llama-tiny's vocabulary
     prep = tmp_path / "prep"
     m = write_prepared(prep, tok, stdlib_texts(30), val_every=6, shard_docs=8)
-    # 40 steps x grad_accum 2 x dp 4 micro-batches of 2 packed rows of 64 tokens: a fraction of one epoch
+    # STEPS x grad_accum 2 x dp 4 micro-batches of 2 packed rows of 64 tokens: a fraction of one epoch
     assert STEPS * 2 * 4 * 2 * 64 < m.train.tokens / 2
     ref_job, ref = submit(lab, *_flags(prep, tok))
     job, run = submit(lab, *_flags(prep, tok))

@@ -75,6 +75,13 @@ def test_a_spare_replaces_a_dead_node_in_the_same_job_then_the_queue_takes_over(
     assert proc.returncode == 0, proc.stderr
     run, job = Path(json.loads(proc.stdout)[0]["run_dir"]), json.loads(proc.stdout)[0]["job_id"]
     assert "#SBATCH --no-kill" in (run / "sbatch.sh").read_text()
+    # The fault-free reference on the local executor (this machine, not a node of the cluster): it runs beside
+    # the SLURM job's start-up and first steps instead of after the job.
+    ref_proc = subprocess.run([sys.executable, "-m", "hpctrain", "submit", TINY, *REFERENCE, "--job-name", "ref",
+                               "--json"], capture_output=True, text=True, timeout=120, check=False, env=env,
+                              stdin=subprocess.DEVNULL)
+    assert ref_proc.returncode == 0, ref_proc.stderr
+    ref_run = Path(json.loads(ref_proc.stdout)[0]["run_dir"])
 
     # Kill 1: the last training node (never the batch host, which runs the driver).
     wait_until(lambda: len(steps_seen(run)) >= 8, 600, "step 8 of the first step", poll=1)
@@ -106,11 +113,6 @@ def test_a_spare_replaces_a_dead_node_in_the_same_job_then_the_queue_takes_over(
     assert hosts[2] not in step1_hosts and spare in step1_hosts, rows
 
     # Losses: every step once at least, each run of a step (redone ones too) with a fault-free run's loss.
-    ref_proc = subprocess.run([sys.executable, "-m", "hpctrain", "submit", TINY, *REFERENCE, "--job-name", "ref",
-                               "--json"], capture_output=True, text=True, timeout=120, check=False, env=env,
-                              stdin=subprocess.DEVNULL)
-    assert ref_proc.returncode == 0, ref_proc.stderr
-    ref_run = Path(json.loads(ref_proc.stdout)[0]["run_dir"])
     wait_until(lambda: max((r["step"] for r in steps_seen(ref_run)), default=0) >= STEPS, 900, "the reference run")
     ref = {int(r["step"]): float(r["loss"]) for r in steps_seen(ref_run)}
     seen = {int(r["step"]) for r in steps_seen(run)}

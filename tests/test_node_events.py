@@ -39,9 +39,14 @@ def test_user_exception_on_one_rank_is_an_event_the_summary_reads(tmp_path: Path
 
 
 def test_bad_input_on_every_rank_is_one_input_error(tmp_path: Path) -> None:
+    """A missing data file: every rank fails with one input error, told once on stderr (rank 0) and in each
+    rank's log. (Also what test_node_train's bad data path test asserted, on the same job: merged.)"""
     run = make_run(tmp_path / "run", data={"source": str(tmp_path / "missing.jsonl")})
     proc = torchrun(run, 2, timeout=90)
     assert proc.returncode != 0
+    assert proc.stderr.count("missing.jsonl': no such file or folder") == 1
+    for r in (0, 1):
+        assert "no such file" in (run / "logs" / f"attempt-0.rank-{r}.log").read_text()
     fails = [e for e in events.read_events(run) if e.kind == events.FAILURE]
     assert sorted(e.rank for e in fails) == [0, 1]
     assert {(e.failure_class, e.exit_code) for e in fails} == {("input_error", 2)}

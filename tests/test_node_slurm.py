@@ -11,7 +11,9 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +36,11 @@ def lab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
         subprocess.run(["scancel", *jobs], capture_output=True, timeout=30, check=False)
 
 
-def submit(jobs: list[str], *flags: str) -> tuple[str, Path]:
+def submit(jobs: list[str], *flags: str, env: dict[str, str] | None = None) -> tuple[str, Path]:
     argv = [sys.executable, "-m", "hpctrain", "submit", TINY, "--executor", "slurm", "--partition", "debug",
             "--set", "resources.tasks_per_node=1", "--json", *flags]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False, env=dict(os.environ))
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False,
+                          env=dict(os.environ) if env is None else env)
     assert proc.returncode == 0, proc.stderr
     sub = json.loads(proc.stdout)[0]
     jobs.append(sub["job_id"])
@@ -65,8 +68,53 @@ def steps(run: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_four_nodes_zero3_optimizer_offload(lab: list[str]) -> None:
-    job, run = submit(lab, "--nodes", "4", "--offload", "optimizer")
+class Usr2After:
+    """USR2 to the job once its metrics show `after` steps (scancel --signal, as the time limit would): watched
+    from the submit on, so the job cannot run to its end while another test of the module waits."""
+
+    def __init__(self, job: str, run: Path, after: int) -> None:
+        self.job, self.run, self.after = job, run, after
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._send, name=f"usr2-{job}", daemon=True)
+        self.thread.start()
+
+    def _send(self) -> None:
+        try:
+            # The cluster is shared: wait for the job to start (bounded), then for its steps.
+            wait_until(lambda: state(self.job) not in ("", "PENDING"), 900, f"job {self.job} to start")
+            wait_until(lambda: len(steps(self.run)) >= self.after, 300, f"{self.after} training steps")
+            subprocess.run(["scancel", "--signal=USR2", self.job], check=True, timeout=30)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            self.error = exc
+
+    def join(self, timeout: float) -> None:
+        self.thread.join(timeout=timeout)
+        assert not self.thread.is_alive(), f"job {self.job}: no USR2 sent within {timeout}s"
+        assert self.error is None, self.error
+
+
+@pytest.fixture(scope="module")
+def node_jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """Both jobs of the module, submitted at once (4 + 2 nodes, one rank each: they fit side by side), so
+    they run together and each test waits only for its own."""
+    if not shutil.which("sbatch"):
+        pytest.skip("no SLURM client on PATH (bash tests/cluster/slurm.sh up)")
+    base = tmp_path_factory.mktemp("node-slurm")
+    env = {**os.environ, "HPCTRAIN_RUNS_DIR": str(base / "runs"), "HPCTRAIN_STATE_DIR": str(base / "state")}
+    jobs: list[str] = []
+    out: dict[str, Any] = {}
+    try:
+        out["offload"] = submit(jobs, "--nodes", "4", "--offload", "optimizer", env=env)
+        out["usr2"] = submit(jobs, "--nodes", "2", "--steps", "150", "--set", "checkpoint.every_steps=0", env=env)
+        out["usr2_signal"] = Usr2After(*out["usr2"], after=10)
+        yield out
+    finally:
+        if jobs:
+            subprocess.run(["scancel", *jobs], capture_output=True, timeout=30, check=False)
+
+
+def test_four_nodes_zero3_optimizer_offload(node_jobs: dict[str, Any]) -> None:
+    job, run = node_jobs["offload"]
     wait_until(lambda: state(job) in FINAL, 600, f"job {job} to end")
     assert state(job) == "COMPLETED", (run / "logs" / "attempt-0.rank-0.log").read_text()[-3000:]
     cfg = json.loads((run / "ds_config.json").read_text())
@@ -82,12 +130,11 @@ def test_four_nodes_zero3_optimizer_offload(lab: list[str]) -> None:
     assert (run / "hf" / "model.safetensors").is_file()
 
 
-def test_usr2_checkpoints_requeues_and_resumes(lab: list[str]) -> None:
+def test_usr2_checkpoints_requeues_and_resumes(node_jobs: dict[str, Any]) -> None:
     """SLURM's pre-timeout signal: every rank checkpoints at the step boundary, submitit requeues the job,
     attempt 1 (SLURM_RESTART_COUNT=1) resumes from that checkpoint and finishes."""
-    job, run = submit(lab, "--nodes", "2", "--steps", "150", "--set", "checkpoint.every_steps=0")
-    wait_until(lambda: len(steps(run)) >= 10, 300, "10 training steps")
-    subprocess.run(["scancel", "--signal=USR2", job], check=True, timeout=30)
+    job, run = node_jobs["usr2"]
+    node_jobs["usr2_signal"].join(timeout=1300)  # its own waits are bounded: 900 s queued, 300 s to 10 steps
     wait_until(lambda: state(job) in FINAL, 600, f"job {job} to end")
     assert state(job) == "COMPLETED"
     log0 = (run / "logs" / "attempt-0.rank-0.log").read_text()
