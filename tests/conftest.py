@@ -153,6 +153,59 @@ def _slurm_sh(cmd: str, timeout: float) -> subprocess.CompletedProcess[str]:
         return subprocess.CompletedProcess(e.cmd, 124, out, err + f"\n(timed out after {timeout}s)")
 
 
+BUILD_SH = REPO / "containers" / "build.sh"
+CH_IMAGE = Path(os.environ.get("HPCTRAIN_CH_IMAGE", "/var/tmp/hpctrain-ch/hpctrain-cpu"))
+
+
+class ImageBuild:
+    """`containers/build.sh ci` (the container tests' image), started once per session in the background.
+
+    The cluster fixture starts it when container tests are selected, so the build (minutes from nothing,
+    seconds when podman's cache has every layer) overlaps the cluster tests that run before them instead of
+    adding to them. `wait` starts it if nobody has, and bounds it from its start."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.t0 = 0.0
+        self.logs: tuple[Path, Path] | None = None
+
+    def start(self, folder: Path) -> None:
+        if self.proc is not None:
+            return
+        folder.mkdir(parents=True, exist_ok=True)
+        self.logs = (folder / "build.out", folder / "build.err")
+        with self.logs[0].open("wb") as out, self.logs[1].open("wb") as err:
+            self.proc = subprocess.Popen(["bash", str(BUILD_SH), "ci"], stdin=subprocess.DEVNULL, stdout=out,
+                                         stderr=err, env={**os.environ, "HPCTRAIN_CH_IMAGE": str(CH_IMAGE)},
+                                         start_new_session=True)
+        self.t0 = time.monotonic()
+
+    def wait(self, folder: Path, timeout: float) -> tuple[int | None, str, str, float]:
+        """(exit code, or None when it ran past `timeout` s from its start; stdout; stderr; seconds so far)."""
+        self.start(folder)
+        assert self.proc is not None and self.logs is not None
+        try:
+            rc: int | None = self.proc.wait(timeout=max(1.0, self.t0 + timeout - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.stop()
+            rc = None
+        out, err = (p.read_text(errors="replace") for p in self.logs)
+        return rc, out, err, time.monotonic() - self.t0
+
+    def stop(self) -> None:
+        """End a build still running (the session ends before the container tests): its whole process group."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, 15)
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait(timeout=30)
+
+
+IMAGE_BUILD = ImageBuild()
+
+
 @pytest.fixture(autouse=True)
 def _restore_umask() -> Iterator[None]:
     """The CLI sets umask 077 for its whole process (cli.main): an in-process CliRunner test must not
@@ -164,7 +217,8 @@ def _restore_umask() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster() -> Iterator[SlurmCluster]:
+def slurm_cluster(request: pytest.FixtureRequest,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     """The local 4-node SLURM cluster, up for the whole session (see module docstring)."""
     if os.environ.get("HPCTRAIN_SKIP_SLURM") == "1":
         pytest.skip("HPCTRAIN_SKIP_SLURM=1: SLURM cluster tests skipped")
@@ -184,7 +238,11 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
             )
         # another session may have started it while we waited on slurm.sh's lock: then it is not ours
         started_here = "cluster already up" not in up.stderr
+    if (os.geteuid() == 0 and os.environ.get("HPCTRAIN_SKIP_CONTAINER_BUILD") != "1"
+            and any(item.get_closest_marker("container") for item in request.session.items)):
+        IMAGE_BUILD.start(tmp_path_factory.mktemp("image-build"))
     yield SlurmCluster(lab=LAB, started_here=started_here)
+    IMAGE_BUILD.stop()
     # LAB/keep (`slurm.sh up --keep`, `make cluster-up`): someone wants the cluster kept for others
     if started_here and os.environ.get("HPCTRAIN_KEEP_SLURM") != "1" and not (LAB / "keep").exists():
         down = _slurm_sh("down", timeout=120)
