@@ -18,7 +18,7 @@ import traceback
 from pathlib import Path
 from typing import TypeVar
 
-from hpctrain.node import dist, phases, predecessors, preflight, script
+from hpctrain.node import dist, imports, phases, predecessors, preflight, script
 from hpctrain.node import stacks as node_stacks
 from hpctrain.node.checkpointer import StopFlag, StopRequested
 from hpctrain.node.dist import OtherRankFailed
@@ -110,6 +110,9 @@ def run(run_dir: str, mode: str = "train") -> int:
         raise SystemExit(int(code))
     return ExitCode.OK
 
+
+# Before anything imports deepspeed on this rank: ~1 s less start-up (hpctrain.node.imports).
+imports.install()
 
 _Stop = TypeVar("_Stop", bound=StopFlag)
 

@@ -1,4 +1,5 @@
-"""The attention kernel setting ([model] attention, hpctrain.node.attention) and the GPU allocator default."""
+"""What a rank chooses by itself: the attention kernel ([model] attention, hpctrain.node.attention), the GPU
+allocator default, where a fresh model is built, and the imports of its start-up (hpctrain.node.imports)."""
 
 from __future__ import annotations
 
@@ -105,3 +106,17 @@ def test_a_fresh_model_without_zero3_is_built_on_the_ranks_device() -> None:
     model = build_model(spec, hf_config(spec), "fp32", {}, zero3=False, device="meta")
     assert {p.device.type for p in model.parameters()} == {"meta"}
     assert {p.device.type for p in build_model(spec, hf_config(spec), "fp32", {}, zero3=False).parameters()} == {"cpu"}
+
+
+def test_deepspeed_is_imported_without_mlflow_on_a_rank() -> None:
+    """hpctrain.node.imports: DeepSpeed's autotuner does not load mlflow on a rank (~1 s of every start),
+    and mlflow itself still imports afterwards (the node's MLflow tracker)."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("mlflow")
+    import subprocess
+    import sys
+
+    code = ("import sys; import hpctrain.node.main; import deepspeed; import deepspeed.autotuning.autotuner as a; "
+            "assert 'mlflow' not in sys.modules and a.has_mlflow is False; import mlflow; print('ok', mlflow.__name__)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0 and "ok mlflow" in proc.stdout, proc.stderr[-2000:]
