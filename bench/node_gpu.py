@@ -61,7 +61,7 @@ def run_plain(a: argparse.Namespace, chosen: dict[str, Any], log: Path) -> dict[
 def _auto(value: str) -> Any:
     """'auto' stays a string; numbers become numbers; true/false become booleans."""
     low = value.lower()
-    if low in ("auto",):
+    if low == "auto":
         return "auto"
     if low in ("true", "false"):
         return low == "true"
@@ -71,13 +71,12 @@ def _auto(value: str) -> Any:
 def make_run_folder(a: argparse.Namespace, run: Path) -> dict[str, Any]:
     """spec.toml + plan.json + ds_config.json, rendered by hpctrain itself (bench/gpu/runlib.py); returns the plan."""
     ac = _auto(a.ac) if a.ac else not a.no_ac
-    offload = a.offload
     tables = runlib.bench_tables(name="bench", model=a.model, zero=_auto(a.zero), gpus=1, mb=a.mb, seq=a.seq,
-                                 steps=a.warmup + a.steps, offload=offload, ac=ac, cpu=a.cpu,
+                                 steps=a.warmup + a.steps, offload=a.offload, ac=ac, cpu=a.cpu,
                                  peak_tflops=a.peak_tflops,
                                  extra={"model": {"attention": a.attention}} if a.attention else None)
     tables["train"].update({"grad_accum": a.accum, "global_batch": a.global_batch})
-    if offload != "none" or a.zero == "auto":
+    if a.offload != "none" or a.zero == "auto":
         tables["parallel"]["offload_ratio"] = _auto(a.offload_ratio)
     if not a.cpu:
         tables["resources"].update({"mem": a.host_mem, "cpus_per_task": os.cpu_count() or 1})

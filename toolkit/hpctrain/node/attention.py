@@ -3,9 +3,8 @@
 transformers' "sdpa" attention calls torch.nn.functional.scaled_dot_product_attention, and torch picks the first
 backend in its priority order that supports the call (flash, then memory-efficient, then math, then cuDNN, as
 torch 2.11 ships). "auto" keeps transformers' default ("sdpa" where the model supports it, else "eager") and, on
-a GPU kind in MEASURED, moves the backend measured
-fastest there to the front (the others stay behind it as fallbacks, so a call the first cannot serve still
-runs). "sdpa-<backend>" puts that backend first on any GPU; "sdpa" keeps torch's order; the other values are
+a GPU kind in MEASURED, moves the backend measured fastest there to the front (the others stay behind it as
+fallbacks, so a call the first cannot serve still runs). "sdpa-<backend>" puts that backend first on any GPU; "sdpa" keeps torch's order; the other values are
 transformers' own implementations, passed through (flash_attention_2/3 need their packages in the container).
 """
 

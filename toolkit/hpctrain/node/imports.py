@@ -3,7 +3,7 @@
 `import deepspeed` imports its autotuner, whose module imports mlflow when it is installed (hpctrain's
 mlflow extra, or an image that has it), only to log tuning experiments; the node never runs the autotuner.
 That import cost every rank ~1 s of its start-up on this project's 2-core test machine (`import deepspeed`
-4.2-4.5 s with mlflow against 2.5-2.9 s without), on every start and every restart. The finder below refuses
+1.9-2.4 s with it against 1.1-1.2 s without, 2026-12-02), on every start and every restart. The finder below refuses
 mlflow to that one module while it is being imported (DeepSpeed then records has_mlflow = False); any other
 `import mlflow`, before or after (the node's MLflow tracker), is untouched.
 """
