@@ -10,7 +10,7 @@ at the planner's choice. A call runs its cases in order and starts no run that w
     python bench/gpu_suite.py --call 1 --out $OUT      # sdpa probe, 3B offload vs its parts, 1B planner's choice
     python bench/gpu_suite.py --call 2 --out $OUT      # 8B, the planner's choice then (ratio 0.15, 2 x 8)
     python bench/gpu_suite.py --call 3 --out $OUT      # 1B choice again, 8B planner's choice
-    python bench/gpu_suite.py --call 4 --out $OUT      # 3B planner's choice (calls 4-6: not run yet)
+    python bench/gpu_suite.py --call 4 --out $OUT      # calls 4-6: n >= 3 for every row, the 3B planner's choice
     python bench/gpu_suite.py --cases 1b-mb6 --rounds 3 --out $OUT
     python bench/gpu_suite.py --cpu --cases cpu-smoke --out /tmp/suite   # this script on the CPU (tiny model)
 
@@ -68,7 +68,7 @@ CASES: dict[str, Case] = {
                     {"entry": ["--only", "entry"], "entry-cudnn": ["--only", "entry", "--attention", "sdpa-cudnn"],
                      "plain": ["--only", "plain"]}, rounds=3, est_s=50,
                     note="Llama-1B, the planner's choice (issue 18 goals 1, 5)"),
-    "3b-plan": Case(["--model", "llama-3b", *PLAN_AUTO, "--steps", "3", "--warmup", "2"], rounds=2, est_s=70,
+    "3b-plan": Case(["--model", "llama-3b", *PLAN_AUTO, "--steps", "3", "--warmup", "2"], rounds=3, est_s=70,
                     note="Llama-3B, the planner's choice (issue 18 goal 1)"),
     "8b-plan": Case(["--model", "llama-8b", *PLAN_AUTO, "--steps", "3", "--warmup", "1", "--timeout", "330"],
                     rounds=3, est_s=125, cpu_adam=True,
@@ -95,11 +95,13 @@ CALLS: dict[str, list[str]] = {
           "3b-offload:plain", "3b-offload:entry"],
     "2": ["8b-plan:entry", "8b-plan:plain", "8b-plan:entry"],
     "3": ["1b-plan:entry", "1b-plan:plain", "8b-plan:entry", "8b-plan:plain", "8b-plan:entry"],
-    # Not run yet (2026-12-02: the session's device time was spent): the 3B choice, and the runs that bring
-    # the medians of calls 1-3 to n >= 3.
-    "4": ["3b-plan", "1b-plan:plain", "1b-plan:entry"],
-    "5": ["3b-parts", "3b-offload:entry", "3b-offload:plain", "3b-offload:entry", "8b-plan:plain"],
-    "6": ["1b-mb6", "1b-mb4"],
+    # 2026-12-02, second session: the 3B choice, and the runs that bring the medians of calls 1-3 to n >= 3.
+    # 1b-mb6 runs one alternating pair per call (each pair in one call).
+    "4": ["1b-plan:plain", "1b-plan:entry", "8b-plan:plain", "8b-plan:entry", "8b-plan:plain",
+          "1b-mb6:entry", "1b-mb6:plain"],
+    "5": ["3b-parts", "3b-offload:plain", "3b-offload:entry", "3b-offload:plain", "3b-offload:entry",
+          "1b-mb6:plain", "1b-mb6:entry"],
+    "6": ["3b-plan", "1b-mb6:entry", "1b-mb6:plain"],
     "8": ["dynbatch", "ckpt"],
 }
 
