@@ -10,7 +10,7 @@ at the planner's choice. A call runs its cases in order and starts no run that w
     python bench/gpu_suite.py --call 1 --out $OUT      # sdpa probe, 3B offload vs its parts, 1B planner's choice
     python bench/gpu_suite.py --call 2 --out $OUT      # 8B, the planner's choice then (ratio 0.15, 2 x 8)
     python bench/gpu_suite.py --call 3 --out $OUT      # 1B choice again, 8B planner's choice
-    python bench/gpu_suite.py --call 4 --out $OUT      # calls 4-6: n >= 3 for every row, the 3B planner's choice
+    python bench/gpu_suite.py --call 4 --out $OUT      # calls 4-6 (run 2026-12-02): n >= 3 on every row, 3B choice
     python bench/gpu_suite.py --cases 1b-mb6 --rounds 3 --out $OUT
     python bench/gpu_suite.py --cpu --cases cpu-smoke --out /tmp/suite   # this script on the CPU (tiny model)
 
