@@ -314,6 +314,11 @@ def test_time_limit_checkpoints_on_signal_requeues_and_finishes(campaign: Campai
     assert clock.error is None, clock.error
     assert len(clock.events) == 2, clock.events
     assert last["decision"]["action"] == "done", last
+    # The limit was moved (scontrol update TimeLimit) after the job started: the ranks ask slurmctld for
+    # the end it holds now, so the first run's row says time limit, not preemption.
+    wait_until(lambda: _last_row_with_decision(run), 60, "summary.json with the decision")
+    rows = json.loads((run / "summary.json").read_text())["attempts"]
+    assert rows[0]["failure_class"] == "time_limit" and rows[0]["lost_steps"] == 0, rows[0]
     log0 = (run / "logs" / "attempt-0.rank-0.log").read_text()
     assert "checkpointed at step" in log0, log0[-2000:]
     stopped = int(log0.split(": checkpointed at step ")[1].split(",")[0])

@@ -50,6 +50,7 @@ def test_stop_flag_knows_the_time_left_and_whose_cancel(tmp_path: Path, monkeypa
 
     monkeypatch.setenv("SLURM_JOB_ID", "41")
     monkeypatch.setenv("SLURM_JOB_END_TIME", str(time.time() + 3600))
+    _fake_squeue(tmp_path, monkeypatch, "")  # slurmctld holds the same end (squeue prints nothing: no answer)
     flag = StopFlag(signum=signal.SIGUSR2, run_dir=tmp_path, limit_s=7200.0, window_s=90.0)
     assert flag.why() == FC.PREEMPTED
     monkeypatch.setenv("SLURM_JOB_END_TIME", str(time.time() + 60))
@@ -63,6 +64,52 @@ def test_stop_flag_knows_the_time_left_and_whose_cancel(tmp_path: Path, monkeypa
     assert not flag.cancelled() and flag.why() == FC.PREEMPTED
     RunFolder(tmp_path).cancel_requested.write_text(json_text({"jobs": ["40", "41"]}))
     assert flag.cancelled() and flag.why() == FC.CANCELLED
+
+
+def _fake_squeue(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, out: str, rc: int = 0) -> Path:
+    """A stand-in `squeue` for hpctrain.slurm.commands.job_end_time's parsing (the real cluster's moved limit:
+    tests/test_fault_slurm.py); it logs its arguments."""
+    import shlex
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    tool = bin_dir / "squeue"
+    tool.write_text(f'#!/bin/sh\necho "$@" >> {shlex.quote(str(bin_dir / "calls"))}\n'
+                    f"printf '%s' {shlex.quote(out)}\nexit {rc}\n")
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{__import__('os').environ['PATH']}")
+    return bin_dir / "calls"
+
+
+@pytest.mark.parametrize("moved_to_s, rc, want", [
+    (60.0, 0, FC.TIME_LIMIT),  # `scontrol update TimeLimit=` cut (or set) the limit: the signal is its pre-timeout
+    (5400.0, 0, FC.PREEMPTED),  # the limit was extended, and then the job was preempted
+    (None, 1, FC.PREEMPTED),  # squeue refused (the job left the queue): the environment's end stands
+])
+def test_a_moved_time_limit_is_asked_of_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              moved_to_s: float | None, rc: int, want: str) -> None:
+    """SLURM_JOB_END_TIME is the end the job started with: far from it, USR2 is checked against the end
+    slurmctld holds now, once per process; near it (a plain time limit), SLURM is not asked."""
+    import datetime
+    import time
+
+    from hpctrain.node.checkpointer import StopFlag
+
+    end = "" if moved_to_s is None else datetime.datetime.fromtimestamp(time.time() + moved_to_s).strftime(
+        "%Y-%m-%dT%H:%M:%S")
+    calls = _fake_squeue(tmp_path, monkeypatch, end + "\n", rc)
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    monkeypatch.setenv("SLURM_JOB_END_TIME", str(time.time() + 3600))
+    flag = StopFlag(signum=signal.SIGUSR2, run_dir=tmp_path, limit_s=3600.0, window_s=90.0)
+    assert flag.why() == want and flag.why() == want
+    assert calls.read_text().splitlines() == ["-h -j 41 -o %e"]  # asked once
+    monkeypatch.setenv("SLURM_JOB_END_TIME", str(time.time() + 60))
+    calls.unlink()
+    assert StopFlag(signum=signal.SIGUSR2, run_dir=tmp_path, window_s=90.0).why() == FC.TIME_LIMIT
+    assert not calls.exists()  # near the end the job started with: no RPC
+    monkeypatch.setenv("SLURM_JOB_ID", "41; touch /tmp/x")  # never reaches squeue
+    assert StopFlag(signum=signal.SIGUSR2, run_dir=tmp_path, window_s=90.0).live_end() is None
+    assert not calls.exists()
 
 
 class _Metrics:

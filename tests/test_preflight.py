@@ -63,7 +63,7 @@ def test_missing_rank_named_with_host_within_timeout() -> None:
     t0 = time.monotonic()
     out = _threads(8, {5}, 3)
     elapsed = time.monotonic() - t0
-    assert elapsed < 3.5
+    assert elapsed < 3 * 1.5 + 0.5  # bounded by the 3 s timeout (slack for a busy machine), not a hang
     assert len(out) == 7 and all(isinstance(e, PreflightError) for e in out.values())
     for e in out.values():
         assert "rank(s) 5" in str(e) and "node3" in str(e), e
@@ -72,7 +72,7 @@ def test_missing_rank_named_with_host_within_timeout() -> None:
 def test_rank0_missing_every_rank_fails_in_time() -> None:
     t0 = time.monotonic()
     out = _threads(3, {0}, 2)
-    assert time.monotonic() - t0 < 3
+    assert time.monotonic() - t0 < 2 * 1.5 + 0.5  # the 2 s timeout with a busy machine's slack
     assert all(isinstance(e, PreflightError) and "could not reach rank 0" in str(e) for e in out.values())
 
 
@@ -85,7 +85,7 @@ def test_subprocesses_one_missing_exit_nonzero() -> None:
     procs = [subprocess.Popen([sys.executable, "-c", code], env={**os.environ, **_env(r, world, port, "node[1-2]", "2,1")},
                               stdout=subprocess.PIPE, text=True) for r in (0, 1)]
     outs = [p.communicate(timeout=10)[0] for p in procs]
-    assert time.monotonic() - t0 < 6
+    assert time.monotonic() - t0 < 8  # 3 s timeout + two interpreters' start-up on a busy machine
     assert [p.returncode for p in procs] == [3, 3]
     assert all("rank(s) 2" in o and "node2" in o for o in outs), outs
 

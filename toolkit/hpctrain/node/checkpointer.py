@@ -73,6 +73,7 @@ class StopFlag:
     run_dir: Path | None = None
     limit_s: float | None = None
     window_s: float = 0.0
+    _live_end: tuple[float | None] | None = field(default=None, repr=False)  # job_end_time's answer, once
 
     def seconds_left(self, now: float | None = None) -> float | None:
         """Of the time limit: SLURM's projected end when it exports one, else the limit from the job's start
@@ -85,6 +86,21 @@ class StopFlag:
             return None
         return (_env_time("SLURM_JOB_START_TIME") or _PROCESS_START) + self.limit_s - now
 
+    def live_end(self) -> float | None:
+        """The job's end as slurmctld holds it now, asked once per process (None outside SLURM, or when
+        squeue cannot say). The environment's end is the one of the job's start: `scontrol update
+        TimeLimit=` (an extension an admin granted, a limit cut) moves the real pre-timeout signal away
+        from it, and the signal would read as a preemption."""
+        if self._live_end is None:
+            job = os.environ.get("SLURM_JOB_ID", "")
+            end: float | None = None
+            if job:
+                from hpctrain.slurm.commands import job_end_time
+
+                end = job_end_time(job)
+            self._live_end = (end,)
+        return self._live_end[0]
+
     def cancelled(self) -> bool:
         """`hpctrain cancel` asked to stop THIS job (its request names the job ids it cancelled: a later
         attempt of the run is not cancelled by an old request)."""
@@ -95,12 +111,20 @@ class StopFlag:
 
     def why(self, signum: int | None = None) -> Any:
         """The failure class of this stop (hpctrain.states.stop_class): time_limit, preempted, cancelled."""
-        from hpctrain.states import stop_class
+        from hpctrain.states import FailureClass, stop_class
 
         sig = self.signum if signum is None else signum
         guessed = "SLURM_JOB_END_TIME" not in os.environ and "SLURM_JOB_START_TIME" not in os.environ
-        return stop_class(sig, self.seconds_left(), self.window_s, cancelled=self.cancelled(),
-                          limit_s=(self.limit_s or 0.0) if guessed else 0.0)
+        cancelled = self.cancelled()
+        cls = stop_class(sig, self.seconds_left(), self.window_s, cancelled=cancelled,
+                         limit_s=(self.limit_s or 0.0) if guessed else 0.0)
+        if cls == FailureClass.PREEMPTED and sig in (signal.SIGUSR1, signal.SIGUSR2):
+            # Far from the end the job started with: ask SLURM for the end it holds now (only then, so a
+            # plain time limit costs no RPC). A moved limit makes this the pre-timeout signal after all.
+            end = self.live_end()
+            if end is not None:
+                cls = stop_class(sig, end - time.time(), self.window_s, cancelled=cancelled)
+        return cls
 
     def install(self) -> None:
         for sig in (signal.SIGUSR2, signal.SIGTERM):

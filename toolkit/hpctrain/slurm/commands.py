@@ -301,6 +301,21 @@ def queue_state(job_id: str) -> str:
     return _run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], timeout_s=15.0).stdout.strip()
 
 
+def job_end_time(job_id: str) -> float | None:
+    """The job's projected end as slurmctld holds it now (squeue's %e, epoch seconds). Unlike the
+    SLURM_JOB_END_TIME exported when the job started, it moves with `scontrol update TimeLimit=` (a limit
+    extended or cut while the job runs). One try, bounded: a rank asks inside the pre-timeout window. None
+    when squeue is missing (a container without SLURM's tools), refused or slow, or the end is unknown."""
+    if not re.fullmatch(r"\d+(?:_\d+)?", str(job_id)):
+        return None
+    try:
+        out = _run(["squeue", "-h", "-j", str(job_id), "-o", "%e"], timeout_s=10.0, tries=1).stdout
+    except click.ClickException:
+        return None
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    return _parse_time(lines[0]) if len(lines) == 1 else None
+
+
 def pending_reasons(job_ids: Iterable[str]) -> dict[str, str]:
     """Why SLURM keeps jobs waiting (squeue's %r: "Resources", "Priority", "ReqNodeNotAvail, UnavailableNodes:
     node2", "BeginTime", ...), in ONE squeue call; jobs not pending (or gone) are left out. Keys are the ids
