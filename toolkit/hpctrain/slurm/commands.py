@@ -255,10 +255,18 @@ def scancel(job_ids: Iterable[str]) -> None:
         _run(["scancel", *ids])
 
 
+# A job id as SLURM prints it, or an array task's "A_i": only such a string reaches a command's arguments.
+_JOB_ID = re.compile(r"\d+(?:_\d+)?")
+
+
+def _is_job_id(job_id: str) -> bool:
+    return _JOB_ID.fullmatch(str(job_id)) is not None
+
+
 def signal_steps(job_id: str, signal_name: str) -> None:
     """`scancel -s SIG JOB`: the signal goes to every process of the job's steps on every node (not to
     the batch shell, which runs the watchdog). Used for stack dumps (hpctrain.runs.stacks)."""
-    if not re.fullmatch(r"\d+(?:_\d+)?", str(job_id)) or not re.fullmatch(r"[A-Z0-9]+", signal_name):
+    if not _is_job_id(job_id) or not re.fullmatch(r"[A-Z0-9]+", signal_name):
         raise ValueError(f"signal_steps: job {job_id!r}, signal {signal_name!r}")
     _run(["scancel", "-s", signal_name, str(job_id)], timeout_s=15.0, tries=1)
 
@@ -306,7 +314,7 @@ def job_end_time(job_id: str) -> float | None:
     SLURM_JOB_END_TIME exported when the job started, it moves with `scontrol update TimeLimit=` (a limit
     extended or cut while the job runs). One try, bounded: a rank asks inside the pre-timeout window. None
     when squeue is missing (a container without SLURM's tools), refused or slow, or the end is unknown."""
-    if not re.fullmatch(r"\d+(?:_\d+)?", str(job_id)):
+    if not _is_job_id(job_id):
         return None
     try:
         out = _run(["squeue", "-h", "-j", str(job_id), "-o", "%e"], timeout_s=10.0, tries=1).stdout
@@ -365,7 +373,7 @@ def allow_requeue(job_id: str) -> bool:
     the supervisor), so rank 0 makes its job requeueable right before its own time-limit/preemption
     `scontrol requeue`. One try, no retry loop: it runs inside the pre-timeout signal's grace period.
     False when scontrol is missing (in a container the batch script's hand-off does both) or refused."""
-    if not re.fullmatch(r"\d+(?:_\d+)?", str(job_id)):
+    if not _is_job_id(job_id):
         return False
     try:
         _run(["scontrol", "update", f"JobId={job_id}", "Requeue=1"], timeout_s=15.0, tries=1)
