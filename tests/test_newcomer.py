@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -77,7 +78,7 @@ def _fake_squeue(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, out: str, rc: 
     tool.write_text(f'#!/bin/sh\necho "$@" >> {shlex.quote(str(bin_dir / "calls"))}\n'
                     f"printf '%s' {shlex.quote(out)}\nexit {rc}\n")
     tool.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{__import__('os').environ['PATH']}")
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     return bin_dir / "calls"
 
 
