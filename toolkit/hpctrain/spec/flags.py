@@ -51,6 +51,7 @@ FLAGS: tuple[Flag, ...] = (
          "Extra nodes to allocate; a lost node is replaced by one within the same job (0 = off)."),
     Flag("--retries", "launch.retries", int, "Automatic resubmissions after a failure (0 = off; capped at 10)."),
     Flag("--data", "data.source", str, "Data: 'synthetic', a prepared folder, a .jsonl/.txt file or a folder."),
+    Flag("--lora-r", "lora.r", int, "LoRA adapter rank: train adapters on a frozen model (0 = off, full fine-tune)."),
     Flag("--eval-every", "train.eval_every", int, "Evaluate the validation split every N steps (0 = off)."),
     Flag("--mail-type", "slurm.mail_type", str, "SLURM mail types, e.g. END,FAIL (sbatch --mail-type)."),
     Flag("--mail-user", "slurm.mail_user", str, "Where SLURM sends the mail (sbatch --mail-user)."),

@@ -5,7 +5,7 @@ defaults < site profile < run file (TOML) < CLI flags.  Everything else (world s
 arithmetic, memory) is *derived* from it once, in `hpctrain.plan.planner`.
 
 The run file mirrors these dataclasses: top-level `name`, then one table per section
-(`[resources]`, `[launch]`, `[model]`, `[data]`, `[train]`, `[parallel]`, `[checkpoint]`,
+(`[resources]`, `[launch]`, `[model]`, `[lora]`, `[data]`, `[train]`, `[parallel]`, `[checkpoint]`,
 `[container]`, `[slurm]`, `[code]`, `[tracking]`, `[env]`), plus optional `[sites.NAME]` tables that define site profiles inline.
 
 This module is pure Python (no torch): the login node and the compute node both read it.
@@ -132,14 +132,33 @@ class Data:
     # "synthetic", a prepared folder (`hpctrain data prepare`: memory-mapped, read lazily by every rank), or raw
     # text that every rank tokenizes in RAM: a .jsonl/.txt file, a folder of them, or a load_from_disk folder
     source: str = "synthetic"
-    format: Literal["auto", "prepared", "jsonl", "text", "arrow", "synthetic"] = "auto"  # auto: a manifest = prepared
+    # auto: a manifest = prepared. "alpaca" (instruction/input/output records) and "chat" (OpenAI-style
+    # `messages`, rendered with the tokenizer's chat_template) are SFT formats: the loss covers the responses only.
+    format: Literal["auto", "prepared", "jsonl", "text", "arrow", "synthetic", "alpaca", "chat"] = "auto"
     text_field: str = "text"
+    messages_field: str = "messages"  # format = "chat": the field holding the list of {role, content} messages
+    # SFT examples longer than seq_len: "truncate" keeps the prompt and cuts the response, "drop" skips the example
+    overlong: Literal["truncate", "drop"] = "truncate"
     tokenizer: str = "byte"  # "byte" (no files) or a local tokenizer folder
     seq_len: int = 512
     dynamic_batching: bool = False  # fill batches to a token budget instead of padding to seq_len
     tokens_per_batch: int = 0  # 0 = micro_batch * seq_len
     pack: bool = False  # pack documents into seq_len with per-document attention boundaries
     max_raw_bytes: int = 64_000_000  # raw text above this is refused (0 = no limit): prepare it once instead
+
+    def __post_init__(self) -> None:
+        check(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Lora:
+    """LoRA adapters through PEFT (r = 0: off, the whole model trains). QLoRA: quantize = "4bit" (bitsandbytes)."""
+
+    r: int = 0  # adapter rank; 0 = off
+    alpha: float = 0.0  # scaling numerator; 0 = 2 x r
+    dropout: float = 0.05
+    target_modules: tuple[str, ...] = ()  # module names to adapt; () = every linear layer but the output head
+    quantize: Literal["none", "4bit"] = "none"  # "4bit": QLoRA (NF4 base weights, bf16 compute)
 
     def __post_init__(self) -> None:
         check(self)
@@ -257,6 +276,7 @@ class Spec:
     launch: Launch = field(default_factory=Launch)
     fault: Fault = field(default_factory=Fault)
     model: Model = field(default_factory=Model)
+    lora: Lora = field(default_factory=Lora)
     data: Data = field(default_factory=Data)
     train: Train = field(default_factory=Train)
     parallel: Parallel = field(default_factory=Parallel)
@@ -282,6 +302,7 @@ SECTIONS: dict[str, type] = {
     "launch": Launch,
     "fault": Fault,
     "model": Model,
+    "lora": Lora,
     "data": Data,
     "train": Train,
     "parallel": Parallel,

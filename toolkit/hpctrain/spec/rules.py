@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         Data,
         Fault,
         Launch,
+        Lora,
         Model,
         Parallel,
         Resources,
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     )
 
 # Run-file sections are the dataclass names in lower case: Resources -> [resources].
-SECTION_CLASSES = ("Resources", "Launch", "Fault", "Model", "Data", "Train", "Parallel", "Checkpoint", "Container", "Slurm",
+SECTION_CLASSES = ("Resources", "Launch", "Fault", "Model", "Lora", "Data", "Train", "Parallel", "Checkpoint", "Container", "Slurm",
                    "Code", "Tracking")
 
 from hpctrain.secret import (
@@ -433,6 +434,18 @@ def _rules_data(d: Data) -> None:
           "set [data] max_raw_bytes = 64000000 (0 = no limit)")
 
 
+def _rules_lora(lo: Lora) -> None:
+    need(0 <= lo.r <= 4096, "lora.r", lo.r, "must lie in [0, 4096] (0 = off)", how_to_set("lora.r", 16))
+    need(lo.alpha >= 0, "lora.alpha", lo.alpha, "cannot be negative", "set [lora] alpha = 0 (2 x r)")
+    need(0 <= lo.dropout < 1, "lora.dropout", lo.dropout, "must lie in [0, 1)", "set [lora] dropout = 0.05")
+    for name in lo.target_modules:
+        need(bool(name) and name.replace("_", "").replace(".", "").replace("*", "").isalnum(), "lora.target_modules",
+             list(lo.target_modules), f"{name!r} is not a module name",
+             'set [lora] target_modules = ["q_proj", "v_proj"] (or [] for every linear layer)')
+    need(lo.quantize == "none" or lo.r > 0, "lora.quantize", lo.quantize, "QLoRA needs adapters (lora.r > 0)",
+         how_to_set("lora.r", 16))
+
+
 def _rules_train(t: Train) -> None:
     need(t.steps >= 1, "train.steps", t.steps, "must be at least 1", how_to_set("train.steps", 100))
     for key in ("micro_batch", "grad_accum", "global_batch"):
@@ -672,8 +685,8 @@ def _rules_eval(s: Spec) -> None:
 
 
 _RULES: dict[str, Any] = {
-    "Resources": _rules_resources, "Launch": _rules_launch, "Fault": _rules_fault, "Model": _rules_model, "Data": _rules_data,
-    "Train": _rules_train, "Parallel": _rules_parallel, "Checkpoint": _rules_checkpoint,
+    "Resources": _rules_resources, "Launch": _rules_launch, "Fault": _rules_fault, "Model": _rules_model,
+    "Lora": _rules_lora, "Data": _rules_data, "Train": _rules_train, "Parallel": _rules_parallel, "Checkpoint": _rules_checkpoint,
     "Container": _rules_container, "Slurm": _rules_slurm, "Code": _rules_code, "Tracking": _rules_tracking,
     "Spec": _rules_spec,
 }
