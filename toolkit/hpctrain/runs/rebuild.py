@@ -31,7 +31,7 @@ class Index(Protocol):
 
     path: Path
 
-    def import_runs(self, items: list[Item]) -> int: ...
+    def import_runs(self, items: list[Item], skipped: list[str] | None = None) -> int: ...
 
 _PICKLE_ID = re.compile(r"(\d+(?:_\d+)?)_submitted\.pkl")
 
@@ -51,11 +51,17 @@ def rebuild_registry(reg: Index, reason: str | None = None, runs_dirs: list[Path
         if problem is not None:
             aside = _move_aside(reg.path)
             notes.append(f"the run registry {reg.path} was unusable ({problem}); moved it to {aside}")
-        items = [item for d in dirs for item in scan(d)]
-        added = reg.import_runs(items)
+        items: list[Item] = []
+        skipped: list[str] = []
+        for d in dirs:
+            found, bad = scan_checked(d)
+            items += found
+            skipped += bad
+        added = reg.import_runs(items, skipped)
     where = ", ".join(str(d) for d in dirs)
     notes.append(f"rebuilt the run registry from the run folders in {where}: {added} run(s) added, "
                  f"{len(items) - added} already known")
+    notes += skipped
     return notes
 
 
@@ -82,16 +88,28 @@ def _move_aside(db: Path) -> Path:
 def scan(runs_dir: Path) -> list[Item]:
     """(run, attempts) for every submitted run folder directly under `runs_dir`, oldest first.
     A folder with neither attempts.jsonl lines nor submitit job files was never queued: skipped."""
-    if not runs_dir.is_dir():
-        return []
-    out = []
-    for d in sorted(runs_dir.iterdir()):
-        if d.name.startswith(".") or not runs_mod.RunFolder(d).spec_toml.is_file():
+    return scan_checked(runs_dir)[0]
+
+
+def scan_checked(runs_dir: Path) -> tuple[list[Item], list[str]]:
+    """`scan`, and a line naming each folder that could not be read (skipped: one damaged folder never
+    stops the rebuild of the others)."""
+    try:
+        entries = sorted(runs_dir.iterdir()) if runs_dir.is_dir() else []
+    except OSError as exc:
+        return [], [f"skipped the runs folder {runs_dir}: {exc}"]
+    out, skipped = [], []
+    for d in entries:
+        try:
+            if d.name.startswith(".") or not runs_mod.RunFolder(d).spec_toml.is_file():
+                continue
+            item = read_run_folder(d.absolute())
+        except Exception as exc:  # noqa: BLE001 - whatever one folder holds, the others are still indexed
+            skipped.append(f"skipped the damaged run folder {d}: {type(exc).__name__}: {exc}")
             continue
-        item = read_run_folder(d.absolute())
         if item is not None:
             out.append(item)
-    return sorted(out, key=lambda it: it[0]["created"])
+    return sorted(out, key=lambda it: it[0]["created"]), skipped
 
 
 def read_run_folder(d: Path) -> Item | None:
@@ -99,8 +117,9 @@ def read_run_folder(d: Path) -> Item | None:
     folder = runs_mod.RunFolder(d)
     merged: dict[int, dict[str, Any]] = {}
     for line in folder.read_attempts():  # a submission line, then state lines: later ones win
-        if isinstance(line.get("attempt"), int):
-            merged.setdefault(line["attempt"], {}).update(line)
+        number = line.get("attempt")
+        if isinstance(number, int) and not isinstance(number, bool) and 0 <= number <= MAX_ATTEMPT:
+            merged.setdefault(number, {}).update(line)
     if not merged:
         ids = sorted((m.group(1) for p in runs_mod.RunFolder(d).submitit_dir.glob("*_submitted.pkl")
                       if (m := _PICKLE_ID.fullmatch(p.name))), key=_id_key)
@@ -109,14 +128,14 @@ def read_run_folder(d: Path) -> Item | None:
         return None
     first = merged[min(merged)]
     created = _float(first.get("submitted")) or d.stat().st_mtime
-    attempts = [{"run_id": d.name, "attempt": i, "job_id": str(a.get("job_id") or ""),
-                 "state": str(a.get("state") or "PENDING"), "nodes": str(a.get("nodes") or ""),
+    attempts = [{"run_id": d.name, "attempt": i, "job_id": _str(a.get("job_id") or "") or "",
+                 "state": _str(a.get("state") or "PENDING") or "PENDING", "nodes": _str(a.get("nodes") or "") or "",
                  "submitted": _float(a.get("submitted")) or created, "started": _float(a.get("started")),
-                 "ended": _float(a.get("ended")),
-                 "exit_code": None if a.get("exit_code") is None else str(a["exit_code"]),
+                 "ended": _float(a.get("ended")), "exit_code": _str(a.get("exit_code")),
                  "failure_class": _str(a.get("failure_class")), "note": _str(a.get("note")), "tag": _str(a.get("tag"))}
                 for i, a in sorted(merged.items())]
-    run = {"run_id": d.name, "name": _name(d), "folder": str(d), "executor": str(first.get("executor", "slurm")),
+    run = {"run_id": d.name, "name": _name(d), "folder": str(d),
+           "executor": _str(first.get("executor", "slurm")) or "slurm",
            "created": created, "spec": _summary(d, str(first.get("mode", "train")))}
     return run, attempts
 
@@ -126,12 +145,26 @@ def _id_key(job_id: str) -> tuple[int, int]:
     return int(main), int(task or 0)
 
 
+# Every value read from a run folder is bounded before it reaches SQLite (a hand-edited or damaged
+# attempts.jsonl: an attempt number of 10**30 raised OverflowError in the INSERT and stopped the whole rebuild).
+MAX_ATTEMPT = 1_000_000  # attempt numbers: far beyond any retry count; an INTEGER for SQLite
+MAX_TIME = 1e11  # seconds since 1970 (the year 5138): a submitted/started/ended time
+MAX_TEXT = 4096  # characters kept of a text field (job id, state, nodes, note, ...)
+
+
 def _str(v: Any) -> str | None:
-    return None if v is None else str(v)
+    return None if v is None else str(v)[:MAX_TEXT]
 
 
 def _float(v: Any) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    """A time from the folder, or None when it is no number or out of range (negative, NaN, 1e400)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if 0 <= f <= MAX_TIME else None
 
 
 def _name(d: Path) -> str:

@@ -8,8 +8,10 @@ bounded retry loop on "database is locked" for the cases busy_timeout does not c
 Readers never take the write lock: a read opens the file, checks it, and SELECTs; it creates,
 migrates and repairs nothing (`list` behind a long writer returns at once). The schema has a
 version (`PRAGMA user_version`); the first write of a process migrates an older file in the same
-transaction, and reads accept every older layout. A damaged file (not a database, no tables) is
-moved aside and rebuilt from the run folders on disk (`hpctrain.runs.rebuild`).
+transaction, and reads accept every older layout. The file is created whole (`_create`: temp file with
+the schema, then linked into place) and never by a connection, so an empty, truncated or table-less
+file is always damage: it is moved aside and rebuilt from the run folders on disk
+(`hpctrain.runs.rebuild`), with a warning, never read as a new registry.
 
 Nothing secret is stored here: callers pass a spec summary already stripped of secrets
 (`hpctrain.slurm.dispatch.spec_summary`), and this module refuses well-known secret keys anyway.
@@ -127,11 +129,13 @@ class Registry:
     # -- plumbing -----------------------------------------------------------------------------
     @contextmanager
     def _connect(self, budget_s: float) -> Iterator[sqlite3.Connection]:
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        """A connection to the existing file: `mode=rw` never creates one (only `_create` does, whole), so a
+        registry moved aside by a rebuild meanwhile is an error here, never a new empty file."""
         busy_ms = int(min(_BUSY_TIMEOUT_MS, budget_s * 1000))  # one wait never outlasts the call's budget
-        old = os.umask(0o077)  # the db and its -wal/-shm files are private to the user
+        old = os.umask(0o077)  # the -wal/-shm files are private to the user
         try:
-            conn = sqlite3.connect(self.path, timeout=busy_ms / 1000, isolation_level=None)
+            conn = sqlite3.connect(self.path.absolute().as_uri() + "?mode=rw", uri=True, timeout=busy_ms / 1000,
+                                   isolation_level=None)
         finally:
             os.umask(old)
         try:
@@ -169,6 +173,8 @@ class Registry:
 
         def once() -> T:
             self._repair_if_damaged()
+            if not self.path.exists():
+                _create(self.path)
             with self._connect(budget_s) as conn:
                 if not self._ready:
                     # Persistent in the file; a no-op once set. Outside the transaction (SQLite's rule).
@@ -199,7 +205,7 @@ class Registry:
                 conn.execute("BEGIN DEFERRED")  # one snapshot for every SELECT of `fn`
                 try:
                     if not has_tables(conn):
-                        return empty  # created by a writer that has not committed its schema yet
+                        return empty  # only while a rebuild elsewhere replaces a damaged file
                     return fn(conn)
                 finally:
                     conn.execute("ROLLBACK")
@@ -242,23 +248,23 @@ class Registry:
 
         self._write(tx)
 
-    def import_runs(self, items: list[tuple[dict[str, Any], list[dict[str, Any]]]]) -> int:
+    def import_runs(self, items: list[tuple[dict[str, Any], list[dict[str, Any]]]],
+                    skipped: list[str] | None = None) -> int:
         """Add runs (and their attempts, as Attempt fields) this registry does not have yet; returns how
-        many were new (what hpctrain.runs.rebuild reads from the run folders)."""
+        many were new (what hpctrain.runs.rebuild reads from the run folders). A run SQLite refuses (a
+        folder name that is no valid text, a number out of range) is left out, named in `skipped`."""
 
         def tx(c: sqlite3.Connection) -> int:
             added = 0
             for run, rows in items:
-                attempts = [Attempt(**row) for row in rows]
-                cur = c.execute(
-                    "INSERT OR IGNORE INTO runs(run_id,name,folder,created,executor,spec,state) VALUES (?,?,?,?,?,?,?)",
-                    (run["run_id"], run["name"], run["folder"], run["created"], run["executor"],
-                     json.dumps(_strip_secrets(run.get("spec", {})), sort_keys=True, default=str),
-                     attempts[-1].state if attempts else "PENDING"))
-                if cur.rowcount:
-                    added += 1
-                    for a in attempts:
-                        _insert_attempt(c, a)
+                c.execute("SAVEPOINT one_run")  # one run whole, or not at all
+                try:
+                    added += _import_one(c, run, rows)
+                except (sqlite3.Error, OverflowError, ValueError, TypeError, UnicodeError) as exc:
+                    c.execute("ROLLBACK TO one_run")
+                    if skipped is not None:
+                        skipped.append(f"skipped the run folder {run.get('folder')!r}: {type(exc).__name__}: {exc}")
+                c.execute("RELEASE one_run")
             return added
 
         return self._write(tx)
@@ -368,6 +374,55 @@ class Registry:
             except (TypeError, ValueError, KeyError, IndexError) as exc:
                 self.warnings.append(f"skipped a damaged attempt row of run {_cell(r, 'run_id')!r} ({exc})")
         return runs
+
+
+def _import_one(c: sqlite3.Connection, run: dict[str, Any], rows: list[dict[str, Any]]) -> int:
+    attempts = [Attempt(**row) for row in rows]
+    cur = c.execute(
+        "INSERT OR IGNORE INTO runs(run_id,name,folder,created,executor,spec,state) VALUES (?,?,?,?,?,?,?)",
+        (run["run_id"], run["name"], run["folder"], run["created"], run["executor"],
+         json.dumps(_strip_secrets(run.get("spec", {})), sort_keys=True, default=str),
+         attempts[-1].state if attempts else "PENDING"))
+    if not cur.rowcount:
+        return 0
+    for a in attempts:
+        _insert_attempt(c, a)
+    return 1
+
+
+def _create(path: Path) -> None:
+    """Create the registry whole: schema and WAL mode written into a temp file beside `path`, then linked
+    into place (never replacing a file another process created meanwhile). So no process ever sees a
+    registry being born: an empty or table-less `path` is always damage (schema.damage), never "new"."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(f".{path.name}.new-{os.getpid()}-{random.randrange(16**8):08x}")
+    old = os.umask(0o077)  # the db is private to the user
+    try:
+        conn = sqlite3.connect(tmp, isolation_level=None)
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("BEGIN IMMEDIATE")
+            migrate(conn)
+            conn.execute("COMMIT")
+        finally:
+            conn.close()  # the last connection: SQLite folds the WAL into the file and removes it
+        _fsync(tmp)  # the whole file is on disk before its name is
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass  # another process created it first: theirs is as good as ours
+    finally:
+        os.umask(old)
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            tmp.with_name(tmp.name + suffix).unlink(missing_ok=True)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _insert_attempt(c: sqlite3.Connection, a: Attempt) -> None:

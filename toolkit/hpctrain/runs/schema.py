@@ -4,7 +4,6 @@ layout, and telling a damaged file from a fresh one. Used by hpctrain.runs.regis
 from __future__ import annotations
 
 import sqlite3
-import time
 from pathlib import Path
 
 SCHEMA_VERSION = 1  # 0: the unversioned layout of _SCHEMA without attempts.note/tag
@@ -83,11 +82,14 @@ def _addable(decl: str) -> str:
 
 
 _HEADER = b"SQLite format 3\x00"
-_FRESH_S = 5.0  # a file this young may be another process's registry between open and first write
 
 
 def damage(path: Path) -> str | None:
-    """Why the file at `path` is no registry (empty, truncated, not SQLite, no tables), else None."""
+    """Why the file at `path` is no registry (empty, truncated, not SQLite, no tables), else None.
+
+    hpctrain creates a registry whole (registry._create: schema written into a temp file, then linked into
+    place), so a file that is empty or has no tables is damage however young it is: a 0-byte registry
+    taken for a fresh one would hide every run (`list` empty, the next submit the only row)."""
     try:
         st = path.stat()
         with path.open("rb") as fh:
@@ -96,11 +98,10 @@ def damage(path: Path) -> str | None:
         return None
     except OSError:
         return None  # unreadable: the connection reports it (RegistryUnavailable names the fix)
-    young = time.time() - st.st_mtime < _FRESH_S
     if st.st_size == 0:
-        return None if young else "the file is empty"
+        return "the file is empty"
     if head != _HEADER:
-        return "the file is not a SQLite database"
+        return "the file is truncated or not a SQLite database"
     try:
         conn = sqlite3.connect(path.absolute().as_uri() + "?mode=ro", uri=True, timeout=_BUSY_TIMEOUT_S)
         try:
@@ -114,6 +115,6 @@ def damage(path: Path) -> str | None:
         return None  # locked or similar: not damage; the caller's own connection waits for it
     except sqlite3.DatabaseError as exc:
         return f"the file is damaged ({exc})"
-    if not tables and not young:
+    if not tables:
         return "the file has no registry tables"
     return None
