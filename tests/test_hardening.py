@@ -137,3 +137,129 @@ def test_rebuild_names_the_folder_it_could_not_read(home: Path) -> None:
     assert res.exit_code == 0 and "1 run(s) added" in res.stdout, res.output
     run = Registry().get_run(oversized.name)
     assert [a.attempt for a in run.attempts] == [0] and run.latest and run.latest.job_id == "2"
+
+
+# -- 4. what a user can multiply is bounded before it is expanded --------------------------------------------
+
+def _refused(res: Any, *needles: str) -> None:
+    assert res.exit_code == 2, res.output
+    assert "Traceback" not in res.output
+    for n in needles:
+        assert n in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("sweep", [["train.lr=" + ",".join(f"{i}e-5" for i in range(1, 1002))],
+                                   ["train.seed=" + ",".join(map(str, range(1000))), "train.lr=1e-4,2e-4"],
+                                   [f"train.seed={','.join(map(str, range(10)))}"] * 1 +
+                                   [f"train.lr={','.join(f'{i}e-6' for i in range(1, 11))}",
+                                    f"train.warmup_steps={','.join(map(str, range(1, 11)))}",
+                                    f"train.grad_clip={','.join(str(i) for i in range(1, 11))}"]],
+                         ids=["1001-values", "2000-product", "10^4-grid"])
+def test_a_sweep_beyond_the_point_limit_is_refused_before_it_is_built(home: Path, sweep: list[str]) -> None:
+    from hpctrain.spec.model import MAX_SWEEP_POINTS
+
+    args = [a for s in sweep for a in ("--sweep", s)]
+    res = CliRunner().invoke(cli, ["submit", "--dry-run", *args, "examples/tiny.toml"])
+    _refused(res, "--sweep = ", f"more than the limit of {MAX_SWEEP_POINTS:,}", "Fix:")
+    assert "grid points" in res.stderr and len(res.stderr) < 2000  # the grid is not echoed whole
+
+
+def test_a_sweep_of_huge_values_is_refused_by_its_bytes(home: Path) -> None:
+    from hpctrain.spec.model import MAX_SWEEP_BYTES
+
+    big = "/data/" + "x" * 4000
+    res = CliRunner().invoke(cli, ["submit", "--dry-run", "--sweep", "data.source=" + ",".join(
+        f"{big}{i}" for i in range(500)), "examples/tiny.toml"])
+    _refused(res, f"more than the limit of {MAX_SWEEP_BYTES:,}")
+
+
+@BUDGET
+@given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=4))
+def test_the_sweep_bound_is_the_grid_product(sizes: list[int]) -> None:
+    """Whatever the axes, parse_sweep either returns the whole grid (<= the limit) or refuses before building it."""
+    from hpctrain.errors import HpcUsageError
+    from hpctrain.spec.model import MAX_SWEEP_POINTS, parse_sweep
+
+    keys = ["train.seed", "train.steps", "train.warmup_steps", "train.log_every"]
+    items = [f"{k}={','.join(str(v + 1) for v in range(n))}" for k, n in zip(keys, sizes)]
+    total = math.prod(sizes)
+    if total > MAX_SWEEP_POINTS:
+        with pytest.raises(HpcUsageError, match=f"{total:,} grid points"):
+            parse_sweep(items)
+    else:
+        assert len(parse_sweep(items)) == total
+
+
+def test_every_list_and_table_of_the_spec_is_bounded(home: Path) -> None:
+    from hpctrain.spec.rules import MAX_ITEMS
+
+    run = home / "run.toml"
+    hosts = ", ".join(f'"n{i}"' for i in range(MAX_ITEMS + 1))
+    run.write_text(f'name = "x"\n[resources]\nexclude = [{hosts}]\n')
+    res = CliRunner().invoke(cli, ["plan", str(run)])
+    _refused(res, "resources.exclude", f"more than the limit of {MAX_ITEMS:,} entries")
+    env = "\n".join(f'V{i} = "1"' for i in range(MAX_ITEMS + 1))
+    run.write_text(f'name = "x"\n[env]\n{env}\n')
+    _refused(CliRunner().invoke(cli, ["plan", str(run)]), "env = ", "entries")
+
+
+def test_after_is_bounded(home: Path) -> None:
+    from hpctrain.cli.options import MAX_AFTER
+
+    args = [a for i in range(MAX_AFTER + 1) for a in ("--after", f"run-{i}")]
+    res = CliRunner().invoke(cli, ["submit", "--dry-run", *args, "examples/tiny.toml"])
+    _refused(res, "--after = ", f"{MAX_AFTER + 1} runs to wait for, more than the limit of {MAX_AFTER}")
+
+
+# -- 7. messages: bounded echoes, TOML in the fix, the wrong entry named ----------------------------------------
+
+@pytest.mark.parametrize("args", [
+    ["hostfile", "--slots", "1", "--nodelist", "n[1-2]," + ",".join(f"node{i:05d}" for i in range(1700)) + ",,"],  # 10 KB, bad
+    ["hostfile", "--slots", "1", "--nodelist", "n" * 10_000 + "[x]"],
+    ["plan", "--partition", "p;" + "q" * 10_000, "examples/tiny.toml"],
+    ["submit", "--dry-run", "--sweep", "train.lr=" + "1" * 10_000 + "x", "examples/tiny.toml"],
+], ids=["nodelist", "hostname", "partition", "sweep-value"])
+def test_no_message_echoes_a_value_whole(home: Path, args: list[str]) -> None:
+    from hpctrain.errors import MAX_WORD
+
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code != 0 and "Traceback" not in res.output, res.output
+    assert "Fix:" in res.stderr and len(res.stderr) < 1500, res.stderr[:3000]
+    assert max(len(w) for w in res.stderr.split()) <= MAX_WORD + 40
+    assert "characters)" in res.stderr  # says how long the value was
+
+
+@BUDGET
+@given(value=st.text(min_size=0, max_size=3000))
+def test_bound_message_keeps_short_words_and_cuts_long_ones(value: str) -> None:
+    from hpctrain.errors import MAX_WORD, bound_message, shorten
+
+    msg = bound_message(f"x = {value}: why. Fix: do it")
+    assert msg.endswith(": why. Fix: do it")
+    assert all(len(w) <= MAX_WORD + 40 for w in msg.split())
+    if max((len(w) for w in value.split()), default=0) <= MAX_WORD:
+        assert msg == f"x = {value}: why. Fix: do it"
+    assert len(shorten(value)) <= 220
+
+
+@pytest.mark.parametrize("body", ['[launch]\nmodules = 3', '[tracking]\nbackends = 4', '[resources]\nexclude = 5',
+                                  '[launch]\nmodules = ["a", 3]'])
+def test_fix_hints_are_toml(home: Path, body: str) -> None:
+    run = home / "run.toml"
+    run.write_text(f'name = "x"\n{body}\n')
+    res = CliRunner().invoke(cli, ["plan", str(run)])
+    _refused(res, "Fix:", '= ["A", "B"]', "[]")
+    assert "()" not in res.stderr
+
+
+def test_the_wrong_secret_env_entry_is_named(home: Path) -> None:
+    run = home / "run.toml"
+    run.write_text('name = "x"\nsecret_env = ["GOOD", "MY_SECRET", "NOT-A-NAME", "ALSO_GOOD"]\n')
+    _refused(CliRunner().invoke(cli, ["plan", str(run)]), "secret_env[2] = 'NOT-A-NAME'", "Fix:")
+    run.write_text('name = "x"\nsecret_env = ["GOOD", 3]\n')
+    _refused(CliRunner().invoke(cli, ["plan", str(run)]), "secret_env[1] = ")
+    token = "sk-" + "A1b2C3d4" * 5  # a credential pasted where a name belongs: still not echoed
+    run.write_text(f'name = "x"\nsecret_env = ["{token}"]\n')
+    res = CliRunner().invoke(cli, ["plan", str(run)])
+    _refused(res, "secret_env[0] = '<redacted>'")
+    assert token not in res.output

@@ -3,19 +3,66 @@
 Every refusal of bad input is a `HpcUsageError`: a `click.UsageError`, so the CLI prints one message
 and exits with status 2, without a traceback. Unexpected errors keep their traceback (flask's rule).
 The message always names the field, the bad value and the fix, built by `bad_value`.
+
+Echoed values are bounded here, once for every message: `bad_value` shows at most MAX_SHOWN characters of
+the value (head ... tail, and its length), and every HpcUsageError as shown (and, through the CLI, every
+other click refusal: `bound_message`) cuts any run of more than MAX_WORD non-space characters the same way, so a
+10 KB `--nodelist` or a 1,000-value `--sweep` is never echoed whole, whichever message quotes it.
+Values shown as a fix are TOML (`toml_value`): `[]`, not Python's `()`.
 """
 
 from __future__ import annotations
 
 import difflib
+import json
+import re
 from collections.abc import Iterable
 from typing import Any
 
 import click
 
+MAX_SHOWN = 160  # characters of a value a message echoes
+MAX_WORD = 240  # characters of any one unbroken word of a message (a path, a hostlist, a joined list)
+_LONG_WORD = re.compile(rf"\S{{{MAX_WORD + 1},}}")
+
+
+def shorten(text: str, limit: int = MAX_SHOWN) -> str:
+    """TEXT whole when it is at most LIMIT characters, else its head and tail around its length:
+    `'node[0001-...]...,node9999]' (10,240 characters)`: enough to recognise it, never the whole."""
+    if len(text) <= limit:
+        return text
+    tail = max(limit // 4, 1)
+    head = max(limit - tail - 40, 1)
+    return f"{text[:head]}...{text[-tail:]} ({len(text):,} characters)"
+
+
+def bound_message(message: str) -> str:
+    """MESSAGE with every over-long word shortened (what a message may echo, whoever built it)."""
+    return _LONG_WORD.sub(lambda m: shorten(m.group(0), MAX_WORD), message)
+
+
+def toml_value(value: object) -> str:
+    """VALUE as a run file spells it, for the fix half of a message: [] and ["a"], true, "text", { k = 1 }."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string: the same escapes as JSON for what a message holds
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + " }" if value else "{}"
+    return json.dumps(str(value))
+
 
 class HpcUsageError(click.UsageError):
     """Bad input from the user: the message says which field, which value, and how to fix it."""
+
+    def format_message(self) -> str:
+        # Bounded when shown, not when built: the CLI redacts secret values first (cli.main._RedactingGroup),
+        # and a long secret cut in two would no longer be found.
+        return bound_message(super().format_message())
 
     def show(self, file: Any = None) -> None:
         """One line, `Error: ...`, without click's usage banner: the message already says what to do.
@@ -30,7 +77,7 @@ def bad_value(field: str, value: object, why: str, fix: str) -> HpcUsageError:
 
     One shape for every message, so users (and tests) can find the field and the fix at a glance.
     """
-    return HpcUsageError(f"{field} = {value!r}: {why}. Fix: {fix}")
+    return HpcUsageError(f"{field} = {shorten(repr(value))}: {why}. Fix: {fix}")
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:

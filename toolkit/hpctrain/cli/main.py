@@ -35,16 +35,18 @@ _SECRET_NAMES: set[str] = set()
 class _RedactingGroup(click.Group):
     """Every refusal this CLI prints, hpctrain's (errors.HpcUsageError) and click's own ("'...' is not a
     valid integer"), has the value of every secret variable of the environment replaced by <redacted:NAME>,
-    wherever the message got it from."""
+    wherever the message got it from, and no word longer than errors.MAX_WORD (errors.bound_message)."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except click.ClickException as exc:
+            from hpctrain.errors import bound_message
             from hpctrain.secret import redact_environment
 
-            # `message` is Final in click's types; rewriting it here is the one place that does.
-            vars(exc)["message"] = redact_environment(exc.message, _SECRET_NAMES)
+            # `message` is Final in click's types; rewriting it here is the one place that does. Redacted
+            # first, then bounded: a long secret is never cut into pieces that no longer match it.
+            vars(exc)["message"] = bound_message(redact_environment(exc.message, _SECRET_NAMES))
             raise
 
 

@@ -50,11 +50,19 @@ def hatch_flags(opts: dict[str, Any]) -> dict[str, Any]:
     return flags
 
 
+MAX_AFTER = 100  # --after given this many times at most (SLURM's dependency list is one line of the job)
+
+
 def dependency(opts: dict[str, Any]) -> str:
     """--after -> sbatch's --dependency value ("" when none is left to wait for); notes on stderr."""
     refs = list(opts.get("after") or ())
     if not refs:
         return ""
+    if len(refs) > MAX_AFTER:  # each is a registry lookup and a sacct query before anything is refused
+        from hpctrain.errors import bad_value
+
+        raise bad_value("--after", " ".join(refs), f"{len(refs):,} runs to wait for, more than the limit of "
+                        f"{MAX_AFTER}", "wait for fewer runs (e.g. --after on the last run of a chain)")
     from hpctrain.slurm import after
 
     waits = after.resolve_waits(refs)

@@ -14,6 +14,7 @@ This module is pure Python (no torch): the login node and the compute node both 
 from __future__ import annotations
 
 import itertools
+import math
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -633,6 +634,7 @@ def parse_sweep(items: list[str]) -> list[dict[str, Any]]:
     an array has one shape. Values are type-checked here so a typo fails before anything is written.
     """
     axes: list[tuple[str, list[Any]]] = []
+    _check_sweep_size(items)
     for item in items:
         key, sep, values = item.partition("=")
         key = key.strip()
@@ -650,3 +652,28 @@ def parse_sweep(items: list[str]) -> list[dict[str, Any]]:
             coerce(key, v)
         axes.append((key, vals))
     return [dict(zip([k for k, _ in axes], combo)) for combo in itertools.product(*(v for _, v in axes))]
+
+
+# A sweep is one run folder (spec, plan, DeepSpeed config, a resolve and a render) per point: about 17 ms
+# each here, so 1,000 points take ~17 s and 100,000 ran until killed. Both bounds are checked on the text,
+# before a value is type-checked or the grid is built.
+MAX_SWEEP_POINTS = 1_000
+MAX_SWEEP_BYTES = 1 << 20  # the swept values of every point together, as spec.toml will hold them
+
+
+def _check_sweep_size(items: list[str]) -> None:
+    points, longest = 1, 0
+    for item in items:
+        key, _, values = item.partition("=")
+        vals = values.split(",")
+        points *= len(vals)
+        longest += len(key) + max(len(v) for v in vals)
+        if points > MAX_SWEEP_POINTS:
+            total = math.prod(len(i.partition("=")[2].split(",")) for i in items)
+            raise bad_value("--sweep", " ".join(items), f"{total:,} grid points, more than the limit of "
+                            f"{MAX_SWEEP_POINTS:,} (one run folder and one job array task each)",
+                            "sweep fewer values, or split the grid into several submissions")
+    if points * longest > MAX_SWEEP_BYTES:
+        raise bad_value("--sweep", " ".join(items), f"up to {points * longest:,} bytes of swept values over "
+                        f"{points:,} points, more than the limit of {MAX_SWEEP_BYTES:,}",
+                        "sweep shorter values (a path or a name, not file contents)")

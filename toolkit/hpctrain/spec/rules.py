@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, fields
 from typing import TYPE_CHECKING, Any, Literal, Union
 
-from hpctrain.errors import bad_value, did_you_mean
+from hpctrain.errors import bad_value, did_you_mean, toml_value
 from hpctrain.runs.folder import SBATCH_SH
 from hpctrain.runs.tracking import TRACKERS
 from hpctrain.spec.flags import FLAG_FOR
@@ -175,10 +175,10 @@ def check(obj: Any) -> None:
         value = getattr(obj, f.name)
         hint = field_types(typing.cast(type, type(obj)))[f.name]
         if not _type_ok(value, hint):
-            raise bad_value(prefix + f.name, shown(prefix + f.name, value), f"must be {describe(hint)}",
-                            how_to_set(prefix + f.name, _example(hint, f.default)))
+            _refuse_type(prefix + f.name, value, hint, f.default)
         if hint is float and isinstance(value, int):
             object.__setattr__(obj, f.name, float(value))
+        check_items_bound(prefix + f.name, value)  # first: the walks below visit every entry
         check_strings(prefix + f.name, value, _secret_keys(obj, f.name))
         check_int_bounds(prefix + f.name, value)
     rule = _RULES.get(type(obj).__name__)
@@ -254,6 +254,18 @@ def check_int_bounds(key: str, value: object) -> None:
              how_to_set(key, 1) + " with a realistic value")
 
 
+# Every list and table of the spec is bounded: each entry becomes a line, an argument or a mount of every
+# run folder and batch script, and a request of a million entries only writes megabytes before it fails.
+MAX_ITEMS = 1_000
+
+
+def check_items_bound(key: str, value: object) -> None:
+    """Refuse a list or table field of more than MAX_ITEMS entries (what a user can multiply stays bounded)."""
+    if isinstance(value, (tuple, list, dict)):
+        need(len(value) <= MAX_ITEMS, key, f"<{len(value):,} entries>", f"more than the limit of {MAX_ITEMS:,} "
+             "entries", "list fewer (a file read by your script can hold the rest)")
+
+
 def shown(key: str, value: object, secrets: frozenset[str] = frozenset()) -> object:
     """VALUE as an error message may show it: secrets redacted, huge values cut (never a 400-digit echo).
 
@@ -269,11 +281,27 @@ def shown(key: str, value: object, secrets: frozenset[str] = frozenset()) -> obj
     return value
 
 
+def _refuse_type(key: str, value: object, hint: Any, default: object) -> None:
+    """The type refusal, naming the entry of a list that is wrong (`secret_env[1] = 3`), the fix in TOML."""
+    if typing.get_origin(hint) is tuple:
+        section, _, name = key.rpartition(".")
+        where = f"[{section}] {name}" if section else name
+        flag = FLAG_FOR.get(key) or f"--set {key}="
+        fix = (f'set {where} = ["A", "B"] in the run file, or pass {flag}{"" if flag.endswith("=") else " "}A,B '
+               "(an empty list: [])")
+        if isinstance(value, tuple):
+            i, item = next((i, v) for i, v in enumerate(value) if not isinstance(v, str))
+            raise bad_value(f"{key}[{i}]", shown("entry", item), f"must be a string: {key} is {describe(hint)}", fix)
+        raise bad_value(key, shown(key, value), f"must be {describe(hint)}", fix)
+    raise bad_value(key, shown(key, value), f"must be {describe(hint)}", how_to_set(key, _example(hint, default)))
+
+
 def _example(hint: Any, default: object) -> str:
+    """A value to suggest, as the run file spells it (TOML: [] and true, never Python's () and True)."""
     if typing.get_origin(hint) is Literal:
         return str(typing.get_args(hint)[0])
     if default is not MISSING:
-        return repr(default) if isinstance(default, str) else str(default).lower()
+        return repr(default) if isinstance(default, str) else toml_value(default)
     return "..."
 
 
@@ -628,9 +656,11 @@ def _rules_spec(s: Spec) -> None:
 
     check_gres(s.slurm.extra, s.resources.gpus_per_node)
     secrets = secret_names(s)
-    for name in s.secret_env:
-        need(bool(_ENV_NAME.fullmatch(name)), "secret_env", name, "not an environment variable name",
-              "use letters, digits and '_'")
+    for i, name in enumerate(s.secret_env):
+        # Shown unless it looks like a credential pasted in place of a name ("secret" in the key is no reason).
+        need(bool(_ENV_NAME.fullmatch(name)), f"secret_env[{i}]", shown("entry", name),
+             "secret_env lists the NAMES of variables exported in the submitting shell, and this is not a variable "
+             "name", "use letters, digits and '_' (not starting with a digit), e.g. secret_env = [\"MY_TOKEN\"]")
     hidden = frozenset(secrets)
     for key, value in s.env.items():
         need(bool(_ENV_NAME.fullmatch(key)), f"env.{key}", shown(f"env.{key}", value, hidden),
