@@ -256,6 +256,9 @@ INJOB_RESTART_ENV = "HPCTRAIN_INJOB_RESTART"
 # The driver's health step: HPCTRAIN_NODE_MODE=health makes a rank's entry (submitit's callable, or python -m
 # hpctrain.node) run hpctrain.node.health instead of training, writing its report into HPCTRAIN_HEALTH_DIR.
 NODE_MODE_ENV, HEALTH_DIR_ENV = "HPCTRAIN_NODE_MODE", "HPCTRAIN_HEALTH_DIR"
+# The driver's second health step, on borderline nodes only: HPCTRAIN_HEALTH_ROUND=2 makes the check measure
+# the node's compute again (no network test) into HPCTRAIN_HEALTH_DIR; the driver judges both rounds' samples.
+HEALTH_ROUND_ENV = "HPCTRAIN_HEALTH_ROUND"
 
 # Verdicts in metrics/watchdog.jsonl that blame nodes, not the program: a lost peer (the watchdog), a node that
 # failed the health check and a persistent straggler (the in-job driver, when no spare was left). The supervisor
