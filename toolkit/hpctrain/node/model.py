@@ -1,4 +1,26 @@
-"""The model: a Hugging Face causal LM from a local folder or a config, built for DeepSpeed."""
+"""The model: a Hugging Face causal LM from a local folder or a config, built for DeepSpeed.
+
+Loading a pretrained folder (`[model] path`):
+
+- ZeRO 0-2: transformers' `from_pretrained` in the training dtype. Every rank holds the whole model anyway.
+- ZeRO-3: the model is built partitioned under `deepspeed.zero.Init` with transformers' own init switched
+  off (`no_init_weights`: it would index partitioned, empty tensors, e.g. `weight[padding_idx]` when
+  config.json sets `pad_token_id`, and its values are overwritten anyway), tied, and then each rank reads
+  from the safetensors files only the byte range of its own partition of each parameter (`load_partitioned`).
+  No rank ever holds a whole tensor, let alone the whole model, and nothing is communicated: the ranks
+  together read the model's bytes once. A fresh model from a config is initialised once, after
+  construction, one gathered module at a time (`reinit_weights`).
+
+Where the time goes when a rank loads (the log line "model built in ...; loaded ..." gives both figures):
+1. imports (torch, deepspeed, transformers, the model's module): a few seconds, paid before any of this;
+2. construction under zero.Init: allocating and partitioning every parameter module by module (one
+   layer whole at a time, in the training dtype, no init kernels): grows with the number of tensors,
+   and on GPUs includes the partitions' allocation there;
+3. reading: `pread` of each partition's bytes (model bytes / world size per rank), in file order, one
+   file after another; on a cold shared filesystem this is I/O bound, warm it is a memcpy;
+4. the dtype cast and copy into the partition (host to GPU on GPU ranks: one copy per tensor).
+There is no fp32 copy of the whole model, no double init and no collective per tensor.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +28,10 @@ import contextlib
 import fnmatch
 import json
 import logging
+import os
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +95,6 @@ def build_model(model_spec: Any, cfg: Any, precision: str, ds_config: dict[str, 
     """from_pretrained or from_config, partitioned at construction for ZeRO-3 (no rank holds it whole).
     `attn`: transformers' attn_implementation ("": transformers' default; hpctrain.node.attention).
     `device`: where a fresh model is built without ZeRO-3 ("cuda" on GPU ranks: the current device)."""
-    import deepspeed
     from transformers import AutoModelForCausalLM
 
     _import_model_code(cfg)
@@ -79,22 +103,47 @@ def build_model(model_spec: Any, cfg: Any, precision: str, ds_config: dict[str, 
         with _attention_refused(attn):
             return AutoModelForCausalLM.from_pretrained(model_spec.path, config=cfg, dtype=dtype,
                                                         local_files_only=True, attn_implementation=attn or None)
-    # Without ZeRO-3 a GPU rank builds (and initialises) the fresh model on its GPU, as DeepSpeed would move it
-    # there anyway: on the host, every rank of a node held the whole model in fp32 (4 N bytes each: 32 GB per
-    # rank for 8B) and ran transformers' init twice on the CPU. On the H200 machine (2026-12-02) a Llama-1B
-    # ZeRO-0 run of the entrypoint took 60 s start to end against the plain loop's 30 s (which builds on the
-    # GPU), with a 7.0 GB host peak against 2.1 GB.
-    init = deepspeed.zero.Init(config_dict_or_path=ds_config) if zero3 else torch.device(device)
-    with init, _attention_refused(attn):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32,  # type: ignore[no-untyped-call]
+    if not zero3:
+        # Without ZeRO-3 a GPU rank builds (and initialises) the fresh model on its GPU, as DeepSpeed would move
+        # it there anyway: on the host, every rank of a node held the whole model in fp32 (4 N bytes each: 32 GB
+        # per rank for 8B) and ran transformers' init twice on the CPU. On the H200 machine (2026-12-02) a
+        # Llama-1B ZeRO-0 run of the entrypoint took 60 s start to end against the plain loop's 30 s (which
+        # builds on the GPU), with a 7.0 GB host peak against 2.1 GB. transformers initialises it once, here.
+        with torch.device(device), _attention_refused(attn):
+            return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32,  # type: ignore[no-untyped-call]
+                                                    attn_implementation=attn or None)
+    t0 = time.perf_counter()
+    with _partitioned_construction(ds_config), _attention_refused(attn):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype,  # type: ignore[no-untyped-call]
                                                  attn_implementation=attn or None)
+    built = time.perf_counter() - t0
     if model_spec.path:
-        # ZeRO-3: fill the partitioned model one tensor at a time (transformers' own ZeRO-3 loading
-        # path needs `accelerate`; this needs nothing and never holds more than one tensor whole).
-        load_partitioned(model, model_spec.path)
+        model.tie_weights()  # post_init ties inside init_weights, which no_init_weights switched off
+        stats = load_partitioned(model, model_spec.path)
+        log.info("model built in %.1f s; loaded %d tensors, %.2f GB read by this rank in %.1f s", built,
+                 stats.tensors, stats.bytes_read / 1e9, stats.seconds)
     else:
-        reinit_weights(model, zero3)
+        reinit_weights(model, zero3)  # ties after the init, as post_init does: a tied head's init is dropped
+        log.info("model built and initialised in %.1f s", time.perf_counter() - t0)
     return model
+
+
+@contextlib.contextmanager
+def _partitioned_construction(ds_config: dict[str, Any]) -> Iterator[None]:
+    """zero.Init as transformers enters it for its own ZeRO-3 path, without its global DeepSpeed config.
+
+    no_init_weights: transformers' init would run on parameters already partitioned to empty tensors (an
+    IndexError on `weight[padding_idx]` for a config with pad_token_id, silently nothing elsewhere) and
+    torch's per-layer init kernels would be wasted: weights are loaded or initialised gathered afterwards.
+    prevent_arange_dtype_change (entered before zero.Init): under bf16 zero.Init would cast torch.arange's
+    floating results, and RoPE inverse frequencies would differ from from_pretrained's.
+    """
+    import deepspeed
+    from transformers.initialization import no_init_weights
+    from transformers.integrations.deepspeed import prevent_arange_dtype_change
+
+    with no_init_weights(), prevent_arange_dtype_change(), deepspeed.zero.Init(config_dict_or_path=ds_config):
+        yield
 
 
 @contextlib.contextmanager
@@ -112,34 +161,179 @@ def _attention_refused(attn: str) -> Iterator[None]:
                              "(transformers' default).") from exc
 
 
-def load_partitioned(model: Any, path: str) -> None:
-    """Copy a local folder's *.safetensors weights into a ZeRO-3 partitioned model (rank 0 reads)."""
-    import glob
+# -------------------------------------------------------------------------------------------- safetensors
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
-    import deepspeed
-    from safetensors import safe_open
 
-    files = sorted(glob.glob(str(Path(path) / "*.safetensors")))
+@dataclass(frozen=True)
+class _Stored:
+    """Where one tensor's bytes lie in a safetensors file (the format: u64 header size, JSON header, data)."""
+
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # of its first byte, from the start of the file
+
+
+@dataclass
+class LoadStats:
+    """What `load_partitioned` did on this rank."""
+
+    tensors: int = 0
+    bytes_read: int = 0
+    seconds: float = 0.0
+
+
+def weight_files(path: str) -> list[Path]:
+    """The folder's weight files: those its index names (sharded), else model.safetensors, else *.safetensors."""
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError) as exc:
+            raise NodeInputError(f"[model] path = {path!r}: {index.name} is not a safetensors index ({exc}). "
+                                 "Fix: re-save the model with save_pretrained.") from exc
+        absent = [n for n in names if not (folder / n).is_file()]
+        if absent:
+            raise NodeInputError(f"[model] path = {path!r}: {index.name} names {', '.join(absent[:3])}, which "
+                                 "the folder lacks. Fix: copy the whole folder.")
+        return [folder / n for n in names]
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise NodeInputError(f"[model] path = {path!r}: no *.safetensors files; ZeRO-3 loads safetensors only. "
                              "Fix: re-save the model with save_pretrained(..., safe_serialization=True).")
-    params = dict(model.named_parameters())  # tied weights appear once, under their first name
-    rank0 = torch.distributed.get_rank() == 0
-    loaded: set[str] = set()
+    return files
+
+
+def read_index(files: list[Path]) -> dict[str, _Stored]:
+    """Every tensor's place, from the files' headers only (a few KB each)."""
+    out: dict[str, _Stored] = {}
     for f in files:
-        with safe_open(f, framework="pt") as fh:
-            for key in fh.keys():  # noqa: SIM118 - safe_open is not a dict
-                param = params.get(key)
-                if param is None:
-                    continue
-                with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
-                    if rank0:
-                        param.copy_(fh.get_tensor(key).to(param.dtype))
-                loaded.add(key)
-    missing = sorted(set(params) - loaded)
+        with open(f, "rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(size))
+        for key, meta in header.items():
+            if key == "__metadata__":
+                continue
+            if meta["dtype"] not in _ST_DTYPES:
+                raise NodeInputError(f"{f}: tensor {key} has dtype {meta['dtype']}, which hpctrain cannot load.")
+            out[key] = _Stored(f, _ST_DTYPES[meta["dtype"]], tuple(meta["shape"]), 8 + size + meta["data_offsets"][0])
+    return out
+
+
+def _pread(fd: int, stored: _Stored, start: int, count: int) -> torch.Tensor:
+    """Elements [start, start + count) of the flattened tensor, read straight into a fresh host tensor."""
+    out = torch.empty(count, dtype=stored.dtype)
+    view = out.view(torch.uint8).numpy().data  # a writable memoryview of the tensor's bytes
+    pos, offset = 0, stored.offset + start * out.element_size()
+    while pos < len(view):
+        n = os.preadv(fd, [view[pos:]], offset + pos)
+        if n <= 0:
+            raise NodeInputError(f"{stored.file}: ends before the tensor data its header promises (truncated copy?).")
+        pos += n
+    return out
+
+
+def load_partitioned(model: Any, path: str) -> LoadStats:
+    """Fill a ZeRO-3 partitioned model from a local folder's safetensors, each rank its own partitions.
+
+    Each rank reads, of each parameter, only the contiguous byte range of its partition (ZeRO-3 partitions
+    a parameter's flattened elements in equal contiguous chunks, the last one padded), in file order, and
+    copies it into `param.ds_tensor`: no gather, no broadcast, no whole tensor on any rank. Parameters
+    whose partition is not a plain host or device tensor (NVMe offload, hpZ secondary copies, quantised)
+    go through GatheredParameters with rank 0 reading instead. Tied parameters are filled once, from
+    whichever of their names the folder holds; persistent buffers the folder holds are loaded whole, the
+    others keep the values construction computed (RoPE frequencies and the like, as from_pretrained does).
+    """
+    t0 = time.perf_counter()
+    stored = read_index(weight_files(path))
+    todo, missing = _plan_reads(model, stored)
     if missing:
         raise NodeInputError(f"[model] path = {path!r}: the weights lack {', '.join(missing[:5])}"
-                             f"{' ...' if len(missing) > 5 else ''}; is config.json from the same model?")
+                             f"{' ...' if len(missing) > 5 else ''} ({len(missing)} of the model's parameters). "
+                             "Fix: point [model] path at the complete folder, with the config.json it was saved "
+                             "with.")
+    stats = LoadStats()
+    todo.sort(key=lambda t: (str(t[1].file), t[1].offset))  # sequential reads, one file after another
+    fds: dict[Path, int] = {}
+    try:
+        for name, where, target in todo:
+            if where.file not in fds:
+                fds[where.file] = os.open(where.file, os.O_RDONLY)
+            stats.bytes_read += _load_one(fds[where.file], name, where, target)
+            stats.tensors += 1
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def _plan_reads(model: Any, stored: dict[str, _Stored]) -> tuple[list[tuple[str, _Stored, Any]], list[str]]:
+    """(name, where, parameter or buffer) for everything to load, and the parameters the folder lacks."""
+    names: dict[int, list[str]] = {}
+    objs: dict[int, Any] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+        objs[id(p)] = p
+    todo: list[tuple[str, _Stored, Any]] = []
+    missing: list[str] = []
+    for key, aliases in names.items():
+        found = next((n for n in aliases if n in stored), None)  # a tied head: whichever name was saved
+        if found is None:
+            missing.append(aliases[0])
+        else:
+            todo.append((found, stored[found], objs[key]))
+    for mod_name, module in model.named_modules():
+        for buf_name, buf in module._buffers.items():
+            full = f"{mod_name}.{buf_name}" if mod_name else buf_name
+            if buf is not None and buf_name not in module._non_persistent_buffers_set and full in stored:
+                todo.append((full, stored[full], buf))
+    return todo, missing
+
+
+def _load_one(fd: int, name: str, where: _Stored, target: Any) -> int:
+    """Copy one tensor (this rank's partition of it, for a ZeRO-3 parameter) in; returns the bytes read."""
+    import deepspeed
+
+    shape = tuple(getattr(target, "ds_shape", target.shape))
+    if shape != where.shape:
+        raise NodeInputError(f"{where.file}: {name} has shape {list(where.shape)}, the model expects "
+                             f"{list(shape)}. Fix: use the config.json saved with these weights.")
+    size = torch.empty(0, dtype=where.dtype).element_size()
+    part = getattr(target, "ds_tensor", None)
+    if part is None:  # a buffer, or a parameter ZeRO-3 does not manage
+        with torch.no_grad():
+            target.copy_(_pread(fd, where, 0, target.numel()).view(shape))
+        return int(target.numel()) * size
+    if _plain_partition(target):
+        per_rank = int(part.ds_numel)
+        start = per_rank * torch.distributed.get_rank(group=target.ds_process_group)
+        count = max(0, min(per_rank, int(target.ds_numel) - start))  # the last rank's tail is padding
+        if count:
+            with torch.no_grad():
+                part.narrow(0, 0, count).copy_(_pread(fd, where, start, count))
+        return count * size
+    rank0 = torch.distributed.get_rank() == 0
+    with deepspeed.zero.GatheredParameters([target], modifier_rank=0), torch.no_grad():
+        if rank0:
+            target.copy_(_pread(fd, where, 0, int(target.ds_numel)).view(shape))
+    return int(target.ds_numel) * size if rank0 else 0
+
+
+def _plain_partition(param: Any) -> bool:
+    """Whether the partition is a plain tensor this rank may write in place (ZeRO-3's usual layout)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    part = param.ds_tensor
+    return (getattr(param, "ds_secondary_tensor", None) is None and getattr(part, "final_location", None) is None
+            and not hasattr(part, "ds_quant_scale") and param.ds_status == ZeroParamStatus.NOT_AVAILABLE
+            and part.numel() == part.ds_numel)
 
 
 def _import_model_code(cfg: Any) -> None:
@@ -158,25 +352,21 @@ def _import_model_code(cfg: Any) -> None:
 
 
 def reinit_weights(model: Any, zero3: bool) -> None:
-    """Re-run HF's weight init with every parameter whole, then tie.
+    """Run transformers' weight init once, every parameter whole, then tie.
 
     Under zero.Init the parameters are already partitioned when HF's post_init runs, so its init never
-    reaches them and they keep torch's defaults; a tied embedding then starts with std 1 and the first loss
-    is ~200 instead of ln(vocab) (seen on the H200 with Llama-1B). Gathering one module at a time keeps
-    peak memory at one layer.
+    reaches them (build_model switches it off there); a tied embedding then starts with std 1 and the
+    first loss is ~200 instead of ln(vocab) (seen on the H200 with Llama-1B). transformers' ZeRO-3 variant
+    gathers one module (with its direct children's parameters, which some families' init touches) at a
+    time, so the peak stays at one layer, and rank 0's values are what every rank keeps.
     """
-    import deepspeed
+    if zero3:
+        from transformers.integrations.deepspeed import initialize_weights_zero3
 
-    for module in model.modules():
-        params = list(module.parameters(recurse=False))
-        if not params:
-            continue
-        ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=0) if zero3 else contextlib.nullcontext()
-        with ctx, torch.no_grad():
-            if not zero3 or torch.distributed.get_rank() == 0:
-                model._init_weights(module)
-    if getattr(model.config, "tie_word_embeddings", False):
-        model.tie_weights()
+        initialize_weights_zero3(model)  # type: ignore[no-untyped-call]
+    else:
+        model.initialize_weights()
+    model.tie_weights()
 
 
 def apply_freeze(model: Any, patterns: tuple[str, ...]) -> int:

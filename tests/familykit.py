@@ -1,0 +1,164 @@
+"""Tiny Hugging Face causal-LM folders of the common families, and a multi-rank loader that digests them.
+
+`make_folder` writes what `save_pretrained` writes for a tiny model of one family (random weights, so every
+tensor differs from any init). Run as a script under torchrun, this module loads folders through hpctrain's
+own `build_model` under ZeRO-3 and writes, from rank 0, a sha256 of every parameter (gathered) and buffer,
+or the NodeInputError a folder raised:
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/familykit.py OUT.json FOLDER:PRECISION ...
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+# hidden 32-64, 2 layers, a small vocabulary; odd sizes where a family allows them (explicit head_dim), so
+# ZeRO-3's padded last partition is exercised too.
+_SMALL: dict[str, Any] = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                          "num_key_value_heads": 2, "vocab_size": 96, "max_position_embeddings": 128}
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64}
+
+FAMILIES: dict[str, dict[str, Any]] = {
+    # config.json as a real Llama-3 folder writes it: the legacy rope_scaling / rope_theta keys, pad_token_id
+    "llama3": {"model_type": "llama", "pad_token_id": 0, "tie_word_embeddings": False,
+               "legacy_json": {"rope_scaling": _LLAMA3_ROPE, "rope_theta": 500000.0}},
+    "llama-yarn-tied": {"model_type": "llama", "tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True,
+                        "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                            "original_max_position_embeddings": 32}},
+    "mistral": {"model_type": "mistral", "sliding_window": 16, "head_dim": 16, "hidden_size": 48,
+                "tie_word_embeddings": False},
+    "qwen2": {"model_type": "qwen2", "tie_word_embeddings": True, "use_sliding_window": False},  # q/k/v biases
+    "qwen3": {"model_type": "qwen3", "head_dim": 16, "hidden_size": 33, "vocab_size": 97,
+              "tie_word_embeddings": True},  # q/k norms; 33 x 97: odd sizes, a padded last partition
+    "gemma2": {"model_type": "gemma2", "head_dim": 16, "pad_token_id": 0, "sliding_window": 16,
+               "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "query_pre_attn_scalar": 16},
+    "phi3": {"model_type": "phi3", "pad_token_id": 95, "bos_token_id": 1, "eos_token_id": 2,
+             "tie_word_embeddings": False},  # fused qkv_proj and gate_up_proj
+}
+
+
+def family_config(name: str) -> Any:
+    """The transformers config of one family, tiny."""
+    from transformers import AutoConfig
+
+    body = {**_SMALL, **{k: v for k, v in FAMILIES[name].items() if k != "legacy_json"}}
+    return AutoConfig.for_model(body.pop("model_type"), **body)
+
+
+def make_folder(root: Path, name: str, *, max_shard_size: str | None = None, dtype: str = "float32",
+                seed: int = 0) -> Path:
+    """save_pretrained of a tiny `name` model with random (not freshly initialised) weights; returns the folder."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(family_config(name))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.uniform_(-0.5, 0.5)  # norms and biases too: a load that leaves one at its init shows
+    model = model.to(getattr(torch, dtype))
+    out = root / name
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, **kwargs)
+    legacy = FAMILIES[name].get("legacy_json")
+    if legacy:
+        cfg = json.loads((out / "config.json").read_text())
+        cfg.pop("rope_parameters", None)
+        (out / "config.json").write_text(json.dumps({**cfg, **legacy}, indent=2))
+    return out
+
+
+def digest(t: Any) -> str:
+    """sha256 of a tensor's bytes (dtype-exact)."""
+    import torch
+
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def file_digests(folder: Path, dtype: Any) -> dict[str, str]:
+    """The digest of every tensor the folder's safetensors hold, cast to `dtype` (the model's)."""
+    from safetensors.torch import load_file
+
+    out: dict[str, str] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update({k: digest(v.to(dtype)) for k, v in load_file(f).items()})
+    return out
+
+
+def model_digests(model: Any, zero3: bool) -> dict[str, dict[str, str]]:
+    """Every parameter (each tied name too) gathered whole, and every buffer."""
+    import contextlib
+
+    params: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if zero3:
+            import deepspeed
+
+            ctx: Any = deepspeed.zero.GatheredParameters([p])
+        else:
+            ctx = contextlib.nullcontext()
+        with ctx:
+            params[name] = digest(p.data)
+    return {"params": params, "buffers": {n: digest(b) for n, b in model.named_buffers()}}
+
+
+def _fresh_stats(model: Any) -> dict[str, Any]:
+    """A freshly initialised ZeRO-3 model's embedding and first query projection, gathered."""
+    import deepspeed
+
+    emb = model.get_input_embeddings()
+    q = model.model.layers[0].self_attn.q_proj.weight
+    with deepspeed.zero.GatheredParameters([emb.weight, q]):
+        pad = emb.weight.data[emb.padding_idx]
+        stats = {"pad_row_abs_max": float(pad.abs().max()), "embed_std": float(emb.weight.data.float().std()),
+                 "q_proj_std": float(q.data.float().std())}
+    return {"stats": stats}
+
+
+def _zero3_config(precision: str) -> dict[str, Any]:
+    cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def main(argv: list[str]) -> None:
+    """torchrun entry: load each FOLDER:PRECISION with build_model under ZeRO-3; rank 0 writes the digests."""
+    import os
+    import resource
+    from types import SimpleNamespace
+
+    import torch
+
+    from hpctrain.node import dist
+    from hpctrain.node.model import build_model, hf_config
+    from hpctrain.node.runconf import NodeInputError
+
+    dist.init_process_group(dist.detect(), use_gpu=False, timeout_min=3)  # gloo, without the shm op's JIT build
+    results: dict[str, Any] = {}
+    for item in argv[1:]:
+        folder, precision = item.removeprefix("fresh=").rsplit(":", 1)
+        fresh = item.startswith("fresh=")  # a new model from the folder's config.json, not its weights
+        spec = SimpleNamespace(path="" if fresh else folder, config=folder if fresh else "", overrides={}, freeze=())
+        try:
+            model = build_model(spec, hf_config(spec), precision, _zero3_config(precision), zero3=True)
+        except NodeInputError as exc:
+            results[item] = {"error": str(exc)}
+            continue
+        results[item] = _fresh_stats(model) if fresh else model_digests(model, zero3=True)
+        results[item]["partitioned"] = all(p.data.numel() == 0 for p in model.parameters())
+        del model
+    results["peak_rss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    torch.distributed.barrier()
+    if int(os.environ["RANK"]) == 0:
+        Path(argv[0]).write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
