@@ -205,9 +205,9 @@ def _when(t: float | None) -> str:
 
 # The table's columns, most important first: a narrow terminal loses columns from the end of this list
 # (each line of the table stays one line). Hours are GPU-hours for GPU runs, CPU-hours for CPU runs.
-_COLUMNS = ["RUN", "A", "STATE", "FAILURE", "STEP", "LOSS", "LOST", "ELAPSED", "HOURS", "TOK/S", "JOB", "TFLOPS",
-            "MFU%", "NODES", "START"]
-_RIGHT = {"STEP", "LOSS", "LOST", "TOK/S", "TFLOPS", "MFU%", "HOURS", "NODES"}
+_COLUMNS = ["RUN", "A", "STATE", "FAILURE", "STEP", "LOSS", "LOST", "ELAPSED", "HOURS", "TOK/S", "TRAINED/S", "JOB",
+            "TFLOPS", "MFU%", "NODES", "START"]
+_RIGHT = {"STEP", "LOSS", "LOST", "TOK/S", "TRAINED/S", "TFLOPS", "MFU%", "HOURS", "NODES"}
 _GPU_ONLY = ("TFLOPS", "MFU%")  # a CPU run has no peak to compare with: not shown when no run in view has GPUs
 _BORDER = 3  # rich's default box: one space each side of a cell and one rule between cells
 
@@ -218,6 +218,7 @@ def _row(run: dict[str, Any], a: dict[str, Any]) -> dict[str, str]:
             "FAILURE": a["failure_class"] or "-", "NODES": str(a["nodes"]), "START": _when(a["start"]),
             "ELAPSED": _dur(a["elapsed_s"]), "HOURS": f"{hours:.3f}", "STEP": _fmt(a["last_step"]),
             "LOSS": _fmt(a["last_loss"], ".4f"), "TOK/S": _fmt(a["tokens_per_s"], ".0f"),
+            "TRAINED/S": _fmt(a.get("trained_tokens_per_s"), ".0f"),  # tokens the loss covers (SFT: responses)
             "TFLOPS": _fmt(a["tflops"], ".2f"), "MFU%": _fmt(None if a["mfu"] is None else 100 * a["mfu"], ".1f"),
             "LOST": _fmt(a["lost_steps"])}
 
@@ -297,6 +298,7 @@ def _print_table(records: list[dict[str, Any]], warnings: list[str]) -> None:
                    "`hpctrain summary --json` has every field)")
     for run in records:
         _print_eval(run)
+        _print_data(run)
         _print_health(run)
         _print_failures(run)
         _print_stragglers(run)
@@ -345,6 +347,20 @@ def _print_eval(run: dict[str, Any]) -> None:
         click.echo(f"{run['run_id']} eval: loss {_fmt(e['last_loss'], '.4f')} ppl {_fmt(e['last_ppl'], '.2f')} at "
                    f"step {e['last_step']}; best {_fmt(e['best_loss'], '.4f')} ppl {_fmt(e['best_ppl'], '.2f')} at "
                    f"step {e['best_step']}")
+
+
+def _print_data(run: dict[str, Any]) -> None:
+    """The SFT records under the table: how many were read and trained on, the bad ones by reason."""
+    d = run.get("data")
+    if not d:
+        return
+    bad = d.get("bad") or {}
+    why = ", ".join(f"{k} {v:,}" for k, v in bad.items())
+    click.echo(f"{run['run_id']} data ({d.get('format')}): {d.get('records') or 0:,} records, {d.get('kept') or 0:,} "
+               f"trained on ({d.get('truncated') or 0:,} truncated), {sum(bad.values()):,} bad"
+               + (f": {why}" if why else ""))
+    for reason, where in (d.get("first") or {}).items():
+        click.echo(f"  first {reason}: {where}")
 
 
 def _print_failures(run: dict[str, Any]) -> None:

@@ -43,6 +43,13 @@ def data_group() -> None:
 @click.option("--text-field", default="text", show_default=True, help="The jsonl field / parquet or arrow column.")
 @click.option("--append-eos/--no-append-eos", default=True, show_default=True, help="End every document with eos.")
 @click.option("--prepend-bos/--no-prepend-bos", default=False, show_default=True, help="Start every document with bos.")
+@click.option("--format", "data_format", type=click.Choice(["text", "alpaca", "chat"]), default="text",
+              show_default=True, help="text: documents; alpaca/chat: SFT records, tokens + loss mask (docs/data.md).")
+@click.option("--messages-field", default="messages", show_default=True, help="--format chat: the message list's field.")
+@click.option("--seq-len", type=int, default=0,
+              help="--format alpaca/chat: the run's [data] seq_len; longer examples are cut or dropped (--overlong).")
+@click.option("--overlong", type=click.Choice(["truncate", "drop"]), default="truncate", show_default=True,
+              help="--format alpaca/chat: cut an example longer than --seq-len (the prompt stays) or drop it.")
 @click.option("--shard-size", default="64M", show_default=True,
               help="Input bytes per shard (the unit of work and of resume; a compressed file is one shard).")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: on a terminal).")
@@ -51,7 +58,8 @@ def data_group() -> None:
 @click.option("--time", "time_limit", default="04:00:00", show_default=True, help="With --submit: the time limit.")
 @click.option("--mem", default="", help="With --submit: memory of the job (SLURM --mem, e.g. 16G).")
 def prepare_cmd(inputs: tuple[str, ...], tokenizer: str, out: str | None, val_fraction: float, workers: int,
-                text_field: str, append_eos: bool, prepend_bos: bool, shard_size: str, progress: bool | None,
+                text_field: str, append_eos: bool, prepend_bos: bool, data_format: str, messages_field: str,
+                seq_len: int, overlong: str, shard_size: str, progress: bool | None,
                 submit: bool, partition: str, time_limit: str, mem: str) -> None:
     """Tokenize INPUT... (jsonl[.gz|.zst], txt[.gz|.zst], parquet, arrow, save_to_disk folders, folders of
     them) with the tokenizer into --out: train/ and val/ shards and manifest.json. Unchanged inputs, tokenizer
@@ -59,12 +67,16 @@ def prepare_cmd(inputs: tuple[str, ...], tokenizer: str, out: str | None, val_fr
     from hpctrain.data.prepare import Options, prepare
 
     opts = Options(text_field=text_field, val_fraction=val_fraction, append_eos=append_eos,
-                   prepend_bos=prepend_bos, shard_bytes=parse_size(shard_size))
+                   prepend_bos=prepend_bos, shard_bytes=parse_size(shard_size), format=data_format,
+                   messages_field=messages_field, seq_len=seq_len, overlong=overlong)
     if submit:
         tok = tokenizer if tokenizer == "byte" else str(Path(tokenizer).absolute())
         argv = ["--tokenizer", tok, "--val-fraction", repr(val_fraction), "--text-field", text_field,
                 "--append-eos" if append_eos else "--no-append-eos",
                 "--prepend-bos" if prepend_bos else "--no-prepend-bos", "--shard-size", shard_size]
+        if opts.sft:
+            argv += ["--format", data_format, "--messages-field", messages_field, "--seq-len", str(seq_len),
+                     "--overlong", overlong]
         _submit(argv, [str(Path(i).absolute()) for i in inputs], out, workers, partition, time_limit, mem)
         return
     prepare(list(inputs), tokenizer, out, opts, workers=workers, progress=progress, echo=click.echo)

@@ -90,6 +90,7 @@ class AttemptMetrics:
     steps_done: int = 0
     last_loss: float | None = None
     tokens_per_s: float | None = None
+    trained_tokens_per_s: float | None = None  # the tokens the loss covers (SFT: the responses)
     tflops: float | None = None
     mfu: float | None = None
     last_checkpoint_step: int | None = None
@@ -100,7 +101,8 @@ class AttemptMetrics:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ("first_step", "last_step", "steps_done", "last_loss", "tokens_per_s",
-                                              "tflops", "mfu", "last_checkpoint_step", "lost_steps")}
+                                              "trained_tokens_per_s", "tflops", "mfu", "last_checkpoint_step",
+                                              "lost_steps")}
 
 
 def attempt_metrics(recs: list[dict[str, Any]], earlier: list[dict[str, Any]], disk_ckpts: list[int]) -> AttemptMetrics:
@@ -121,6 +123,7 @@ def attempt_metrics(recs: list[dict[str, Any]], earlier: list[dict[str, Any]], d
     # Medians, skipping the first step of an attempt (compilation, warm-up) when there are others.
     steady = recs[1:] if len(recs) > 2 else recs
     m.tokens_per_s = _median(steady, "tokens_per_s")
+    m.trained_tokens_per_s = _median(steady, "trained_tokens_per_s")
     m.tflops = _median(steady, "tflops")
     m.mfu = _median(steady, "mfu")
     times = [t for t in (_float(r.get("time")) for r in recs) if t is not None]

@@ -380,7 +380,18 @@ def build_run(inp: RunInput, now: float | None = None) -> dict[str, Any]:
         "complete": bool(rows) and all(r["state"] in ENDED for r in rows),
         "updated": now, "attempts": rows, "totals": {**_totals(rows), **_eval_totals(records)}, "warnings": warnings,
         "stragglers": stragglers.of_run(inp.folder) if folder_ok else None,
+        **_data_report(evs),
     }
+
+
+def _data_report(evs: list[run_events.Event]) -> dict[str, Any]:
+    """{"data": ...}: the SFT records' tally rank 0 wrote at its latest start (read, trained on, bad by reason;
+    hpctrain.data.sft), or {} for a run without one."""
+    reports = [e.extra for e in evs if e.kind == run_events.TRAIN and e.extra.get("event") == "data"]
+    if not reports:
+        return {}
+    r = reports[-1]
+    return {"data": {k: r.get(k) for k in ("format", "source", "records", "kept", "truncated", "bad", "first")}}
 
 
 def _totals(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -5,6 +5,7 @@ A prepared folder is what Megatron's indexed datasets, nanotron's Nanosets and O
     DIR/manifest.json                       what is in the folder and how it was made (written last, atomically)
     DIR/train/shard-00000.bin               the tokens of whole documents, one flat array of `dtype`
     DIR/train/shard-00000.idx               int64 offsets into .bin: documents+1 entries, the first 0
+    DIR/train/shard-00000.mask              SFT formats only: one uint8 per token, 1 = the loss covers it
     DIR/val/shard-00000.bin, .idx           the validation split, same layout
 
 `dtype` is uint16 when every id fits (vocab_size <= 65536), else uint32: half the disk and page cache of
@@ -12,6 +13,10 @@ int32 for the common 32k-64k vocabularies. A folder is prepared exactly when man
 FORMAT at VERSION: the manifest is written after every shard is in place, so a killed prepare leaves no
 manifest and is never mistaken for a finished one. Nothing here imports numpy at module level, so the CLI
 can read a manifest (`submit` checks vocabularies) without paying for it.
+
+Versions: a folder without masks is written at VERSION 1, byte for byte as before the SFT formats (and its
+cache key is unchanged); a folder with .mask files is written at MASKED_VERSION 2, which this hpctrain reads
+beside 1 and an older one refuses (it would train on the prompts). Each masked shard names its mask file.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ if TYPE_CHECKING:
 
 FORMAT = "hpctrain-tokens"
 VERSION = 1
+MASKED_VERSION = 2  # shards carry a .mask (data/sft.py); see the module docstring
+READS = (VERSION, MASKED_VERSION)
 MANIFEST = "manifest.json"
 SPLITS = ("train", "val")
 
@@ -40,6 +47,7 @@ class Shard:
     index: str
     tokens: int
     documents: int
+    mask: str = ""  # the .mask file (uint8 per token) of an SFT shard; "" = every token is trained on
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,7 @@ class Manifest:
     eos_id: int | None = None
     hpctrain_version: str = ""
     tokenizer: str = ""  # the tokenizer folder prepare read ("byte" for the byte tokenizer); not part of the key
+    records: dict[str, Any] = field(default_factory=dict)  # SFT formats: data/sft.py's Tally (records, bad by reason)
     format: str = FORMAT
     version: int = VERSION
 
@@ -75,8 +84,19 @@ class Manifest:
     def documents(self) -> int:
         return self.train.documents
 
+    @property
+    def masked(self) -> bool:
+        """The shards carry loss masks (an SFT format): the node trains on the masked tokens only."""
+        return any(sh.mask for sh in (*self.train.shards, *self.val.shards))
+
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
+        if not self.records:
+            del d["records"]  # a text folder's manifest stays as it was
+        for split in ("train", "val"):
+            for sh in d[split]["shards"]:
+                if not sh["mask"]:
+                    del sh["mask"]
         d["tokens"], d["documents"] = self.tokens, self.documents  # the headline figures, for readers of the file
         return d
 
@@ -84,8 +104,8 @@ class Manifest:
     def from_json(cls, d: dict[str, Any]) -> Manifest:
         def split(s: dict[str, Any] | None) -> Split:
             s = s or {}
-            shards = tuple(Shard(**{k: sh[k] for k in ("path", "index", "tokens", "documents")})
-                           for sh in s.get("shards", ()))
+            shards = tuple(Shard(**{k: sh[k] for k in ("path", "index", "tokens", "documents")},
+                                 mask=str(sh.get("mask", ""))) for sh in s.get("shards", ()))
             return Split(tokens=int(s.get("tokens", 0)), documents=int(s.get("documents", 0)), shards=shards)
 
         return cls(vocab_size=int(d["vocab_size"]), dtype=str(d["dtype"]), train=split(d.get("train")),
@@ -93,7 +113,7 @@ class Manifest:
                    inputs=tuple(d.get("inputs", ())), options=dict(d.get("options", {})), key=str(d.get("key", "")),
                    bos_id=d.get("bos_id"), eos_id=d.get("eos_id"),
                    hpctrain_version=str(d.get("hpctrain_version", "")), tokenizer=str(d.get("tokenizer", "")),
-                   format=str(d.get("format", "")),
+                   records=dict(d.get("records") or {}), format=str(d.get("format", "")),
                    version=int(d.get("version", 0)))
 
 
@@ -116,9 +136,10 @@ def read_manifest(folder: str | os.PathLike[str]) -> Manifest:
         raw = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise PreparedFormatError(f"{path}: cannot read the manifest ({exc}). Run `hpctrain data prepare` again.") from exc
-    if raw.get("format") != FORMAT or raw.get("version") != VERSION:
+    if raw.get("format") != FORMAT or raw.get("version") not in READS:
         raise PreparedFormatError(f"{path}: format {raw.get('format')!r} version {raw.get('version')!r}; this "
-                                  f"hpctrain reads {FORMAT!r} version {VERSION}. Run `hpctrain data prepare` again.")
+                                  f"hpctrain reads {FORMAT!r} versions {', '.join(map(str, READS))}. Run `hpctrain "
+                                  "data prepare` again.")
     return Manifest.from_json(raw)
 
 
@@ -142,8 +163,9 @@ def write_manifest(folder: str | os.PathLike[str], manifest: Manifest) -> None:
 
 
 def write_shard(folder: str | os.PathLike[str], split: str, number: int, docs: list[np.ndarray],
-                dtype: str) -> Shard:
-    """Write the documents as shard `number` of `split` (both files atomically) and describe it."""
+                dtype: str, masks: list[np.ndarray] | None = None) -> Shard:
+    """Write the documents as shard `number` of `split` (each file atomically) and describe it; with `masks`
+    (one bool array per document) also the .mask file."""
     import numpy as np
 
     rel = f"{split}/shard-{number:05d}"
@@ -154,7 +176,14 @@ def write_shard(folder: str | os.PathLike[str], split: str, number: int, docs: l
     root = Path(folder)
     atomic_write_bytes(root / f"{rel}.bin", flat.tobytes())
     atomic_write_bytes(root / f"{rel}.idx", offsets.tobytes())
-    return Shard(path=f"{rel}.bin", index=f"{rel}.idx", tokens=int(offsets[-1]), documents=len(docs))
+    if masks is None:
+        return Shard(path=f"{rel}.bin", index=f"{rel}.idx", tokens=int(offsets[-1]), documents=len(docs))
+    bits = np.concatenate(masks).astype(np.uint8) if masks else np.zeros(0, dtype=np.uint8)
+    if len(bits) != len(flat):
+        raise ValueError(f"{rel}: {len(bits)} mask entries for {len(flat)} tokens")
+    atomic_write_bytes(root / f"{rel}.mask", bits.tobytes())
+    return Shard(path=f"{rel}.bin", index=f"{rel}.idx", tokens=int(offsets[-1]), documents=len(docs),
+                 mask=f"{rel}.mask")
 
 
 class PreparedSplit:
@@ -207,3 +236,16 @@ class PreparedSplit:
         j = i - int(self._first[s])
         o = self._offsets[s]
         return self._map(s)[int(o[j]):int(o[j + 1])]
+
+    def mask(self, i: int) -> np.ndarray | None:
+        """Document i's loss mask (uint8, 1 = trained), or None for a shard without one (every token counts)."""
+        import numpy as np
+
+        s = int(np.searchsorted(self._first, i, side="right")) - 1
+        sh = self.shards[s]
+        if not sh.mask:
+            return None
+        j = i - int(self._first[s])
+        o = self._offsets[s]
+        mm = np.memmap(self.folder / sh.mask, dtype=np.uint8, mode="r", shape=(sh.tokens,))
+        return mm[int(o[j]):int(o[j + 1])]

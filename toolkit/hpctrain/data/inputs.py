@@ -229,3 +229,40 @@ def read_texts(inp: Input, unit: Unit, field: str) -> Iterator[str]:
     for t in texts:
         if t is not None and str(t).strip():
             yield str(t)
+
+
+def read_records(inp: Input, unit: Unit) -> Iterator[tuple[str, Any, str]]:
+    """The records of one unit for an SFT format: (where, record or sft.Bad, the text its split hash reads).
+
+    `where` is FILE:LINE for a unit that starts at the top of its file (the only unit of a small or compressed
+    file, and the first of any), else FILE (the line at byte N): counting the lines before a unit in the middle
+    of a large file would read all of it again. Parquet/arrow rows are FILE row N.
+    """
+    from hpctrain.data import sft
+
+    if inp.kind == "jsonl":
+        for n, (pos, line) in enumerate(_lines(inp, unit), 1):
+            if not line.strip():
+                continue
+            where = f"{inp.path}:{n}" if unit.start == 0 else f"{inp.path} (the line at byte {pos})"
+            try:
+                rec: Any = sft.parse_line(line)
+            except sft.Bad as bad:
+                rec = bad
+            yield where, rec, line.decode("utf-8", "replace").strip()
+        return
+    if inp.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        pf = pq.ParquetFile(inp.path)
+        first = sum(pf.metadata.row_group(i).num_rows for i in range(unit.start))
+        groups = list(range(unit.start, unit.end))
+        rows = pf.read_row_groups(groups).to_pylist() if groups else []
+    elif inp.kind == "arrow":
+        first = unit.start
+        rows = _arrow_table(inp.path).slice(unit.start, unit.end - unit.start).to_pylist()
+    else:
+        raise bad_value("INPUT", inp.path, "a text file holds no records",
+                        "pass .jsonl, .parquet or .arrow files of records for --format alpaca/chat")
+    for i, row in enumerate(rows):
+        yield f"{inp.path} row {first + i}", row, json.dumps(row, sort_keys=True, default=str)

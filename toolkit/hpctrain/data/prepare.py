@@ -14,6 +14,11 @@ hashes come from the size+mtime memo of data/cache.py).
 Validation split: a document goes to val when the first 8 bytes of blake2b(text) fall below
 `val_fraction` of the range: deterministic, independent of order, workers and sharding, and duplicates of a
 document always land in the same split (no train/val leak through repeated text).
+
+SFT formats (`--format alpaca|chat`, data/sft.py): each record becomes ids + a loss mask (the shard's .mask
+file), cut or dropped at `--seq-len` (`--overlong`); bad records are counted by reason into the manifest's
+`records` and printed as a table, and an input none of whose records is usable is refused, naming its first
+bad record. A text prepare's options, key and bytes are what they were before these formats existed.
 """
 
 from __future__ import annotations
@@ -30,9 +35,11 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain import __version__
-from hpctrain.data import cache, inputs
+from hpctrain.data import cache, inputs, sft
 from hpctrain.data.format import (
     MANIFEST,
+    MASKED_VERSION,
+    VERSION,
     Manifest,
     Shard,
     Split,
@@ -60,8 +67,32 @@ class Options:
     append_eos: bool = True
     prepend_bos: bool = False
     shard_bytes: int = 64 << 20
+    format: str = "text"  # "text", or an SFT format: "alpaca" | "chat" (data/sft.py)
+    messages_field: str = "messages"  # chat: the field of the message list
+    seq_len: int = 0  # SFT: the longest example kept (the run's [data] seq_len)
+    overlong: str = "truncate"  # SFT: "truncate" | "drop" an example longer than seq_len
+
+    @property
+    def sft(self) -> bool:
+        return self.format in sft.FORMATS
+
+    def key_dict(self) -> dict[str, Any]:
+        """What enters the key: a text prepare's options as they always were (its cache folders stay valid)."""
+        d = asdict(self)
+        if not self.sft:
+            for k in ("format", "messages_field", "seq_len", "overlong"):
+                del d[k]
+        return d
 
     def __post_init__(self) -> None:
+        if self.format not in ("text", *sft.FORMATS):
+            raise bad_value("--format", self.format, "not a data format", "pass --format text, alpaca or chat")
+        if self.sft and self.seq_len < 2:
+            raise bad_value("--seq-len", self.seq_len, f"--format {self.format} cuts or drops examples longer than "
+                            "the run's sequence length, so it must be known here", "pass --seq-len with the run's "
+                            "[data] seq_len (e.g. --seq-len 2048)")
+        if self.overlong not in sft.OVERLONG:
+            raise bad_value("--overlong", self.overlong, "not a choice", "pass --overlong truncate or drop")
         if not 0.0 <= self.val_fraction < 1.0:
             raise bad_value("--val-fraction", self.val_fraction, "must be at least 0 and below 1",
                             "pass e.g. --val-fraction 0.005")
@@ -92,19 +123,24 @@ class _Done:
     train: Shard
     val: Shard | None
     unit: dict[str, Any] = field(default_factory=dict)
+    tally: dict[str, Any] = field(default_factory=dict)  # SFT formats: data/sft.py's Tally of the unit
 
 
 # ------------------------------------------------------------------------------------------------- workers
 
 _ENCODER: Encoder | None = None
+_RENDERER: sft.Renderer | None = None
 _CONF: dict[str, Any] = {}
 
 
 def _init(info: TokenizerInfo, dtype: str, opts: Options, folder: str, threads: bool) -> None:
-    global _ENCODER
+    global _ENCODER, _RENDERER
     if not threads:  # one process per core: the tokenizer's own thread pool would only contend
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _ENCODER = Encoder(info, dtype, bos=opts.prepend_bos, eos=opts.append_eos)
+    if opts.sft:
+        _RENDERER = sft.Renderer(opts.format, _ENCODER.sft(opts.format == "chat"), opts.seq_len, opts.overlong,
+                                 opts.messages_field)
     _CONF.update(opts=opts, folder=folder, dtype=dtype)
 
 
@@ -130,6 +166,8 @@ def _work(job: _Job) -> _Done:
     """Tokenize one unit and write its shards (runs in a worker, or in-process with --workers 1)."""
     assert _ENCODER is not None
     opts: Options = _CONF["opts"]
+    if opts.sft:
+        return _work_sft(job)
     train: list[Any] = []
     val: list[Any] = []
     for batch in _batches(inputs.read_texts(job.inp, job.unit, opts.text_field), BATCH_DOCS):
@@ -139,6 +177,25 @@ def _work(job: _Job) -> _Done:
     tr = write_shard(folder, "train", job.number, train, dtype)
     va = write_shard(folder, "val", job.number, val, dtype) if val else None
     return _Done(job.number, tr, va, asdict(job.unit))
+
+
+def _work_sft(job: _Job) -> _Done:
+    """Render one unit's records (ids + mask), counting the bad ones, and write its shards with masks."""
+    assert _RENDERER is not None
+    opts: Options = _CONF["opts"]
+    tally = sft.Tally()
+    parts: dict[str, tuple[list[Any], list[Any]]] = {"train": ([], []), "val": ([], [])}
+    for where, rec, text in inputs.read_records(job.inp, job.unit):
+        got = sft.render_into(_RENDERER, rec, where, tally)
+        if got is not None:
+            ids, mask = parts["val" if is_val(text, opts.val_fraction) else "train"]
+            ids.append(got[0])
+            mask.append(got[1])
+    folder, dtype = _CONF["folder"], _CONF["dtype"]
+    tr = write_shard(folder, "train", job.number, parts["train"][0], dtype, masks=parts["train"][1])
+    va = write_shard(folder, "val", job.number, parts["val"][0], dtype, masks=parts["val"][1]) \
+        if parts["val"][0] else None
+    return _Done(job.number, tr, va, asdict(job.unit), tally.to_json())
 
 
 # ------------------------------------------------------------------------------------------------- folder
@@ -157,24 +214,26 @@ def _read_progress(folder: Path, key: str, itemsize: int) -> dict[int, _Done]:
                 return {}  # another prepare's progress: start over
             train = Shard(**rec["train"])
             val = Shard(**rec["val"]) if rec.get("val") else None
+            tally = dict(rec.get("tally") or {})
         except (ValueError, TypeError, KeyError):
             continue  # a line torn by the kill
         if all(_whole(folder, s, itemsize) for s in (train, val) if s):
-            done[int(rec["number"])] = _Done(int(rec["number"]), train, val, rec.get("unit", {}))
+            done[int(rec["number"])] = _Done(int(rec["number"]), train, val, rec.get("unit", {}), tally)
     return done
 
 
 def _whole(folder: Path, s: Shard, itemsize: int) -> bool:
     try:
         return ((folder / s.path).stat().st_size == s.tokens * itemsize
-                and (folder / s.index).stat().st_size == (s.documents + 1) * 8)
+                and (folder / s.index).stat().st_size == (s.documents + 1) * 8
+                and (not s.mask or (folder / s.mask).stat().st_size == s.tokens))
     except OSError:
         return False
 
 
 def _record(folder: Path, key: str, d: _Done) -> None:
     rec = {"key": key, "number": d.number, "unit": d.unit, "train": asdict(d.train),
-           "val": asdict(d.val) if d.val else None}
+           "val": asdict(d.val) if d.val else None, **({"tally": d.tally} if d.tally else {})}
     with open(folder / PROGRESS, "a", encoding="utf-8") as fh:
         fh.write(json.dumps(rec) + "\n")
         fh.flush()
@@ -228,13 +287,31 @@ def resolve(paths: list[str], tokenizer: str, opts: Options) -> Request:
     """Find and hash the inputs (memoized by size+mtime), describe the tokenizer, compute the key."""
     found = inputs.find_inputs(paths)
     info = describe(tokenizer)
+    if opts.sft:
+        _check_sft(found, info, opts)
     records = []
     for inp in found:
         ident = cache.identity(inp.path)
         records.append({"path": inp.path, "kind": inp.kind + (f".{inp.codec}" if inp.codec else ""),
                         "bytes": ident["bytes"], "mtime_ns": ident["mtime_ns"], "sha256": cache.content_hash(inp.path)})
-    key = cache.cache_key([r["sha256"] for r in records], info.hash, asdict(opts))
+    key = cache.cache_key([r["sha256"] for r in records], info.hash, opts.key_dict())
     return Request(found, info, records, opts, key)
+
+
+def _check_sft(found: list[inputs.Input], info: TokenizerInfo, opts: Options) -> None:
+    """Before any work: records to read, and for chat a tokenizer that can render conversations."""
+    from hpctrain.data.tokenizer import chat_tokenizer
+
+    text = [i.path for i in found if i.kind == "text"]
+    if text:
+        raise bad_value("INPUT", text[0], f"a text file, and --format {opts.format} reads records",
+                        "pass .jsonl, .parquet or .arrow files of records (docs/data.md)")
+    if opts.format == "chat":
+        try:
+            sft.check_chat_tokenizer(chat_tokenizer(info.path), info.path)
+        except sft.SftInputError as exc:
+            raise bad_value("--tokenizer", info.path, str(exc).split(": ", 1)[1].split(". Fix: ")[0],
+                            str(exc).split(". Fix: ")[1]) from None
 
 
 def default_workers() -> int:
@@ -297,7 +374,7 @@ def _prepare(req: Request, folder: Path, workers: int, progress: bool | None, ec
     done = _read_progress(folder, req.key, 2 if dtype == "uint16" else 4)
     if not done:
         (folder / PROGRESS).unlink(missing_ok=True)
-    _clean(folder, {p for d in done.values() for s in (d.train, d.val) if s for p in (s.path, s.index)})
+    _clean(folder, {p for d in done.values() for s in (d.train, d.val) if s for p in (s.path, s.index, s.mask) if p})
     todo = sorted((j for j in jobs if j.number not in done), key=lambda j: -j.unit.size)
     n = max(1, min(workers or default_workers(), len(todo) or 1))
     _log(folder, f"prepare {req.key}: {len(jobs)} shards, {len(done)} kept from an earlier run, {len(todo)} to "
@@ -321,6 +398,10 @@ def _prepare(req: Request, folder: Path, workers: int, progress: bool | None, ec
     _log(folder, f"done {req.key}: {manifest.tokens} train tokens, {manifest.val.tokens} val tokens in {seconds:.1f}s")
     echo(f"prepared {folder}: {manifest.documents:,} documents, {manifest.tokens:,} tokens "
          f"(+{manifest.val.tokens:,} validation) in {seconds:.1f}s")
+    if req.options.sft:
+        for line in sft.Tally.from_json(manifest.records).table(req.options.seq_len):
+            echo(line)
+            _log(folder, line)
     return Result(folder, manifest, reused=len(jobs) - len(todo), done=len(todo), seconds=seconds)
 
 
@@ -391,12 +472,31 @@ def _split(shards: list[Shard]) -> Split:
     return Split(tokens=sum(s.tokens for s in kept), documents=sum(s.documents for s in kept), shards=kept)
 
 
+def _tallies(req: Request, done: list[_Done]) -> tuple[sft.Tally, list[sft.Tally]]:
+    """The whole prepare's tally and each input's (units in input order); refuses an input of bad records only."""
+    total, per = sft.Tally(), [sft.Tally() for _ in req.records]
+    for d in done:
+        t = sft.Tally.from_json(d.tally)
+        per[int(d.unit["source"])].merge(t)
+        total.merge(t)
+    for rec, t in zip(req.records, per, strict=True):
+        if t.all_bad():
+            raise bad_value("INPUT", rec["path"], f"none of its {t.records:,} records can be trained on as "
+                            f"--format {req.options.format}; the first bad one: {t.earliest}",
+                            "fix the records (docs/data.md), or pass the --format / --messages-field / --seq-len "
+                            "they were written for")
+    return total, per
+
+
 def _manifest(req: Request, dtype: str, done: list[_Done]) -> Manifest:
     train, val = _split([d.train for d in done]), _split([d.val for d in done if d.val])
+    total, per = _tallies(req, done) if req.options.sft else (None, [])
     if not train.documents:
         raise bad_value("INPUT", " ".join(r["path"] for r in req.records), "no non-blank documents "
                         "(for the training split)", f"check --text-field {req.options.text_field!r} and the inputs")
     records = [dict(r, tokens=0, documents=0) for r in req.records]
+    for i, tally in enumerate(per):  # SFT formats: each input's records read and bad
+        records[i].update(records=tally.records, bad=tally.bad_total)
     for d in done:
         rec = records[int(d.unit["source"])]
         for s in (d.train, d.val):
@@ -406,4 +506,6 @@ def _manifest(req: Request, dtype: str, done: list[_Done]) -> Manifest:
     t = req.tokenizer
     return Manifest(vocab_size=t.vocab_size, dtype=dtype, train=train, val=val, tokenizer_hash=t.hash,
                     inputs=tuple(records), options=asdict(req.options), key=req.key, bos_id=t.bos_id,
-                    eos_id=t.eos_id, hpctrain_version=__version__, tokenizer=t.path)
+                    eos_id=t.eos_id, hpctrain_version=__version__, tokenizer=t.path,
+                    records=total.to_json() if total is not None else {},
+                    version=MASKED_VERSION if total is not None else VERSION)

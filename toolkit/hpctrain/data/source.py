@@ -10,25 +10,44 @@
   (A prepare job chained in front of the run with --dependency=afterok is not built: the refusal costs the
   user one command and never queues a run behind a prepare that might fail.)
 - Raw text on one node stays the node's in-RAM path.
+- SFT formats ([data] format = "alpaca" | "chat"): the cache is looked up, and the command named, with the
+  format's options (--format, --seq-len, --overlong, --messages-field); chat with the byte tokenizer is
+  refused here, before an allocation.
 """
 
 from __future__ import annotations
 
 import shlex
-from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from hpctrain.data import cache, inputs
 from hpctrain.data.format import PreparedFormatError, is_prepared, read_manifest
 from hpctrain.errors import HpcUsageError, bad_value
 
 
-def prepare_command(source: str, tokenizer: str, text_field: str) -> str:
+def prepare_command(source: str, tokenizer: str, text_field: str, data: Any = None) -> str:
     """The `hpctrain data prepare` command that writes the cache folder `submit` looks for."""
     cmd = ["hpctrain", "data", "prepare", source, "--tokenizer", tokenizer]
     if text_field != "text":
         cmd += ["--text-field", text_field]
+    opts = _options(text_field, data)
+    if opts.sft:
+        cmd += ["--format", opts.format, "--seq-len", str(opts.seq_len)]
+        cmd += ["--overlong", opts.overlong] if opts.overlong != "truncate" else []
+        cmd += ["--messages-field", opts.messages_field] if opts.messages_field != "messages" else []
     return " ".join(shlex.quote(c) for c in cmd)
+
+
+def _options(text_field: str, data: Any) -> Any:
+    """The prepare Options a run's [data] stands for: the defaults, or its SFT format's."""
+    from hpctrain.data.prepare import Options
+    from hpctrain.data.sft import FORMATS
+
+    if data is None or data.format not in FORMATS:
+        return Options(text_field=text_field)
+    return Options(text_field=text_field, format=data.format, messages_field=data.messages_field,
+                   seq_len=data.seq_len, overlong=data.overlong)
 
 
 def _check_vocab(source: str, model_vocab: int) -> None:
@@ -45,9 +64,8 @@ def _check_vocab(source: str, model_vocab: int) -> None:
                         f"{m.vocab_size} (--set model.overrides.vocab_size=... for a model built from a config)")
 
 
-def _cached(source: str, tokenizer: str, text_field: str) -> Path | None:
+def _cached(source: str, tokenizer: str, text_field: str, data: Any = None) -> Path | None:
     """The cache folder of `source` prepared with the default options, or None (reads no input file)."""
-    from hpctrain.data.prepare import Options
     from hpctrain.data.tokenizer import BYTE, folder_hash
 
     tok = Path(tokenizer)
@@ -58,22 +76,28 @@ def _cached(source: str, tokenizer: str, text_field: str) -> Path | None:
     except HpcUsageError:
         return None
     return cache.lookup([i.path for i in found], BYTE if tokenizer == BYTE else folder_hash(tok),
-                        asdict(Options(text_field=text_field)))
+                        _options(text_field, data).key_dict())
 
 
-def submit_source(source: str, tokenizer: str, text_field: str, model_vocab: int, nodes: int) -> tuple[str, str]:
-    """The source the run should read, and a note for the user ("" when unchanged); refuses as above."""
+def submit_source(source: str, tokenizer: str, text_field: str, model_vocab: int, nodes: int,
+                  data: Any = None) -> tuple[str, str]:
+    """The source the run should read, and a note for the user ("" when unchanged); refuses as above.
+    `data`: the spec's [data] (its format and SFT options), when the caller has it."""
     if source == "synthetic":
         return source, ""
+    if data is not None and data.format == "chat" and tokenizer in ("", "byte"):
+        raise bad_value("data.tokenizer", tokenizer, "format \"chat\" renders conversations with the tokenizer's "
+                        "chat_template, and the byte tokenizer has none", "set [data] tokenizer to a local "
+                        "tokenizer folder with a chat_template (the model's), or use format \"alpaca\"")
     if is_prepared(source):
         _check_vocab(source, model_vocab)
         return source, ""
-    found = _cached(source, tokenizer, text_field)
+    found = _cached(source, tokenizer, text_field, data)
     if found is not None:
         _check_vocab(str(found), model_vocab)
         return str(found), f"data.source: {source} is prepared in the data cache; the run reads {found}"
     if nodes > 1:
-        cmd = prepare_command(source, tokenizer, text_field)
+        cmd = prepare_command(source, tokenizer, text_field, data)
         raise bad_value("data.source", source,
                         f"raw text on a {nodes}-node run: every rank would read and tokenize the whole corpus",
                         f"prepare it once with `{cmd}` (add --submit to run it on a CPU node), then submit again: "

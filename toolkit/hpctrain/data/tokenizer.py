@@ -103,3 +103,24 @@ class Encoder:
         else:
             rows = [e.ids for e in self.tok.encode_batch_fast(texts, add_special_tokens=False)]
         return [np.asarray(self.head + r + self.tail, dtype=self.dtype) for r in rows]
+
+    def sft(self, chat: bool) -> Any:
+        """data/sft.py's Encoding of this tokenizer: one text at a time, bos/eos from the folder, and for
+        chat the transformers tokenizer (its chat_template; loaded only then, ~2 s)."""
+        from hpctrain.data.sft import Encoding
+
+        info = self.info
+        if self.tok is None:
+            return Encoding(lambda t: list(t.encode("utf-8")), info.bos_id, info.eos_id, None)
+        tok = self.tok
+        return Encoding(lambda t: list(tok.encode(t, add_special_tokens=False).ids), info.bos_id, info.eos_id,
+                        chat_tokenizer(info.path) if chat else None)
+
+
+def chat_tokenizer(path: str) -> Any:
+    """The folder as a transformers tokenizer (what renders a chat_template), or None for "byte"."""
+    if path == BYTE:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)

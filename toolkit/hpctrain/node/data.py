@@ -10,6 +10,12 @@ token budget, padded only to the longest row in the batch), "pack" (documents co
 rows; position_ids restart at each document so Hugging Face builds a block-diagonal causal mask, and the
 first token of each document is never predicted from the previous one). Right padding needs no attention
 mask: with causal attention real tokens never see the pads after them, and pads carry label -100.
+
+SFT formats ([data] format = "alpaca" | "chat", data/sft.py) carry their loss mask inside the documents: a
+token the loss does not cover (the prompt, the user's turns) is stored as -(id + 1). Every mode above decodes
+it when it builds a batch (input id = -x - 1, label -100), so the mask travels through padding, dynamic
+batching, packing and the epoch plan without a second array. `Batch.trained` counts the labels the loss
+really sees (label != -100 after the model's one-token shift): the metrics' trained tokens.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ class Batch:
     position_ids: torch.Tensor | None
     tokens: int  # real (non-pad) tokens
     slots: int  # rows * padded length
+    trained: int = 0  # tokens the loss covers: labels != -100 from the second position of each row on
 
     def model_inputs(self, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
         out = {"input_ids": self.input_ids, "labels": self.labels}
@@ -121,6 +128,78 @@ def tokenize_docs(texts: list[str], tok: Tokenizer, seq_len: int) -> list[np.nda
     return docs
 
 
+# ---------------------------------------------------------------------------------------------- SFT records
+SFT_FORMATS = ("alpaca", "chat")
+
+
+def sft_encoding(d: Any, tok: Tokenizer) -> Any:
+    """data/sft.py's view of the node's tokenizer; refuses chat without a chat_template (or with "byte")."""
+    from hpctrain.data import sft
+
+    hf = getattr(tok, "tok", None)  # HFTokenizer's transformers tokenizer; None for the byte tokenizer
+    if d.format == "chat":
+        try:
+            sft.check_chat_tokenizer(hf, d.tokenizer)
+        except sft.SftInputError as exc:
+            raise NodeInputError(str(exc)) from None
+    return sft.Encoding(tok.encode, tok.bos_id, tok.eos_id, hf)
+
+
+def _sft_files(source: str) -> list[tuple[str, Any]]:
+    """(name, records) per input: jsonl files (a file, or a folder's, sorted) or a save_to_disk folder's rows.
+    A record is (where, parsed record or sft.Bad)."""
+    from hpctrain.data import sft
+
+    path = Path(source)
+    if not path.exists():
+        raise NodeInputError(f"[data] source = {source!r}: no such file or folder. Point it at a .jsonl file of "
+                             "records, a folder of them, or a datasets.save_to_disk folder on the shared filesystem.")
+    if path.is_dir() and _is_saved_dataset(path):
+        import datasets
+
+        ds: Any = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+        return [(str(path), ((f"{path} row {i}", row) for i, row in enumerate(ds)))]
+    files = sorted(p for p in path.rglob("*") if p.suffix in (".jsonl", ".json")) if path.is_dir() else [path]
+    if not files:
+        raise NodeInputError(f"[data] source = {source!r}: holds no .jsonl files of records and is not a "
+                             "datasets.save_to_disk folder. Fix: point it at jsonl records (docs/data.md).")
+
+    def lines(f: Path) -> Iterator[tuple[str, Any]]:
+        with f.open("rb") as fh:
+            for n, line in enumerate(fh, 1):
+                if line.strip():
+                    try:
+                        yield f"{f}:{n}", sft.parse_line(line)
+                    except sft.Bad as bad:
+                        yield f"{f}:{n}", bad
+
+    return [(str(f), lines(f)) for f in files]
+
+
+def sft_docs(d: Any, tok: Tokenizer) -> tuple[list[np.ndarray], dict[str, Any]]:
+    """Every usable record of [data] source as one signed id array (the loss mask in the sign), and the
+    tally of the records read (data/sft.py): a file none of whose records is usable is refused."""
+    from hpctrain.data import sft
+
+    renderer = sft.Renderer(d.format, sft_encoding(d, tok), d.seq_len, d.overlong, d.messages_field)
+    total, docs = sft.Tally(), []
+    for name, records in _sft_files(d.source):
+        t = sft.Tally()
+        for where, rec in records:
+            got = sft.render_into(renderer, rec, where, t)
+            if got is not None:
+                docs.append(sft.signed(*got))
+        if t.all_bad():
+            raise NodeInputError(sft.all_bad_message(name, t))
+        total.merge(t)
+    if not docs:
+        raise NodeInputError(f"[data] source = {d.source!r}: no records found. Fix: point it at {d.format} "
+                             "records (docs/data.md).")
+    return docs, total.to_json()
+
+
 # ---------------------------------------------------------------------------------------------- batches
 class Corpus(Protocol):
     """Pieces by index: an in-RAM list of token arrays, or a memory-mapped prepared folder (node/prepared.py)."""
@@ -131,12 +210,15 @@ class Corpus(Protocol):
 
 
 class DataSource:
-    """Micro-batches by global index, for a document corpus or a synthetic stream."""
+    """Micro-batches by global index, for a document corpus or a synthetic stream. `masked`: the documents
+    carry an SFT loss mask as negative ids (module docstring); `report`: data/sft.py's Tally as JSON."""
 
     def __init__(self, docs: Corpus | None, *, mode: str, micro: int, seq_len: int, budget: int,
-                 seed: int, pad_id: int, vocab: int, lengths: np.ndarray | None = None) -> None:
+                 seed: int, pad_id: int, vocab: int, lengths: np.ndarray | None = None, masked: bool = False,
+                 report: dict[str, Any] | None = None) -> None:
         self.docs, self.mode, self.micro, self.seq_len = docs, mode, micro, seq_len
         self.budget, self.seed, self.pad_id, self.vocab = budget, seed, pad_id, vocab
+        self.masked, self.report = masked, report or {}
         if lengths is None and docs is not None:
             lengths = np.fromiter((len(docs[i]) for i in range(len(docs))), dtype=np.int64, count=len(docs))
         self.lengths = lengths
@@ -196,17 +278,24 @@ class DataSource:
         start = torch.randint(0, v, (self.micro, 1), generator=gen)
         stride = torch.randint(1, 4, (self.micro, 1), generator=gen)
         x = (start + stride * torch.arange(self.seq_len)) % v
-        return Batch(x, x.clone(), None, x.numel(), x.numel())
+        return Batch(x, x.clone(), None, x.numel(), x.numel(), self.micro * (self.seq_len - 1))
 
     def _padded(self, docs: list[np.ndarray], length: int | None) -> Batch:
         width = length or _round_up(max(len(d) for d in docs), 8)
         x = np.full((len(docs), width), self.pad_id, dtype=np.int64)
         y = np.full((len(docs), width), IGNORE, dtype=np.int64)
         for r, d in enumerate(docs):
-            x[r, :len(d)] = d
-            y[r, :len(d)] = d
+            ids, labels = self._split(d)
+            x[r, :len(d)] = ids
+            y[r, :len(d)] = labels
         real = sum(len(d) for d in docs)
-        return Batch(torch.from_numpy(x), torch.from_numpy(y), None, real, x.size)
+        return Batch(torch.from_numpy(x), torch.from_numpy(y), None, real, x.size, _trained(y))
+
+    def _split(self, doc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(input ids, labels) of one document: the same array twice, or decoded from the SFT sign."""
+        if not self.masked:
+            return doc, doc
+        return np.where(doc < 0, -doc - 1, doc), np.where(doc < 0, IGNORE, doc)
 
     def _packed(self, rows: list[list[np.ndarray]]) -> Batch:
         x = np.full((len(rows), self.seq_len), self.pad_id, dtype=np.int64)
@@ -217,14 +306,20 @@ class DataSource:
             at = 0
             for doc in row:
                 n = len(doc)
-                x[r, at:at + n] = doc
-                y[r, at + 1:at + n] = doc[1:]  # never predict a document's first token from the previous one
+                ids, labels = self._split(doc)
+                x[r, at:at + n] = ids
+                y[r, at + 1:at + n] = labels[1:]  # never predict a document's first token from the previous one
                 pos[r, at:at + n] = _ARANGE[:n] if n <= len(_ARANGE) else np.arange(n)
                 at += n
                 real += n
             # Pads continue counting so they form their own "document" and are not merged into the last one.
             pos[r, at:] = np.arange(self.seq_len - at)
-        return Batch(torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(pos), real, x.size)
+        return Batch(torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(pos), real, x.size, _trained(y))
+
+
+def _trained(y: np.ndarray) -> int:
+    # The model predicts labels[:, 1:] from the positions before them: the first label of a row never counts.
+    return int(np.count_nonzero(y[:, 1:] != IGNORE))
 
 
 _ARANGE = np.arange(1 << 16, dtype=np.int64)
@@ -250,14 +345,20 @@ def build_source(spec: Any, tok: Tokenizer, micro: int, vocab: int, force_padded
                           seed=spec.train.seed, pad_id=tok.pad_id, vocab=vocab)
     mode = batching_mode(d, force_padded)
     if prepared.is_prepared_source(d.source, d.format):
-        m = prepared.open_manifest(d.source, vocab)
+        m = prepared.open_manifest(d.source, vocab, d.seq_len)
+        _check_sft_folder(d, m)
         pieces = prepared.open_pieces(d.source, "train", m, d.seq_len)
         return DataSource(pieces, mode=mode, micro=micro, seq_len=d.seq_len, budget=budget, seed=spec.train.seed,
-                          pad_id=prepared.pad_id(m), vocab=vocab, lengths=pieces.lengths)
+                          pad_id=prepared.pad_id(m), vocab=vocab, lengths=pieces.lengths, masked=m.masked,
+                          report=m.records)
     if tok.vocab_size > vocab:
         raise NodeInputError(f"[data] tokenizer {d.tokenizer!r} has {tok.vocab_size} ids but the model's vocab_size "
                              f"is {vocab}; use a model with vocab_size >= {tok.vocab_size} (set [model] overrides).")
     prepared.check_raw_size(d.source, d.max_raw_bytes)
+    if d.format in SFT_FORMATS:
+        docs, report = sft_docs(d, tok)
+        return DataSource(docs, mode=mode, micro=micro, seq_len=d.seq_len, budget=budget, seed=spec.train.seed,
+                          pad_id=tok.pad_id, vocab=vocab, masked=True, report=report)
     texts = read_texts(d.source, d.format, d.text_field)
     docs = tokenize_docs(texts, tok, d.seq_len)
     return DataSource(docs, mode=mode, micro=micro, seq_len=d.seq_len, budget=budget, seed=spec.train.seed,
@@ -276,14 +377,24 @@ def build_eval_source(spec: Any, micro: int, vocab: int, force_padded: bool = Fa
                              f"prepared folder, and [data] source = {d.source!r} is not one. Fix: run "
                              f"`{prepared.PREPARE_HINT} --val-fraction 0.01` and set [data] source to the --out "
                              "folder, or set [train] eval_every = 0.")
-    m = prepared.open_manifest(d.source, vocab)
+    m = prepared.open_manifest(d.source, vocab, d.seq_len)
     if m.val.documents == 0:
         raise NodeInputError(f"[train] eval_every = {t.eval_every}: {d.source} has no validation split. Fix: "
                              f"prepare it again with --val-fraction (e.g. 0.01), or set [train] eval_every = 0.")
     pieces = prepared.open_pieces(d.source, "val", m, d.seq_len)
     budget = d.tokens_per_batch or micro * d.seq_len
     return DataSource(pieces, mode=batching_mode(d, force_padded), micro=micro, seq_len=d.seq_len, budget=budget,
-                      seed=t.seed, pad_id=prepared.pad_id(m), vocab=vocab, lengths=pieces.lengths)
+                      seed=t.seed, pad_id=prepared.pad_id(m), vocab=vocab, lengths=pieces.lengths, masked=m.masked)
+
+
+def _check_sft_folder(d: Any, m: Any) -> None:
+    """format = alpaca/chat on a prepared folder: it must hold that format's masks, or every token would train."""
+    made = str(m.options.get("format") or "text")
+    if d.format in SFT_FORMATS and (not m.masked or made != d.format):
+        raise NodeInputError(f"[data] format = {d.format!r}: {d.source} was prepared as {made!r}"
+                             f"{'' if m.masked else ', without loss masks'}. Fix: prepare it with `hpctrain data "
+                             f"prepare INPUT --format {d.format} --seq-len {d.seq_len} --tokenizer DIR --out DIR`, "
+                             "or set [data] format = \"prepared\" to train on it as it is.")
 
 
 def iter_epoch(src: DataSource) -> Iterator[Batch]:

@@ -102,6 +102,8 @@ class MetricsWriter:
 def step_line(r: dict[str, Any]) -> str:
     """The human-readable step line of the job log."""
     parts = [f"step {r['step']}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}", f"tok/s {r['tokens_per_s']:.0f}"]
+    if r.get("trained_tokens_per_s") is not None:  # the tokens the loss covers (SFT: the responses)
+        parts.append(f"trained tok/s {r['trained_tokens_per_s']:.0f}")
     if r.get("mfu") is not None:
         parts.append(f"mfu {100 * r['mfu']:.1f}%")
     parts.append(f"pad {100 * r['padding_frac']:.1f}%")

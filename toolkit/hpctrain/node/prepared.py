@@ -4,6 +4,11 @@ Every rank maps the shards and holds only the index arrays (int64 offsets per do
 below); the tokens of a batch are paged in when that batch is built, so start-up time and resident memory do
 not grow with the corpus (bench/loader_bench.py). Documents longer than seq_len are read as seq_len pieces,
 as the in-RAM path's tokenize_docs cuts them, through a (document, offset, length) index instead of copies.
+
+A folder of an SFT format (data/sft.py) carries a loss mask per shard (.mask, memory-mapped like the tokens):
+its pieces come out as signed ids, a token the loss does not cover as -(id + 1) (node/data.py decodes them).
+Its examples were cut at prepare's --seq-len, so a run with a shorter seq_len is refused rather than cutting
+responses away from their prompts.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ class LeanSplit:
         info: fmt.Split = getattr(manifest, split)
         self.shards = info.shards
         self._tokens: list[np.memmap[Any, Any] | None] = [None] * len(self.shards)
+        self._masks: list[np.memmap[Any, Any] | None] = [None] * len(self.shards)
+        self.masked = any(sh.mask for sh in self.shards)
         self._offsets: list[np.memmap[Any, Any]] = []
         self.lengths = np.zeros(info.documents if info.documents else 0, dtype=np.int32)
         at = 0
@@ -67,7 +74,15 @@ class LeanSplit:
             sh = self.shards[s]
             mm = self._tokens[s] = np.memmap(self.folder / sh.path, dtype=self.dtype, mode="r", shape=(sh.tokens,))
         o = self._offsets[s]
-        return mm[int(o[j]):int(o[j + 1])]
+        ids = mm[int(o[j]):int(o[j + 1])]
+        if not self.masked:
+            return ids
+        mk = self._masks[s]
+        if mk is None:
+            sh = self.shards[s]
+            mk = self._masks[s] = np.memmap(self.folder / sh.mask, dtype=np.uint8, mode="r", shape=(sh.tokens,))
+        ids = ids.astype(np.int64)
+        return np.where(mk[int(o[j]):int(o[j + 1])] != 0, ids, -ids - 1)
 
 
 class Pieces:
@@ -110,10 +125,12 @@ def is_prepared_source(source: str, data_format: str) -> bool:
                                  f"Fix: run `{PREPARE_HINT}` and point [data] source at its --out folder.")
         return True
     # "jsonl"/"text" name the raw inputs a folder was prepared from; its manifest.json is not a document.
-    return data_format in ("auto", "jsonl", "text") and Path(source).is_dir() and fmt.is_prepared(source)
+    # An SFT format names how the folder was prepared: the node checks it holds that format's masks.
+    return data_format in ("auto", "jsonl", "text", "alpaca", "chat") and Path(source).is_dir() \
+        and fmt.is_prepared(source)
 
 
-def open_manifest(source: str, model_vocab: int) -> fmt.Manifest:
+def open_manifest(source: str, model_vocab: int, seq_len: int = 0) -> fmt.Manifest:
     """The manifest, checked against the model: every id the corpus holds must have an embedding row."""
     try:
         m = fmt.read_manifest(source)
@@ -123,6 +140,12 @@ def open_manifest(source: str, model_vocab: int) -> fmt.Manifest:
         raise NodeInputError(f"[data] source = {source!r}: prepared with a tokenizer of {m.vocab_size} ids, but the "
                              f"model's vocab_size is {model_vocab}. Fix: use a model with vocab_size >= "
                              f"{m.vocab_size} (set [model] overrides) or prepare the data with the model's tokenizer.")
+    want = int(m.options.get("seq_len") or 0)
+    if m.masked and seq_len and want > seq_len:
+        raise NodeInputError(f"[data] seq_len = {seq_len}: {source} was prepared as {m.options.get('format')} "
+                             f"records of up to {want} tokens (--seq-len {want}), and cutting them again here would "
+                             f"train on responses without their prompts. Fix: set [data] seq_len = {want}, or "
+                             f"prepare again with --seq-len {seq_len}.")
     if m.train.documents == 0:
         raise NodeInputError(f"[data] source = {source!r}: the prepared train split holds no documents. "
                              f"Fix: run `{PREPARE_HINT}` on a non-empty input.")

@@ -33,6 +33,7 @@ STEP_TAGS: dict[str, str] = {
     "loss": "train/loss",
     "lr": "train/lr",
     "tokens_per_s": "train/tokens_per_s",
+    "trained_tokens_per_s": "train/trained_tokens_per_s",  # the tokens the loss covers (SFT: the responses)
     "tflops": "train/tflops_per_device",
     "mfu": "train/mfu",
     "padding_frac": "train/padding_frac",
