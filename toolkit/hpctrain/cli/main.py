@@ -167,7 +167,8 @@ def _data_source(spec: Spec, plan: Plan) -> Spec:
     d = spec.data
     from hpctrain.data.format import is_prepared
 
-    source, note = submit_source(d.source, d.tokenizer, d.text_field, int(plan.model.get("vocab") or 0), plan.nodes)
+    source, note = submit_source(d.source, d.tokenizer, d.text_field, int(plan.model.get("vocab") or 0), plan.nodes,
+                                 data=d)
     # A prepared folder is read as one whatever raw format the run file named for its inputs ("jsonl"):
     # the folder's manifest.json is not a document.
     fmt = "prepared" if source != "synthetic" and d.format not in ("prepared", "synthetic") and is_prepared(source) \

@@ -229,6 +229,7 @@ def run_training(p: Prepared, stop: StopFlag) -> tuple[Any, LoopState]:
 
     # Per-rank beats for the hang watchdog (hpctrain.fault.supervisor): they name the rank that stops advancing.
     hang_s = float(getattr(p.spec.launch, "hang_timeout_s", 300) or 300)
+    trained: float = 0.0  # tokens the loss covered (label != -100): the responses of SFT data
     from hpctrain.node.gpustats import GpuStats
 
     gpu = GpuStats(p.d.local_rank) if p.use_gpu else None  # utilization, memory, temperature in the beats
@@ -356,9 +357,23 @@ def _step(p: Prepared, engine: Any, st: LoopState, role: RankRole, checkpointer:
     """One optimizer step and the step's one all_reduce (loss, tokens, slots, the checkpointer's votes,
     read after the compute so that a signal during it counts at this boundary). Advances `st`."""
     import torch
+        _report_data(p, metrics)
     import torch.distributed as tdist
 
     from hpctrain.node.faultinject import inject
+
+def _report_data(p: Prepared, metrics: MetricsWriter) -> None:
+    """Rank 0: the SFT records' tally (read, trained on, bad by reason) into its log and a `data` event, which
+    `hpctrain summary` shows; every rank read the same file, so one report stands for all."""
+    report = getattr(p.source, "report", None)
+    if not report:
+        return
+    from hpctrain.data.sft import Tally
+
+    for line in Tally.from_json(report).table(p.spec.data.seq_len):
+        log.info("data: %s", line)
+    metrics.event({"event": "data", "format": p.spec.data.format, "source": p.spec.data.source, **report})
+
 
     batches = [p.source.batch(st.cursor + m * p.dp + role.dp_rank) for m in range(p.gas)]
     beat.set(st.step + 1, "compute")
@@ -367,14 +382,15 @@ def _step(p: Prepared, engine: Any, st: LoopState, role: RankRole, checkpointer:
     beat.set(st.step + 1, "reduce")
     tokens = sum(b.tokens for b in batches) if role.first_stage else 0
     slots = sum(b.slots for b in batches) if role.first_stage else 0
-    red = torch.tensor([loss_sum, float(tokens), float(slots), *checkpointer.votes()], dtype=torch.float64,
-                       device=comm_device())
+    trained = sum(b.trained for b in batches) if role.first_stage else 0
+    red = torch.tensor([loss_sum, float(tokens), float(slots), float(trained), *checkpointer.votes()],
+                       dtype=torch.float64, device=comm_device())
     tdist.all_reduce(red)
     vals: list[float] = red.tolist()  # the one device sync of the step
     st.step += 1
     st.tokens_seen += vals[1]
     loss = vals[0] / (p.gas * p.d.world_size) if not role.pipe else loss_sum
-    return StepOut(loss, vals[1], vals[2], vals[3:])
+    return StepOut(loss, vals[1], vals[2], vals[4:], trained=vals[3])
 
 
 def _train_step(engine: Any, batches: list[Any], pipe: bool) -> float:
@@ -414,6 +430,7 @@ def _record(p: Prepared, st: LoopState, out: StepOut, lr: float, dt: float, fpt:
     if p.spec.train.precision == "fp16":
         opt = engine.optimizer
         rec["loss_scale"] = float(getattr(opt, "cur_scale", getattr(opt, "loss_scale", 0.0)))
+        "trained_tokens": int(out.trained), "trained_tokens_per_s": out.trained / dt if dt > 0 else 0.0,
     return rec
 
 
