@@ -220,6 +220,7 @@ class StepOut:
     tokens: float
     slots: float
     votes: list[float]  # the checkpointer's, summed over ranks
+    trained: float = 0.0  # tokens the loss covered (label != -100): the responses of SFT data
 
 
 def run_training(p: Prepared, stop: StopFlag) -> tuple[Any, LoopState]:
@@ -229,7 +230,6 @@ def run_training(p: Prepared, stop: StopFlag) -> tuple[Any, LoopState]:
 
     # Per-rank beats for the hang watchdog (hpctrain.fault.supervisor): they name the rank that stops advancing.
     hang_s = float(getattr(p.spec.launch, "hang_timeout_s", 300) or 300)
-    trained: float = 0.0  # tokens the loss covered (label != -100): the responses of SFT data
     from hpctrain.node.gpustats import GpuStats
 
     gpu = GpuStats(p.d.local_rank) if p.use_gpu else None  # utilization, memory, temperature in the beats
@@ -348,19 +348,10 @@ def _announce(p: Prepared, metrics: MetricsWriter, n_params: int, step0: int) ->
         metrics.event({"event": "start", "step": step0, "world_size": p.d.world_size, "dp": p.dp, "zero": p.zero,
                        "params": n_params, "resumed_from": p.resume.tag if p.resume else None,
                        "startup": phases.report()})
+        _report_data(p, metrics)
     log.info("training %d params, world %d (dp %d pp %d), ZeRO %d, %s, micro %d x gas %d, steps %d -> %d",
              n_params, p.d.world_size, p.dp, p.spec.parallel.pp, p.zero, t.precision, p.micro, p.gas, step0, t.steps)
 
-
-def _step(p: Prepared, engine: Any, st: LoopState, role: RankRole, checkpointer: Checkpointer,
-          beat: Any) -> StepOut:
-    """One optimizer step and the step's one all_reduce (loss, tokens, slots, the checkpointer's votes,
-    read after the compute so that a signal during it counts at this boundary). Advances `st`."""
-    import torch
-        _report_data(p, metrics)
-    import torch.distributed as tdist
-
-    from hpctrain.node.faultinject import inject
 
 def _report_data(p: Prepared, metrics: MetricsWriter) -> None:
     """Rank 0: the SFT records' tally (read, trained on, bad by reason) into its log and a `data` event, which
@@ -374,6 +365,15 @@ def _report_data(p: Prepared, metrics: MetricsWriter) -> None:
         log.info("data: %s", line)
     metrics.event({"event": "data", "format": p.spec.data.format, "source": p.spec.data.source, **report})
 
+
+def _step(p: Prepared, engine: Any, st: LoopState, role: RankRole, checkpointer: Checkpointer,
+          beat: Any) -> StepOut:
+    """One optimizer step and the step's one all_reduce (loss, tokens, slots, the checkpointer's votes,
+    read after the compute so that a signal during it counts at this boundary). Advances `st`."""
+    import torch
+    import torch.distributed as tdist
+
+    from hpctrain.node.faultinject import inject
 
     batches = [p.source.batch(st.cursor + m * p.dp + role.dp_rank) for m in range(p.gas)]
     beat.set(st.step + 1, "compute")
@@ -421,6 +421,7 @@ def _record(p: Prepared, st: LoopState, out: StepOut, lr: float, dt: float, fpt:
     peak = p.spec.train.peak_tflops
     rec: dict[str, Any] = {
         "step": st.step, "loss": loss, "lr": lr, "tokens": int(tokens), "tokens_per_s": tps,
+        "trained_tokens": int(out.trained), "trained_tokens_per_s": out.trained / dt if dt > 0 else 0.0,
         "tflops": tflops, "mfu": (tflops / peak) if peak > 0 else None,
         "gpu_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if p.use_gpu else 0.0,
         "gpu_reserved_gb": torch.cuda.max_memory_reserved() / 1e9 if p.use_gpu else 0.0,
@@ -430,7 +431,6 @@ def _record(p: Prepared, st: LoopState, out: StepOut, lr: float, dt: float, fpt:
     if p.spec.train.precision == "fp16":
         opt = engine.optimizer
         rec["loss_scale"] = float(getattr(opt, "cur_scale", getattr(opt, "loss_scale", 0.0)))
-        "trained_tokens": int(out.trained), "trained_tokens_per_s": out.trained / dt if dt > 0 else 0.0,
     return rec
 
 
