@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hpctrain.fault import health as judge_mod
@@ -20,8 +20,12 @@ from hpctrain.node import health
 from hpctrain.runs import events as ev
 from hpctrain.states import FailureClass
 
+# No per-example deadline: on a busy 2-core machine any example can take longer than hypothesis' 200 ms.
+SLACK = settings(deadline=None)
+
 
 # -- the ring schedule ----------------------------------------------------------------------------------
+@SLACK
 @given(st.integers(min_value=2, max_value=300))
 def test_every_ring_edge_is_measured_once_in_rounds_of_disjoint_pairs(n: int) -> None:
     rounds = health.ring_rounds(n)
@@ -60,6 +64,7 @@ def test_a_node_with_a_slow_link_is_the_one_blamed_not_its_neighbours() -> None:
     assert v.figures["node1"]["pairs_gbps"] == {"node4": 1.0, "node2": 0.01}
 
 
+@SLACK
 @given(st.integers(min_value=3, max_value=40), st.data())
 def test_a_single_slow_node_is_found_in_any_ring(n: int, data: st.DataObject) -> None:
     bad = data.draw(st.integers(min_value=0, max_value=n - 1))
@@ -146,10 +151,12 @@ def test_the_injected_slow_matmul_is_measured_as_slow() -> None:
         health.injected("matmul:node3=0.25")
     # Alternating windows, best of each: a busy machine (a CPU hog, other tests' ranks) slows any one
     # window, and the injected factor scales whatever rate its own window had.
+    # Rates per CPU-second of the measuring thread: the injection burns 3 extra products per counted one (no
+    # sleep), so the slow node is slow per CPU-second too, however little of the CPU the scheduler gives it.
     fast, slow = [], []
-    for _ in range(5):
-        fast.append(health.cpu_matmul_gflops(0.15, n=128))
-        slow.append(health.cpu_matmul_gflops(0.15, factor=0.25, n=128))
+    for _ in range(3):
+        fast.append(health.cpu_matmul_gflops(0.05, n=128))
+        slow.append(health.cpu_matmul_gflops(0.05, factor=0.25, n=128))
     assert max(slow) < 0.5 * max(fast), (fast, slow)
 
 
@@ -176,6 +183,7 @@ class Steps:
 
     def __init__(self, reports: dict[str, dict[str, Any] | None], scripts: list[str]) -> None:
         self.reports, self.scripts, self.argv, self.envs = reports, scripts, [], []
+        self.again: dict[str, dict[str, Any] | None] = {}  # the second round's reports (HPCTRAIN_HEALTH_ROUND=2)
 
     def start(self, argv: list[str], env: dict[str, str] | None = None) -> Any:
         import subprocess
@@ -185,7 +193,8 @@ class Steps:
         self.envs.append(env)
         if env.get("HPCTRAIN_NODE_MODE") == "health":
             out = Path(env["HPCTRAIN_HEALTH_DIR"])
-            for h, rec in self.reports.items():
+            second = env.get("HPCTRAIN_HEALTH_ROUND") == "2"
+            for h, rec in (self.again if second else self.reports).items():
                 if rec is not None:
                     (out / f"{h}.json").write_text(json.dumps(rec))
             return subprocess.Popen([sys.executable, "-c", "pass"])
@@ -332,3 +341,206 @@ def test_the_local_executor_refuses_spares_and_the_health_check(tmp_path: Path, 
     spec = resolve(Path(__file__).resolve().parents[1] / "examples" / "tiny.toml", flags)
     with pytest.raises(HpcUsageError, match=key.replace(".", r"\.")):
         dispatch._submit_local([tmp_path / "run"], spec, make_plan(spec), "train")
+
+
+# -- noise, clocks and a second measurement (the judge is pure: recorded reports) ---------------------------
+def _cpu_windows(rank: int, samples: list[float], pairs: dict[int, float] | None = None) -> dict[str, Any]:
+    rec = _cpu(rank, max(samples), pairs or {})
+    rec["cpu"].update(samples=samples, spread=health.spread(samples), per="cpu_s")
+    return rec
+
+
+def _cpus(*nodes: list[float]) -> dict[str, dict[str, Any] | None]:
+    return {f"node{i + 1}": _cpu_windows(i, s) for i, s in enumerate(nodes)}
+
+
+def test_one_noisy_window_set_on_a_healthy_node_does_not_condemn_it() -> None:
+    """CI's failure: the batch host's CPU read 40.5 against the nodes' median 64.8 in one sample. Measured in
+    windows, the node's best reaches its rate; and a node that is noisy throughout is judged with its noise."""
+    steady = [60.0, 62.0, 64.8, 63.0, 61.0, 64.0]
+    burst = [40.5, 41.0, 39.0, 63.5, 62.0, 64.1]  # a burst of load hit the windows before the network test
+    assert judge_mod.judge(_cpus(burst, steady, steady, steady)).failed == {}
+    noisy = [30.0, 35.0, 47.0, 32.0, 33.0, 31.0]  # best 0.73 x the median, its typical window 0.3 below its best
+    v = judge_mod.judge(_cpus(noisy, steady, steady), retest=True)
+    assert v.failed == {} and v.retest == {} and v.figures["node1"]["cpu_noise"] > 0.2
+
+
+def test_a_borderline_node_is_measured_again_and_passes_or_is_condemned_only_when_slow_again() -> None:
+    steady = [63.0, 64.0, 64.8, 64.5, 64.2, 63.9]
+    first = _cpus([40.5, 40.0, 40.2, 39.9, 40.4, 40.1], steady, steady, steady)  # tight, 0.625 x the median
+    v = judge_mod.judge(first, retest=True)
+    assert v.failed == {} and list(v.retest) == ["node1"] and "40.5 GFLOPS < 0.8 x the nodes' median" in v.retest["node1"]
+    assert list(judge_mod.judge(first).failed) == ["node1"]  # no second chance: the final judgement
+    fine = {"node1": _cpu_windows(0, [63.0, 64.1, 62.5, 63.3])}
+    merged = judge_mod.merge_remeasured(first, fine, v.retest)
+    assert merged["node1"]["cpu"]["samples"][-4:] == [63.0, 64.1, 62.5, 63.3]
+    assert first["node1"]["cpu"]["samples"] == [40.5, 40.0, 40.2, 39.9, 40.4, 40.1]  # type: ignore[index]
+    after = judge_mod.judge(merged, retest=True)
+    assert after.failed == {} and after.retest == {} and after.figures["node1"]["remeasured"]["windows"] == 4
+    assert any("borderline at first" in n and "passed" in n for n in after.notes)
+    slow = judge_mod.merge_remeasured(first, {"node1": _cpu_windows(0, [41.0, 40.0, 39.5, 40.8])}, v.retest)
+    again = judge_mod.judge(slow, retest=True)
+    assert "slow again when measured again" in again.failed["node1"] and again.retest == {}
+    lost = judge_mod.merge_remeasured(first, {"node1": None}, v.retest)
+    assert "second measurement failed: no report" in judge_mod.judge(lost, retest=True).failed["node1"]
+
+
+def test_a_truly_slow_node_is_condemned_at_once_also_on_the_batch_host() -> None:
+    steady = [63.0, 64.0, 64.8, 64.5, 64.2, 63.9]
+    quarter = [16.0, 15.8, 16.1, 15.9, 16.2, 16.0]  # matmul:host=node1,f=0.25
+    for host_load in (0.0, 0.3, 1.0):  # however busy the driver made the batch host, a quarter is slow
+        v = judge_mod.judge(_cpus(quarter, steady, steady), retest=True, batch_host="node1", batch_load=host_load)
+        assert list(v.failed) == ["node1"] and v.retest == {} and "CPU matmul 16.2 GFLOPS" in v.failed["node1"]
+    noisy_quarter = [16.0, 5.0, 4.0, 6.0, 3.0, 4.5]  # however noisy its own windows
+    assert list(judge_mod.judge(_cpus(noisy_quarter, steady, steady), retest=True).failed) == ["node1"]
+
+
+def test_the_drivers_load_on_the_batch_host_widens_only_that_hosts_margin() -> None:
+    steady = [63.0, 64.0, 64.8, 64.5, 64.2, 63.9]
+    shy = [50.0, 49.8, 50.1, 49.9, 50.0, 50.2]  # 0.77 x the median, tight: borderline
+    assert list(judge_mod.judge(_cpus(shy, steady, steady), retest=True).retest) == ["node1"]
+    # 0.8 x the median already allows 20% of noise: a driver that took 30% of the batch host's CPUs lowers that
+    # host's line to 0.7 x; on any other host, the same load changes nothing
+    v = judge_mod.judge(_cpus(shy, steady, steady), retest=True, batch_host="node1", batch_load=0.3)
+    assert v.failed == {} and v.retest == {} and v.figures["node1"]["cpu_noise"] == pytest.approx(0.31, abs=0.01)
+    other = judge_mod.judge(_cpus(shy, steady, steady), retest=True, batch_host="node2", batch_load=0.3)
+    assert list(other.retest) == ["node1"]
+    assert judge_mod.judge(_cpus(shy, steady, steady), retest=True, batch_host="node1", batch_load=0.05).retest
+
+
+@SLACK
+@given(st.integers(min_value=2, max_value=7), st.data())
+def test_healthy_nodes_that_reach_their_rate_once_pass_and_a_slow_one_fails_whatever_the_noise(
+        n: int, data: st.DataObject) -> None:
+    rate = data.draw(st.floats(min_value=1.0, max_value=1e4))
+    windows = st.lists(st.floats(min_value=0.2, max_value=1.0), min_size=2, max_size=8)
+    healthy = [[rate * u for u in data.draw(windows)] + [rate * data.draw(st.floats(0.95, 1.0))] for _ in range(n)]
+    f = data.draw(st.floats(min_value=0.01, max_value=0.25))
+    slow = [rate * f * u for u in data.draw(windows)] + [rate * f]
+    where = data.draw(st.integers(min_value=0, max_value=n))
+    nodes = healthy[:where] + [slow] + healthy[where:]
+    load = data.draw(st.floats(min_value=0.0, max_value=1.0))
+    v = judge_mod.judge(_cpus(*nodes), retest=data.draw(st.booleans()), batch_host=data.draw(
+        st.sampled_from([f"node{i + 1}" for i in range(n + 1)])), batch_load=load)
+    assert list(v.failed) == [f"node{where + 1}"] and v.retest == {}, v
+
+
+def _h200(rate: float | list[float], mhz: int | list[int] = 1980, events: int = 0x0, limit_w: float = 700.0,
+          **kw: Any) -> dict[str, Any]:
+    rates = rate if isinstance(rate, list) else [rate]
+    clocks = mhz if isinstance(mhz, list) else [mhz] * len(rates)
+    rec = _gpu(0, max(rates), {"sm_max_mhz": 1980, "power_limit_w": limit_w, "power_default_w": 700.0, **kw})
+    rec["gpus"][0].update(samples=rates, sm_mhz=clocks, clock_events=[events] * len(rates))
+    return rec
+
+
+def test_a_gpu_held_back_by_a_power_cap_is_judged_at_its_allowed_clock_and_noted_not_condemned() -> None:
+    capped = _h200([548.0, 560.0, 555.0], mhz=1400, events=0x4 | 0x1, limit_w=450.0)  # 0.71 x 788 at 0.71 x the clock
+    v = judge_mod.judge({"a": capped, "b": _h200(780.0)}, retest=True)
+    assert v.failed == {} and v.retest == {}
+    (note,) = v.notes
+    assert "1400 of 1980 MHz it was allowed (557)" in note and "software power cap" in note
+    assert "power limit 450 of 700 W" in note
+    apps = _h200(560.0, mhz=1400, events=0x2)  # application clocks a site set, at the default power limit
+    assert judge_mod.judge({"a": apps}).failed == {}
+    assert judge_mod.allowed_clock(apps["gpus"][0], 0) == (1400 / 1980, "application clocks")
+    # CI's H200: 665 TFLOPS (0.84 of 788) under the software power cap at 1755 MHz: well inside the line now
+    assert judge_mod.judge({"a": _h200([640.0, 665.0, 652.0], mhz=1755, events=0x4)}).failed == {}
+
+
+def test_a_gpu_slow_at_full_clock_is_still_condemned() -> None:
+    full = _h200([560.0, 558.0, 561.0], mhz=1980, events=0x4)  # the cap's bit, but the clock was not held
+    v = judge_mod.judge({"a": full}, retest=True)
+    assert list(v.retest) == ["a"] and "561 TFLOPS < 0.8 x its kind's measured rate 788" in v.retest["a"]
+    assert "GPU 0 (NVIDIA H200): bf16 matmul 561" in judge_mod.judge({"a": full}).failed["a"]
+    uncapped = _h200(560.0, mhz=1400)  # a low clock no site asked for: not excused
+    assert "a" in judge_mod.judge({"a": uncapped}).failed
+    broken = _h200([300.0, 310.0, 305.0], mhz=1980)
+    assert "310 TFLOPS" in judge_mod.judge({"a": broken}, retest=True).failed["a"]  # clearly slow: at once
+
+
+def test_a_gpu_is_judged_in_its_best_window_at_that_windows_clock() -> None:
+    g = _h200([700.0, 560.0], mhz=[1980, 1400], events=0x4)
+    assert judge_mod.judge({"a": g}).failed == {}
+    g2 = _h200([500.0, 480.0], mhz=[1980, 1980])
+    merged = judge_mod.merge_remeasured({"a": g2}, {"a": _h200([770.0, 775.0])}, {"a": "borderline"})
+    got = merged["a"]["gpus"][0]
+    assert got["samples"] == [500.0, 480.0, 770.0, 775.0] and got["sm_mhz"] == [1980] * 4 and got["tflops"] == 775.0
+    assert judge_mod.judge(merged).failed == {}
+
+
+@SLACK
+@given(st.floats(min_value=0.3, max_value=1.0), st.floats(min_value=0.85, max_value=1.0),
+       st.sampled_from([0x4, 0x2, 0x4 | 0x1]))
+def test_any_clock_the_site_allowed_is_judged_against_that_clock(frac: float, u: float, events: int) -> None:
+    mhz = max(1, int(1980 * frac))
+    g = _h200(788.0 * mhz / 1980 * u, mhz=mhz, events=events)
+    assert judge_mod.judge({"a": g}, retest=True).failed == {}
+
+
+@SLACK
+@given(st.floats(min_value=1.0, max_value=0.55 * 788), st.sampled_from([0x0, 0x4, 0x2]))
+def test_any_gpu_far_below_its_rate_at_full_clock_fails_at_once(rate: float, events: int) -> None:
+    v = judge_mod.judge({"a": _h200(rate, mhz=1980, events=events)}, retest=True)
+    assert list(v.failed) == ["a"] and v.retest == {}
+
+
+@SLACK
+@given(st.lists(st.floats(min_value=0.0, max_value=1e6), min_size=0, max_size=12))
+def test_the_node_reports_the_spread_the_judge_computes(samples: list[float]) -> None:
+    assert health.spread(samples) == pytest.approx(judge_mod.spread(samples), abs=1e-4)
+
+
+def test_nvml_gives_the_sm_clock_its_maximum_and_the_power_limits_in_watts(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetHandleByIndex=lambda i: i,
+        NVML_CLOCK_SM=1, nvmlDeviceGetClockInfo=lambda h, c: 1755 if c == 1 else 0,
+        nvmlDeviceGetMaxClockInfo=lambda h, c: 1980 if c == 1 else 0,
+        nvmlDeviceGetEnforcedPowerLimit=lambda h: 600_000, nvmlDeviceGetPowerManagementDefaultLimit=lambda h: 700_000,
+        nvmlDeviceGetCurrentClocksThrottleReasons=lambda h: 0x4)  # an older nvidia-ml-py's name
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    assert health.nvml_report([0])[0] == {"sm_mhz": 1755, "sm_max_mhz": 1980, "power_limit_w": 600.0,
+                                          "power_default_w": 700.0, "clock_events_mask": 0x4}
+
+
+def test_the_cpu_is_measured_in_windows_per_cpu_second_and_per_wall_second() -> None:
+    rep = health.local_report(False, "nodeX", windows=3)
+    cpu = rep["cpu"]
+    assert rep["device"] == "cpu" and len(cpu["samples"]) == 3 and len(cpu["wall_samples"]) == 3
+    assert cpu["gflops"] == max(cpu["samples"]) and cpu["per"] == "cpu_s" and cpu["spread"] >= 0
+    # a CPU-second is at most a wall second: the rate per CPU-second is at least the rate per wall second
+    assert all(c >= 0.95 * w for c, w in zip(cpu["samples"], cpu["wall_samples"]))
+
+
+def test_the_driver_measures_a_borderline_node_again_and_keeps_it_when_it_reaches_its_rate(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CI's case, end to end in the driver: the batch host reads 0.625 x the median in the first round; it is
+    measured again in a second step of its own (node1 only, HPCTRAIN_HEALTH_ROUND=2), reaches the median's rate
+    and trains; node2, slow on the network, is still replaced by the spare."""
+    steady = [63.0, 64.0, 64.8, 64.5, 64.2, 63.9]
+    reports: dict[str, dict[str, Any] | None] = _ring(3, {1})  # type: ignore[assignment]
+    for i, (h, s) in enumerate(zip(reports, ([40.5, 40.0, 40.2, 39.9, 40.4, 40.1], steady, steady))):
+        reports[h]["cpu"].update(gflops=max(s), samples=s)  # type: ignore[index]
+    d, steps = _driver(tmp_path, monkeypatch, reports, ["node1", "node2", "node3"], nodes=2)
+    steps.again = {"node1": _cpu_windows(0, [62.9, 64.1, 63.5, 63.0])}
+    assert d.run() == 0 and len(steps.argv) == 3  # the check, the second measurement, the training
+    again_argv, again_env = steps.argv[1], steps.envs[1]
+    assert "--nodelist=node1" in again_argv and "--ntasks=1" in again_argv
+    assert again_env["HPCTRAIN_HEALTH_ROUND"] == "2" and again_env["HPCTRAIN_HEALTH_DIR"].endswith("/again")
+    assert "--nodelist=node1,node3" in steps.argv[2] and "HPCTRAIN_HEALTH_ROUND" not in steps.envs[2]
+    (e,) = ev.read_events(d.run_dir, kind=ev.HEALTH)
+    assert list(e.extra["failed"]) == ["node2"] and e.extra["train_hosts"] == ["node1", "node3"]
+    assert e.extra["remeasured"] == ["node1"] and e.extra["figures"]["node1"]["remeasured"]["windows"] == 4
+    assert any(n.startswith("node1: borderline at first") and "passed" in n for n in e.extra["notes"])
+    assert e.extra["driver"]["host"] == "node1" and e.extra["driver"]["cpu_s"] >= 0
+
+
+def test_the_driver_condemns_a_borderline_node_that_is_slow_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    slowish = [40.5, 40.0, 40.2, 39.9, 40.4, 40.1]
+    reports = {h: _cpu_windows(i, s) for i, (h, s) in enumerate(
+        zip(["node1", "node2", "node3"], (slowish, [63.0, 64.8, 64.0], [64.1, 63.9, 64.2])))}
+    d, steps = _driver(tmp_path, monkeypatch, reports, ["node1", "node2", "node3"], nodes=2)  # type: ignore[arg-type]
+    steps.again = {"node1": _cpu_windows(0, [40.9, 40.1, 39.8, 40.6])}
+    assert d.run() == 0 and "--nodelist=node2,node3" in steps.argv[2]
+    (e,) = ev.read_events(d.run_dir, kind=ev.HEALTH)
+    assert "slow again when measured again" in e.extra["failed"]["node1"] and e.extra["replaced"] == {"node1": "node3"}
