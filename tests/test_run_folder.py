@@ -59,6 +59,9 @@ def _submit_dry_run(name: str, tmp: Path, monkeypatch: pytest.MonkeyPatch) -> Pa
         args += ["--set", "data.tokenizer=byte"]
     if "/shared/data/sft.jsonl" in text:
         args += ["--set", f"data.source={local['sft']}"]
+    if "/shared/data/chat.jsonl" in text:  # chat records need a chat_template (the SFT tests have one); the
+        # DeepSpeed config does not depend on the data's format, so plain documents stand in here
+        args += ["--set", f"data.source={local['sft']}", "--set", "data.format=jsonl"]
     if "/shared/data/pretrain-prepared" in text:  # a multi-node run reads prepared data (docs/data.md)
         from hpctrain.data.prepare import prepare
 

@@ -147,13 +147,13 @@ def flags_from_options(opts: dict[str, Any]) -> dict[str, Any]:
 def _resolve(runfile: str | None, opts: dict[str, Any], point: dict[str, Any] | None = None,
              check: bool = True) -> tuple[Spec, Plan]:
     from hpctrain.plan.planner import make_plan
-    from hpctrain.spec.model import resolve
+    from hpctrain.spec.model import resolve_with_defaults
     from hpctrain.spec.rules import secret_names
 
     flags = {**flags_from_options(opts), **(point or {})}
-    spec = resolve(runfile, flags, opts.get("site"), check=check)
+    spec, applied = resolve_with_defaults(runfile, flags, opts.get("site"), check=check)
     _SECRET_NAMES.update(secret_names(spec))
-    plan = make_plan(spec)
+    plan = make_plan(spec, applied)
     return (_data_source(spec, plan) if check else spec), plan
 
 
@@ -196,6 +196,15 @@ def plan_cmd(runfile: str | None, as_json: bool, **opts: Any) -> None:
         click.echo(plan.to_json(), nl=False)
         return
     print_plan(spec, plan)
+
+
+def print_defaults(spec: Spec, plan: Plan) -> None:
+    """On stderr (stdout may be the batch script): each fine-tuning default chosen for the user, with its reason,
+    and the fine-tuning warnings: the plan's own lines (hpctrain.plan.planner.default_reasons)."""
+    from hpctrain.plan.planner import fine_tuning_lines
+
+    for line in fine_tuning_lines(spec, plan):
+        click.echo(f"hpctrain: {line}", err=True)
 
 
 def print_plan(spec: Spec, plan: Plan) -> None:
@@ -350,6 +359,8 @@ def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry
     points = [_resolve(runfile, opts, p) for p in grid]
     _check_sweep_binds(points)
     spec, plan = points[0]
+    if not as_json:  # --json carries them in each plan's "defaults" and "reasons"
+        print_defaults(spec, plan)
     mode = "preflight" if preflight else "train"
     from hpctrain.cli import options
 

@@ -10,10 +10,11 @@ Its purpose is to refuse hopeless plans and to pick the fastest setting that fit
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,8 @@ from hpctrain.plan.memory import (
     parse_mem_gb,
 )
 from hpctrain.plan.timemodel import H200, StepTime, predict
+from hpctrain.spec import finetune
+from hpctrain.spec.finetune import Default
 from hpctrain.spec.model import Model, Spec, user_script
 from hpctrain.spec.presets import PRESETS
 from hpctrain.spec.rules import (
@@ -311,6 +314,8 @@ class Plan:
     spare_nodes: int = 0  # allocated beside `nodes`, idle until one replaces a failing node (fault.injob)
     in_job_restarts: int = 0  # srun steps after the first within one job (spec fault.in_job_restarts, or spares)
     predicted_step_s: float = 0.0  # hpctrain.plan.timemodel's step of the chosen option (0: no time model)
+    # The fine-tuning defaults resolution applied ({key, value, reason}; hpctrain.spec.finetune), also in reasons
+    defaults: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> str:
         """Deterministic JSON (sorted keys) for plan.json and `hpctrain plan --json`."""
@@ -445,8 +450,29 @@ def fault_reasons(spec: Spec) -> list[str]:
     return out
 
 
-def make_plan(spec: Spec) -> Plan:
-    """Derive the plan; refuse (HpcUsageError) what cannot run, saying which value fixes it."""
+def default_reasons(spec: Spec, defaults: Sequence[Default]) -> list[str]:
+    """The fine-tuning defaults applied, each with its reason, and what no default could fix (a pretrained
+    model fed byte ids): the one text of them, for plan.json, `hpctrain plan` and `submit`."""
+    m, d = spec.model, spec.data
+    return [x.line() for x in defaults] + finetune.warnings(m.path, d.tokenizer, d.source, d.format)
+
+
+def fine_tuning_lines(spec: Spec, plan: Plan) -> list[str]:
+    """The lines of `default_reasons` for a plan made with them (what `submit` prints)."""
+    return default_reasons(spec, [Default(**d) for d in plan.defaults])
+
+
+def make_plan(spec: Spec, defaults: Sequence[Default] = ()) -> Plan:
+    """Derive the plan; refuse (HpcUsageError) what cannot run, saying which value fixes it.
+
+    `defaults`: the fine-tuning defaults that resolution applied (hpctrain.spec.model.resolve_with_defaults),
+    recorded with their reasons."""
+    plan = _make_plan(spec)
+    return dataclasses.replace(plan, reasons=[*plan.reasons, *default_reasons(spec, defaults)],
+                               defaults=[x.as_json() for x in defaults])
+
+
+def _make_plan(spec: Spec) -> Plan:
     rpn, world, dp = _degrees(spec)
     if user_script(spec) and not (spec.model.path or spec.model.config):
         return _plan_unknown_model(spec, rpn, world, dp)

@@ -1,7 +1,7 @@
 """The job request: typed, frozen, validated.
 
-A spec is what the user asked for, merged from four layers (later wins):
-defaults < site profile < run file (TOML) < CLI flags.  Everything else (world size, batch
+A spec is what the user asked for, merged from five layers (later wins):
+defaults < fine-tuning defaults (hpctrain.spec.finetune) < site profile < run file (TOML) < CLI flags.  Everything else (world size, batch
 arithmetic, memory) is *derived* from it once, in `hpctrain.plan.planner`.
 
 The run file mirrors these dataclasses: top-level `name`, then one table per section
@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -24,6 +25,8 @@ import tomli_w
 import tomllib
 
 from hpctrain.errors import HpcUsageError, bad_value, unknown_key
+from hpctrain.spec import finetune
+from hpctrain.spec.finetune import Default
 from hpctrain.spec.rules import check, describe, field_types, how_to_set, need
 
 Zero = int | Literal["auto"]  # 0, 1, 2, 3 or "auto"
@@ -483,13 +486,20 @@ def load_run_file(path: str | Path) -> dict[str, Any]:
 
 def resolve(run_file: str | Path | None, flags: dict[str, Any], site: str | None = None, *,
             check: bool = True) -> Spec:
-    """Merge defaults < site profile < run file < flags into a validated, frozen Spec.
+    """Merge defaults < fine-tuning defaults < site profile < run file < flags into a validated, frozen Spec.
 
     `flags` maps dotted keys ("resources.nodes", "train.lr", "env.NCCL_DEBUG", "name") to values;
     strings are converted to the field's type. The site comes from `site`, else the flags, else the
     run file's `site` key; the run file's `[sites.NAME]` tables define profiles inline.
     `check=False` skips the filesystem checks (`hpctrain plan` previews a run from anywhere).
     """
+    return resolve_with_defaults(run_file, flags, site, check=check)[0]
+
+
+def resolve_with_defaults(run_file: str | Path | None, flags: dict[str, Any], site: str | None = None, *,
+                          check: bool = True) -> tuple[Spec, list[Default]]:
+    """`resolve`, and the fine-tuning defaults it applied, each with its reason (hpctrain.spec.finetune):
+    the plan records them and `hpctrain plan`/`submit` print them."""
     from hpctrain.spec import site as config
 
     data = load_run_file(run_file) if run_file else {}
@@ -507,10 +517,30 @@ def resolve(run_file: str | Path | None, flags: dict[str, Any], site: str | None
     elif site_name:
         near = Path(run_file).parent if run_file else None
         site_layer = config.site_to_overrides(site_name, config.load_site(str(site_name), inline, near))
-    spec = absolute_paths(_build(_merge([site_layer, run_layer, flags, {"site": site_name}])))
+    layers = [site_layer, run_layer, flags, {"site": site_name}]
+    applied = finetune.defaults(*_lookup(_merge(layers)))
+    try:
+        spec = absolute_paths(_build(_merge([{d.key: d.value for d in applied}, *layers])))
+    except HpcUsageError as exc:  # e.g. min_lr set above the default lr: say where the other value came from
+        if not applied:
+            raise
+        chosen = ", ".join(f"{d.key} = {finetune.shown(d.value)}" for d in applied)
+        raise HpcUsageError(f"{exc.message} (fine-tuning defaults for a pretrained [model] path applied here: "
+                            f"{chosen}; a key set in the run file or with --set replaces its default)") from None
     if check:
         check_paths(spec)
-    return spec
+    return spec, applied
+
+
+def _lookup(nested: dict[str, Any]) -> tuple[Callable[[str], Any], frozenset[str]]:
+    """(value of a dotted key in a merged request, else hpctrain's default; the keys a layer set)."""
+    explicit = frozenset(f"{s}.{k}" for s, sub in nested.items() if s in SECTIONS for k in sub)
+
+    def get(key: str) -> Any:
+        section, _, name = key.partition(".")
+        given = nested.get(section, {})
+        return given[name] if name in given else getattr(SECTIONS[section](), name)
+    return get, explicit
 
 
 def absolute_paths(spec: Spec) -> Spec:
