@@ -91,7 +91,7 @@ def _config_given_to_deepspeed(run: Path, world: int, monkeypatch: pytest.Monkey
     import deepspeed
 
     from hpctrain.node import model as node_model
-    from hpctrain.node import pipeline, train
+    from hpctrain.node import lora, pipeline, train
 
     seen: dict[str, Any] = {}
 
@@ -102,6 +102,7 @@ def _config_given_to_deepspeed(run: Path, world: int, monkeypatch: pytest.Monkey
     monkeypatch.setattr(deepspeed, "initialize", initialize)
     monkeypatch.setattr(node_model, "build_model", lambda *a, **k: _StubModel())
     monkeypatch.setattr(pipeline, "build_pipeline", lambda *a, **k: _StubModel())
+    monkeypatch.setattr(lora, "wrap", lambda model, *a, **k: model)  # [lora]: PEFT needs a real causal LM
     prep = train.prepare(run, DistEnv(0, 0, world, "127.0.0.1", 29500, "torch"))
     train.build_engine(prep)
     return prep, seen["config"]

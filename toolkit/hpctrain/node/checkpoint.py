@@ -110,6 +110,16 @@ def needs_universal(meta: dict[str, Any], dp: int, pp: int, tp: int) -> bool:
     return int(meta.get("dp", dp)) != dp and int(meta.get("zero", 0)) >= 1
 
 
+def check_adapters(point: ResumePoint, adapters: bool) -> None:
+    """A LoRA checkpoint (adapters only) resumes a LoRA run only, and a full one a full fine-tune only."""
+    theirs = bool(point.meta.get("adapters"))
+    if theirs != adapters:
+        raise NodeInputError(
+            f"{point.path}: written by a {'LoRA' if theirs else 'full fine-tune'} run, and this run is "
+            f"{'LoRA (lora.r > 0)' if adapters else 'a full fine-tune (lora.r = 0)'}. Fix: resume with the [lora] "
+            "section the checkpoint was written with, or start a new run (from the exported model).")
+
+
 # ------------------------------------------------------------------------------------------- saving
 @dataclass
 class SaveStats:
@@ -151,7 +161,9 @@ def save(engine: Any, ckpt_dir: Path, step: int, client_state: dict[str, Any], m
     tmp = ckpt_dir / tmp_tag
     if io is not None:
         io.begin(step, tmp)
-    engine.save_checkpoint(str(ckpt_dir), tag=tmp_tag, client_state=client_state, save_latest=False)
+    # LoRA (meta "adapters"): the adapters and their optimizer state only; the frozen base is [model] path.
+    lora = {"exclude_frozen_parameters": True} if meta.get("adapters") else {}
+    engine.save_checkpoint(str(ckpt_dir), tag=tmp_tag, client_state=client_state, save_latest=False, **lora)
     rng_path = tmp / f"rng-rank-{rank}.pt"
     if io is not None:
         io.save(_rng_state(), str(rng_path))

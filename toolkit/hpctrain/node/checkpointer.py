@@ -198,6 +198,10 @@ class Checkpointer:
         # A checkpoint at the end unless the run asked for none at all (benchmarks: 15-50 GB saved).
         final = c.every_steps > 0 or c.every_minutes > 0 or c.export_hf
         policy = SavePolicy(c.every_steps, c.every_minutes, spec.train.steps, final)
+        if spec.lora.r:  # a LoRA checkpoint holds the adapters and their optimizer state only
+            from hpctrain.node.lora import trainable_counts
+
+            n_params = trainable_counts(engine.module)[0]
         rank_bytes = ckpt.estimate_state_bytes(n_params, dp, zero, spec.train.precision)
         per_node = max(1, min(world, spec.resources.tasks_per_node))
         on, why = ckpt.choose_async(c.async_save, use_gpu, rank_bytes, per_node, ckpt.host_available_bytes(),
@@ -208,7 +212,7 @@ class Checkpointer:
         io = ckpt_async.install(engine, async_mode=on, pin=on and use_gpu, rank=rank, world=world,
                                 reserve_bytes=rank_bytes if final else 0)
         layout = {"world_size": world, "dp": dp, "pp": spec.parallel.pp, "tp": spec.parallel.tp, "zero": zero,
-                  "precision": spec.train.precision}
+                  "precision": spec.train.precision, "adapters": bool(spec.lora.r)}
         return cls(engine, ckpt_dir, policy, stop, rank=rank, keep=c.keep, layout=layout, io=io, beat=beat)
 
     # ---------------------------------------------------------------------------------------- saving
@@ -312,6 +316,7 @@ class Checkpointer:
         if point is None:
             self.policy.restart_timer()
             return Progress(0, 0, 0.0)
+        ckpt.check_adapters(point, bool(self.layout.get("adapters")))
         tag = self._convert(point) if universal else point.tag
         client = self._load_engine(tag)
         align_optimizer_steps(self.engine)
@@ -345,7 +350,9 @@ class Checkpointer:
         error: Exception | None = None
         client: dict[str, Any] = {}
         try:
-            path, loaded = self.engine.load_checkpoint(str(self.dir), tag=tag, load_module_strict=True,
+            # A LoRA checkpoint lacks the frozen base (read from [model] path): not strict there.
+            strict = not self.layout.get("adapters")
+            path, loaded = self.engine.load_checkpoint(str(self.dir), tag=tag, load_module_strict=strict,
                                                        load_optimizer_states=True, load_lr_scheduler_states=True)
             if path is None:
                 raise NodeInputError(f"{self.dir / tag}: DeepSpeed found no checkpoint to load there.")

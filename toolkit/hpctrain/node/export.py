@@ -3,6 +3,7 @@
 Reads the checkpoint files alone (no process group, one process): ZeRO 1-3 through DeepSpeed's
 zero_to_fp32 (fp32 master weights), ZeRO-0 from the model-states file, pipeline runs from the
 per-layer files. The folder is written aside and renamed, so a half-written export is never seen.
+A LoRA run's export is the merged model with the adapters alone in its `adapter/` folder (node/lora.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ def export_hf(run_dir: str | Path, out: str | Path | None = None, tag: str | Non
     if int(point.meta.get("pp", 1)) > 1:
         cfg.tie_word_embeddings = False  # the pipeline trains an untied head (see pipeline.py)
     sd = consolidated_state_dict(paths.checkpoints_dir, point, cfg)
+    if point.meta.get("adapters"):  # LoRA: sd holds the adapters; the base is [model] path
+        from hpctrain.node.lora import export
+
+        return export(paths, spec, cfg, sd, point.tag, point.step, out)
     return write_hf(paths, spec, cfg, sd, point.tag, point.step, out)
 
 

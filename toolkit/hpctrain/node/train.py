@@ -157,13 +157,22 @@ def build_engine(p: Prepared) -> tuple[Any, int]:
             load_pretrained_into(model, spec.model.path, p.hf_cfg.num_hidden_layers)
         n_params = presets.llama_param_count(p.hf_cfg.to_dict())
     else:
-        model = build_model(spec.model, p.hf_cfg, spec.train.precision, p.ds_config, zero3=p.zero == 3,
-                            attn=attn.hf, device="cuda" if p.use_gpu else "cpu")
+        if spec.lora.quantize == "4bit":  # QLoRA: NF4 base weights through bitsandbytes (GPU ranks)
+            from hpctrain.node.lora import load_quantized
+
+            model = load_quantized(spec.model, p.hf_cfg, spec.train.precision, attn.hf)
+        else:
+            model = build_model(spec.model, p.hf_cfg, spec.train.precision, p.ds_config, zero3=p.zero == 3,
+                                attn=attn.hf, device="cuda" if p.use_gpu else "cpu")
         if p.checkpointing:
             # The library's default flavour (transformers renamed the method in 5.2x; both exist there).
             enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
             enable()
         n_params = param_count(model)
+    if spec.lora.r:  # adapters on the frozen model, before DeepSpeed builds its optimizer (node/lora.py)
+        from hpctrain.node.lora import wrap
+
+        model = wrap(model, spec, checkpointing=p.checkpointing)
     frozen = apply_freeze(model, spec.model.freeze)
     if frozen:
         log.info("froze %d parameter tensors matching %s", frozen, list(spec.model.freeze))

@@ -31,6 +31,12 @@ trainer does not keep the model output alive across backward; hpctrain's node do
 
 Host per rank: the python + torch + DeepSpeed process, plus whatever offload pins or keeps there.
 
+LoRA ([lora] r > 0; `Shape.lora_params` adapter parameters): the base is frozen, so it costs its weights
+only (in the training dtype, partitioned under ZeRO-3; QLoRA's NF4 linears ~0.516 B/param with the
+double-quantized scales, the rest of the base in the training dtype), and gradients, optimizer state,
+offload and ZeRO-3's sub-groups count the adapters alone. Activations are the same as a full fine-tune's
+(the backward still runs through every frozen layer to reach the adapters below). Not yet measured on a GPU.
+
 Checked against H200 measurements (seq 4096, bf16, one GPU; GPU figure = torch.cuda.max_memory_allocated,
 compared with the estimate minus `runtime`; host figure = the process's peak RSS; GB = 1e9 B; the table is in
 docs/planner.md and tests/test_plan_gpu.py holds every row to 10%): ten GPU peaks of 1B, 3B and 8B with and
@@ -71,6 +77,9 @@ ACT_SBH_BYTES = 34  # GPT-2 block, per token, in units of h (Korthikanti et al. 
 LLAMA_NORM_BYTES_PER_H = 6  # HF LlamaRMSNorm: autograd keeps the fp32 input (4 h) and the bf16 normalised x (2 h)
 LOGIT_BYTES = 12  # per logit element at the loss: fp32 log-softmax + its gradient + the input gradient
 BUCKET_ELEMENTS_PER_H2 = 2  # ZeRO-1/2 reduce + allgather buckets: hidden^2 elements each (render/deepspeed.py)
+# bitsandbytes NF4 with double quantization: 4 bits + an 8-bit absmax per 64 weights + a fp32 scale per 256
+# of those (4 + 8/64 + 32/16384 = 4.127 bits).
+NF4_BYTES = 4.127 / 8
 
 
 @dataclass(frozen=True)
@@ -147,6 +156,44 @@ def cpu_share(groups: list[int], ratio: float) -> float:
     return sum(groups[on_gpu:]) / max(1, sum(groups))
 
 
+def lora_linears(a: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """One block's linear layers as {module name: (in features, out features)}: what LoRA can adapt
+    ("all-linear" leaves the output head out)."""
+    h, i, hd = int(a["hidden"]), int(a["intermediate"]), int(a["head_dim"])
+    if a["style"] == "gpt2":  # Conv1D layers (PEFT adapts them too); c_proj is in attention and in the MLP
+        return {"c_attn": (h, 3 * h), "c_proj": (h + i, 2 * h), "c_fc": (h, i)}
+    q, kv = int(a["heads"]) * hd, int(a["kv_heads"]) * hd
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def lora_param_count(a: dict[str, Any], r: int, targets: tuple[str, ...] = ()) -> int:
+    """Adapter parameters: r x (in + out) for every targeted linear of every block (A is r x in, B out x r).
+    `targets` () = every linear layer; names the planner does not know count as every layer (an estimate
+    errs high rather than low)."""
+    layers = lora_linears(a)
+    chosen = [n for n in layers if n in targets] if targets else list(layers)
+    if targets and not chosen:
+        chosen = list(layers)
+    return int(a["layers"]) * sum(r * sum(layers[n]) for n in chosen)
+
+
+def base_weight_bytes(sh: Shape) -> float:
+    """The frozen base's weights on one (unpartitioned) rank: the training dtype, or NF4 for the blocks'
+    linears under QLoRA (embeddings, norms and the output head stay in the training dtype)."""
+    shard = sh.params / (sh.tp * sh.pp)
+    if not sh.quant_4bit:
+        return shard * sh.wb
+    block_linears = int(sh.arch["layers"]) * sum(i * o for i, o in lora_linears(sh.arch).values())
+    return block_linears * NF4_BYTES + (sh.params - block_linears) * sh.wb
+
+
+def _lora_groups(n: int, dp: int) -> list[int]:
+    """ZeRO-3 sub-groups of the adapters' optimizer partition (SUB_GROUP_SIZE elements each)."""
+    part = math.ceil(n / dp)
+    return [SUB_GROUP_SIZE] * (part // SUB_GROUP_SIZE) + ([part % SUB_GROUP_SIZE] if part % SUB_GROUP_SIZE else [])
+
+
 @dataclass(frozen=True)
 class Shape:
     """What an estimate needs to know about the run besides the choice."""
@@ -162,6 +209,8 @@ class Shape:
     ranks_per_node: int
     device_cap: float  # bytes; inf on CPU ranks
     host_cap: float  # bytes
+    lora_params: int = 0  # LoRA adapter parameters (0: the whole model trains)
+    quant_4bit: bool = False  # QLoRA: the base's transformer-block linears in NF4
 
 
 def layer_activation_bytes(a: dict[str, Any], tokens: int, wb: int, tp: int) -> float:
@@ -210,14 +259,16 @@ def _bucket_bytes(sh: Shape, zero: int, shard: float) -> float:
 def estimate(sh: Shape, zero: int, offload: str, micro: int, ac: bool, ratio: float = 1.0) -> Estimate:
     """Peak memory of one choice. Offloaded state moves from the device to the host's RAM."""
     a, dp, wb = sh.arch, sh.dp, sh.wb
-    shard = sh.params / (sh.tp * sh.pp)
+    lora = sh.lora_params > 0
+    # What trains: every parameter, or (LoRA) the adapters beside a frozen base that costs its weights only.
+    shard = sh.lora_params if lora else sh.params / (sh.tp * sh.pp)
     adam = ADAM_BYTES_FP32 if wb == 4 else ADAM_BYTES_MIXED
-    weights = shard * wb / (dp if zero >= 3 else 1)
+    weights = ((base_weight_bytes(sh) if lora else 0.0) + shard * wb) / (dp if zero >= 3 else 1)
     opt_off = offload in ("optimizer", "all")
     host_pinned = host_state = step_transient = 0.0
     cpu_frac = 0.0
     if zero >= 3:
-        groups = sub_groups(a, dp, sh.tp * sh.pp)
+        groups = _lora_groups(sh.lora_params, dp) if lora else sub_groups(a, dp, sh.tp * sh.pp)
         part = shard / dp
         if opt_off:
             cpu_frac = cpu_share(groups, ratio)
@@ -244,8 +295,9 @@ def estimate(sh: Shape, zero: int, offload: str, micro: int, ac: bool, ratio: fl
     acts, recompute, logits = _activations(sh, micro, ac)
     h, v = int(a["hidden"]), int(a["vocab"])
     largest = max(v * h, layer_params(a)) / sh.tp
-    gathered = 2 * largest * wb if zero == 3 else 0.0  # gathered module + its 16-bit gradient
-    buckets = _bucket_bytes(sh, zero, shard)
+    gathered = (1 if lora else 2) * largest * wb if zero == 3 else 0.0  # gathered module + its 16-bit gradient
+    # ZeRO-3's prefetch bucket gathers frozen weights too; ZeRO-1/2's buckets carry trained gradients only.
+    buckets = _bucket_bytes(sh, zero, sh.params / (sh.tp * sh.pp) if zero >= 3 else shard)
     runtime = (GPU_RUNTIME_GB if sh.gpu else CPU_RANK_GB) * GiB
     in_backward = acts + max(logits, recompute) + gathered
     device = weights + grads + optim + buckets + runtime + max(in_backward, step_transient)

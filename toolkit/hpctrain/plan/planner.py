@@ -27,8 +27,10 @@ from hpctrain.plan.memory import (
     Estimate,
     GiB,
     Shape,
+    base_weight_bytes,
     estimate,
     layer_params,
+    lora_param_count,
     parse_mem_gb,
 )
 from hpctrain.plan.timemodel import H200, StepTime, predict
@@ -223,7 +225,20 @@ def _shape(spec: Spec, arch: dict[str, Any], params: int, dp: int) -> Shape:
     return Shape(arch=arch, params=params, dp=dp, tp=p.tp, pp=p.pp, seq=spec.data.seq_len,
                  wb=4 if spec.train.precision == "fp32" else 2, gpu=gpu, ranks_per_node=ranks_per_node(spec),
                  device_cap=(r.gpu_mem_gb or DEFAULT_GPU_GB) * GiB if gpu else float("inf"),
-                 host_cap=(parse_mem_gb(r.mem) or DEFAULT_HOST_GB) * GiB)
+                 host_cap=(parse_mem_gb(r.mem) or DEFAULT_HOST_GB) * GiB,
+                 lora_params=lora_param_count(arch, spec.lora.r, spec.lora.target_modules) if spec.lora.r else 0,
+                 quant_4bit=spec.lora.quantize == "4bit")
+
+
+def lora_reason(spec: Spec, sh: Shape) -> str:
+    """What LoRA changes in the memory estimate, for plan.reasons."""
+    lo = spec.lora
+    where = ", ".join(lo.target_modules) if lo.target_modules else "every linear layer but the output head"
+    dtype = "NF4 block linears (QLoRA) + " + spec.train.precision if sh.quant_4bit else spec.train.precision
+    return (f"LoRA r={lo.r} on {where}: {sh.lora_params / 1e6:.1f} M adapter parameters train "
+            f"({sh.lora_params / sh.params:.2%} of {sh.params / 1e9:.2f} B); the frozen base costs its weights only "
+            f"({dtype}, {base_weight_bytes(sh) / GiB:.1f} GiB unpartitioned), gradients and optimizer state are the "
+            "adapters'")
 
 
 def _micro_options(spec: Spec, dp: int) -> list[int] | None:
@@ -493,6 +508,10 @@ def _make_plan(spec: Spec) -> Plan:
     sh = _shape(spec, arch, params, dp)
     acs = [False, True] if t.activation_checkpointing == "auto" else [bool(t.activation_checkpointing)]
     kinds = zero_choices(spec.parallel, gpu=bool(r.gpus_per_node))  # an explicit choice first, then the rest
+    if sh.lora_params:
+        reasons.append(lora_reason(spec, sh))
+    if sh.quant_4bit:  # 4-bit weights: neither partitioned (ZeRO-3) nor offloaded (spec.rules refuses both)
+        kinds = [k for k in kinds if k[0] < 3 and k[1] == "none"]
     per_rank = glob // dp
     accum_of: Callable[[int], int] = (lambda m: per_rank // m) if micros else (lambda m: accum)
     chosen, options, predicted = _choose(spec, sh, kinds, micros or [micro], acs, accum_of, reasons)
@@ -504,6 +523,8 @@ def _make_plan(spec: Spec) -> Plan:
               "device_capacity_gb": (r.gpu_mem_gb or DEFAULT_GPU_GB) if r.gpus_per_node else None,
               "host_capacity_gb": parse_mem_gb(r.mem) or DEFAULT_HOST_GB, "fits": chosen.fits,
               "cpu_fraction": chosen.cpu_fraction}
+    if sh.lora_params:
+        memory["lora_params"] = sh.lora_params
     return Plan(world_size=world, nodes=r.nodes, ranks_per_node=rpn, dp=dp, pp=spec.parallel.pp,
                 tp=spec.parallel.tp, micro_batch=micro, grad_accum=accum, global_batch=glob,
                 zero_stage=chosen.zero, offload=chosen.offload, param_count=params, memory=memory,

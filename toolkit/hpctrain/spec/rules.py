@@ -474,6 +474,33 @@ def _rules_lora(lo: Lora) -> None:
          how_to_set("lora.r", 16))
 
 
+def _rules_lora_with(s: Spec) -> None:
+    """[lora] against the other sections: what PEFT + DeepSpeed + bitsandbytes can run (node/lora.py)."""
+    lo, p = s.lora, s.parallel
+    if not lo.r:
+        return
+    off = 'set [lora] r = 0 (a full fine-tune)'
+    need(not (s.launch.script or s.launch.module), "lora.r", lo.r,
+         "[lora] wraps hpctrain's own trainer's model; a user script builds its own", f"apply PEFT in your script and {off}")
+    need(bool(s.model.path), "lora.r", lo.r, "LoRA adapts a pretrained model and [model] has no path",
+         f"pass --model DIR (a local save_pretrained folder), or {off}")
+    need(p.pp == 1, "parallel.pp", p.pp, "LoRA runs without pipeline parallelism", how_to_set("parallel.pp", 1))
+    need(p.tp == 1, "parallel.tp", p.tp, "LoRA runs without tensor parallelism (the base is frozen: ZeRO shards it)",
+         how_to_set("parallel.tp", 1))
+    need(not s.model.freeze, "model.freeze", list(s.model.freeze), "LoRA already freezes every weight but the adapters",
+         "remove [model] freeze (choose what trains with [lora] target_modules)")
+    if lo.quantize != "4bit":
+        return
+    need(s.resources.gpus_per_node > 0, "lora.quantize", lo.quantize,
+         "QLoRA's 4-bit layers (bitsandbytes) need GPUs and this run has CPU ranks",
+         'set [lora] quantize = "none" (LoRA on the full-precision base), or pass --gpus-per-node N')
+    need(p.zero != 3, "parallel.zero", p.zero, "ZeRO-3 cannot partition QLoRA's 4-bit base weights",
+         'pass --zero 2 (or auto; the base is small once quantized), or set [lora] quantize = "none"')
+    need(p.offload == "none", "parallel.offload", p.offload,
+         "QLoRA's 4-bit base weights cannot be offloaded (and its adapters' optimizer state is small)",
+         'pass --offload none, or set [lora] quantize = "none"')
+
+
 def _rules_train(t: Train) -> None:
     need(t.steps >= 1, "train.steps", t.steps, "must be at least 1", how_to_set("train.steps", 100))
     for key in ("micro_batch", "grad_accum", "global_batch"):
@@ -649,6 +676,7 @@ def check_site_name(name: str) -> None:
 def _rules_spec(s: Spec) -> None:
     need(bool(s.name.strip()), "name", s.name, "a run needs a name", how_to_set("name", "'my-run'"))
     _rules_eval(s)
+    _rules_lora_with(s)
     need(len(s.name) <= 200, "name", s.name[:40] + "...", "longer than 200 characters", "shorten it")
     if s.site:
         check_site_name(s.site)
