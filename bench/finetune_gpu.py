@@ -7,18 +7,21 @@ typing-inspection, typing-extensions, hjson, submitit 1.5.4, tomli-w, and peft 0
 image has torch 2.11 cu130, transformers 5.17, tokenizers, safetensors; `datasets` is not needed: the data are
 jsonl files):
 
-    source bench/gpu/setup.sh && python bench/finetune_gpu.py --cases startup,sft --out $OUT
-    source bench/gpu/setup.sh && python bench/finetune_gpu.py --cases sft --rounds 1 --out $OUT
-    source bench/gpu/setup.sh && python bench/finetune_gpu.py --cases lora --out $OUT
-    source bench/gpu/setup.sh && python bench/finetune_gpu.py --cases padded --out $OUT
-    source bench/gpu/setup.sh && python bench/finetune_gpu.py --runs sft:packed-flex,lora:lora --out $OUT
+    # One call holds the asset build (~1 min) and two 8B runs (~3 min each: ~150 s to step 1, then 3 steps).
+    # Every hpctrain run also gives a start-up row. Calls 5-8 repeat 1-4 with each pair's order swapped.
+    source bench/gpu/setup.sh && python bench/finetune_gpu.py --runs sft:packed-sdpa,sft:synthetic --out $OUT
+    source bench/gpu/setup.sh && python bench/finetune_gpu.py --runs sft:packed-flex,sft:packed-sdpa --out $OUT
+    source bench/gpu/setup.sh && python bench/finetune_gpu.py --runs lora:lora,lora:full --out $OUT
+    source bench/gpu/setup.sh && python bench/finetune_gpu.py --runs padded:padded-ds,padded:packed-sdpa --out $OUT
+    source bench/gpu/setup.sh && python bench/finetune_gpu.py --cases sft --fixed --out $OUT   # fixed flags
+    python bench/finetune_gpu.py --tables-from c1/suite.jsonl,c2/suite.jsonl --out merged   # the calls' rows pooled
     python bench/finetune_gpu.py --cpu --out /tmp/ft-suite      # every variant, tiny llama, on this CPU
 
 What it does. First it makes its inputs on the machine (bench/gpu/ft_assets.py, kept across calls under
 --assets while the machine stays warm): a Llama-3.1-8B-shaped local folder with random bf16 weights written shard
 by shard (the host never holds more than one 2 GB shard), `pad_token_id` in config.json, and a byte-level BPE
 tokenizer of exactly the model's 128,256 ids with a chat template saved beside it; SFT data as chat.jsonl and
-alpaca.jsonl (the same 6,000 examples, log-normal prompt and response lengths, mean ~270 tokens, a long tail).
+alpaca.jsonl (the same 6,000 examples, log-normal prompt and response lengths, mean ~280 tokens, a long tail).
 On a GPU it JIT-builds DeepSpeed's CPU Adam in the background meanwhile (50 s on first use).
 
 Every hpctrain run is the user's own path: a RUN.toml written here, `python -m hpctrain submit RUN.toml
@@ -468,8 +471,12 @@ def speed_table(per: dict[str, list[dict[str, Any]]], base: str) -> list[str]:
     return out
 
 
-STARTUP_PARTS = ("submit_s", "entry_s", "preflight_s", "prepare_s", "process_group_s", "model_build_s",
-                 "weights_load_s", "engine_init_s", "load_s", "first_step_s", "to_step1_s")
+# (key, column): the engine phase is model build + weights load + engine init when the rank logs the first two
+# (ZeRO-3's partitioned load); "resume" is the checkpoint load (none here).
+STARTUP_PARTS = (("submit_s", "submit"), ("entry_s", "entry"), ("preflight_s", "preflight"), ("prepare_s", "prepare"),
+                 ("process_group_s", "process group"), ("engine_s", "engine phase"), ("model_build_s", "model build"),
+                 ("weights_load_s", "weights load"), ("engine_init_s", "engine init"), ("load_s", "resume"),
+                 ("first_step_s", "first step"), ("to_step1_s", "to step 1"))
 
 
 def startup_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -481,10 +488,9 @@ def startup_table(rows: list[dict[str, Any]]) -> list[str]:
             per.setdefault(r["variant"], []).append(st)
     if not per:
         return []
-    names = [p.removesuffix("_s").replace("_", " ") for p in STARTUP_PARTS]
-    out = ["| variant | n | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    out = ["| variant | n | " + " | ".join(c for _, c in STARTUP_PARTS) + " |", "|---|---|" + "---|" * len(STARTUP_PARTS)]
     for v, sts in per.items():
-        out.append(f"| {v} | {len(sts)} | " + " | ".join(_fmt(_med(sts, p), ".1f") for p in STARTUP_PARTS) + " |")
+        out.append(f"| {v} | {len(sts)} | " + " | ".join(_fmt(_med(sts, k), ".1f") for k, _ in STARTUP_PARTS) + " |")
     return out + ["", ("submit: `hpctrain submit` start to the rank's process start (CLI, plan, render, submitit); "
                   "entry: interpreter and hpctrain's imports; prepare: torch, transformers, tokenizer, data; "
                   "engine init: deepspeed.initialize with the optimizer (CPU Adam) and the rest of the engine phase; "
@@ -560,6 +566,17 @@ def pack_logs(work: Path, out: Path) -> None:
                 tar.add(p, arcname=str(p.relative_to(work)))
 
 
+def merge_tables(files: list[Path], out: Path, argv: list[str]) -> None:
+    """suite.md from the rows of several calls (their medians pooled)."""
+    rows = [json.loads(ln) for f in files for ln in f.read_text().splitlines() if ln.strip()]
+    side = [f.parent / "assets.json" for f in files if (f.parent / "assets.json").exists()]
+    assets = dict(json.loads(side[0].read_text())) if side else {}
+    out.mkdir(parents=True, exist_ok=True)
+    text = report(rows, [], argv, assets)
+    (out / "suite.md").write_text(text)
+    print(text, flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="", help=f"comma list of {', '.join(CASES)} (default: all; --cpu: all)")
@@ -578,7 +595,12 @@ def main() -> None:
     ap.add_argument("--assets", default="/tmp/ft-assets", help="model, tokenizer and data (kept across calls)")
     ap.add_argument("--work", default="/tmp/ft-suite-work")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/ft-suite-out"))
+    ap.add_argument("--tables-from", default="", help="comma list of suite.jsonl files (several calls): only write "
+                    "--out/suite.md from their rows, pooled (each file's assets.json beside it)")
     a = ap.parse_args()
+    if a.tables_from:
+        merge_tables([Path(p) for p in a.tables_from.split(",") if p], Path(a.out), sys.argv[1:])
+        return
     cases = [c for c in a.cases.split(",") if c] or ([] if a.runs else list(CASES))
     unknown = [c for c in cases if c not in CASES]
     if unknown:
