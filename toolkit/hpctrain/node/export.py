@@ -33,11 +33,17 @@ def export_hf(run_dir: str | Path, out: str | Path | None = None, tag: str | Non
     if int(point.meta.get("pp", 1)) > 1:
         cfg.tie_word_embeddings = False  # the pipeline trains an untied head (see pipeline.py)
     sd = consolidated_state_dict(paths.checkpoints_dir, point, cfg)
-    if point.meta.get("adapters"):  # LoRA: sd holds the adapters; the base is [model] path
-        from hpctrain.node.lora import export
+    if not point.meta.get("adapters"):
+        return write_hf(paths, spec, cfg, sd, point.tag, point.step, out)
+    # LoRA: sd holds the adapters; merged into the base of [model] path, and saved alone in hf/adapter/
+    from hpctrain.node.lora import ADAPTER_DIR, merge
 
-        return export(paths, spec, cfg, sd, point.tag, point.step, out)
-    return write_hf(paths, spec, cfg, sd, point.tag, point.step, out)
+    final = Path(out) if out else paths.export_dir
+    staged = final.with_name(f".tmp-{final.name}-{ADAPTER_DIR}")
+    merged = merge(spec, cfg, sd, point.path, staged)
+    folder = write_hf(paths, spec, cfg, merged, point.tag, point.step, out)
+    os.replace(staged, folder / ADAPTER_DIR)
+    return folder
 
 
 def write_hf(paths: RunFolder, spec: Any, cfg: Any, sd: dict[str, Any], tag: str, step: int,

@@ -8,7 +8,7 @@
 - `load_quantized` is QLoRA's load: from_pretrained with bitsandbytes NF4 weights (bf16 compute), then
   PEFT's prepare_model_for_kbit_training. GPU ranks only, ZeRO 0-2 without offload (spec/rules.py refuses
   the rest at submit).
-- `export` writes a run's adapters (PEFT save_pretrained) and the base with the adapters merged in.
+- `merge` gives the export (node/export.py) the adapters (PEFT save_pretrained) and the merged base.
 
 Checkpoints of a LoRA run hold the adapters and their optimizer state only (node/checkpoint.py saves with
 `exclude_frozen_parameters`): the base is read again from [model] path at every start.
@@ -99,28 +99,20 @@ def load_quantized(model_spec: Any, cfg: Any, precision: str, attn: str = "") ->
 
 
 # --------------------------------------------------------------------------------------------- export
-def export(paths: Any, spec: Any, cfg: Any, sd: dict[str, Any], tag: str, step: int,
-           out: str | Path | None = None) -> Path:
-    """Write the merged model (from_pretrained-loadable) to RUN/hf or `out`, with the adapters alone
-    (adapter_config.json + adapter_model.safetensors) in its `adapter/` folder. `sd`: the checkpoint's
-    trainable parameters under the training module's names. The base is read again from [model] path in
-    fp32 (a QLoRA run's adapters are merged into the unquantized base)."""
+def merge(spec: Any, cfg: Any, sd: dict[str, Any], where: Path, adapter_out: Path) -> dict[str, Any]:
+    """The export of a LoRA checkpoint (node/export.py writes it): saves the adapters alone into
+    `adapter_out` (adapter_config.json + adapter_model.safetensors) and returns the base's state dict with
+    them merged in. `sd`: the checkpoint's trainable parameters under the training module's names. The base
+    is read again from [model] path in fp32 (a QLoRA run's adapters merge into the unquantized base)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hpctrain.node.export import write_hf
-
     base = AutoModelForCausalLM.from_pretrained(spec.model.path, config=cfg, dtype=torch.float32,
                                                 local_files_only=True)
-    model = _adapted(base, spec, sd, paths.checkpoints_dir / tag)
-    final = Path(out) if out else paths.export_dir
-    staged = final.with_name(f".tmp-{final.name}-{ADAPTER_DIR}")
-    shutil.rmtree(staged, ignore_errors=True)
-    model.save_pretrained(str(staged), safe_serialization=True)
-    merged = model.merge_and_unload()
-    folder = write_hf(paths, spec, cfg, dict(merged.state_dict()), tag, step, out)
-    os.replace(staged, folder / ADAPTER_DIR)
-    return folder
+    model = _adapted(base, spec, sd, where)
+    shutil.rmtree(adapter_out, ignore_errors=True)
+    model.save_pretrained(str(adapter_out), safe_serialization=True)
+    return dict(model.merge_and_unload().state_dict())
 
 
 def _adapted(base: Any, spec: Any, sd: dict[str, Any], where: Path) -> Any:
