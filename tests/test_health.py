@@ -444,8 +444,21 @@ def test_a_gpu_held_back_by_a_power_cap_is_judged_at_its_allowed_clock_and_noted
     apps = _h200(560.0, mhz=1400, events=0x2)  # application clocks a site set, at the default power limit
     assert judge_mod.judge({"a": apps}).failed == {}
     assert judge_mod.allowed_clock(apps["gpus"][0], 0) == (1400 / 1980, "application clocks")
-    # CI's H200: 665 TFLOPS (0.84 of 788) under the software power cap at 1755 MHz: well inside the line now
-    assert judge_mod.judge({"a": _h200([640.0, 665.0, 652.0], mhz=1755, events=0x4)}).failed == {}
+
+
+
+def test_the_h200s_recorded_under_load_a_healthy_one_passes_an_injected_half_rate_one_fails_at_once() -> None:
+    """Recorded by hpctrain.node.health.Meter on the device machine's H200 (2026-12-02, 6 windows of 0.4 s):
+    under sustained bf16 matmul the software power cap held the SM clock at 1440-1500 of 1980 MHz at the
+    default 700 W limit; 0.84 of 788 was where CI's healthy H200 came within 5% of being condemned."""
+    healthy = _h200([667.2, 663.7, 655.5, 664.6, 658.8, 663.8], mhz=[1455, 1455, 1440, 1470, 1470, 1440],
+                    events=0x4)
+    half = _h200([330.8, 329.3, 333.6, 326.5, 333.5, 328.8], mhz=[1485, 1440, 1485, 1455, 1470, 1470],
+                 events=0x4)  # HPCTRAIN_HEALTH_INJECT=matmul:host=...,f=0.5
+    v = judge_mod.judge({"a": healthy, "b": half}, retest=True)
+    assert list(v.failed) == ["b"] and v.retest == {} and v.notes == ()  # 667 >= 0.8 x 788: no note needed
+    # its best window is the one best against its own clock: 329 at 1440 MHz (against 573)
+    assert "329 TFLOPS < 0.8 x its kind's measured rate 788 at the 1440 of 1980 MHz it was allowed (573)" in v.failed["b"]
 
 
 def test_a_gpu_slow_at_full_clock_is_still_condemned() -> None:

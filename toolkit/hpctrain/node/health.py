@@ -58,7 +58,7 @@ GPU_N = 8192
 # node so busy that the thread gets less. 128^3 products: the operands stay in a core's L2, so other
 # processes' memory traffic does not read as a slow core (measured on this project's 2-core VM, 6 windows beside
 # 2 CPU hogs and 2 other measuring processes: the best per-CPU-second window 0.92-0.99 of the idle best at
-# 128, 0.78-0.80 at 256, 0.83-0.91 at 512; the best per-wall-second window 0.2-0.35).
+# 128, 0.78-0.80 at 256, 0.83-0.91 at 512; the best per-wall-second window 0.2-0.36).
 CPU_WINDOW_CPU_S = 0.15
 CPU_WINDOW_MAX_S = 2.0
 CPU_N = 128
