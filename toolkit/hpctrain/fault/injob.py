@@ -249,7 +249,7 @@ class Driver:
             # A node that passed the first round and reads borderline only against the median the re-measured
             # nodes moved passes: it was never below the line on its own round's figures.
             verdict = dataclasses.replace(verdict, retest={}, notes=verdict.notes + tuple(
-                f"{h}: borderline against the re-measured nodes' median ({w}); passed on the first round's"
+                f"{h}: borderline only against the median the re-measured nodes moved ({w}); passed on its own round"
                 for h, w in verdict.retest.items()))
         healthy = verdict.healthy(list(self.job_hosts))
         chosen = healthy[:self.nodes]
