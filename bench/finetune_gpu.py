@@ -527,6 +527,8 @@ def report(rows: list[dict[str, Any]], skipped: list[str], argv: list[str], asse
             lines += [f"## {title}", "", *speed_table(per, base), ""]
     lines += [f"- FAILED {r['case']} {r['variant']} round {r['round']} (rc {r['rc']}): "
               f"{r['error_tail'].splitlines()[-1] if r['error_tail'] else ''}" for r in rows if r["rc"]]
+    lines += [f"- note {r['case']} {r['variant']} round {r['round']}: {r['result']['load_workaround']}"
+              for r in rows if r["rc"] == 0 and (r.get("result") or {}).get("load_workaround")]
     lines += [f"- not run (budget): {x}" for x in skipped]
     return "\n".join(lines) + "\n"
 

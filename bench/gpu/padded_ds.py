@@ -26,7 +26,7 @@ from typing import Any
 
 import deepspeed
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations import HfDeepSpeedConfig
 
 
@@ -63,6 +63,19 @@ def ds_config(a: argparse.Namespace) -> dict[str, Any]:
                                                       **({"torch_adam": True} if torch_adam else {})}}}
 
 
+def load_model(folder: str) -> tuple[Any, str]:
+    """from_pretrained (partitioned at construction under HfDeepSpeedConfig's ZeRO-3). On the H200 machine's
+    transformers 5.17 a config with pad_token_id once failed there (IndexError in `_init_weights` on a partitioned
+    embedding, device notes 2026-12-02): then the loop loads without it, and its RESULT says so."""
+    try:
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16), ""
+    except IndexError as exc:
+        cfg = AutoConfig.from_pretrained(folder)
+        cfg.pad_token_id = None
+        model = AutoModelForCausalLM.from_pretrained(folder, config=cfg, dtype=torch.bfloat16)
+        return model, f"loaded without pad_token_id after IndexError: {exc}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-dir", required=True)
@@ -95,7 +108,7 @@ def main() -> None:
     lines = Path(a.data).read_text().splitlines()
     examples = [encode(tok, json.loads(ln), a.seq) for ln in lines[:need]]
     t0 = time.time()
-    model = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=torch.bfloat16)
+    model, workaround = load_model(a.model_dir)
     load_s = time.time() - t0
     if not a.no_ac:
         model.gradient_checkpointing_enable()
@@ -136,7 +149,7 @@ def main() -> None:
             "slots_per_s": round(world * slots / step_s, 1),
             "padding_frac": round(1 - statistics.mean(real) / slots, 4),
             "epoch_s": round(len(lines) / (a.mb * a.accum * world) * step_s, 1), "examples": len(lines),
-            "load_s": round(load_s, 1), "engine_init_s": round(init_s, 1),
+            "load_s": round(load_s, 1), "load_workaround": workaround, "engine_init_s": round(init_s, 1),
             "first_loss": round(losses[0], 3), "last_loss": round(losses[-1], 3),
             "gpu_peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 1) if not a.cpu else 0.0,
             "host_peak_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, 1),
