@@ -515,7 +515,9 @@ def report(rows: list[dict[str, Any]], skipped: list[str], argv: list[str], asse
              f"p99 {d.get('p99_tokens')}, max {d.get('max_tokens')}), responses {d.get('response_frac')} of tokens."), ""]
     st = startup_table(rows)
     if st:
-        lines += ["## Start-up (seconds, medians)", "", *st, ""]
+        lines += ["## Start-up (seconds, medians)", "", *st,
+                  (f"Imports alone (torch, transformers' Llama, deepspeed in a fresh process, once a call): "
+                   f"{assets.get('imports_alone_s', '-')} s."), ""]
     tables = [("Packed SFT vs synthetic (same plan)", ("synthetic", "packed-sdpa", "packed-flex"), "synthetic", ""),
               ("LoRA vs full fine-tune (packed SFT; full pools packed-sdpa's runs)", ("full", "lora"), "full", ""),
               ("hpctrain packed SFT vs DeepSpeed's padded loop", ("padded-ds", "packed-sdpa"), "padded-ds", "")]
@@ -548,6 +550,20 @@ def make_assets(s: Setup, examples: int) -> tuple[dict[str, Any], float]:
     if proc.returncode:
         raise SystemExit(f"ft_assets.py failed (rc {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
     return dict(json.loads(done.read_text())), time.time() - t0
+
+
+def time_imports(s: Setup) -> float | None:
+    """torch + transformers' Llama + deepspeed imported in a fresh process: the imports inside the rank's prepare
+    phase (which also loads the tokenizer and reads the data), measured alone once a call."""
+    code = ("import time; t = time.time(); import torch, deepspeed; "
+            "from transformers import AutoModelForCausalLM, LlamaForCausalLM; print(time.time() - t)")
+    env = env_for(s, s.work / "runs")
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                              check=False)
+        return round(float(proc.stdout.strip().splitlines()[-1]), 2) if proc.returncode == 0 else None
+    except (subprocess.TimeoutExpired, ValueError, IndexError):
+        return None
 
 
 def prebuild_cpu_adam() -> subprocess.Popen[bytes] | None:
@@ -616,11 +632,13 @@ def main() -> None:
               fmt=a.format)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(s.work / "runs", ignore_errors=True)  # this call's runs only (the assets stay)
+    for sub in ("runs", "logs", "runfiles", "state"):  # this call's runs only (the assets stay)
+        shutil.rmtree(s.work / sub, ignore_errors=True)
     s.work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     builder = None if a.cpu else prebuild_cpu_adam()
     assets, took = make_assets(s, a.examples or (300 if a.cpu else 6000))
+    assets["imports_alone_s"] = time_imports(s)
     (out / "assets.json").write_text(json.dumps({**assets, "made_in_this_call_s": round(took, 1)}, indent=1))
     print(f"{time.time() - t0:6.0f} s  assets ready ({took:.0f} s): {json.dumps(assets)[:300]}", flush=True)
     rows: list[dict[str, Any]] = []
