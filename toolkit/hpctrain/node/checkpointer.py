@@ -199,8 +199,9 @@ class Checkpointer:
         final = c.every_steps > 0 or c.every_minutes > 0 or c.export_hf
         policy = SavePolicy(c.every_steps, c.every_minutes, spec.train.steps, final)
         if spec.lora.r:  # a LoRA checkpoint holds the adapters and their optimizer state only
-            from hpctrain.node.lora import trainable_counts
+            from hpctrain.node.lora import adapter_checkpoints, trainable_counts
 
+            adapter_checkpoints(engine)
             n_params = trainable_counts(engine.module)[0]
         rank_bytes = ckpt.estimate_state_bytes(n_params, dp, zero, spec.train.precision)
         per_node = max(1, min(world, spec.resources.tasks_per_node))

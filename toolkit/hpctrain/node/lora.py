@@ -68,6 +68,27 @@ def wrap(model: Any, spec: Any, *, checkpointing: bool) -> Any:
     return peft_model
 
 
+def adapter_checkpoints(engine: Any) -> None:
+    """Make the engine's module state in checkpoints the adapters alone.
+
+    DeepSpeed's `exclude_frozen_parameters` drops frozen parameters by their `named_parameters` name, which
+    names a tied weight once: the output head tied to the embedding stays in the state dict. On an H200
+    (2026-12-02) a Llama-3.2-1B LoRA r=16 checkpoint was 683 MB, 525 MB of it that bf16 head, beside 158 MB of
+    adapters and their Adam state. Keeping the trainable names only removes it (the base is [model] path).
+    """
+    keep = {n for n, p in engine.module.named_parameters() if p.requires_grad}
+    full = engine.module_state_dict
+
+    def adapters_only(*args: Any, **kwargs: Any) -> Any:
+        sd = full(*args, **kwargs)
+        if kwargs.get("exclude_frozen_parameters"):
+            for name in [n for n in sd if n not in keep]:
+                del sd[name]
+        return sd
+
+    engine.module_state_dict = adapters_only
+
+
 def trainable_counts(model: Any) -> tuple[int, int]:
     """(trainable, total) parameters, ZeRO-3 partitioned ones at full size."""
     trainable = total = 0

@@ -167,15 +167,24 @@ def lora_linears(a: dict[str, Any]) -> dict[str, tuple[int, int]]:
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
-def lora_param_count(a: dict[str, Any], r: int, targets: tuple[str, ...] = ()) -> int:
-    """Adapter parameters: r x (in + out) for every targeted linear of every block (A is r x in, B out x r).
-    `targets` () = every linear layer; names the planner does not know count as every layer (an estimate
-    errs high rather than low)."""
+def _targeted(a: dict[str, Any], targets: tuple[str, ...]) -> list[tuple[int, int]]:
+    """(in, out) of the block's linears LoRA adapts: `targets` () = every one; names the planner does not
+    know count as every layer (an estimate errs high rather than low)."""
     layers = lora_linears(a)
     chosen = [n for n in layers if n in targets] if targets else list(layers)
-    if targets and not chosen:
-        chosen = list(layers)
-    return int(a["layers"]) * sum(r * sum(layers[n]) for n in chosen)
+    return [layers[n] for n in chosen or layers]
+
+
+def lora_param_count(a: dict[str, Any], r: int, targets: tuple[str, ...] = ()) -> int:
+    """Adapter parameters: r x (in + out) for every targeted linear of every block (A is r x in, B out x r)."""
+    return int(a["layers"]) * sum(r * (i + o) for i, o in _targeted(a, targets))
+
+
+def lora_mask_elems(a: dict[str, Any], targets: tuple[str, ...] = ()) -> int:
+    """Elements per token and block that LoRA's dropout keeps a mask of: the adapted linears' inputs.
+    Measured on an H200 (Llama-3.2-1B, r = 16, dropout 0.05, 2 x 2048 tokens, ZeRO-2): 1.5 GB above the
+    estimate without them, 1.34 GB with them as 1-byte masks."""
+    return sum(i for i, _ in _targeted(a, targets))
 
 
 def base_weight_bytes(sh: Shape) -> float:
@@ -210,6 +219,7 @@ class Shape:
     device_cap: float  # bytes; inf on CPU ranks
     host_cap: float  # bytes
     lora_params: int = 0  # LoRA adapter parameters (0: the whole model trains)
+    lora_mask_elems: int = 0  # per token and block: inputs of the adapted linears, whose dropout masks stay (1 B)
     quant_4bit: bool = False  # QLoRA: the base's transformer-block linears in NF4
 
 
@@ -240,7 +250,7 @@ def _activations(sh: Shape, micro: int, ac: bool) -> tuple[float, float, float]:
     live at the same time (the loss's buffers are freed before the last layer's recompute starts)."""
     a = sh.arch
     h, layers, tokens = int(a["hidden"]), int(a["layers"]) // sh.pp, sh.seq * micro
-    full = layer_activation_bytes(a, tokens, sh.wb, sh.tp)
+    full = layer_activation_bytes(a, tokens, sh.wb, sh.tp) + tokens * sh.lora_mask_elems  # LoRA dropout masks
     kept = layers * tokens * h * sh.wb if ac else layers * full
     logits = tokens * int(a["vocab"]) * LOGIT_BYTES
     return kept, full if ac else 0.0, logits

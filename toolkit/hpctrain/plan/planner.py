@@ -30,6 +30,7 @@ from hpctrain.plan.memory import (
     base_weight_bytes,
     estimate,
     layer_params,
+    lora_mask_elems,
     lora_param_count,
     parse_mem_gb,
 )
@@ -227,7 +228,9 @@ def _shape(spec: Spec, arch: dict[str, Any], params: int, dp: int) -> Shape:
                  device_cap=(r.gpu_mem_gb or DEFAULT_GPU_GB) * GiB if gpu else float("inf"),
                  host_cap=(parse_mem_gb(r.mem) or DEFAULT_HOST_GB) * GiB,
                  lora_params=lora_param_count(arch, spec.lora.r, spec.lora.target_modules) if spec.lora.r else 0,
-                 quant_4bit=spec.lora.quantize == "4bit")
+                 quant_4bit=spec.lora.quantize == "4bit",
+                 lora_mask_elems=lora_mask_elems(arch, spec.lora.target_modules)
+                 if spec.lora.r and spec.lora.dropout > 0 else 0)
 
 
 def lora_reason(spec: Spec, sh: Shape) -> str:
