@@ -218,7 +218,8 @@ def test_after_is_bounded(home: Path) -> None:
     ["hostfile", "--slots", "1", "--nodelist", "n" * 10_000 + "[x]"],
     ["plan", "--partition", "p;" + "q" * 10_000, "examples/tiny.toml"],
     ["submit", "--dry-run", "--sweep", "train.lr=" + "1" * 10_000 + "x", "examples/tiny.toml"],
-], ids=["nodelist", "hostname", "partition", "sweep-value"])
+    ["status", "r" * 5_000],
+], ids=["nodelist", "hostname", "partition", "sweep-value", "run-ref"])
 def test_no_message_echoes_a_value_whole(home: Path, args: list[str]) -> None:
     from hpctrain.errors import MAX_WORD
 
@@ -263,3 +264,106 @@ def test_the_wrong_secret_env_entry_is_named(home: Path) -> None:
     res = CliRunner().invoke(cli, ["plan", str(run)])
     _refused(res, "secret_env[0] = '<redacted>'")
     assert token not in res.output
+
+
+# -- 6. no traceback on any input; what is accepted works on SLURM or is refused at submit -----------------------
+
+LONG_NAME = "a" * 300
+DEEP_PATH = "/tmp/" + "d/" * 2100  # every name short, the whole over PATH_MAX
+REF_COMMANDS = [["status"], ["cancel"], ["resubmit"], ["stacks"], ["export"], ["logs"], ["summary"],
+                ["submit", "--dry-run", "examples/tiny.toml", "--after"]]
+
+
+@pytest.mark.parametrize("value", [LONG_NAME, "/tmp/" + LONG_NAME + "/x", DEEP_PATH], ids=["name", "part", "path"])
+@pytest.mark.parametrize("cmd", REF_COMMANDS, ids=lambda c: c[0] if c[0] != "submit" else "after")
+def test_an_impossible_run_reference_is_refused_not_a_traceback(home: Path, cmd: list[str], value: str) -> None:
+    res = CliRunner().invoke(cli, [*cmd, value])
+    assert res.exit_code in (1, 2) and not isinstance(res.exception, OSError), res.exception
+    assert "Traceback" not in res.output and "RUN = " in res.stderr and ("NAME_MAX" in res.stderr
+                                                                       or "PATH_MAX" in res.stderr), res.stderr
+
+
+@pytest.mark.parametrize("args", [
+    ["plan", "--site", LONG_NAME, "examples/tiny.toml"],
+    ["plan", "--site", f"/tmp/{LONG_NAME}.toml", "examples/tiny.toml"],
+    ["plan", "--site", DEEP_PATH + "s.toml", "examples/tiny.toml"],
+    ["submit", "--dry-run", "--set", f"launch.template_dir=/tmp/{LONG_NAME}", "examples/tiny.toml"],
+    ["submit", "--dry-run", "--set", f"launch.template_dir={DEEP_PATH}", "examples/tiny.toml"],
+    ["submit", "--dry-run", "--data", f"/tmp/{LONG_NAME}", "examples/tiny.toml"],
+    ["submit", "--dry-run", "--out", f"/tmp/{LONG_NAME}", "examples/tiny.toml"],
+    ["submit", "--dry-run", "--out", DEEP_PATH[:4000], "examples/tiny.toml"],
+], ids=["site-name", "site-file", "site-deep", "template-name", "template-deep", "data", "out", "out-deep"])
+def test_an_impossible_path_is_refused_not_a_traceback(home: Path, args: list[str]) -> None:
+    res = CliRunner().invoke(cli, args)
+    _refused(res, "Fix:")
+    assert "NAME_MAX" in res.stderr or "PATH_MAX" in res.stderr
+
+
+def test_the_cli_turns_any_name_too_long_into_a_refusal(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backstop for the next path input nobody checked: ENAMETOOLONG anywhere below a command is a refusal
+    naming the path (here the config dir, which no check looks at before site profiles are searched in it)."""
+    monkeypatch.setenv("HPCTRAIN_CONFIG_DIR", str(home / LONG_NAME))
+    res = CliRunner().invoke(cli, ["plan", "--site", "x", "examples/tiny.toml"])
+    _refused(res, "path = ", "NAME_MAX", "Fix: give a shorter path")
+
+
+@pytest.mark.parametrize("extra", ["[{}]", "[[\"--x=1\"]]", "[\"--reservation=r\", {a = 1}]", "[[]]"])
+def test_a_non_text_sbatch_extra_is_refused_by_its_place(home: Path, extra: str) -> None:
+    run = home / "run.toml"
+    run.write_text(f'name = "x"\n[slurm]\nextra = {extra}\n')
+    _refused(CliRunner().invoke(cli, ["plan", str(run)]), "slurm.extra[", "must be a string", "Fix:")
+
+
+def test_a_backslash_in_an_sbatch_arg_is_refused(home: Path) -> None:
+    res = CliRunner().invoke(cli, ["submit", "--dry-run", "--sbatch-arg", "--comment=a\\b", "examples/tiny.toml"])
+    _refused(res, "slurm.extra = ", "backslash", "Fix:")
+
+
+def test_a_missing_code_dir_is_refused_at_submit(home: Path) -> None:
+    res = CliRunner().invoke(cli, ["submit", "--dry-run", "--set", f"code.dir={home / 'gone'}", "examples/tiny.toml"])
+    _refused(res, "code.dir = ", "not an existing folder", "--snapshot")
+    (home / "here").mkdir()
+    res = CliRunner().invoke(cli, ["submit", "--dry-run", "--set", f"code.dir={home / 'here'}", "examples/tiny.toml"])
+    assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--time", "366-00:00:00"], "more than the limit of 365 days"),
+    (["--time", "9999999-00:00:00"], "more than the limit of 365 days"),
+    (["--time", "00:01:00"], "before it starts"),  # signal_seconds 90 > a 60 s job
+    (["--time", "02:00:00", "--set", "resources.signal_seconds=21601"], "more than the limit of 21,600 seconds"),
+    (["--time", "01:00:00", "--set", "resources.signal_seconds=3600"], "before it starts"),
+])
+def test_time_and_signal_are_bounded(home: Path, args: list[str], needle: str) -> None:
+    _refused(CliRunner().invoke(cli, ["plan", *args, "examples/tiny.toml"]), needle, "Fix:")
+
+
+def test_time_and_signal_within_bounds_pass(home: Path) -> None:
+    for args in (["--time", "365-00:00:00"], ["--time", "0"], ["--time", "00:02:00"],
+                 ["--time", "7-00:00:00", "--set", "resources.signal_seconds=21600"]):
+        res = CliRunner().invoke(cli, ["plan", *args, "examples/tiny.toml"])
+        assert res.exit_code == 0, (args, res.output)
+
+
+NO_NODE_EXTRA = """
+import sys
+for m in ("torch", "deepspeed", "transformers", "safetensors", "peft", "accelerate"):
+    sys.modules[m] = None  # what the base install (no node extra) has: none of them
+from hpctrain.cli.main import main
+sys.argv = ["hpctrain", "export", sys.argv[1]]
+main()
+"""
+
+
+def test_export_on_the_base_install_says_it_needs_the_node_extra(home: Path) -> None:
+    import subprocess
+    import sys
+
+    run = home / "runs" / "r-1"
+    run.mkdir(parents=True)
+    (run / "spec.toml").write_text('name = "r"\n')
+    out = subprocess.run([sys.executable, "-c", NO_NODE_EXTRA, str(run)], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "export needs the node extra (torch is not installed here)" in out.stderr
+    assert "pip install 'hpctrain[node]'" in out.stderr

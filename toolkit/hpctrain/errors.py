@@ -80,6 +80,31 @@ def bad_value(field: str, value: object, why: str, fix: str) -> HpcUsageError:
     return HpcUsageError(f"{field} = {shorten(repr(value))}: {why}. Fix: {fix}")
 
 
+# Linux's limits (limits.h): one name of a path, and a whole path. A longer one makes every stat/open fail
+# with ENAMETOOLONG, which pathlib's is_file()/is_dir() raise instead of answering False.
+NAME_MAX, PATH_MAX = 255, 4096
+
+
+def path_problem(text: str, room: int = 0) -> str | None:
+    """Why TEXT can be no path on Linux (a name over NAME_MAX bytes, the whole over PATH_MAX less ROOM, the bytes
+    kept free for what is added below it), else None."""
+    data = text.encode("utf-8", "surrogatepass")
+    if len(data) + room >= PATH_MAX:
+        return (f"{len(data):,} bytes long, and a path has at most {PATH_MAX - 1 - room:,} here (PATH_MAX "
+                f"{PATH_MAX}{f' less {room} for the files below it' if room else ''})")
+    longest = max(data.split(b"/"), key=len)
+    if len(longest) > NAME_MAX:
+        return f"one of its names is {len(longest):,} bytes long, and a file name has at most {NAME_MAX} (NAME_MAX)"
+    return None
+
+
+def check_path(field: str, text: str, fix: str = "give a shorter path", room: int = 0) -> None:
+    """Refuse a path no file system can hold, before anything stats it (a traceback otherwise)."""
+    problem = path_problem(text, room)
+    if problem is not None:
+        raise bad_value(field, text, problem, fix)
+
+
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """A ' (did you mean X?)' hint for a misspelt key, or '' when nothing is close."""
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)

@@ -25,23 +25,53 @@ def export_cmd(run: str, out: str | None, tag: str | None) -> None:
     from hpctrain.errors import HpcUsageError
 
     run_dir = _run_dir(run)
+    missing = _missing_node_extra()
+    if missing:  # the base install: hpctrain.node imports these only inside the functions that use them
+        raise _needs_node_extra(missing)
     try:
         from hpctrain.node.export import export_hf
         from hpctrain.node.runconf import NodeInputError
-    except ImportError as exc:  # torch/deepspeed/transformers absent: the base install
-        raise HpcUsageError(f"export needs the node extra ({exc.name} is not installed). "
-                            "Fix: run it where `pip install 'hpctrain[node]'` (make install) is done") from None
-    try:
+
         folder = export_hf(run_dir, out, tag)
     except NodeInputError as exc:
         raise HpcUsageError(str(exc)) from None
+    except ImportError as exc:  # a package of the node extra (peft for a LoRA run, ...) missing or broken
+        if (exc.name or "").partition(".")[0] not in NODE_EXTRA:
+            raise
+        raise _needs_node_extra(str(exc.name)) from None
     click.echo(f"exported {run_dir.name} -> {folder}")
+
+
+# What `pip install 'hpctrain[node]'` brings that export loads (the import names, not the package names).
+NODE_EXTRA = ("torch", "deepspeed", "transformers", "safetensors", "accelerate", "peft")
+
+
+def _missing_node_extra() -> str:
+    """The first of torch, deepspeed and transformers that cannot be imported here, or ''."""
+    import importlib.util
+
+    for name in NODE_EXTRA[:3]:
+        try:
+            if importlib.util.find_spec(name) is None:
+                return name
+        except (ImportError, ValueError):  # ValueError: a module blocked as None in sys.modules
+            return name
+    return ""
+
+
+def _needs_node_extra(name: str) -> click.ClickException:
+    from hpctrain.errors import HpcUsageError
+
+    return HpcUsageError(f"export needs the node extra ({name} is not installed here). Fix: run it where "
+                         "`pip install 'hpctrain[node]'` (make install) is done, e.g. on a compute node")
 
 
 def _run_dir(ref: str) -> Path:
     """A path to a run folder is taken as is; anything else is looked up in the registry."""
+    from hpctrain.errors import check_path
     from hpctrain.runs.folder import RunFolder
 
+    check_path("RUN", ref, "pass a run id from `hpctrain list`, `last`, or the run folder's path")
     if RunFolder(ref).spec_toml.is_file():
         return Path(ref).resolve()
     from hpctrain.cli.runs import _find, _registry

@@ -7,6 +7,7 @@ and a login node without torch runs every command.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -40,14 +41,29 @@ class _RedactingGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except click.ClickException as exc:
-            from hpctrain.errors import bound_message
-            from hpctrain.secret import redact_environment
+        except OSError as exc:
+            if exc.errno != errno.ENAMETOOLONG:
+                raise  # unexpected: the traceback stays
+            # A path no file system can hold, from an input no check above knew to be a path: a refusal.
+            from hpctrain.errors import HpcUsageError, path_problem
 
-            # `message` is Final in click's types; rewriting it here is the one place that does. Redacted
-            # first, then bounded: a long secret is never cut into pieces that no longer match it.
-            vars(exc)["message"] = bound_message(redact_environment(exc.message, _SECRET_NAMES))
+            name = str(exc.filename)
+            why = path_problem(name) or "too long for the file system"
+            raise _shown(HpcUsageError(f"path = {name!r}: {why}. Fix: give a shorter path")) from None
+        except click.ClickException as exc:
+            _shown(exc)
             raise
+
+
+def _shown(exc: click.ClickException) -> click.ClickException:
+    """EXC with its message as the CLI may print it: secrets redacted first, then bounded (a long secret is
+    never cut into pieces that no longer match it)."""
+    from hpctrain.errors import bound_message
+    from hpctrain.secret import redact_environment
+
+    # `message` is Final in click's types; rewriting it here is the one place that does.
+    vars(exc)["message"] = bound_message(redact_environment(exc.message, _SECRET_NAMES))
+    return exc
 
 
 @click.group(cls=_RedactingGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -410,13 +426,14 @@ def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry
 def _check_run_parent(out: str | None) -> None:
     """The folder that run folders go into reaches #SBATCH --output and submitit's folder: refuse what SLURM or
     submitit would read as something else (the same check at submit and --dry-run)."""
+    from hpctrain.errors import check_path
     from hpctrain.render.sbatch import check_job_path
     from hpctrain.runs import folder as runs
 
-    if out:
-        check_job_path("--out", Path(out).absolute())
-    else:
-        check_job_path("HPCTRAIN_RUNS_DIR", runs.runs_dir_default().absolute())
+    # Room for what goes below it: a run id, a sweep's point-<i>, submitit's and the ranks' file names.
+    field, parent = ("--out", Path(out)) if out else ("HPCTRAIN_RUNS_DIR", runs.runs_dir_default())
+    check_path(field, str(parent.absolute()), "choose a folder with a shorter path", room=512)
+    check_job_path(field, parent.absolute())
 
 
 def _check_sweep_binds(points: list[tuple[Spec, Plan]]) -> None:

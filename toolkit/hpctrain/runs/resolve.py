@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpctrain.errors import HpcUsageError
+from hpctrain.errors import HpcUsageError, check_path
 from hpctrain.runs.folder import RunFolder
 from hpctrain.runs.registry import Registry, Run, RunNotFound
 
@@ -34,6 +34,7 @@ def resolve_run(reg: Registry, ref: str) -> RunRef:
     """The run `ref` names; HpcUsageError (naming the close matches) when it names none or several."""
     if not ref.strip():
         raise HpcUsageError(f"RUN = {ref!r}: empty run id. Fix: {_PICK}")
+    check_path("RUN", ref, _PICK)  # before a lookup stats it as a folder
     if ref == LAST:
         newest = reg.newest()
         if newest is None:

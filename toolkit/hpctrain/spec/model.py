@@ -611,6 +611,10 @@ def check_paths(spec: Spec) -> None:
     if tok != "byte":
         need(_exists(Path(tok), "dir"), "data.tokenizer", tok, "not a local tokenizer folder",
               "set [data] tokenizer = 'byte' or a folder holding tokenizer.json")
+    if spec.code.dir:  # the batch script cds there: a missing folder killed the job at its first line
+        need(_exists(Path(spec.code.dir), "dir"), "code.dir", spec.code.dir, "not an existing folder (the job "
+             "would die at its `cd`)", "leave code.dir to `hpctrain submit --snapshot`, which sets it to the "
+             "snapshot it makes, or remove it to run in the submit folder")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, fields
 from typing import TYPE_CHECKING, Any, Literal, Union
 
-from hpctrain.errors import bad_value, did_you_mean, toml_value
+from hpctrain.errors import bad_value, check_path, did_you_mean, toml_value
 from hpctrain.runs.folder import SBATCH_SH
 from hpctrain.runs.tracking import TRACKERS
 from hpctrain.spec.flags import FLAG_FOR
@@ -181,6 +181,7 @@ def check(obj: Any) -> None:
         check_items_bound(prefix + f.name, value)  # first: the walks below visit every entry
         check_strings(prefix + f.name, value, _secret_keys(obj, f.name))
         check_int_bounds(prefix + f.name, value)
+    _paths_fit(obj)  # before any rule or check stats one
     rule = _RULES.get(type(obj).__name__)
     if rule:
         rule(obj)
@@ -340,8 +341,31 @@ def _rules_resources(r: Resources) -> None:
     _rules_bounds(r)
     need(r.signal_seconds >= 1, "resources.signal_seconds", r.signal_seconds, "must be at least 1",
           "set [resources] signal_seconds = 90")
+    _rules_time_bounds(r)
     need(r.gpu_mem_gb >= 0, "resources.gpu_mem_gb", r.gpu_mem_gb, "cannot be negative",
           "set [resources] gpu_mem_gb = 80 (or 0 to assume 80)")
+
+
+# SLURM takes any of these, and a job asked for so would never start or never be warned: bounded at submit.
+MAX_TIME_S = 365 * 86400  # a year: no partition allows more, and sbatch takes up to 9,999,999 days
+MAX_SIGNAL_S = 6 * 3600  # the warning before the time limit: enough for the largest checkpoint
+
+
+def _rules_time_bounds(r: Resources) -> None:
+    """--time at most a year; signal_seconds at most MAX_SIGNAL_S and below the time limit (a warning due
+    before the job starts is sent at once, and the run checkpoints and requeues in a loop)."""
+    if not _TIME.fullmatch(r.time):
+        return  # refused above
+    limit = time_limit_s(r.time)
+    need(limit <= MAX_TIME_S, "resources.time", r.time, f"{limit / 86400:,.0f} days, more than the limit of "
+         f"{MAX_TIME_S // 86400} days", how_to_set("resources.time", "7-00:00:00") + " (D-HH:MM:SS)")
+    need(r.signal_seconds <= MAX_SIGNAL_S, "resources.signal_seconds", r.signal_seconds,
+         f"more than the limit of {MAX_SIGNAL_S:,} seconds ({MAX_SIGNAL_S // 3600} hours) before the time limit",
+         "set [resources] signal_seconds = 90 (or as long as the largest checkpoint takes to write)")
+    need(limit == 0 or r.signal_seconds < limit, "resources.signal_seconds", r.signal_seconds,
+         f"the warning would come {r.signal_seconds} s before the end of a job that lasts {limit} s "
+         f"(resources.time = {r.time!r}), that is before it starts",
+         f"set [resources] signal_seconds below {limit} (e.g. {max(1, min(90, limit // 4))}), or pass a longer --time")
 
 
 MEM_LIMIT_BYTES = 2**60  # 1 EiB: more than any node has; beyond it SLURM's own counters overflow
@@ -669,6 +693,7 @@ def _rules_tracking(t: Tracking) -> None:
 
 def check_site_name(name: str) -> None:
     """A site profile name is a file name in $HPCTRAIN_CONFIG_DIR/sites: no '/', no control characters."""
+    check_path("site", name + ".toml", "give the name of a site profile, or the path of a site file")
     need(bool(_SITE_NAME.fullmatch(name)), "site", shown("site", name),
          "site profile names are letters, digits, '_', '.', '-'", "rename the profile")
 
@@ -768,6 +793,24 @@ _DASH_FIX = {
     "container.mounts": "write SRC[:DST] with absolute paths (e.g. /scratch:/scratch)",
     "container.python": "give the python's path or name inside the image (e.g. python3)",
 }
+
+
+# Every field that names a file or folder: each must be a path Linux can hold (errors.path_problem), or the
+# first stat of it raised ENAMETOOLONG as a traceback (issue 27, item 6). The run folder's files go below it.
+PATH_FIELDS: dict[str, tuple[str, ...]] = {
+    "Launch": ("template_dir", "script"), "Model": ("path", "config"), "Data": ("source", "tokenizer"),
+    "Parallel": ("nvme_path",), "Container": ("image", "mounts"), "Code": ("dir",),
+}
+
+
+def _paths_fit(obj: Any) -> None:
+    cls = type(obj).__name__
+    for name in PATH_FIELDS.get(cls, ()):
+        key = f"{cls.lower()}.{name}"
+        value = getattr(obj, name, "")
+        for item in value if isinstance(value, tuple) else (value,):
+            if isinstance(item, str):
+                check_path(key, item, how_to_set(key, "PATH") + " with a shorter path")
 
 
 def _no_leading_dash(obj: Any) -> None:

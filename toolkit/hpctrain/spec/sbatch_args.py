@@ -86,6 +86,9 @@ def parse_option(text: str) -> tuple[str, str | None]:
                         _FIX_FORM)
     if sep and re.search(r"\s-", value):
         raise bad_value(KEY, text, "its value holds what looks like a second option", _FIX_FORM)
+    if "\\" in text:  # sbatch's #SBATCH parser takes a backslash as an escape and drops it, without a word
+        raise bad_value(KEY, text, "holds a backslash, which sbatch silently drops from an #SBATCH line",
+                        "write the value without '\\' (sbatch would read a different value than the one given)")
     return name, (value if sep else None)
 
 
@@ -118,9 +121,11 @@ def check_extra(extra: Sequence[str]) -> list[tuple[str, str | None]]:
 def merge_extra(lower: Iterable[str], upper: Iterable[str]) -> tuple[str, ...]:
     """Layers of extras (site < run file < flags): the union, where an option named again in a later layer
     replaces the earlier one (the site's --reservation=A, the flag's --reservation=B: B)."""
-    merged: dict[str, str] = {}
-    for text in [*lower, *upper]:
-        name = text[2:].partition("=")[0] if isinstance(text, str) and text.startswith("--") else text
+    merged: dict[object, str] = {}
+    for i, text in enumerate([*lower, *upper]):
+        # Not text (`extra = [{}]`, a list in the list): kept as it is, for the type check to refuse by its place.
+        name: object = (text[2:].partition("=")[0] if text.startswith("--") else text) if isinstance(text, str) \
+            else ("entry", i)
         merged.pop(name, None)
         merged[name] = text
     return tuple(merged.values())

@@ -109,6 +109,9 @@ def known_sites(inline: dict[str, Any]) -> list[str]:
 
 def site_path(ref: str) -> Path | None:
     """`--site path/to/NAME.toml`: a site file given by its path (it ends in .toml, or names a file)."""
+    from hpctrain.errors import check_path
+
+    check_path("site", ref, "give the name of a site profile, or the path of a site file")  # before is_file()
     p = Path(ref).expanduser()
     return p if (ref.endswith(".toml") or "/" in ref) and p.is_file() else None
 
