@@ -294,8 +294,8 @@ def _print_table(records: list[dict[str, Any]], warnings: list[str]) -> None:
             table.add_row(*r)
         Console(width=width or 1000).print(table)
     if records and hidden:
-        click.echo(f"(not shown at this width: {', '.join(names.get(c, c) for c in hidden)}; "
-                   "`hpctrain summary --json` has every field)")
+        _note(f"(not shown at this width: {', '.join(names.get(c, c) for c in hidden)}; "
+              "`hpctrain summary --json` has every field)")
     for run in records:
         _print_eval(run)
         _print_data(run)
@@ -304,6 +304,19 @@ def _print_table(records: list[dict[str, Any]], warnings: list[str]) -> None:
         _print_stragglers(run)
     for w in dict.fromkeys(warnings + [w for run in records for w in run["warnings"]]):
         click.echo(f"warning: {w}", err=True)
+
+
+def _note(text: str) -> None:
+    """A line under the summary table, fitted to the terminal's width like the table (rich folds the table;
+    these lines wrap, their continuations indented); whole when printing to a pipe or a file."""
+    width = _terminal_width()
+    if width is None or len(text) <= width:
+        click.echo(text)
+        return
+    import textwrap
+
+    indent = " " * min(len(text) - len(text.lstrip()) + 4, width // 2)
+    click.echo("\n".join(textwrap.wrap(text, width, subsequent_indent=indent, break_on_hyphens=False)))
 
 
 def _print_health(run: dict[str, Any]) -> None:
@@ -315,12 +328,12 @@ def _print_health(run: dict[str, Any]) -> None:
         head = f"{run['run_id']} a{a['attempt']} health check (step {h['step_id']}, {len(h['hosts'])} node(s)"
         head += f", {h['elapsed_s']:.0f} s)" if h.get("elapsed_s") is not None else ")"
         if not h["failed"]:
-            click.echo(f"{head}: every node passed")
+            _note(f"{head}: every node passed")
         for host, why in sorted(h["failed"].items()):
             swap = f"; replaced by {h['replaced'][host]}" if host in h["replaced"] else ""
-            click.echo(f"{head}: {host} failed: {why}{swap}")
+            _note(f"{head}: {host} failed: {why}{swap}")
         for note in h["notes"]:
-            click.echo(f"{head}: note: {note}")
+            _note(f"{head}: note: {note}")
 
 
 def _print_stragglers(run: dict[str, Any]) -> None:
@@ -328,7 +341,7 @@ def _print_stragglers(run: dict[str, Any]) -> None:
 
     line = describe(run.get("stragglers"))
     if line:
-        click.echo(f"{run['run_id']}: {line}")
+        _note(f"{run['run_id']}: {line}")
 
 
 def _job_words(a: dict[str, Any]) -> str:
@@ -344,9 +357,9 @@ def _print_eval(run: dict[str, Any]) -> None:
     """The validation loss under the table ([train] eval_every): the last one and the best one."""
     e = run["totals"].get("eval")
     if e:
-        click.echo(f"{run['run_id']} eval: loss {_fmt(e['last_loss'], '.4f')} ppl {_fmt(e['last_ppl'], '.2f')} at "
-                   f"step {e['last_step']}; best {_fmt(e['best_loss'], '.4f')} ppl {_fmt(e['best_ppl'], '.2f')} at "
-                   f"step {e['best_step']}")
+        _note(f"{run['run_id']} eval: loss {_fmt(e['last_loss'], '.4f')} ppl {_fmt(e['last_ppl'], '.2f')} at "
+              f"step {e['last_step']}; best {_fmt(e['best_loss'], '.4f')} ppl {_fmt(e['best_ppl'], '.2f')} at "
+              f"step {e['best_step']}")
 
 
 def _print_data(run: dict[str, Any]) -> None:
@@ -356,11 +369,11 @@ def _print_data(run: dict[str, Any]) -> None:
         return
     bad = d.get("bad") or {}
     why = ", ".join(f"{k} {v:,}" for k, v in bad.items())
-    click.echo(f"{run['run_id']} data ({d.get('format')}): {d.get('records') or 0:,} records, {d.get('kept') or 0:,} "
-               f"trained on ({d.get('truncated') or 0:,} truncated), {sum(bad.values()):,} bad"
-               + (f": {why}" if why else ""))
+    _note(f"{run['run_id']} data ({d.get('format')}): {d.get('records') or 0:,} records, {d.get('kept') or 0:,} "
+          f"trained on ({d.get('truncated') or 0:,} truncated), {sum(bad.values()):,} bad"
+          + (f": {why}" if why else ""))
     for reason, where in (d.get("first") or {}).items():
-        click.echo(f"  first {reason}: {where}")
+        _note(f"  first {reason}: {where}")
 
 
 def _print_failures(run: dict[str, Any]) -> None:
@@ -371,9 +384,9 @@ def _print_failures(run: dict[str, Any]) -> None:
             continue
         where = " ".join(x for x in (f"rank {f['rank']}" if f["rank"] is not None else "",
                                      f"on {f['host']}" if f["host"] else "") if x)
-        click.echo(f"{run['run_id']} a{a['attempt']} ({_job_words(a)}): {f['failure_class']}"
-                   f"{' ' + where if where else ''}: {f['message']}")
+        _note(f"{run['run_id']} a{a['attempt']} ({_job_words(a)}): {f['failure_class']}"
+              f"{' ' + where if where else ''}: {f['message']}")
         for ln in f["last_lines"][-4:] if f["failure_class"] == FailureClass.PYTHON_EXCEPTION else []:
-            click.echo(f"    {ln}")
+            _note(f"    {ln}")
         if f["source"]:
-            click.echo(f"    log: {Path(run['folder']) / f['source']}")
+            _note(f"    log: {Path(run['folder']) / f['source']}")
