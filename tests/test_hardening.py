@@ -367,3 +367,161 @@ def test_export_on_the_base_install_says_it_needs_the_node_extra(home: Path) -> 
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert "export needs the node extra (torch is not installed here)" in out.stderr
     assert "pip install 'hpctrain[node]'" in out.stderr
+
+
+# -- 5. nothing secret in the run folder: git.diff and --snapshot ------------------------------------------------
+
+def _gitc(cwd: Path, *args: str) -> str:
+    import subprocess
+
+    return subprocess.run(["git", "-C", str(cwd), "-c", "user.name=t", "-c", "user.email=t@x", *args], check=True,
+                          capture_output=True, text=True, timeout=60).stdout
+
+
+TOKEN = "hf_" + "Zq7" * 10  # the value of HF_TOKEN in these tests
+
+
+@pytest.fixture
+def repo(home: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A git tree with credential files tracked (as happens), then edited: every one of them a way to leak."""
+    for var in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    r = home / "code"
+    (r / "conf").mkdir(parents=True)
+    (r / "train.py").write_text("print('v1')\n")
+    (r / ".gitignore").write_text("secrets.toml\n")
+    for name in (".env", "conf/server.pem", "conf/id_rsa", "credentials.json", "secrets.toml", "conf/.env.prod"):
+        (r / name).write_text("placeholder\n")
+    _gitc(r, "init", "-q")
+    _gitc(r, "add", "-A")
+    _gitc(r, "add", "-f", "secrets.toml")  # tracked, though .gitignore names it
+    _gitc(r, "commit", "-qm", "one")
+    for name in (".env", "conf/server.pem", "conf/id_rsa", "credentials.json", "secrets.toml", "conf/.env.prod"):
+        (r / name).write_text(f"API_TOKEN=sk-live-{name}-9f8e7d6c5b4a\n")
+    (r / "train.py").write_text("print('v2')\n")
+    return r
+
+
+def test_git_diff_leaves_out_credential_and_ignored_files(repo: Path) -> None:
+    from hpctrain.runs import repro
+
+    info, diff = repro.git_state(repo)
+    assert diff is not None and b"print('v2')" in diff
+    assert b"sk-live" not in diff
+    assert sorted(info["diff_left_out"]) == [".env", "conf/.env.prod", "conf/id_rsa", "conf/server.pem",
+                                             "credentials.json", "secrets.toml"]
+
+
+def test_git_diff_holding_a_secret_value_is_not_kept(repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpctrain.runs import repro
+
+    (repo / "train.py").write_text(f"TOKEN = '{TOKEN}'\n")  # pasted into the code itself
+    monkeypatch.setenv("MY_SERVICE_KEY", "k" * 20)
+    info, diff = repro.git_state(repo)
+    assert diff is None and "HF_TOKEN" in info["note"] and TOKEN not in json.dumps(info)
+    (repo / "train.py").write_text("KEY = '" + "k" * 20 + "'\n")  # a variable listed in secret_env
+    info, diff = repro.git_state(repo, ["MY_SERVICE_KEY"])
+    assert diff is None and "MY_SERVICE_KEY" in info["note"]
+
+
+def _all_bytes(folder: Path) -> bytes:
+    return b"".join(p.read_bytes() for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def test_snapshot_copies_no_credential_file_and_every_file_is_private(repo: Path) -> None:
+    from hpctrain.runs import snapshot
+
+    (repo / "run.sh").write_text("#!/bin/sh\n")
+    os.chmod(repo / "run.sh", 0o755)
+    (repo / "ok.py").write_text("x = 1\n")
+    os.chmod(repo / "ok.py", 0o644)
+    run = repo.parent / "runs" / "r-1"
+    run.mkdir(parents=True)
+    where = snapshot.snapshot_code(repo, run)
+    copied = sorted(p.relative_to(where).as_posix() for p in where.rglob("*") if p.is_file())
+    assert copied == [".gitignore", "ok.py", "run.sh", "train.py"], copied
+    assert b"sk-live" not in _all_bytes(run)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in where.rglob("*") if p.is_file()}
+    assert set(modes.values()) == {0o600}, modes
+
+
+def test_snapshot_refuses_a_file_holding_a_secret_value_and_names_it(repo: Path) -> None:
+    from hpctrain.errors import HpcUsageError
+    from hpctrain.runs import snapshot
+
+    (repo / "conf" / "settings.py").write_text(f"HUB = '{TOKEN}'\n")
+    run = repo.parent / "runs" / "r-2"
+    run.mkdir(parents=True)
+    with pytest.raises(HpcUsageError) as e:
+        snapshot.snapshot_code(repo, run)
+    msg = e.value.format_message()
+    assert "conf/settings.py" in msg and "HF_TOKEN" in msg and TOKEN not in msg
+    assert not (run / "code").exists()  # refused before anything was copied
+
+
+@BUDGET
+@given(name=st.sampled_from([".env", ".env.local", "x.pem", "deploy.KEY", "id_ed25519", ".netrc", "credentials",
+                             "credentials.yaml", ".git-credentials", "store.p12"]),
+       folder=st.sampled_from(["", "a/", "a/b/"]))
+def test_every_denied_name_stays_out_of_a_snapshot_in_any_folder(tmp_path_factory: pytest.TempPathFactory,
+                                                                 name: str, folder: str) -> None:
+    from hpctrain.runs import snapshot
+
+    src = tmp_path_factory.mktemp("src")  # outside git: the plain walk
+    (src / folder).mkdir(parents=True, exist_ok=True)
+    (src / folder / name).write_text("s3cr3t-value\n")
+    (src / "main.py").write_text("x = 1\n")
+    run = tmp_path_factory.mktemp("run")
+    where = snapshot.snapshot_code(src, run)
+    assert not (where / folder / name).exists()
+    assert (where / "main.py").stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.slurm
+def test_submit_snapshot_on_slurm_keeps_secrets_out_of_the_run_folder(slurm_cluster: Any, repo: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real `hpctrain submit --snapshot` (a held job on the local cluster, cancelled after): the run folder
+    has the code without credential files, every copied file 0600, a git.diff without them, and no secret value."""
+    import subprocess
+    import sys
+
+    monkeypatch.chdir(repo)
+    tiny = Path(__file__).resolve().parents[1] / "examples" / "tiny.toml"
+    proc = subprocess.run([sys.executable, "-m", "hpctrain", "submit", str(tiny), "--nodes", "1", "--partition",
+                           "debug", "--executor", "slurm", "--snapshot", "--sbatch-arg=--hold", "--json"],
+                          capture_output=True, text=True, timeout=180, check=False)
+    try:
+        assert proc.returncode == 0, proc.stderr
+        (sub,) = json.loads(proc.stdout)
+        run = Path(sub["run_dir"])
+        code = run / "code"
+        assert (code / "train.py").read_text() == "print('v2')\n"
+        assert not any(p.name in (".env", "server.pem", "id_rsa", "credentials.json", "secrets.toml")
+                       for p in code.rglob("*"))
+        assert {p.stat().st_mode & 0o777 for p in code.rglob("*") if p.is_file()} == {0o600}
+        diff = (run / "repro" / "git.diff").read_bytes()
+        assert b"print('v2')" in diff and b"sk-live" not in diff
+        assert b"sk-live" not in _all_bytes(run) and TOKEN.encode() not in _all_bytes(run)
+    finally:
+        subprocess.run([sys.executable, "-m", "hpctrain", "cancel", "last"], capture_output=True, timeout=120,
+                       check=False)
+
+
+def test_summary_lines_under_the_table_fit_the_terminal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At COLUMNS=100 the table was fitted but the lines under it were not (119 columns): now every line is."""
+    import test_collect_cli as tc
+
+    env = tc.env.__wrapped__(tmp_path, monkeypatch)  # type: ignore[attr-defined]
+    deep = tmp_path / ("long-folder-name-" * 4)
+    deep.mkdir()
+    env["runs"] = deep
+    tc.two_attempt_run(env)
+    monkeypatch.setenv("COLUMNS", "100")
+    res = tc.invoke("summary", "twice-1")
+    assert res.exit_code == 0, res.output
+    assert "python_exception rank 1 on node1" in res.output and "attempt-0.rank-1.log" in res.output.replace("\n", "")
+    assert max(len(line) for line in res.output.splitlines()) <= 100, res.output
+    monkeypatch.delenv("COLUMNS")  # a pipe: every line whole
+    res = tc.invoke("summary", "twice-1")
+    assert any(len(line) > 100 for line in res.output.splitlines())

@@ -53,3 +53,32 @@ def redact_environment(text: str, names: Iterable[str] = ()) -> str:
     for name, value in sorted(secret_values(candidates).items(), key=lambda kv: -len(kv[1])):
         text = text.replace(value, f"<redacted:{name}>")
     return text
+
+
+# --------------------------------------------------------------------------------------------------
+# Files that hold credentials by their name: never copied into a run folder (`--snapshot`, repro/git.diff),
+# whatever .gitignore says. Matched, case-insensitively, against every part of a path (a `.env/` folder too).
+DENIED_FILES = (".env*", "*.pem", "*.key", "id_*", ".netrc", "credentials*", ".git-credentials", "*.p12")
+
+
+def denied_file(path: str) -> str | None:
+    """The DENIED_FILES pattern one part of PATH (relative, '/'-separated) matches, or None."""
+    import fnmatch
+
+    for part in path.lower().split("/"):
+        for pattern in DENIED_FILES:
+            if fnmatch.fnmatchcase(part, pattern):
+                return pattern
+    return None
+
+
+def known_secret_values(names: Iterable[str] = ()) -> dict[str, bytes]:
+    """NAME -> value (UTF-8) of every secret variable of this environment: ALWAYS_SECRET, NAMES (a spec's
+    secret_env) and variables whose names look secret; what redact_environment hides from messages."""
+    candidates = {*ALWAYS_SECRET, *names, *(n for n in os.environ if looks_secret(n, ""))}
+    return {n: v.encode("utf-8", "surrogateescape") for n, v in secret_values(candidates).items()}
+
+
+def secret_in(data: bytes, values: Mapping[str, bytes]) -> str | None:
+    """The name of the first secret variable whose value DATA holds, or None."""
+    return next((name for name, value in sorted(values.items()) if value in data), None)

@@ -86,7 +86,7 @@ def prepare_runs(points: list[tuple[Spec, Plan]], run_dirs: list[Path]) -> list[
     src = script.parent if script is not None else Path.cwd()
     snap_info = None
     if spec.code.snapshot:
-        workdir = snapshot.snapshot_code(src, run_dirs[0])
+        workdir = snapshot.snapshot_code(src, run_dirs[0], spec.secret_env)
         snap_info = snapshot.describe(src, run_dirs[0], workdir)
 
         def moved(s: Spec) -> Spec:
@@ -98,7 +98,7 @@ def prepare_runs(points: list[tuple[Spec, Plan]], run_dirs: list[Path]) -> list[
         points = [(moved(s), p) for s, p in points]
         for d, (s, _) in zip(run_dirs, points):
             runs.write_private(runs.RunFolder(d).spec_toml, to_toml(s))
-    doc, diff = repro.manifest(src, image_identity(spec), snap_info)  # git runs once, also for a sweep
+    doc, diff = repro.manifest(src, image_identity(spec), snap_info, spec.secret_env)  # git once, also for a sweep
     for d in run_dirs:
         try:
             repro.write_manifest(d, doc, diff)

@@ -5,7 +5,9 @@ submitted, the folder submitted from, the git state of the code (repository root
 the tree is dirty, how many untracked files), the container image and what is knowable of its identity
 (render.containers.image_identity), and the snapshot when `--snapshot` made one. The working tree's changes
 against HEAD go to `repro/git.diff` (`git diff --binary HEAD`: binary-safe, `git apply` re-creates the tree);
-a diff over DIFF_CAP bytes is not kept, and the manifest says so with its size and `git diff --stat`.
+a diff over DIFF_CAP bytes is not kept, and the manifest says so with its size and `git diff --stat`. Nothing
+secret: files .gitignore names or named like credentials (secret.DENIED_FILES) are left out of the diff, and a
+diff holding the value of a secret variable is not kept (`git_state`).
 
 On the node, rank 0 writes `repro/pip-freeze.attempt-K.txt` at the start of every attempt: the packages of
 the environment that really ran (a container's, a node's venv), which may differ from the login node's.
@@ -24,11 +26,13 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from hpctrain import __version__
 from hpctrain.runs.folder import RunFolder, json_text, write_private
+from hpctrain.secret import DENIED_FILES, denied_file, known_secret_values, secret_in
 
 DIFF_CAP = 8 * 2**20  # bytes of `git diff --binary` kept; a bigger diff is usually data committed by mistake
 _GIT_TIMEOUT_S = 30.0
@@ -54,8 +58,13 @@ def git_root(code_dir: Path) -> Path | None:
     return Path(top) if top else None
 
 
-def git_state(code_dir: Path) -> tuple[dict[str, Any], bytes | None]:
-    """(what the manifest says of the repository, the binary diff to keep or None)."""
+def git_state(code_dir: Path, secret_names: Iterable[str] = ()) -> tuple[dict[str, Any], bytes | None]:
+    """(what the manifest says of the repository, the binary diff to keep or None).
+
+    Nothing secret goes into the diff: files that .gitignore names (tracked anyway) or whose names say they
+    hold credentials (secret.DENIED_FILES: .env, *.pem, id_rsa, ...) are left out of it, and a diff that still
+    holds the value of a secret variable (secret.known_secret_values: HF_TOKEN, SECRET_NAMES, ...) is not kept;
+    the manifest names what was left out and why."""
     root = git_root(code_dir)
     if root is None:
         return {"repository": None, "note": f"{code_dir} is not in a git work tree (or git is not installed)"}, None
@@ -68,7 +77,16 @@ def git_state(code_dir: Path) -> tuple[dict[str, Any], bytes | None]:
     if not sha:
         info["note"] = "the repository has no commit yet"
         return info, None
-    diff = git(root, "diff", "--binary", "HEAD")
+    kept, left_out = _diff_paths(root)
+    if left_out:
+        info["diff_left_out"] = left_out[:_LIST_CAP]
+        info["diff_left_out_why"] = ("ignored by .gitignore, or named like a credential file "
+                                     f"({', '.join(DENIED_FILES)})")
+    if len(left_out) > _LIST_CAP:
+        info["note"] = f"{len(left_out)} changed files would have to be left out of the diff: not kept"
+        return info, None
+    diff = (git(root, "diff", "--binary", "--no-renames", "HEAD", "--", ".",
+                *(f":(exclude,literal){p}" for p in left_out)) if kept else b"")
     if diff is None:
         info["note"] = "`git diff --binary HEAD` failed"
         return info, None
@@ -79,14 +97,35 @@ def git_state(code_dir: Path) -> tuple[dict[str, Any], bytes | None]:
                         "(commit the changes, or use --snapshot to keep the code itself)")
         info["diff_stat"] = _text(git(root, "diff", "--stat", "HEAD")).splitlines()[-1:]
         return info, None
+    leaked = secret_in(diff, known_secret_values(secret_names))
+    if leaked is not None:
+        info["diff"] = None
+        info["note"] = (f"the diff against HEAD holds the value of the secret variable {leaked}: not kept (move the "
+                        "secret out of the code, e.g. into the environment, or list its file in .gitignore)")
+        return info, None
     info["diff"] = "git.diff" if diff else None
     return info, diff or None
 
 
-def manifest(code_dir: Path, container: dict[str, Any], snapshot: dict[str, Any] | None) -> tuple[dict[str, Any],
-                                                                                                  bytes | None]:
-    """The manifest of a run submitted from `code_dir`, and its git diff."""
-    git, diff = git_state(code_dir)
+_LIST_CAP = 1000  # paths named in the manifest / passed to git as exclusions
+
+
+def _diff_paths(root: Path) -> tuple[list[str], list[str]]:
+    """(changed tracked paths the diff may hold, those it may not: ignored by .gitignore or DENIED_FILES)."""
+    changed = _paths(git(root, "diff", "--name-only", "-z", "--no-renames", "HEAD"))
+    ignored = set(_paths(git(root, "ls-files", "-z", "--cached", "--ignored", "--exclude-standard")))
+    left_out = [p for p in changed if p in ignored or denied_file(p) is not None]
+    return [p for p in changed if p not in left_out], left_out
+
+
+def _paths(out: bytes | None) -> list[str]:
+    return [p.decode("utf-8", "surrogateescape") for p in (out or b"").split(b"\0") if p]
+
+
+def manifest(code_dir: Path, container: dict[str, Any], snapshot: dict[str, Any] | None,
+             secret_names: Iterable[str] = ()) -> tuple[dict[str, Any], bytes | None]:
+    """The manifest of a run submitted from `code_dir`, and its git diff (SECRET_NAMES: the spec's secret_env)."""
+    git, diff = git_state(code_dir, secret_names)
     doc = {"hpctrain_version": __version__, "submitted": time.time(), "submitted_from": str(code_dir),
            "host": socket.gethostname(), "python": sys.version.split()[0], "python_executable": sys.executable,
            "git": git, "container": container, "snapshot": snapshot}

@@ -12,18 +12,24 @@ What "the code" is:
 Either way, run folders (the runs folder and any folder holding a spec.toml) are skipped, symlinks are
 copied as links, and a snapshot larger than MAX_FILES files or MAX_BYTES bytes is refused before copying.
 The list of files copied (path, size) is RUN/repro/snapshot-files.txt.
+
+Nothing secret is copied: files named like credentials (secret.DENIED_FILES: .env*, *.pem, *.key, id_*, .netrc,
+credentials*, .git-credentials, *.p12, in any folder) and files .gitignore names (also when tracked) stay out, and
+a file that holds the value of a secret variable (secret.known_secret_values) refuses the snapshot, naming the
+file. Every copied file is private (0600), like every other file of the run folder, whatever its mode was.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from hpctrain.errors import bad_value
 from hpctrain.runs import repro
 from hpctrain.runs.folder import RunFolder, runs_dir_default, write_private
+from hpctrain.secret import denied_file, known_secret_values, secret_in
 
 MAX_FILES = 20_000
 MAX_BYTES = 512 * 2**20
@@ -31,10 +37,14 @@ _SKIP_DIRS = {"__pycache__", "node_modules"}
 
 
 def _git_files(root: Path) -> list[Path] | None:
+    """The work tree's files, less those .gitignore names: untracked ones (--exclude-standard) and tracked ones
+    that match it all the same (committed before the rule, or with `git add -f`)."""
     out = repro.git(root, "ls-files", "-z", "--cached", "--others", "--exclude-standard")
-    if out is None:
+    ignored = repro.git(root, "ls-files", "-z", "--cached", "--ignored", "--exclude-standard")
+    if out is None or ignored is None:
         return None
-    return [Path(p.decode("utf-8", "surrogateescape")) for p in out.split(b"\0") if p]
+    skip = set(ignored.split(b"\0"))
+    return [Path(p.decode("utf-8", "surrogateescape")) for p in out.split(b"\0") if p and p not in skip]
 
 
 def _walk(src: Path) -> Iterator[Path]:
@@ -71,7 +81,7 @@ def plan_copy(src_dir: Path, run_folder: Path) -> tuple[Path, list[Path], str]:
     total, run_dirs = 0, dict[Path, bool]()
     for rel in files:
         path = root / rel
-        if not os.path.lexists(path) or _excluded(path, root, skip, run_dirs):
+        if denied_file(rel.as_posix()) or not os.path.lexists(path) or _excluded(path, root, skip, run_dirs):
             continue
         total += path.lstat().st_size
         kept.append(rel)
@@ -82,22 +92,41 @@ def plan_copy(src_dir: Path, run_folder: Path) -> tuple[Path, list[Path], str]:
     return root, kept, method
 
 
-def snapshot_code(src_dir: Path | str, run_folder: Path | str) -> Path:
-    """Copy the code holding `src_dir` into RUN/code/; returns `src_dir`'s place inside the copy."""
+def snapshot_code(src_dir: Path | str, run_folder: Path | str, secret_names: Iterable[str] = ()) -> Path:
+    """Copy the code holding `src_dir` into RUN/code/; returns `src_dir`'s place inside the copy.
+    SECRET_NAMES: the spec's secret_env, whose values (and every other known secret's) no copied file may hold."""
     folder = RunFolder(run_folder)
     src = Path(src_dir).absolute()
     root, files, method = plan_copy(src, folder.path)
+    _refuse_secrets(root, files, known_secret_values(secret_names))
     dest = folder.code_dir
     dest.mkdir(mode=0o700)
     listing = []
     for rel in files:
         target = dest / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         shutil.copy2(root / rel, target, follow_symlinks=False)
+        if not target.is_symlink():
+            os.chmod(target, 0o600)  # private like the rest of the run folder (copy2 kept the source's 0644)
         listing.append(f"{rel}\t{(root / rel).lstat().st_size}")
     folder.repro_dir.mkdir(mode=0o700, exist_ok=True)
     write_private(folder.snapshot_files, f"# {method} snapshot of {root}\n" + "\n".join(listing) + "\n")
     return dest / src.relative_to(root) if src != root else dest
+
+
+def _refuse_secrets(root: Path, files: list[Path], values: dict[str, bytes]) -> None:
+    """Refuse the snapshot when a file to copy holds the value of a secret variable (before anything is copied)."""
+    if not values:
+        return
+    for rel in files:
+        path = root / rel
+        if path.is_symlink() or not path.is_file():
+            continue
+        name = secret_in(path.read_bytes(), values)
+        if name is not None:
+            raise bad_value("--snapshot", str(rel), f"the file holds the value of the secret variable {name}, and a "
+                            "snapshot is a copy in the run folder", "remove the secret from the file (read it from "
+                            "the environment), list the file in .gitignore, or submit without --snapshot")
 
 
 def describe(src_dir: Path | str, run_folder: Path | str, workdir: Path) -> dict[str, object]:
