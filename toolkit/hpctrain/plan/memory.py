@@ -37,8 +37,8 @@ double-quantized scales, the rest of the base in the training dtype), and gradie
 offload and ZeRO-3's sub-groups count the adapters alone. Activations are a full fine-tune's (the backward
 still runs through every frozen layer to reach the adapters below) plus LoRA dropout's 1-byte mask of every
 adapted linear's input. Checked on one H200 (Llama-3.2-1B shape, r = 16, ZeRO-2, 2 x 2048 tokens): LoRA
-17.99 GB measured, 17.83 estimated; QLoRA 16.55 and 16.39 (tests/test_lora.py). Offload and ZeRO-3 with
-LoRA are not measured.
+17.99 GB measured, 17.83 estimated; QLoRA 16.55 and 16.39 (tests/test_lora.py); ZeRO-3 20.63 and 19.44,
+with recompute 10.34 and 10.85. Offload with LoRA is not measured.
 
 Checked against H200 measurements (seq 4096, bf16, one GPU; GPU figure = torch.cuda.max_memory_allocated,
 compared with the estimate minus `runtime`; host figure = the process's peak RSS; GB = 1e9 B; the table is in
