@@ -212,6 +212,10 @@ def _driver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reports: dict[str, 
     monkeypatch.setattr(commands, "step_ids", lambda job: [f"7.{i}" for i in range(len(steps.argv))])
     monkeypatch.setattr(commands, "scancel", lambda ids: None)
     monkeypatch.setattr(injob.Driver, "_down", lambda self, hs: [])
+    # The driver's share of the batch host over a real check (tests/test_health_slurm.py: 0.13-0.22% of 2 CPUs
+    # over 26-45 s). The fake steps here end in milliseconds, where a child's start-up alone reads as a large share.
+    monkeypatch.setattr(injob._DriverLoad, "share",
+                        lambda self: {"cpu_s": 0.07, "wall_s": 40.0, "cpus": 2, "share": 0.0018})
     env = {"PATH": "/usr/bin:/bin", "SLURM_RESTART_COUNT": "0", "HPCTRAIN_ATTEMPT": "0", "MASTER_PORT": "20100"}
     d = injob.Driver(run, "7", hosts, nodes, 1, spares_budget,
                      ["srun", "--kill-on-bad-exit=1", "python", "-m", "hpctrain.node", str(run)],
