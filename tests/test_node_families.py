@@ -140,3 +140,15 @@ def test_index_naming_an_absent_shard_is_a_clear_error(folders: dict[str, Path],
     next(copy.glob("model-00002-*.safetensors")).unlink()
     with pytest.raises(NodeInputError, match=r"model-00002-of-.*Fix: copy the whole folder"):
         weight_files(str(copy))
+
+
+def test_the_node_trains_from_a_pad_token_folder_under_zero3(folders: dict[str, Path], tmp_path: Path) -> None:
+    """The issue's failure, end to end: a folder whose config.json sets pad_token_id (Gemma 2: soft-capping,
+    sliding window, tied head) trains under ZeRO-3 on 2 ranks from its pretrained weights."""
+    from runkit import losses_by_step, make_run, torchrun
+
+    run = make_run(tmp_path / "run", model={"config": "", "path": str(folders["gemma2"])},
+                   train={"steps": 2, "warmup_steps": 0}, parallel={"zero": 3})
+    proc = torchrun(run, 2, timeout=400)
+    assert proc.returncode == 0, f"rc={proc.returncode}\nSTDERR\n{proc.stderr[-5000:]}"
+    assert sorted(losses_by_step(run)) == [1, 2]
