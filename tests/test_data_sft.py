@@ -312,6 +312,22 @@ def test_data_prepare_command_alpaca_with_the_byte_tokenizer(tmp_path: Path) -> 
     assert m.masked and m.options["overlong"] == "drop" and m.inputs[0]["bad"] == 1
 
 
+def test_submit_checks_sft_sources_before_any_allocation(toks: dict[str, Path], tmp_path: Path) -> None:
+    from datakit import write_prepared
+    from hpctrain.data.source import submit_source
+    from hpctrain.spec.model import Data
+
+    raw = _jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATION}])
+    chat = Data(source=str(raw), format="chat", tokenizer=str(toks["chat"]), seq_len=256)
+    with pytest.raises(HpcUsageError, match="data.tokenizer = 'byte'.*Fix: "):
+        submit_source(str(raw), "byte", "text", 512, 1, data=Data(source=str(raw), format="chat"))
+    with pytest.raises(HpcUsageError, match=r"--format chat --seq-len 256"):  # the command names the format
+        submit_source(str(raw), str(toks["chat"]), "text", 512, 2, data=chat)
+    write_prepared(tmp_path / "text", toks["chat"], ["plain text " * 4] * 3)
+    with pytest.raises(HpcUsageError, match="without loss masks"):
+        submit_source(str(tmp_path / "text"), str(toks["chat"]), "text", 512, 1, data=chat)
+
+
 def test_text_prepare_options_keep_their_cache_key() -> None:
     from dataclasses import asdict
 
@@ -339,7 +355,8 @@ def _trained_per_step(run: Path, tok: Any, steps: int) -> list[int]:
 
 @pytest.mark.deepspeed
 @pytest.mark.parametrize("path", ["raw-alpaca", "prepared-chat"])
-def test_training_on_sft_data_reports_trained_tokens(toks: dict[str, Path], tmp_path: Path, path: str) -> None:
+def test_training_on_sft_data_reports_trained_tokens(toks: dict[str, Path], tmp_path: Path, path: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
     if path == "raw-alpaca":
         source, tok_name, data_format = _jsonl(tmp_path / "a.jsonl", _alpaca_records(60)), "byte", "alpaca"
         seq = 256
@@ -368,3 +385,7 @@ def test_training_on_sft_data_reports_trained_tokens(toks: dict[str, Path], tmp_
     rec = co.build_run(co.from_folder(run))
     assert rec["data"]["records"] == 60 and rec["data"]["bad"] == {}
     assert summary_errors({"schema_version": 1, "generated": 0.0, "runs": [rec], "errors": [], "warnings": []}) == []
+    from hpctrain.cli.collect import _print_data
+
+    _print_data(rec)
+    assert f"data ({data_format}): 60 records, 60 trained on" in capsys.readouterr().out

@@ -238,10 +238,14 @@ class Renderer:
             raise
         except Exception as exc:  # noqa: BLE001 - a template's raise_exception, a jinja error: this record's fault
             raise Bad("template_error", f"{type(exc).__name__}: {exc}") from None
+        import numpy as np
+
         enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = list(enc["input_ids"])
-        mask = [any(a < e and b > s for s, e in spans) for a, b in enc["offset_mapping"]]
-        return ids, mask
+        offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        mask = np.zeros(len(offsets), dtype=bool)
+        for s, e in spans:  # a token is trained when it overlaps an assistant span
+            mask |= (offsets[:, 0] < e) & (offsets[:, 1] > s)
+        return list(enc["input_ids"]), mask.tolist()
 
     def _spans(self, msgs: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
         """The whole conversation's text and the character span of every assistant turn in it."""

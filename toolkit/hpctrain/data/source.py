@@ -64,6 +64,22 @@ def _check_vocab(source: str, model_vocab: int) -> None:
                         f"{m.vocab_size} (--set model.overrides.vocab_size=... for a model built from a config)")
 
 
+def _check_sft(source: str, data: Any) -> None:
+    """[data] format alpaca/chat on a prepared folder: it must hold that format's masks (the run reads the folder
+    as "prepared", so this is where a text folder would otherwise train on every token)."""
+    from hpctrain.data.sft import FORMATS
+
+    if data is None or data.format not in FORMATS:
+        return
+    m = read_manifest(source)
+    made = str(m.options.get("format") or "text")
+    if not m.masked or made != data.format:
+        raise bad_value("data.source", source, f"prepared as {made!r}{'' if m.masked else ', without loss masks'}, "
+                        f"and [data] format = {data.format!r} trains on the responses only",
+                        f"prepare it with `hpctrain data prepare INPUT --format {data.format} --seq-len {data.seq_len} "
+                        "--tokenizer DIR`, or set [data] format = \"prepared\" to train on every token")
+
+
 def _cached(source: str, tokenizer: str, text_field: str, data: Any = None) -> Path | None:
     """The cache folder of `source` prepared with the default options, or None (reads no input file)."""
     from hpctrain.data.tokenizer import BYTE, folder_hash
@@ -91,6 +107,7 @@ def submit_source(source: str, tokenizer: str, text_field: str, model_vocab: int
                         "tokenizer folder with a chat_template (the model's), or use format \"alpaca\"")
     if is_prepared(source):
         _check_vocab(source, model_vocab)
+        _check_sft(source, data)
         return source, ""
     found = _cached(source, tokenizer, text_field, data)
     if found is not None:
