@@ -18,15 +18,12 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from hpctrain import __version__
-from hpctrain.cli.options import hatch_flags, hatch_options
+from hpctrain.cli.options import hatch_options
 from hpctrain.spec.flags import FLAGS
 
 if TYPE_CHECKING:
     from hpctrain.plan.planner import Plan
     from hpctrain.spec.model import Spec
-
-RUNTIMES = ("none", "apptainer", "pyxis", "podman", "charliecloud")
-
 
 # Secret variable names of the requests this process resolved (their secret_env): their values are
 # redacted from every message too, beside ALWAYS_SECRET and names that look secret.
@@ -126,38 +123,11 @@ def spec_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def flags_from_options(opts: dict[str, Any]) -> dict[str, Any]:
-    """Click option values -> dotted spec keys (None = not given, so lower layers stay)."""
-    from hpctrain.errors import bad_value
-    from hpctrain.spec.presets import PRESETS
+    """Click option values -> dotted spec keys (None = not given, so lower layers stay): the translation the
+    Python API shares (hpctrain.spec.flags.keys_from_options)."""
+    from hpctrain.spec.flags import keys_from_options
 
-    flags: dict[str, Any] = {}
-    for f in FLAGS:
-        value = opts.get(f.flag.lstrip("-").replace("-", "_"))
-        if value is not None:
-            flags[f.key] = value
-    if opts.get("activation_checkpointing") is not None:
-        flags["train.activation_checkpointing"] = opts["activation_checkpointing"]
-    if opts.get("pass_ds_config") is not None:
-        flags["launch.pass_ds_config"] = opts["pass_ds_config"]
-    if opts.get(SCRIPT_ARGS) is not None:  # the words after `--`: the script's arguments, exactly
-        flags["launch.args"] = list(opts[SCRIPT_ARGS])
-    model = opts.get("model")
-    if model:  # one flag, two fields: a preset or config.json starts fresh, a folder loads weights
-        fresh = model in PRESETS or model.endswith(".json")
-        flags["model.config"], flags["model.path"] = (model, "") if fresh else ("", model)
-    container = opts.get("container")
-    if container:
-        runtime, _, image = container.partition(":")
-        if runtime not in RUNTIMES:
-            raise bad_value("--container", container, f"unknown runtime {runtime!r}",
-                            "write RUNTIME:IMAGE with RUNTIME one of " + ", ".join(RUNTIMES[1:]))
-        flags["container.runtime"], flags["container.image"] = runtime, image
-    for item in opts.get("overrides") or ():
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise bad_value("--set", item, "expected SECTION.KEY=VALUE", "write e.g. --set train.lr=1e-4")
-        flags[key.strip()] = value
-    return {**flags, **hatch_flags(opts)}  # --sbatch-arg, --snapshot (hpctrain.cli.options)
+    return keys_from_options({**opts, "set": opts.get("overrides"), "script_args": opts.get(SCRIPT_ARGS)})
 
 
 def _resolve(runfile: str | None, opts: dict[str, Any], point: dict[str, Any] | None = None,

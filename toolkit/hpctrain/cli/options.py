@@ -38,18 +38,6 @@ def hatch_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-def hatch_flags(opts: dict[str, Any]) -> dict[str, Any]:
-    """The spec keys these options set (nothing for options not given)."""
-    flags: dict[str, Any] = {}
-    if opts.get("sbatch_args"):
-        flags["slurm.extra"] = tuple(opts["sbatch_args"])
-    if opts.get("snapshot"):
-        flags["code.snapshot"] = True
-    if opts.get("health_check") is not None:
-        flags["fault.health_check"] = bool(opts["health_check"])
-    return flags
-
-
 MAX_AFTER = 100  # --after given this many times at most (SLURM's dependency list is one line of the job)
 
 

@@ -35,11 +35,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpctrain.errors import HpcUsageError, bad_value
+from hpctrain.spec.flags import RUNTIMES
 
 if TYPE_CHECKING:
     from hpctrain.spec.model import Spec
 
-RUNTIMES = ("none", "apptainer", "pyxis", "podman", "charliecloud")
 BINARY = {"apptainer": "apptainer", "pyxis": "srun", "podman": "podman", "charliecloud": "ch-run"}
 # The python that runs a rank inside the image: first python3 on the image's PATH (/opt/venv/bin in
 # hpctrain's Dockerfile). Podman and Apptainer use the image's PATH; pyxis gives the image's variables

@@ -6,7 +6,9 @@ Stdlib only: `hpctrain --help` builds its options from this table at import time
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -78,3 +80,88 @@ def markdown_table() -> str:
         rows.append(f"| `{f.flag}` | `{f.key}` | {values} | {f.help} |")
     rows += [f"| `{flag}` | `{key}` | | see `hpctrain submit --help` |" for key, flag in OTHER_FLAGS.items()]
     return "\n".join(rows) + "\n"
+
+
+# Container runtimes a request may name (`--container RUNTIME:IMAGE`, `container.runtime`); "none" runs on the host.
+RUNTIMES: tuple[str, ...] = ("none", "apptainer", "pyxis", "podman", "charliecloud")
+
+# The options that are not one row of FLAGS, by their Python name (click's parameter name, and the keyword of
+# hpctrain.submit / hpctrain.plan): `set` is --set's SECTION.KEY=VALUE items (or, from Python, a mapping).
+OTHER_OPTIONS: tuple[str, ...] = ("set", "site", "container", "model", "activation_checkpointing", "pass_ds_config",
+                                  "script_args", "sbatch_args", "snapshot", "health_check")
+
+
+def option_name(flag: str) -> str:
+    """`--gpus-per-node` -> `gpus_per_node`: click's parameter name, and the API's keyword."""
+    return flag.lstrip("-").replace("-", "_")
+
+
+OPTION_NAMES: tuple[str, ...] = (*(option_name(f.flag) for f in FLAGS), *OTHER_OPTIONS)
+
+
+def keys_from_options(opts: Mapping[str, Any]) -> dict[str, Any]:
+    """Option values by Python name (click's, or hpctrain.submit's keywords) -> dotted spec keys. None is "not
+    given", so lower layers stay. The one translation the CLI's flags and the Python API share: a key the API
+    passes means exactly what the flag of that name means."""
+    from hpctrain.errors import bad_value
+    from hpctrain.spec.presets import PRESETS
+
+    keys: dict[str, Any] = {}
+    for f in FLAGS:
+        value = opts.get(option_name(f.flag))
+        if value is not None:
+            keys[f.key] = value
+    for name, key in (("activation_checkpointing", "train.activation_checkpointing"),
+                      ("pass_ds_config", "launch.pass_ds_config")):
+        if opts.get(name) is not None:
+            keys[key] = opts[name]
+    if opts.get("script_args") is not None:  # the words after `--`: the script's arguments, exactly
+        keys["launch.args"] = list(opts["script_args"])
+    model = opts.get("model")
+    if model:  # one flag, two fields: a preset or config.json starts fresh, a folder loads weights
+        fresh = model in PRESETS or str(model).endswith(".json")
+        keys["model.config"], keys["model.path"] = (str(model), "") if fresh else ("", str(model))
+    container = opts.get("container")
+    if container:
+        runtime, _, image = str(container).partition(":")
+        if runtime not in RUNTIMES:
+            raise bad_value("--container", container, f"unknown runtime {runtime!r}",
+                            "write RUNTIME:IMAGE with RUNTIME one of " + ", ".join(RUNTIMES[1:]))
+        keys["container.runtime"], keys["container.image"] = runtime, image
+    keys.update(_set_items(opts.get("set")))
+    if opts.get("sbatch_args"):
+        keys["slurm.extra"] = tuple(opts["sbatch_args"])
+    if opts.get("snapshot"):
+        keys["code.snapshot"] = True
+    if opts.get("health_check") is not None:
+        keys["fault.health_check"] = bool(opts["health_check"])
+    return keys
+
+
+def _set_items(items: Mapping[str, Any] | Iterable[str] | None) -> dict[str, Any]:
+    """--set SECTION.KEY=VALUE items (or the API's mapping of dotted keys) -> dotted spec keys."""
+    from hpctrain.errors import bad_value
+
+    if isinstance(items, Mapping):
+        return {str(k).strip(): v for k, v in items.items()}
+    keys: dict[str, Any] = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise bad_value("--set", item, "expected SECTION.KEY=VALUE", "write e.g. --set train.lr=1e-4")
+        keys[key.strip()] = value
+    return keys
+
+
+def keys_from_keywords(where: str, keywords: Mapping[str, Any]) -> dict[str, Any]:
+    """The Python API's keywords -> dotted spec keys: a name of OPTION_NAMES means what its flag means (nodes=2
+    is --nodes 2), a dotted name is a spec key itself (**{"train.lr": 1e-4} is --set train.lr=1e-4). Any other
+    name is refused, listing the valid ones, as a misspelt flag is."""
+    from hpctrain.errors import unknown_key
+
+    options = {k: v for k, v in keywords.items() if "." not in k}
+    for name in options:
+        if name not in OPTION_NAMES:
+            raise unknown_key(where, name, [*OPTION_NAMES, "SECTION.KEY"])
+    dotted = {k: v for k, v in keywords.items() if "." in k}
+    return {**keys_from_options(options), **dotted}
