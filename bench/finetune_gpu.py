@@ -126,6 +126,7 @@ class Setup:
     warmup: int
     fixed: bool
     fmt: str  # "chat" or "alpaca"
+    rounds: int = 3  # --alternate: windows of each variant
 
 
 def hp_tables(s: Setup, name: str, v: Variant) -> dict[str, Any]:
@@ -382,18 +383,74 @@ def _text(x: Any) -> str:
 
 
 def run_one(s: Setup, case: str, variant: str, rnd: int, timeout: float) -> dict[str, Any]:
-    tag = f"{case}-{variant}-{rnd}"
-    v = VARIANTS[variant]
+    tag = f"{case}-{variant}-{rnd}".replace(":", "-").replace("+", "-")
     t0 = time.time()
     row: dict[str, Any] = {"case": case, "variant": variant, "round": rnd, "rc": 0}
     try:
-        row["result"] = run_padded(s, tag, timeout) if v.kind == "padded" else run_hpctrain(s, case, v, tag, timeout)
+        if case == "alt":
+            row["result"] = run_alternate(s, variant, tag, timeout)
+        else:
+            v = VARIANTS[variant]
+            row["result"] = (run_padded(s, tag, timeout) if v.kind == "padded"
+                             else run_hpctrain(s, case, v, tag, timeout))
         row["error_tail"] = ""
     except RunFailed as exc:
         row.update({"rc": exc.rc, "result": {"run_dir": str(exc.run) if exc.run else ""},
                     "error_tail": "\n".join(exc.text.splitlines()[-15:])})
     row.update({"wall_s": round(time.time() - t0, 1), "utc": datetime.datetime.now(datetime.UTC).strftime("%H:%M:%S")})
     return row
+
+
+def run_alternate(s: Setup, spec: str, tag: str, timeout: float) -> dict[str, Any]:
+    """One process of bench/gpu/ft_alternate.py: the run file of RUNFILE_VARIANT rendered by `hpctrain submit
+    --dry-run`, then windows of the listed variants alternating inside that one engine ("full:a+b+c")."""
+    name, _, wins = spec.partition(":")
+    env = env_for(s, s.work / "runs")
+    runfile = write_runfile(s.work / "runfiles" / f"{tag}.toml", hp_tables(s, name, VARIANTS[name]))
+    dry = s.work / "dry" / tag
+    proc = subprocess.run([sys.executable, "-m", "hpctrain", "submit", str(runfile), "--dry-run", "--out", str(dry)],
+                          capture_output=True, text=True, timeout=120, check=False, env=env, cwd=str(ROOT))
+    if proc.returncode:
+        raise RunFailed(proc.returncode, "hpctrain submit --dry-run: " + proc.stdout + proc.stderr)
+    res, log = s.work / f"{tag}.json", s.work / "logs" / f"{tag}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(BENCH / "gpu" / "ft_alternate.py"), "--run-dir", str(dry), "--variants",
+           wins.replace("+", ","), "--rounds", str(s.rounds), "--steps", str(s.steps), "--warmup", str(s.warmup),
+           "--budget-s", str(max(30.0, timeout - 15)), "--out", str(res)]
+    try:
+        with log.open("w") as fh:
+            p = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout, check=False, env=env,
+                               cwd=str(ROOT), start_new_session=True)
+    except subprocess.TimeoutExpired:
+        raise RunFailed(124, f"timed out after {timeout:.0f} s\n" + log.read_text(errors="replace")[-3000:])
+    if p.returncode or not res.exists():
+        raise RunFailed(p.returncode or 1, log.read_text(errors="replace")[-4000:])
+    out = dict(json.loads(res.read_text()))
+    out["chosen"] = chosen_of(json.loads((dry / "plan.json").read_text()))
+    out.pop("steps_rows", None)
+    return out
+
+
+def alt_tables(rows: list[dict[str, Any]]) -> list[str]:
+    """One table per ft_alternate process: each variant's windows (medians of their steps) and the median."""
+    out: list[str] = []
+    for r in rows:
+        if r["case"] != "alt" or r["rc"]:
+            continue
+        res = r["result"]
+        summ = res.get("summary", {})
+        base = summ.get("synthetic", {}).get("step_s")
+        out += [f"### {r['variant']} (round {r['round']}; plan {_chosen([res])}, LoRA r={res.get('lora_r')})", "",
+                ("| variant | windows (median step s each) | median step s | x synthetic | tok/s | trained tok/s | "
+                 "padding | GPU peak GB |"), "|---|---|---|---|---|---|---|---|"]
+        for v, f in summ.items():
+            ratio = f"{f['step_s'] / base:.3f}" if base else "-"
+            out.append(f"| {v} | {', '.join(f'{w:.3f}' for w in f['windows_s'])} | {f['step_s']:.3f} | {ratio} | "
+                       f"{f['tokens_per_s']:,.0f} | {f['trained_per_s']:,.0f} | {f['padding_frac']:.1%} | "
+                       f"{f['gpu_peak_gb']} |")
+        st = res.get("startup", {})
+        out += ["", "Start-up (s): " + ", ".join(f"{k.removesuffix('_s')} {v}" for k, v in st.items()), ""]
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ schedule
@@ -424,6 +481,8 @@ def est_s(s: Setup, variant: str) -> float:
     """One run's expected wall time, start to end (the budget's unit): 8B ~150 s to step 1, ~10 s a step."""
     if s.cpu:
         return 60.0
+    if ":" in variant:  # an ft_alternate process: it stops its windows at the budget itself
+        return 200.0
     return 150.0 + 11.0 * (s.warmup + s.steps) * (0.5 if VARIANTS[variant].lora_r else 1.0)
 
 
@@ -527,6 +586,10 @@ def report(rows: list[dict[str, Any]], skipped: list[str], argv: list[str], asse
             per["full"] += _ok(rows, "packed-sdpa")["packed-sdpa"]
         if any(per.values()):
             lines += [f"## {title}", "", *speed_table(per, base), ""]
+    alt = alt_tables(rows)
+    if alt:
+        lines += ["## In-process alternation (bench/gpu/ft_alternate.py: one engine, windows A B C / B C A / C A B)",
+                  "", *alt]
     lines += [f"- FAILED {r['case']} {r['variant']} round {r['round']} (rc {r['rc']}): "
               f"{r['error_tail'].splitlines()[-1] if r['error_tail'] else ''}" for r in rows if r["rc"]]
     lines += [f"- note {r['case']} {r['variant']} round {r['round']}: {r['result']['load_workaround']}"
@@ -599,7 +662,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="", help=f"comma list of {', '.join(CASES)} (default: all; --cpu: all)")
     ap.add_argument("--runs", default="", help="single runs CASE:VARIANT, comma separated, after --cases")
-    ap.add_argument("--rounds", type=int, default=0, help="override each case's rounds")
+    ap.add_argument("--rounds", type=int, default=0, help="override each case's rounds (--alternate: windows, 3)")
+    ap.add_argument("--alternate", default="", help="ft_alternate processes first, comma separated "
+                    "RUNFILE_VARIANT:WINDOW+WINDOW..., e.g. full:synthetic+packed-sdpa+packed-flex,lora:packed")
+    ap.add_argument("--cold", action="store_true", help="no CPU Adam prebuild by the bench (the node's own "
+                    "start-up then pays or overlaps it, as on a fresh machine)")
     ap.add_argument("--steps", type=int, default=2, help="timed steps after the warm-up")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--seq", type=int, default=0, help="seq_len (default 4096; --cpu 256)")
@@ -619,24 +686,25 @@ def main() -> None:
     if a.tables_from:
         merge_tables([Path(p) for p in a.tables_from.split(",") if p], Path(a.out), sys.argv[1:])
         return
-    cases = [c for c in a.cases.split(",") if c] or ([] if a.runs else list(CASES))
+    cases = [c for c in a.cases.split(",") if c] or ([] if a.runs or a.alternate else list(CASES))
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         raise SystemExit(f"unknown case(s) {', '.join(unknown)}; use {', '.join(CASES)}")
-    plan = expand(cases, [r for r in a.runs.split(",") if r], a.rounds)
+    plan = [("alt", x, i) for i, x in enumerate(y for y in a.alternate.split(",") if y)]
+    plan += expand(cases, [r for r in a.runs.split(",") if r], a.rounds)
     if a.cpu:  # torch's FlexAttention has no backward on the CPU (NotImplementedError): a GPU-only row
-        plan = [p for p in plan if VARIANTS[p[1]].attention != "flex_attention"]
+        plan = [p for p in plan if p[0] == "alt" or VARIANTS[p[1]].attention != "flex_attention"]
     assets_dir = Path(a.assets + ("-cpu" if a.cpu and a.assets == "/tmp/ft-assets" else ""))
     s = Setup(cpu=a.cpu, assets=assets_dir, work=Path(a.work), seq=a.seq or (256 if a.cpu else 4096),
               global_batch=a.global_batch or (4 if a.cpu else 16), steps=a.steps, warmup=a.warmup, fixed=a.fixed,
-              fmt=a.format)
+              fmt=a.format, rounds=a.rounds or 3)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     for sub in ("runs", "logs", "runfiles", "state"):  # this call's runs only (the assets stay)
         shutil.rmtree(s.work / sub, ignore_errors=True)
     s.work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    builder = None if a.cpu else prebuild_cpu_adam()
+    builder = None if a.cpu or a.cold else prebuild_cpu_adam()
     assets, took = make_assets(s, a.examples or (300 if a.cpu else 6000))
     budget = a.budget_s or (1200 if a.cpu else 540)
     if builder is not None:  # before the imports are timed (a compile beside them would slow them) and any run

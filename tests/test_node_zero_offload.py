@@ -62,3 +62,15 @@ def test_switch_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert Z.install(opt).startswith("off")
     assert opt.unscale_and_clip_grads is print  # nothing patched
     assert Z.enabled({}) and Z.enabled({"HPCTRAIN_ZERO3_OFFLOAD_FIX": "1"})
+
+
+def test_cpu_adam_prebuilt_only_where_deepspeed_builds_it() -> None:
+    offload = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+    assert Z.needs_cpu_adam(offload, use_gpu=True)
+    assert not Z.needs_cpu_adam(offload, use_gpu=False)  # CPU ranks: torch's AdamW
+    torch_adam = {**offload, "optimizer": {"type": "AdamW", "params": {"torch_adam": True}}}
+    assert not Z.needs_cpu_adam(torch_adam, use_gpu=True)
+    assert not Z.needs_cpu_adam({"zero_optimization": {"stage": 3}, "optimizer": {"params": {}}}, use_gpu=True)
+    assert Z.prebuild_cpu_adam(torch_adam, use_gpu=True) is None
+    assert Z.join_cpu_adam(None) == 0.0

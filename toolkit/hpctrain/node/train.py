@@ -48,6 +48,7 @@ class Prepared:
     universal: bool
     checkpointing: bool = False  # activation checkpointing: the spec's value, or the plan's for "auto"
     eval_source: Any = None  # the prepared folder's validation split when [train] eval_every > 0
+    cpu_adam: Any = None  # the thread building DeepSpeedCPUAdam beside the data and model (node/zero_offload)
 
 
 # -------------------------------------------------------------------------------------------- prepare
@@ -76,6 +77,9 @@ def prepare(run_dir: Path, d: DistEnv) -> Prepared:
     universal = bool(resume) and ckpt.needs_universal(resume.meta, dp, pp, tp)  # type: ignore[union-attr]
     cfg = allocation_ds_config(paths, rendered, d, dp=dp, universal=universal, use_gpu=use_gpu)
     zero = int(cfg["zero_optimization"]["stage"])
+    from hpctrain.node.zero_offload import prebuild_cpu_adam
+
+    cpu_adam = prebuild_cpu_adam(cfg, use_gpu)  # its JIT compile overlaps the tokenizer, data and model build
     micro, gas = int(cfg["train_micro_batch_size_per_gpu"]), int(cfg["gradient_accumulation_steps"])
     if spec.train.precision == "fp16" and not use_gpu:
         _allow_cpu_fp16()
@@ -85,7 +89,7 @@ def prepare(run_dir: Path, d: DistEnv) -> Prepared:
     eval_source = build_eval_source(spec, micro, int(hf_cfg.vocab_size), force_padded=pp > 1)
     source.prefetch(0)  # the epoch plan overlaps the engine build
     return Prepared(paths, spec, d, use_gpu, cfg, zero, dp, micro, gas, hf_cfg, tok, source, resume, universal,
-                    plan.activation_checkpointing, eval_source)
+                    plan.activation_checkpointing, eval_source, cpu_adam)
 
 
 def allocation_ds_config(paths: RunFolder, rendered: dict[str, Any], d: DistEnv, *, dp: int, universal: bool,
@@ -141,6 +145,7 @@ def build_engine(p: Prepared) -> tuple[Any, int]:
 
     from hpctrain.node.model import apply_freeze, build_model, param_count
     from hpctrain.node.tracking import prepare_env
+    from hpctrain.node.zero_offload import join_cpu_adam
     from hpctrain.spec import presets
 
     spec = p.spec
@@ -181,6 +186,9 @@ def build_engine(p: Prepared) -> tuple[Any, int]:
     if "scheduler" not in p.ds_config:
         fn = lr_lambda(spec)
         sched = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, fn)
+    waited = join_cpu_adam(p.cpu_adam)
+    if p.cpu_adam is not None:
+        log.info("CPU Adam prebuild: waited %.1f s for it after the model build", waited)
     prepare_env(p.paths, spec, p.d.rank)  # W&B's run id and folder, read by the wandb.init DeepSpeed calls
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=p.ds_config,
                                            lr_scheduler=sched)

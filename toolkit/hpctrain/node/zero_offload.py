@@ -33,13 +33,18 @@ turned off with HPCTRAIN_ZERO3_OFFLOAD_FIX=0 (for A/B runs). Only the node impor
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import time
 import types
 from typing import Any
 
 import torch
 
 from hpctrain.node.pinned import pin_in_place
+
+log = logging.getLogger("hpctrain.node")
 
 CHUNK_ELEMENTS = 64 << 20  # 64 Mi elements: 128 MiB of bf16 per pinned buffer, two buffers
 NEEDED = ("fp16_partitioned_groups_flat", "fp32_partitioned_groups_flat", "subgroup_to_device", "clip_grad",
@@ -188,3 +193,49 @@ def combined_scale(loss_scale: float, clip_grad: float, total_norm: Any) -> floa
     norm = total_norm if isinstance(total_norm, torch.Tensor) else torch.tensor(float(total_norm))
     clip = torch.clamp(((norm / loss_scale) + 1e-6) / clip_grad, min=1.0)
     return float(clip * loss_scale)
+
+
+# --------------------------------------------------------------------------------------------- CPU Adam's build
+def needs_cpu_adam(ds_config: dict[str, Any], use_gpu: bool) -> bool:
+    """Whether deepspeed.initialize will build DeepSpeedCPUAdam: a GPU rank whose optimizer lives on the host
+    without torch's AdamW (render/deepspeed.adam_implementation keeps DeepSpeed's CPU Adam for offload)."""
+    zero = ds_config.get("zero_optimization") or {}
+    params = (ds_config.get("optimizer") or {}).get("params") or {}
+    return use_gpu and (zero.get("offload_optimizer") or {}).get("device") == "cpu" and not params.get("torch_adam")
+
+
+def prebuild_cpu_adam(ds_config: dict[str, Any], use_gpu: bool) -> threading.Thread | None:
+    """Start DeepSpeedCPUAdam's JIT build on a thread (None when the run needs none).
+
+    DeepSpeed builds the op on first use on a fresh node or container (46-50 s on the H200 host), inside
+    deepspeed.initialize, after the model is built: on the critical path. Started when prepare knows the
+    optimizer runs on the host, the compile (ninja in a subprocess: the GIL is free) overlaps the tokenizer,
+    the data and the model build; a cached build loads in about a second. `join_cpu_adam` waits for it before
+    deepspeed.initialize, whose DeepSpeedCPUAdam then finds the op loaded (OpBuilder._loaded_ops). A failure
+    is only logged: DeepSpeed's own build then runs, and reports it, as without this."""
+    if not needs_cpu_adam(ds_config, use_gpu):
+        return None
+
+    def build() -> None:
+        t0 = time.perf_counter()
+        try:
+            from deepspeed.ops.op_builder import CPUAdamBuilder
+
+            CPUAdamBuilder().load(verbose=False)
+            log.info("CPU Adam op ready in %.1f s (built or loaded beside the model build)", time.perf_counter() - t0)
+        except Exception as exc:  # noqa: BLE001 - DeepSpeed's own load reports it again, with its traceback
+            log.info("CPU Adam prebuild failed after %.1f s (%s); DeepSpeed builds it itself",
+                     time.perf_counter() - t0, exc)
+
+    thread = threading.Thread(target=build, name="hpctrain-cpu-adam", daemon=True)
+    thread.start()
+    return thread
+
+
+def join_cpu_adam(thread: threading.Thread | None) -> float:
+    """Wait for `prebuild_cpu_adam`'s thread; returns the seconds waited (0 when it had finished)."""
+    if thread is None:
+        return 0.0
+    t0 = time.perf_counter()
+    thread.join()
+    return time.perf_counter() - t0
