@@ -373,3 +373,60 @@ def test_requeues_of_an_earlier_job_and_a_resubmission(env: dict[str, Any]) -> N
     assert [r["failure_class"] for r in rows[:2]] == ["time_limit", "time_limit"]
     assert [r["last_step"] for r in rows] == [5, 9, 12] and rows[2]["start"] == T0 + 40
     assert folder.is_dir()
+
+
+def in_job_restart_run(env: dict[str, Any]) -> Path:
+    """Job 60 on node1,node2 with node3 as its spare (2 nodes x 2 ranks): node2 died at step 25 (the watchdog's
+    peer-lost verdict names attempt 0), the in-job driver started step 60.1 on node1,node3 from step-20, which is
+    still running. SLURM resized the job meanwhile: sacct's start is the resize time (T0 + 35)."""
+    from hpctrain.runs import events as ev
+
+    peer = "RuntimeError: [pair.cc:553] Connection closed by peer [node2]:30955"
+    logs = {f"logs/attempt-{k}.rank-{r}.log": rank_log(r, [(t, f"hpctrain node: rank {r}/4")])
+            for k, t in ((0, 1), (1, 40)) for r in (0, 2)}
+    logs["submitit/60_0_log.err"] = f"[W{time.strftime('%m%d %H:%M:%S', time.localtime(T0 + 29))}.1 x.cpp:1] y\n{peer}\n"
+    folder = make_run(env, "spare", [{"attempt": 0, "job_id": "60", "state": "RUNNING", "nodes": "node[1-3]",
+                                      "started": T0 + 35}], logs=logs,
+                      metrics=metrics(range(1, 26), 1) + metrics(range(21, 31), 20))
+    (folder / "spec.toml").write_text(SPEC.format(gpus=0) + "spare_nodes = 1\n")
+    with (folder / "attempts.jsonl").open("a") as fh:
+        fh.write(json.dumps({"attempt": 1, "job_id": "60", "step_id": "60.1", "in_job_restart_of": 1}) + "\n")
+    (folder / "metrics" / "watchdog.jsonl").write_text(json.dumps(
+        {"event": "peer_lost", "job_id": "60", "attempt": 0, "silent_ranks": [2, 3], "silent_hosts": ["node2"],
+         "message": "rank 0 lost its peers on node2"}) + "\n")
+    for k, t, hosts in ((0, 1, ("node1", "node2")), (1, 40, ("node1", "node3"))):
+        for r in (0, 1, 2, 3):
+            ev.append_event(folder, ev.Event(kind=ev.START, time=T0 + t, rank=r, host=hosts[r // 2], job_id="60",
+                                             attempt=k))
+    ev.append_event(folder, ev.Event(kind=ev.RESTART, time=T0 + 32, host="node2", job_id="60", attempt=0,
+                                     failure_class="node_fail", message="node2 went away", extra={
+                                         "step_id": "60.0", "step_hosts": ["node1", "node2"], "next_step_id": "60.1",
+                                         "next_attempt": 1, "replaced": {"node2": "node3"}, "hosts": ["node1", "node3"],
+                                         "restart": 1, "budget": 1, "detected": T0 + 30, "stopped": T0 + 31,
+                                         "launched": T0 + 32}))
+    return folder
+
+
+def test_an_in_job_restart_is_one_more_attempt_in_summary_and_logs(env: dict[str, Any],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """summary and logs read the attempts of hpctrain.runs.history: the running replacement carries no failure,
+    the dead node's verdict stays on attempt 0, the spare is paid for, the redone steps are lost work, each rank's
+    logs have the host it ran on (`--host` finds them), and the start is the job's, not the resize time."""
+    in_job_restart_run(env)
+    with monkeypatch.context() as m:
+        m.setattr(collect.time, "time", lambda: T0 + 60)  # a few seconds after the replacement's last step
+        doc = json.loads(invoke("summary", "spare", "--json").stdout)
+    assert summary_errors(doc) == []
+    a0, a1 = doc["runs"][0]["attempts"]
+    assert (a0["state"], a0["failure_class"], a0["failure"]["host"], a0["how"]) == ("REQUEUED", "node_fail", "node2",
+                                                                                    "submitted")
+    assert (a1["state"], a1["failure_class"], a1["how"], a1["replaced"]) == ("RUNNING", None, "in_job",
+                                                                             {"node2": "node3"})
+    assert (a0["lost_steps"], a0["lost_from"]) == (5, "redone") and a0["start"] == T0 + 1
+    assert a1["allocated_nodes"] == 3 and a1["nodes"] == 2
+    assert a1["spare_hours"] == pytest.approx(a1["cpu_hours"] / 3, abs=1e-5)
+    assert a0["cpu_hours"] == pytest.approx(3 * 2 * (30 - 1) / 3600, abs=1e-5)
+
+    on3 = invoke("logs", "spare", "--host", "node3").stdout.splitlines()
+    assert on3 and all(ln.startswith(("a1 r2 node3", "a1 r3 node3")) for ln in on3), on3
+    assert "a0 r2 node2" in invoke("logs", "spare", "--attempt", "0").stdout

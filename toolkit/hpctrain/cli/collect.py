@@ -91,29 +91,10 @@ def logs(run: str, attempt: int | None, rank: int | None, host: str | None, patt
 
 
 def _log_sources(inp: RunInput) -> tuple[Callable[[], list[LogFile]], Callable[[LogFile], str]]:
-    """(list the files now, host of a file): rank logs, plus submitit's logs for attempts that
-    have no rank log (the job died before the node started logging)."""
     from hpctrain.collect import summary as co
-    from hpctrain.collect.files import attempt_files, rank_hosts
+    from hpctrain.collect.files import log_sources
 
-    hosts: dict[tuple[int, int], str] = {}
-    nodelists = {int(a["attempt"]): str(a.get("nodes") or "") for a in inp.attempts}
-    shape = co._shape(inp)
-
-    def list_files() -> list[LogFile]:
-        files = attempt_files(inp.folder, inp.attempts)
-        with_rank_logs = {f.attempt for f in files if f.kind == "rank"}
-        chosen = [f for f in files if f.kind == "rank" or f.attempt not in with_rank_logs]
-        for k in {f.attempt for f in chosen} - {a for a, _ in hosts}:
-            mine = [f for f in files if f.attempt == k]
-            for r, h in rank_hosts(mine, nodelists.get(k, ""), shape.ranks_per_node).items():
-                hosts[(k, r)] = h
-        return chosen
-
-    def host_of(f: LogFile) -> str:
-        return hosts.get((f.attempt, f.rank if f.rank is not None else -1), "")
-
-    return list_files, host_of
+    return log_sources(inp.folder, inp.attempts, co._shape(inp).ranks_per_node)
 
 
 def _finished_check(inp: RunInput, reg: Registry, every_s: float = 10.0) -> Callable[[], bool]:

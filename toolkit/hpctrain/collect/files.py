@@ -8,23 +8,13 @@ Stdlib only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from hpctrain.collect import logs as cl
 from hpctrain.runs.folder import RunFolder
-from hpctrain.states import JobState
-
-
-def hosts_of(nodelist: str) -> list[str]:
-    if not nodelist:
-        return []
-    try:
-        from hpctrain.nodelist import expand
-
-        return expand(nodelist)
-    except Exception:  # noqa: BLE001 - a malformed nodelist: keep the plain names, never fail the collector
-        return [h for h in nodelist.split(",") if h and "[" not in h]
+from hpctrain.runs.history import hosts_of
 
 
 def rank_hosts(job_files: list[cl.LogFile], nodelist: str, ranks_per_node: int) -> dict[int, str]:
@@ -46,49 +36,41 @@ def rank_hosts(job_files: list[cl.LogFile], nodelist: str, ranks_per_node: int) 
     return out
 
 
+def log_sources(folder: Path, attempts: list[dict[str, Any]], ranks_per_node: int
+                ) -> tuple[Callable[[], list[cl.LogFile]], Callable[[cl.LogFile], str]]:
+    """(list the files now, host of a file) for `hpctrain logs`: rank logs, plus submitit's logs for attempts
+    that have no rank log (the job died before the node started logging). Each attempt's hosts are its placement
+    as every report sees it (hpctrain.runs.history): an in-job restart's or a requeue's ranks ran where their own
+    events say, not on the job's first nodelist."""
+    from hpctrain.runs import history
+
+    hosts: dict[tuple[int, int], str] = {}
+
+    def list_files() -> list[cl.LogFile]:
+        files = attempt_files(folder, attempts)
+        with_rank_logs = {f.attempt for f in files if f.kind == "rank"}
+        chosen = [f for f in files if f.kind == "rank" or f.attempt not in with_rank_logs]
+        new = {f.attempt for f in chosen} - {a for a, _ in hosts}
+        if new:
+            rows = {int(r["attempt"]): r for r in history.expand(attempts, folder)}
+            for k in new:
+                row = rows.get(k, {"attempt": k})
+                got = rank_hosts([f for f in files if f.attempt == k], str(row.get("nodes") or ""), ranks_per_node)
+                got.update({int(r): str(h) for r, h in (row.get("rank_hosts") or {}).items()})
+                hosts.update({(k, r): h for r, h in got.items()})
+        return chosen
+
+    def host_of(f: cl.LogFile) -> str:
+        return hosts.get((f.attempt, f.rank if f.rank is not None else -1), "")
+
+    return list_files, host_of
+
+
 def attempt_files(folder: Path, attempts: list[dict[str, Any]]) -> list[cl.LogFile]:
     """Every rank log and every submitit task log of the run's attempts."""
     jobs = {str(a.get("job_id")): int(a["attempt"]) for a in attempts if a.get("job_id")}
     run = RunFolder(folder)
     return cl.rank_log_files(run.logs_dir) + cl.submitit_log_files(run.submitit_dir, jobs)
-
-
-def expand_requeues(atts: list[dict[str, Any]], files: list[cl.LogFile]) -> list[dict[str, Any]]:
-    """One row per RUN of each job. The node numbers its logs attempt-K with K = HPCTRAIN_ATTEMPT (the
-    attempt's base, set at resubmission) + SLURM_RESTART_COUNT, so a job that SLURM or submitit requeued
-    leaves logs/attempt-K+1.. with no registry attempt of their own. Each becomes a row with the job's
-    id; every run but the job's last is REQUEUED, timed by its own logs (sacct describes the latest
-    run only). A row without a start time (the registry not refreshed yet) takes its logs' first time."""
-    if not atts:
-        return atts
-    logs = {f.attempt for f in files if f.kind == "rank"}
-    groups: list[tuple[str, list[dict[str, Any]]]] = []  # consecutive entries of one job id
-    for a in sorted(atts, key=lambda a: int(a["attempt"])):
-        jid = str(a.get("job_id"))
-        if groups and groups[-1][0] == jid:
-            groups[-1][1].append(a)
-        else:
-            groups.append((jid, [a]))
-    out: list[dict[str, Any]] = []
-    for i, (_, entries) in enumerate(groups):
-        k0 = int(entries[0]["attempt"])
-        k_next = int(groups[i + 1][1][0]["attempt"]) if i + 1 < len(groups) else 1 << 30
-        nums = sorted({int(e["attempt"]) for e in entries} | {k for k in logs if k0 < k < k_next})
-        job = dict(entries[0])
-        for e in entries[1:]:  # later notes on the same job (a supervisor's record) fill in
-            job.update({key: v for key, v in e.items() if v not in (None, "")})
-        for k in nums:
-            row = dict(job, attempt=k)
-            mine = [f for f in files if f.attempt == k and f.kind == "rank"]
-            if len(nums) > 1:
-                row["_requeued"] = True
-            if k != nums[-1]:
-                first, last = _log_span(mine)
-                row.update(state=JobState.REQUEUED, started=first, ended=last, exit_code=None, failure_class=None)
-            elif row.get("started") is None and mine:
-                row["started"] = _log_span(mine)[0]
-            out.append(row)
-    return out
 
 
 def submitit_to_last_run(files: list[cl.LogFile], atts: list[dict[str, Any]]) -> list[cl.LogFile]:
@@ -107,7 +89,7 @@ def submitit_to_last_run(files: list[cl.LogFile], atts: list[dict[str, Any]]) ->
             for f in files]
 
 
-def _log_span(files: list[cl.LogFile]) -> tuple[float | None, float | None]:
+def log_span(files: list[cl.LogFile]) -> tuple[float | None, float | None]:
     times = [t for f in files for t in (_first_time(f.path), cl.last_timestamp(cl.read_text(f.path, 1 << 20)))
              if t is not None]
     return (min(times), max(times)) if times else (None, None)

@@ -24,15 +24,16 @@ from hpctrain.collect import metrics as cm
 from hpctrain.collect import stragglers
 from hpctrain.collect.files import (
     attempt_files,
-    expand_requeues,
-    hosts_of,
+    log_span,
     rank_hosts,
     rel,
     submitit_to_last_run,
     text_of,
 )
 from hpctrain.runs import events as run_events
+from hpctrain.runs import history
 from hpctrain.runs.folder import RunFolder
+from hpctrain.runs.history import hosts_of
 from hpctrain.states import NODE_VERDICTS, FailureClass, JobState, is_final
 from hpctrain.states import RUN_ENDED_STATES as ENDED
 
@@ -50,7 +51,8 @@ def _collector_version() -> str:
     h = hashlib.sha1()
     here = Path(__file__).parent
     for path in (*(here / n for n in ("summary.py", "classify.py", "metrics.py", "logs.py", "files.py")),
-                 here.parent / "states.py", here.parent / "runs" / "events.py"):
+                 here.parent / "states.py", here.parent / "runs" / "events.py",
+                 here.parent / "runs" / "history.py"):
         try:
             h.update(path.read_bytes())
         except OSError:
@@ -69,6 +71,7 @@ class Shape:
     gpus_per_node: int = 0
     ranks_per_node: int = 1
     cpus_per_task: int = 1
+    spare_nodes: int = 0  # allocated beside `nodes` (resources.spare_nodes): paid for, idle until one takes over
 
 
 @dataclass
@@ -121,11 +124,12 @@ def _shape(inp: RunInput) -> Shape:
     return Shape(nodes=_int(s.get("nodes"), res.get("nodes"), default=1),
                  gpus_per_node=_int(s.get("gpus_per_node"), res.get("gpus_per_node"), default=0),
                  ranks_per_node=_int(s.get("ranks_per_node"), res.get("tasks_per_node"), default=1),
-                 cpus_per_task=_int(res.get("cpus_per_task"), default=1))
+                 cpus_per_task=_int(res.get("cpus_per_task"), default=1),
+                 spare_nodes=_int(s.get("spare_nodes"), res.get("spare_nodes"), default=0))
 
 
 _RESOURCES = re.compile(r"^\[resources\]\s*$(.*?)(?=^\[|\Z)", re.MULTILINE | re.DOTALL)
-_INT_KEY = re.compile(r"^(nodes|gpus_per_node|tasks_per_node|cpus_per_task)\s*=\s*(\d+)\s*(?:#.*)?$", re.MULTILINE)
+_INT_KEY = re.compile(r"^(nodes|gpus_per_node|tasks_per_node|cpus_per_task|spare_nodes)\s*=\s*(\d+)\s*(?:#.*)?$", re.MULTILINE)
 
 
 def _resources(path: Path, need_all: bool) -> dict[str, Any]:
@@ -138,7 +142,7 @@ def _resources(path: Path, need_all: bool) -> dict[str, Any]:
         return {}
     m = _RESOURCES.search(text)
     found = {k: int(v) for k, v in _INT_KEY.findall(m.group(1))} if m else {}
-    if found and (not need_all or len(found) == 4):
+    if found and (not need_all or len(found) >= 4):
         return found
     try:
         import tomllib
@@ -177,11 +181,13 @@ def _attempt_row(inp: RunInput, a: dict[str, Any], files: list[cl.LogFile], recs
     elapsed_s = max(0.0, elapsed - start) if (elapsed is not None and start is not None) else None
     hosts = hosts_of(str(a.get("nodes") or ""))
     nodes = len(hosts) or shape.nodes
-    gpu_h, cpu_h = cm.resource_hours(elapsed_s, nodes, shape.gpus_per_node, shape.ranks_per_node * shape.cpus_per_task)
+    # The cost counts the whole allocation: an idle spare is paid for like a training node.
+    held = max(len(hosts_of(str(a.get("allocated") or ""))), nodes + shape.spare_nodes)
+    gpu_h, cpu_h = cm.resource_hours(elapsed_s, held, shape.gpus_per_node, shape.ranks_per_node * shape.cpus_per_task)
     mine = [f for f in files if f.attempt == k]
     host_of = rank_hosts(mine, str(a.get("nodes") or ""), shape.ranks_per_node)
     # Each rank's own events name its host (SLURMD_NODENAME): truer than the block distribution guessed above.
-    host_of.update({e.rank: e.host for e in evs if e.rank is not None and e.host})
+    host_of.update({int(r): str(h) for r, h in (a.get("rank_hosts") or {}).items()})
     sources = [cc.LogSource(rel(f.path, inp.folder), text_of(f, a, start), f.rank,
                             host_of.get(f.rank) if f.rank is not None else None, str(a.get("job_id") or ""))
                for f in mine]
@@ -195,7 +201,10 @@ def _attempt_row(inp: RunInput, a: dict[str, Any], files: list[cl.LogFile], recs
     watch = a.get("hang") if isinstance(a.get("hang"), dict) else None  # the hang watchdog's verdict
     if watch and state in ENDED and state != JobState.COMPLETED:
         hang, hang_msg = True, str(watch.get("message") or hang_msg)
-    failure = cc.classify(state if state in ENDED or hang else None, sources, exit_code=a.get("exit_code"),
+    # A running attempt is judged by its own events only: a job's shared logs (submitit's, untimed lines) still
+    # hold what its earlier run said, and that failure belongs to the earlier run, never to its successor.
+    failure = cc.classify(state if state in ENDED or hang else None, sources if state in ENDED or hang else [],
+                          exit_code=a.get("exit_code"),
                           hang=hang, hang_message=hang_msg, hosts=hosts, events=evs)
     lost = a.get("peer_lost") if isinstance(a.get("peer_lost"), dict) else None
     # The watchdog cancelled it (or is cancelling it: its verdict comes first): a node died, not a person, and
@@ -217,7 +226,10 @@ def _attempt_row(inp: RunInput, a: dict[str, Any], files: list[cl.LogFile], recs
     return {
         "attempt": k, "job_id": str(a.get("job_id") or ""), "state": state, "exit_code": a.get("exit_code"),
         "failure_class": failure.failure_class, "failure": failure.to_dict() if failure.failure_class else None,
-        "nodes": nodes, "hosts": hosts, "submitted": _float(a.get("submitted")), "start": start, "end": end,
+        "nodes": nodes, "hosts": hosts, "allocated_nodes": held, "how": str(a.get("how") or history.SUBMITTED),
+        "spare_hours": round((gpu_h or cpu_h) * (held - nodes) / held, 6) if held else 0.0,
+        **({"replaced": a["replaced"]} if a.get("replaced") else {}),
+        "submitted": _float(a.get("submitted")), "start": start, "end": end,
         "elapsed_s": elapsed_s, "gpu_hours": round(gpu_h, 6), "cpu_hours": round(cpu_h, 6),
         **m.to_dict(), "logs": [s.name for s in sources],
         "excluded": [str(h) for h in a.get("excluded") or []],
@@ -241,7 +253,9 @@ def _peer_lost_failure(lost: dict[str, Any], found: Any) -> Any:
 def _with_fault_notes(folder: Path, atts: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """What hpctrain.fault.supervisor wrote to attempts.jsonl about each job (the --exclude it ran with, the
     watchdog's hang / peer-lost verdict, the retry decision), onto the job's last row (not a REQUEUED run
-    of it). The watchdog's own file fills in a verdict no supervisor recorded (a run with retries 0)."""
+    of it). The watchdog's own file fills in a verdict no supervisor recorded (a run with retries 0). A verdict
+    that names its attempt goes to that attempt's row: a failure is never shown on its successor (an in-job
+    restart's running step)."""
     from hpctrain.runs.folder import read_attempts
 
     notes: dict[str, dict[str, Any]] = {}
@@ -257,42 +271,15 @@ def _with_fault_notes(folder: Path, atts: list[dict[str, Any]]) -> list[dict[str
                 note[key] = rec
     if not notes:
         return atts
+    rows = {(str(a.get("job_id")), int(a["attempt"])): i for i, a in enumerate(atts)}
     last_row = {str(a.get("job_id")): i for i, a in enumerate(atts)}
-    return [dict(a, **notes.get(str(a.get("job_id")), {})) if last_row.get(str(a.get("job_id"))) == i else a
-            for i, a in enumerate(atts)]
-
-
-def _with_in_job_restarts(atts: list[dict[str, Any]], evs: list[run_events.Event]) -> list[dict[str, Any]]:
-    """Attempts that were srun steps of one job (hpctrain.fault.injob's `restart` events): each row gets its
-    step id, its own hosts and times (the step's launch to the restart's detection), and the restart itself."""
-    restarts = {e.attempt: e for e in evs if e.kind == run_events.RESTART and e.attempt is not None}
-    if not restarts:
-        return atts
-    after = {int(e.extra.get("next_attempt", -1)): e for e in restarts.values()}
-    out = []
-    for a in atts:
-        k, row = int(a["attempt"]), dict(a)
-        ended, began = restarts.get(k), after.get(k)
-        if began is not None:
-            row.update(step_id=str(began.extra.get("next_step_id") or ""), started=_float(began.extra.get("launched")),
-                       nodes=",".join(began.extra.get("hosts") or []) or row.get("nodes"))
-            # The metrics split allows 5 s of clock skew before a start; every record of the ended step is
-            # older than the restart's detection, so the split point is exact there.
-            over = _float(began.extra.get("stopped")) or _float(began.extra.get("detected"))
-            if over:
-                row["_split"] = over + 5
-            row.pop("_requeued", None)
-        if ended is not None:
-            replaced = ended.extra.get("replaced") or {}
-            row.update(step_id=str(ended.extra.get("step_id") or ""), state=JobState.REQUEUED,
-                       ended=_float(ended.extra.get("detected")) or ended.time,
-                       in_job_restart={k2: ended.extra.get(k2) for k2 in ("next_attempt", "next_step_id", "replaced",
-                                                                        "hosts", "restart", "budget")}
-                       | {"class": ended.failure_class, "message": ended.message})
-            if ended.extra.get("step_hosts"):
-                row["nodes"] = ",".join(ended.extra["step_hosts"])
-            row["_in_job_failure"] = (ended.failure_class, ended.message, next(iter(replaced), None))
-        out.append(row)
+    out = [dict(a) for a in atts]
+    for job, note in notes.items():
+        for key, value in note.items():
+            k = value.get("attempt") if key in ("hang", "peer_lost") and isinstance(value, dict) else None
+            i = rows.get((job, k)) if isinstance(k, int) and (job, k) in rows else last_row.get(job)
+            if i is not None:
+                out[i][key] = value
     return out
 
 
@@ -348,10 +335,10 @@ def build_run(inp: RunInput, now: float | None = None) -> dict[str, Any]:
     ckpts = cm.complete_checkpoints(RunFolder(inp.folder).checkpoints_dir) if folder_ok else []
     atts = sorted(inp.attempts, key=lambda a: int(a["attempt"]))
     files = attempt_files(inp.folder, atts) if folder_ok else []
-    atts = expand_requeues(atts, files)
-    atts = _with_fault_notes(inp.folder, atts) if folder_ok else atts
     evs = run_events.read_events(inp.folder) if folder_ok else []
-    atts = _with_in_job_restarts(atts, evs)
+    atts = history.expand(atts, inp.folder, events=evs, logs={f.attempt for f in files if f.kind == "rank"},
+                          span=lambda k: log_span([f for f in files if f.attempt == k and f.kind == "rank"]))
+    atts = _with_fault_notes(inp.folder, atts) if folder_ok else atts
     atts = _with_health_checks(atts, evs)
     files = submitit_to_last_run(files, atts)
     # An attempt still waiting in the queue (a retry pending) has no metrics and no start: it is left out of
@@ -371,6 +358,7 @@ def build_run(inp: RunInput, now: float | None = None) -> dict[str, Any]:
         rows.append(_attempt_row(inp, a, files, recs, earlier, ckpts, shape, i == len(atts) - 1, heartbeat, now,
                                  run_events.of_attempt(evs, int(a["attempt"]), str(a.get("job_id") or ""))))
         earlier = earlier + recs
+    _lost_from_redone_steps(rows)
     state = rows[-1]["state"] if rows else inp.state
     return {
         "schema_version": SCHEMA_VERSION, "collector": COLLECTOR, "run_id": inp.run_id, "name": inp.name, "folder": str(inp.folder),
@@ -382,6 +370,30 @@ def build_run(inp: RunInput, now: float | None = None) -> dict[str, Any]:
         "stragglers": stragglers.of_run(inp.folder) if folder_ok else None,
         **_data_report(evs),
     }
+
+
+def _lost_from_redone_steps(rows: list[dict[str, Any]]) -> None:
+    """Lost work from what happened, not from the existence of a checkpoint: an attempt that has a successor lost
+    the steps the successor trained again (its last step - the successor's first step + 1; a user's script that
+    never resumes redoes them all); a completed one lost none; the latest unfinished one has the steps since its
+    last checkpoint at risk (`lost_from` says which). A "checkpointed: resumable" stop whose successor started over
+    says so."""
+    for i, row in enumerate(rows):
+        if row["last_step"] is None:
+            continue
+        nxt = next((r for r in rows[i + 1:] if r["first_step"] is not None), None)
+        if nxt is not None:
+            row["lost_steps"] = max(0, row["last_step"] - nxt["first_step"] + 1)
+            row["lost_from"] = "redone"
+            f = row.get("failure")
+            if f and nxt["first_step"] <= 1 and row["last_step"] > 1 and "(checkpointed: resumable)" in f["message"]:
+                f["message"] = f["message"].replace(
+                    "(checkpointed: resumable)", f"(checkpointed, but attempt {nxt['attempt']} started again from "
+                    "step 1: the script does not resume; docs/scripts.md says how)")
+        elif row["state"] == JobState.COMPLETED:
+            row["lost_steps"], row["lost_from"] = 0, "completed"
+        else:
+            row["lost_from"] = "since_checkpoint"
 
 
 def _data_report(evs: list[run_events.Event]) -> dict[str, Any]:

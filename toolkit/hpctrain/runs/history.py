@@ -1,0 +1,261 @@
+"""Every attempt of a run, one row each, as every report counts them: the one reader of attempts and placement.
+
+An attempt is one run of the training command, whichever way it began:
+  * `submitted`: a job of its own (the first submission, a supervisor's or a person's resubmission): a row of the
+    registry, or of attempts.jsonl for a run this registry never saw;
+  * `requeued`: SLURM or submitit ran the same job again (the node numbers its logs attempt-K with K =
+    HPCTRAIN_ATTEMPT + SLURM_RESTART_COUNT, so the run leaves logs/attempt-K.* with no registry row of its own);
+  * `in_job`: the in-job driver (hpctrain.fault.injob) ended an srun step and started the next one in the same
+    allocation (its `restart` event in events.jsonl, its line in attempts.jsonl).
+
+`expand(base, ...)` turns the job-level rows (registry or attempts.jsonl) into attempt rows; `status`, `list`,
+`summary`, `logs`, `watch` and `sync` all read attempts through it, so an in-job restart or a requeue is one more
+attempt in each of them. Each row keeps its job's allocation (`allocated`: spares included, for the cost) beside
+the hosts its ranks trained on (`nodes`), the node a spare replaced when it began (`replaced`), and its ranks'
+hosts (`rank_hosts`): what each rank's own events said, else SLURM's block distribution over `nodes`.
+
+Every earlier run of a job ends REQUEUED (sacct describes a job's latest run only); the job's last row keeps the
+job's state. Stdlib only: the login side and the collector import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpctrain.runs import events as run_events
+from hpctrain.runs.folder import RunFolder
+from hpctrain.states import JobState
+
+SUBMITTED, REQUEUED, IN_JOB = "submitted", "requeued", "in_job"  # how an attempt began
+Span = Callable[[int], tuple[float | None, float | None]]  # attempt -> (first, last) time its logs show
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttemptView:
+    """One attempt as every report shows it (a typed view of an `expand` row)."""
+
+    attempt: int
+    job_id: str
+    how: str
+    state: str
+    step_id: str = ""
+    hosts: tuple[str, ...] = ()  # where its ranks trained
+    allocated: tuple[str, ...] = ()  # the job's allocation, spares included
+    replaced: dict[str, str] = field(default_factory=dict)  # dead or unhealthy host -> the spare that took over
+    rank_hosts: dict[int, str] = field(default_factory=dict)
+    started: float | None = None
+    ended: float | None = None
+    exit_code: str | None = None
+    failure_class: str | None = None
+
+    @property
+    def label(self) -> str:
+        """ "job 123", "step 123.1" (an in-job restart), "job 123, requeue 1" (a later run of a job)."""
+        if self.how == IN_JOB and self.step_id:
+            return f"step {self.step_id}"
+        return f"job {self.job_id}" + (" (requeued)" if self.how == REQUEUED else "")
+
+    @classmethod
+    def of(cls, row: dict[str, Any], ranks_per_node: int = 1) -> AttemptView:
+        hosts = tuple(hosts_of(str(row.get("nodes") or "")))
+        return cls(attempt=int(row["attempt"]), job_id=str(row.get("job_id") or ""), how=str(row.get("how") or SUBMITTED),
+                   state=str(row.get("state") or JobState.UNKNOWN), step_id=str(row.get("step_id") or ""),
+                   hosts=hosts, allocated=tuple(hosts_of(str(row.get("allocated") or ""))) or hosts,
+                   replaced=dict(row.get("replaced") or {}),
+                   rank_hosts=rank_hosts(row, ranks_per_node),
+                   started=_float(row.get("started")), ended=_float(row.get("ended")),
+                   exit_code=None if row.get("exit_code") in (None, "") else str(row["exit_code"]),
+                   failure_class=row.get("failure_class") or (row.get("in_job_restart") or {}).get("class") or None)
+
+
+def hosts_of(nodelist: str) -> list[str]:
+    """A SLURM nodelist ("node[1-3]") as host names; a malformed one keeps its plain names."""
+    if not nodelist:
+        return []
+    try:
+        from hpctrain.nodelist import expand as expand_nodelist
+
+        return expand_nodelist(nodelist)
+    except Exception:  # noqa: BLE001 - a malformed nodelist must never fail a report
+        return [h for h in nodelist.split(",") if h and "[" not in h]
+
+
+def rank_hosts(row: dict[str, Any], ranks_per_node: int) -> dict[int, str]:
+    """rank -> host of one attempt row: the ranks' own events first, then the block distribution over its hosts."""
+    out = {int(k): str(v) for k, v in (row.get("rank_hosts") or {}).items()}
+    hosts = hosts_of(str(row.get("nodes") or ""))
+    per = max(1, ranks_per_node)
+    for r in range(len(hosts) * per):
+        out.setdefault(r, hosts[r // per])
+    return out
+
+
+def log_attempts(folder: Path) -> set[int]:
+    """K of every logs/attempt-K.rank-R.log (a directory listing, no file read)."""
+    out: set[int] = set()
+    try:
+        names = [p.name for p in RunFolder(folder).logs_dir.iterdir()]
+    except OSError:
+        return out
+    for name in names:
+        head = name.split(".", 1)[0]
+        if name.startswith("attempt-") and head[8:].isdigit():
+            out.add(int(head[8:]))
+    return out
+
+
+def expand(base: list[dict[str, Any]], folder: Path, *, events: list[run_events.Event] | None = None,
+           logs: set[int] | None = None, span: Span | None = None) -> list[dict[str, Any]]:
+    """One row per attempt (see the module doc) from the job-level rows `base` ({attempt, job_id, state, nodes,
+    started, ended, ...}: the registry's, or attempts.jsonl's). `events` and `logs` are read from `folder` when
+    not given; `span` times a requeued run from its logs (the collector's reader), else its events time it."""
+    if not base:
+        return []
+    evs = run_events.read_events(folder) if events is None else events
+    logs = log_attempts(folder) if logs is None else logs
+    in_job = _in_job_numbers(folder, evs)
+    groups: list[list[dict[str, Any]]] = []  # consecutive entries of one job id
+    for a in sorted(base, key=lambda a: int(a["attempt"])):
+        if groups and str(groups[-1][0].get("job_id")) == str(a.get("job_id")):
+            groups[-1].append(a)
+        else:
+            groups.append([a])
+    out: list[dict[str, Any]] = []
+    for i, entries in enumerate(groups):
+        jid = str(entries[0].get("job_id") or "")
+        k0 = int(entries[0]["attempt"])
+        k_next = int(groups[i + 1][0]["attempt"]) if i + 1 < len(groups) else 1 << 30
+        mine = {k for k in logs | in_job.get(jid, set()) if k0 < k < k_next}
+        nums = sorted({int(e["attempt"]) for e in entries} | mine)
+        job = dict(entries[0])
+        for e in entries[1:]:  # later notes on the same job (a supervisor's record) fill in
+            job.update({key: v for key, v in e.items() if v not in (None, "")})
+        job["allocated"] = job.get("nodes") or ""
+        for k in nums:
+            row = dict(job, attempt=k, how=SUBMITTED if k == k0 else IN_JOB if k in in_job.get(jid, ()) else REQUEUED)
+            if len(nums) > 1:
+                row["_requeued"] = True  # the job's submitit logs hold every run: each row reads its own part
+            if k != nums[-1]:
+                first, last = _span(evs, jid, k, span)
+                row.update(state=JobState.REQUEUED, started=first, ended=last, exit_code=None, failure_class=None)
+            elif row.get("started") is None:  # the registry not refreshed yet
+                row["started"] = _span(evs, jid, k, span)[0]
+            out.append(row)
+        # sacct's start of a job SLURM resized (a node lost under --no-kill) is the resize time
+        _first_run_start(out, evs, jid, k0)
+    out = _with_in_job_restarts(out, evs)
+    return _with_rank_hosts(out, evs)
+
+
+def _first_run_start(rows: list[dict[str, Any]], evs: list[run_events.Event], jid: str, k0: int) -> None:
+    """The job's first run started no later than its first event (sacct's start moves when SLURM resizes it)."""
+    first = min((e.time for e in evs if e.job_id == jid and e.attempt == k0), default=None)
+    for row in rows:
+        if str(row.get("job_id")) == jid and int(row["attempt"]) == k0 and first is not None:
+            s = _float(row.get("started"))
+            row["started"] = first if s is None or s > first else s
+
+
+def _span(evs: list[run_events.Event], jid: str, k: int, span: Span | None) -> tuple[float | None, float | None]:
+    if span is not None:
+        first, last = span(k)
+        if first is not None:
+            return first, last
+    times = [e.time for e in evs if e.attempt == k and (not e.job_id or e.job_id == jid)]
+    return (min(times), max(times)) if times else (None, None)
+
+
+def _in_job_numbers(folder: Path, evs: list[run_events.Event]) -> dict[str, set[int]]:
+    """job id -> the attempt numbers its in-job restarts began (restart events, and attempts.jsonl's lines:
+    those are written before the new step's ranks log anything)."""
+    out: dict[str, set[int]] = {}
+    for e in evs:
+        if e.kind == run_events.RESTART and isinstance(e.extra.get("next_attempt"), int):
+            out.setdefault(e.job_id, set()).add(int(e.extra["next_attempt"]))
+    for rec in RunFolder(folder).read_attempts():
+        if rec.get("in_job_restart_of") is not None and isinstance(rec.get("attempt"), int):
+            out.setdefault(str(rec.get("job_id") or ""), set()).add(int(rec["attempt"]))
+    return out
+
+
+def _with_in_job_restarts(atts: list[dict[str, Any]], evs: list[run_events.Event]) -> list[dict[str, Any]]:
+    """Rows of in-job restarts (hpctrain.fault.injob's `restart` events): each gets its step id, its own hosts
+    and times (the step's launch to the restart's detection), the nodes a spare replaced, and the restart."""
+    restarts = {(e.job_id, e.attempt): e for e in evs if e.kind == run_events.RESTART and e.attempt is not None}
+    if not restarts:
+        return atts
+    after = {(e.job_id, int(e.extra.get("next_attempt", -1))): e for e in restarts.values()}
+    out = []
+    for a in atts:
+        key = (str(a.get("job_id") or ""), int(a["attempt"]))
+        row, ended, began = dict(a), restarts.get(key), after.get(key)
+        if began is not None:
+            row.update(step_id=str(began.extra.get("next_step_id") or ""), started=_float(began.extra.get("launched")),
+                       nodes=",".join(began.extra.get("hosts") or []) or row.get("nodes"),
+                       replaced=dict(began.extra.get("replaced") or {}))
+            # The metrics split allows 5 s of clock skew before a start; every record of the ended step is
+            # older than the restart's detection, so the split point is exact there.
+            over = _float(began.extra.get("stopped")) or _float(began.extra.get("detected"))
+            if over:
+                row["_split"] = over + 5
+        if ended is not None:
+            replaced = ended.extra.get("replaced") or {}
+            row.update(step_id=str(ended.extra.get("step_id") or ""), state=JobState.REQUEUED,
+                       ended=_float(ended.extra.get("detected")) or ended.time,
+                       in_job_restart={k2: ended.extra.get(k2) for k2 in ("next_attempt", "next_step_id", "replaced",
+                                                                        "hosts", "restart", "budget")}
+                       | {"class": ended.failure_class, "message": ended.message})
+            if ended.extra.get("step_hosts"):
+                row["nodes"] = ",".join(ended.extra["step_hosts"])
+            row["_in_job_failure"] = (ended.failure_class, ended.message, next(iter(replaced), None))
+        out.append(row)
+    return out
+
+
+def _with_rank_hosts(atts: list[dict[str, Any]], evs: list[run_events.Event]) -> list[dict[str, Any]]:
+    """Each rank's host as its own events of that attempt name it (SLURMD_NODENAME on the rank)."""
+    for row in atts:
+        jid, k = str(row.get("job_id") or ""), int(row["attempt"])
+        got = {e.rank: e.host for e in run_events.of_attempt(evs, k, jid) if e.rank is not None and e.host}
+        if got:
+            row["rank_hosts"] = {**(row.get("rank_hosts") or {}), **got}
+    return atts
+
+
+def views(base: list[dict[str, Any]], folder: Path, ranks_per_node: int = 1) -> list[AttemptView]:
+    """`expand`'s rows as typed views (status, list, logs, watch); a missing folder leaves the base rows."""
+    rows = expand(base, folder) if folder.is_dir() else [dict(a, how=SUBMITTED) for a in base]
+    return [AttemptView.of(r, ranks_per_node) for r in rows]
+
+
+def wait_reason(rows: list[dict[str, Any]], folder: Path) -> str:
+    """Why the latest attempt waits in the queue, from the decision that queued it (attempts.jsonl): a host the
+    retry could not exclude (SLURM will not place it on a DOWN node), or "" when nothing recorded one."""
+    if not rows or str(rows[-1].get("state")) not in (JobState.PENDING, JobState.REQUEUE_HOLD):
+        return ""
+    jid = str(rows[-1].get("job_id") or "")
+    for rec in reversed(RunFolder(folder).read_attempts()):
+        d = rec.get("decision")
+        nxt = rec.get("next") if isinstance(rec.get("next"), dict) else {}
+        if isinstance(d, dict) and str(nxt.get("job_id") or "") == jid:
+            kept = [str(h) for h in d.get("not_excluded") or []]
+            notes = [str(n) for n in d.get("notes") or []]
+            return "; ".join(notes) or (f"its nodes may include {', '.join(kept)}" if kept else "")
+    return ""
+
+
+def job_rows(attempts: Iterable[Any]) -> list[dict[str, Any]]:
+    """The registry's attempts (hpctrain.runs.registry.Attempt) as the job-level rows `expand` takes."""
+    return [{"attempt": a.attempt, "job_id": a.job_id, "state": a.state, "nodes": a.nodes, "submitted": a.submitted,
+             "started": a.started, "ended": a.ended, "exit_code": a.exit_code, "failure_class": a.failure_class}
+            for a in attempts]
+
+
+def _float(v: Any) -> float | None:
+    try:
+        return float(v) if v is not None and v != "" else None
+    except (TypeError, ValueError):
+        return None
