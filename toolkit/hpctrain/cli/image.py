@@ -36,12 +36,13 @@ def check(container: str, gpu: bool, print_only: bool) -> None:
     """
     from hpctrain.errors import bad_value
     from hpctrain.render import containers
+    from hpctrain.spec.flags import RUNTIMES
     from hpctrain.spec.model import Container, Launch, Resources, Spec
 
     runtime, _, name = container.partition(":")
-    if runtime not in containers.RUNTIMES[1:] or not name:
+    if runtime not in RUNTIMES[1:] or not name:
         raise bad_value("RUNTIME:IMAGE", container, "not a runtime and an image",
-                        "write e.g. podman:localhost/hpctrain:cpu (runtimes: " + ", ".join(containers.RUNTIMES[1:]) + ")")
+                        "write e.g. podman:localhost/hpctrain:cpu (runtimes: " + ", ".join(RUNTIMES[1:]) + ")")
     spec = Spec(container=Container(runtime=runtime, image=name),  # type: ignore[arg-type]
                 resources=Resources(gpus_per_node=1 if gpu else 0), launch=Launch(executor="slurm"))
     containers.check_submit(spec, executor="slurm")
