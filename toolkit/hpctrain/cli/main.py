@@ -37,6 +37,10 @@ class _RedactingGroup(click.Group):
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
+            if ctx._protected_args:  # a [remote] site: the command runs on its login node (hpctrain.cli.remote)
+                forwarded = _forwarded(ctx)
+                if forwarded is not None:
+                    ctx.exit(forwarded)
             return super().invoke(ctx)
         except OSError as exc:
             if exc.errno != errno.ENAMETOOLONG:
@@ -52,6 +56,27 @@ class _RedactingGroup(click.Group):
             raise
 
 
+def _forwarded(ctx: click.Context) -> int | None:
+    """The exit status of the command run on the login node, or None when it runs here. Only a command that
+    names a site (--remote, HPCTRAIN_REMOTE, submit --site) loads hpctrain.cli.remote."""
+    args = [*ctx._protected_args, *ctx.args]
+    name = args[0]
+    if not (ctx.params.get("remote") or os.environ.get("HPCTRAIN_REMOTE") or name == "submit"):
+        return None
+    os.umask(0o077)  # as cli() does: the records of sent submits are private
+    from hpctrain.cli.remote import maybe_forward
+
+    return maybe_forward(ctx, name, args[1:], ctx.params.get("remote"), _flags_of)
+
+
+def _flags_of(sub: click.Context) -> dict[str, Any]:
+    """The dotted spec keys a parsed `submit` context sets (the remote submit resolves its paths with them)."""
+    params = dict(sub.params)
+    if SCRIPT_ARGS in sub.meta:
+        params[SCRIPT_ARGS] = sub.meta[SCRIPT_ARGS]
+    return flags_from_options(params)
+
+
 def _shown(exc: click.ClickException) -> click.ClickException:
     """EXC with its message as the CLI may print it: secrets redacted first, then bounded (a long secret is
     never cut into pieces that no longer match it)."""
@@ -65,7 +90,9 @@ def _shown(exc: click.ClickException) -> click.ClickException:
 
 @click.group(cls=_RedactingGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="hpctrain")
-def cli() -> None:
+@click.option("--remote", default=None, metavar="SITE", help="Run the command on the login node of site SITE's "
+              "[remote] over your ssh (also HPCTRAIN_REMOTE; docs/remote.md).")
+def cli(remote: str | None) -> None:
     """Launch DeepSpeed training on SLURM clusters."""
     # Everything hpctrain writes is private to the user (DESIGN.md: run folders are 0700/0600): the run
     # folder's files, dry-run output, the registry; sbatch records this umask for the job (SLURM_UMASK),
@@ -471,9 +498,11 @@ from hpctrain.cli import export as cli_export
 from hpctrain.cli import fault as cli_fault
 from hpctrain.cli import image as cli_image
 from hpctrain.cli import registry as cli_registry
+from hpctrain.cli import remote as cli_remote
 from hpctrain.cli import runs as cli_runs
 from hpctrain.cli import sync as cli_sync
 from hpctrain.cli import watch as cli_watch
 
-for _module in (cli_runs, cli_collect, cli_data, cli_image, cli_fault, cli_export, cli_registry, cli_watch, cli_sync):
+for _module in (cli_runs, cli_collect, cli_data, cli_image, cli_fault, cli_export, cli_registry, cli_watch, cli_sync,
+                cli_remote):
     _module.register(cli)

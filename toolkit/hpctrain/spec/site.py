@@ -41,7 +41,7 @@ SITE_KEYS: dict[str, str] = {
     "secret_env": "secret_env",
     "sbatch_extra": "slurm.extra",  # e.g. ["--reservation=R"]: merged with the run file's and --sbatch-arg
 }
-SITE_TABLES = ("env", "container")
+SITE_TABLES = ("env", "container", "remote")  # remote: the login host (hpctrain.remote.site)
 CONTAINER_KEYS = ("runtime", "image", "mounts")
 
 
@@ -169,6 +169,6 @@ def site_to_overrides(name: str, prof: dict[str, Any]) -> dict[str, Any]:
                 if k not in CONTAINER_KEYS:
                     raise unknown_key(f"sites.{name}.container", k, CONTAINER_KEYS)
                 out[f"container.{k}"] = v
-        else:
+        elif key != "remote":  # [remote] says where hpctrain runs, not what the job is: hpctrain.remote reads it
             raise unknown_key(f"site profile {name!r}", key, [*SITE_KEYS, *SITE_TABLES])
     return out

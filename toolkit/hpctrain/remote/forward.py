@@ -1,0 +1,200 @@
+"""Running an hpctrain command on the login node, over the site's one shared ssh connection.
+
+`Connection.run` sends a command and streams its output; the first command of a new shared connection also
+asks the login node for its hpctrain version and its absolute remote_dir (kept beside the control socket, so
+later commands cost one round trip). `submit` sends the files first (hpctrain.remote.travel) and runs the
+login node's `hpctrain submit` detached from the connection, its answer written into the upload folder: a
+dropped connection loses nothing, and typing the same submit again reads that answer instead of submitting
+again (a record per submit under the state dir until its answer is read).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpctrain import __version__
+from hpctrain.errors import HpcUsageError
+from hpctrain.remote import ssh
+from hpctrain.remote.site import Remote
+from hpctrain.remote.travel import EXCLUDES, Item
+from hpctrain.secret import DENIED_FILES
+
+UPLOADS = "uploads"
+
+
+class RemoteFailure(HpcUsageError):
+    """ssh, rsync or the login node failed for a reason the user fixes (one line: cause and fix)."""
+
+    exit_code = 3
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What the login node said when the shared connection opened."""
+
+    remote_dir: str  # absolute
+    version: str
+
+
+def compatible(local: str, remote: str) -> bool:
+    """Run folders and arguments stay the same within one minor version (0.1.x with 0.1.y)."""
+    return local.split(".")[:2] == remote.split(".")[:2]
+
+
+class Connection:
+    """One site's login host, reached through one multiplexed ssh connection."""
+
+    def __init__(self, remote: Remote) -> None:
+        self.remote = remote
+        self.socket = ssh.socket_path(remote)
+
+    def _argv(self, command: str, tty: bool = False) -> list[str]:
+        return ssh.ssh_argv(self.remote, self.socket, command, tty)
+
+    def rsync(self, argv: list[str], what: str) -> None:
+        proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise RemoteFailure(ssh.failure(self.remote, proc.returncode, proc.stderr, what)
+                                or f"{what}: rsync failed (rc {proc.returncode}): {proc.stderr.strip()[-400:]}")
+
+    def probe(self) -> Probe:
+        """The login node's absolute remote_dir and hpctrain version, asked once per shared connection."""
+        cache = self.socket.with_suffix(".probe")
+        try:
+            ino = os.stat(self.socket).st_ino
+            kept = json.loads(cache.read_text())
+            if kept.get("socket") == ino:
+                return Probe(kept["remote_dir"], kept["version"])
+        except (OSError, ValueError, KeyError):
+            pass
+        proc = subprocess.run(self._argv(ssh.probe_shell(self.remote)), stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
+        what = f"hpctrain on {self.remote.host}"
+        if proc.returncode != 0:
+            raise RemoteFailure(ssh.failure(self.remote, proc.returncode, proc.stderr, what)
+                                or f"{what}: `hpctrain --version` failed there (rc {proc.returncode}): "
+                                   f"{proc.stderr.strip()[-300:]}. Fix: check sites.{self.remote.site}.remote.hpctrain")
+        lines = proc.stdout.strip().splitlines()
+        got = Probe(lines[0], lines[-1].rsplit(" ", 1)[-1] if len(lines) > 1 else "?")
+        if not compatible(__version__, got.version):
+            raise RemoteFailure(
+                f"{what}: version {got.version}, this one {__version__}: run folders and arguments differ between "
+                f"minor versions. Fix: on the login node `pip install 'hpctrain=={__version__}'` into the environment "
+                f"of {self.remote.hpctrain!r}, or `hpctrain remote setup --site {self.remote.site}`")
+        try:
+            cache.write_text(json.dumps({"socket": os.stat(self.socket).st_ino, **got.__dict__}))
+        except OSError:
+            pass  # ControlPersist=no: no socket stays, the probe is asked again next time
+        return got
+
+    def run(self, args: list[str], cwd: str = "", tty: bool = False, capture: bool = False,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        """hpctrain ARGS on the login node; output streams to ours unless CAPTURE. A failure of the connection
+        raises RemoteFailure; the remote hpctrain's own exit status is returned."""
+        self.probe()
+        line = ssh.remote_shell(self.remote, args, cwd, env)
+        return self.shell(line, f"hpctrain {args[0] if args else ''} on {self.remote.host}", tty, capture)
+
+    def shell(self, line: str, what: str, tty: bool = False, capture: bool = False) -> subprocess.CompletedProcess[str]:
+        """One shell LINE on the login node (built from quoted words only)."""
+        if capture:
+            proc = subprocess.run(self._argv(line, tty), stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                  check=False)
+            err = proc.stderr
+        else:
+            proc = subprocess.run(self._argv(line, tty), stdin=None if tty else subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True, check=False)
+            err = proc.stderr or ""
+            # The remote hpctrain's own messages pass through; ssh's are turned into one line below.
+            if proc.returncode not in (ssh.SSH_FAILED, 127) and err:
+                sys.stderr.write(err)
+        problem = ssh.failure(self.remote, proc.returncode, err, what)
+        if problem:
+            raise RemoteFailure(problem)
+        return proc
+
+    def upload(self, items: list[Item], stage: str) -> None:
+        """Send ITEMS into STAGE (absolute, on the login node), mirrored at their local absolute paths."""
+        if not items:
+            return
+        excludes = [*EXCLUDES, *DENIED_FILES]
+        self.shell(f"mkdir -p -- {shlex.quote(stage)}", f"upload to {self.remote.host}")
+        argv = ssh.rsync_up_argv(self.remote, self.socket, [str(i.path) for i in items], stage, excludes)
+        self.rsync(argv, f"upload to {self.remote.host}")
+
+    def pull(self, source: str, dest: Path, excludes: list[str]) -> None:
+        """Fetch folder SOURCE of the login node into DEST (only what changed travels)."""
+        dest.mkdir(parents=True, exist_ok=True)
+        self.rsync(ssh.rsync_down_argv(self.remote, self.socket, source, str(dest), excludes),
+                   f"fetch from {self.remote.host}")
+
+    def close(self) -> None:
+        subprocess.run(ssh.exit_argv(self.remote, self.socket), capture_output=True, check=False,
+                       stdin=subprocess.DEVNULL)
+
+
+# --------------------------------------------------------------------------------------------------
+# submit: detached on the login node, its answer kept there, found again after a dropped connection
+
+def pending_dir(remote: Remote) -> Path:
+    from hpctrain.spec.site import state_dir
+
+    return state_dir() / "remote" / remote.site
+
+
+def detached_submit(remote: Remote, args: list[str], cwd: str, stage: str) -> str:
+    """The shell line of a submit that outlives the connection: hpctrain runs in the background with its
+    output in STAGE (out, err, then rc), the foreground waits and prints them. A dropped connection kills
+    only the waiting shell."""
+    inner = ssh.remote_shell(remote, args, cwd)
+    s = shlex.quote(stage)
+    return (f"cd -- {s} && ( trap '' HUP; sh -c {shlex.quote(inner)} >out 2>err </dev/null; echo $? >rc.part; "
+            f"mv rc.part rc ) & echo $! >{s}/pid; wait; cd -- {s} && cat err >&2; cat out; exit \"$(cat rc)\"")
+
+
+def answer_line(stage: str) -> str:
+    """The shell line that reads a detached submit's answer: `done RC`, then its output; or `running`/`lost`."""
+    s = shlex.quote(stage)
+    return (f"cd -- {s} 2>/dev/null || {{ echo lost; exit 0; }}; if [ -f rc ]; then echo done \"$(cat rc)\"; "
+            "cat out; elif [ -f pid ] && kill -0 \"$(cat pid)\" 2>/dev/null; then echo running; else echo lost; fi")
+
+
+def record(remote: Remote, submit_id: str, digest: str, stage: str) -> Path:
+    """The laptop's note that submit SUBMIT_ID was sent: removed once its answer has been read."""
+    folder = pending_dir(remote)
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = folder / f"{submit_id}.json"
+    path.write_text(json.dumps({"id": submit_id, "digest": digest, "stage": stage, "sent": time.time()}))
+    return path
+
+
+def pending(remote: Remote) -> list[dict[str, Any]]:
+    folder = pending_dir(remote)
+    out = []
+    for p in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            out.append({**json.loads(p.read_text()), "path": str(p)})
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def settle(conn: Connection, rec: dict[str, Any], wait_s: float = 600.0) -> tuple[str, str]:
+    """Ask the login node what became of a recorded submit: ('done', its output with rc first) or ('lost', '').
+    A submit still running there is waited for (bounded)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        proc = conn.shell(answer_line(rec["stage"]), f"reading submit {rec['id']} on {conn.remote.host}", capture=True)
+        head, _, rest = proc.stdout.partition("\n")
+        if head.startswith("done"):
+            return head, rest
+        if head != "running" or time.monotonic() > deadline:
+            return head or "lost", ""
+        time.sleep(1.0)
