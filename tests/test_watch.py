@@ -256,3 +256,38 @@ def test_the_rich_panel_shows_the_same_fields(monkeypatch: pytest.MonkeyPatch) -
     text = out.getvalue()
     for want in ("hpctrain r1", "55 (attempt 2)", "25/100 (25%)", "2.5000", "1,234", "0:38 (0.50 s/step)", "step-20"):
         assert want in text, (want, text)
+
+
+def test_the_eta_counts_the_current_attempts_steps_only_and_none_while_it_waits(tmp_path: Path) -> None:
+    """A retry that resumes at the very step its predecessor stopped: no step goes down, so only the attempt's
+    start (hpctrain.runs.history) keeps the queue's wait out of the rate (8.84 s/step against ~2 before)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "spec.toml").write_text("[train]\nsteps = 100\n")
+    first = [{"step": s, "time": 1000.0 + 2 * s} for s in range(1, 31)]
+    retry = [{"step": s, "time": 5000.0 + 2 * (s - 30)} for s in range(31, 41)]
+    _metrics(run, [*first, *retry])
+    assert progress.read_progress(run).step_s > 8  # the wait between the attempts counted as training
+    p = progress.read_progress(run, started=4990.0)
+    assert p.step_s == pytest.approx(2.0) and p.eta_s == pytest.approx(120.0)
+    _metrics(run, first)
+    waiting = progress.read_progress(run, started=4990.0)  # the retry's ranks have no step yet
+    assert (waiting.step, waiting.step_s, waiting.eta_s) == (30, None, None)
+    assert progress.read_progress(run, waiting=True).eta_s is None  # queued
+
+
+def test_the_watch_says_the_current_attempt_its_replaced_node_and_why_it_waits() -> None:
+    from hpctrain.cli import watch
+    from hpctrain.runs.history import AttemptView
+    from hpctrain.runs.registry import Attempt, Run
+
+    rec = Run("r1", "r", "/nowhere", 0.0, "slurm", {}, "RUNNING", [Attempt("r1", 0, "55")])
+    p = progress.Progress(25, 100, 2.5, 1234.0, None, None, 20, 1000.0)
+    cur = AttemptView(attempt=1, job_id="55", how="in_job", state="RUNNING", step_id="55.1",
+                      replaced={"node2": "node4"})
+    line = watch.Snapshot(rec, p, "RUNNING", "", "", now=1001.0, current=cur).line()
+    assert "job step 55.1 (attempt 1)" in line and "nodes node2 replaced by the spare node4" in line, line
+    assert "ETA -" in line
+    queued = watch.Snapshot(rec, p, "PENDING", "Resources", "", now=1001.0,
+                            waiting="not excluding node2: ...; SLURM will not place the job on a DOWN node").line()
+    assert "state PENDING (Resources); waiting: not excluding node2" in queued, queued

@@ -21,6 +21,7 @@ from hpctrain.states import JobState, normalize_state
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.collect.progress import Progress
+    from hpctrain.runs.history import AttemptView
     from hpctrain.runs.registry import Registry, Run
 
 
@@ -44,15 +45,18 @@ STALL_S = 30  # a newest step record older than this is shown ("no step for 60 s
 
 
 class Snapshot:
-    """One look at the run: its latest attempt as SLURM sees it, and its progress."""
+    """One look at the run: its current attempt (hpctrain.runs.history: an in-job restart or a requeue is one),
+    its state as SLURM sees it, why it waits, and its progress."""
 
     def __init__(self, rec: Run, progress: Progress, state: str, reason: str, deciding: str,
-                 now: float | None = None) -> None:
+                 now: float | None = None, current: AttemptView | None = None, waiting: str = "") -> None:
         self.rec, self.progress, self.state, self.reason, self.deciding = rec, progress, state, reason, deciding
         self.now = time.time() if now is None else now
+        self.current, self.waiting = current, waiting
         att = rec.latest
         self.job = att.job_id if att else "-"
-        self.attempt = att.attempt if att else 0
+        self.attempt = current.attempt if current else att.attempt if att else 0
+        self.where = current.label if current else f"job {self.job}"
 
     @property
     def ended(self) -> bool:
@@ -63,6 +67,8 @@ class Snapshot:
     def fields(self) -> list[tuple[str, str]]:
         p = self.progress
         state = self.state + (f" ({self.reason})" if self.reason and self.reason != "None" else "")
+        if self.waiting:
+            state += f"; waiting: {self.waiting}"
         if self.deciding:
             state += f"; supervisor job {self.deciding} is deciding about a retry"
         step = "-" if p.step is None else str(p.step)
@@ -71,7 +77,10 @@ class Snapshot:
         quiet = self.now - p.updated if p.updated is not None and not self.ended else 0.0
         if quiet >= STALL_S:  # in whole STALL_S steps: a plain line per change, not one per second
             pct += f", no step for {int(quiet // STALL_S * STALL_S)} s"
-        return [("run", self.rec.run_id), ("job", f"{self.job} (attempt {self.attempt})"), ("state", state),
+        swaps = ", ".join(f"{old} replaced by the spare {new}" for old, new in (self.current.replaced.items()
+                                                                             if self.current else ()))
+        return [("run", self.rec.run_id), ("job", f"{self.where} (attempt {self.attempt})"), ("state", state),
+                *([("nodes", swaps)] if swaps else []),
                 ("step", f"{step}/{total}{pct}"), ("loss", "-" if p.loss is None else f"{p.loss:.4f}"),
                 ("tokens/s", "-" if p.tokens_per_s is None else f"{p.tokens_per_s:,.0f}"),
                 ("ETA", _eta(p.eta_s, p.step_s)),
@@ -126,7 +135,24 @@ def snapshot(reg: Registry, run_id: str) -> Snapshot:
             pass
     if att is not None and is_final(state):
         deciding = _deciding(rec, att.job_id)
-    return Snapshot(rec, read_progress(Path(rec.folder)), state, reason, deciding)
+    current, waiting = _current(rec)
+    # No ETA while the attempt waits in the queue; an in-job restart has none until its own steps give a rate.
+    queued = state in (JobState.PENDING, JobState.REQUEUE_HOLD, JobState.SUBMIT_UNKNOWN)
+    progress = read_progress(Path(rec.folder), started=current.started if current else None, waiting=queued)
+    return Snapshot(rec, progress, state, reason, deciding, current=current, waiting=waiting)
+
+
+def _current(rec: Run) -> tuple[AttemptView | None, str]:
+    """The run's current attempt as every report counts them, and why it waits ("" when nothing says)."""
+    from hpctrain.runs import history
+
+    folder = Path(rec.folder)
+    try:
+        rows = history.job_rows(rec.attempts)
+        views = history.views(rows, folder, int(rec.spec.get("ranks_per_node") or 1))
+        return (views[-1] if views else None), history.wait_reason(rows, folder)
+    except (OSError, ValueError, TypeError):  # an unreadable folder: the registry's latest attempt alone
+        return None, ""
 
 
 def watch(ref: str, interval: float, as_json: bool = False) -> int:
@@ -159,7 +185,10 @@ def _plain_loop(reg: Registry, run_id: str, interval: float, as_json: bool) -> S
 
 
 def _as_dict(snap: Snapshot) -> dict[str, Any]:
+    cur = snap.current
     return {"run_id": snap.rec.run_id, "job_id": snap.job, "attempt": snap.attempt, "state": snap.state,
+            "step_id": cur.step_id if cur else "", "how": cur.how if cur else None,
+            "replaced": cur.replaced if cur else {}, "waiting_because": snap.waiting or None,
             "reason": snap.reason, "supervisor_deciding": snap.deciding or None, **snap.progress.to_dict()}
 
 

@@ -77,6 +77,19 @@ def current_attempt(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return recs[start:]
 
 
+def since(recs: list[dict[str, Any]], start: float, skew_s: float = 5.0) -> list[dict[str, Any]]:
+    """The records written from `start` on (an attempt's start, hpctrain.runs.history), a little clock skew allowed:
+    a retry that resumes at the very step its predecessor stopped shows no step going down."""
+    out = []
+    for r in recs:
+        try:
+            if float(r["time"]) >= start - skew_s:
+                out.append(r)
+        except (KeyError, TypeError, ValueError):
+            continue
+    return out
+
+
 def step_rate(recs: list[dict[str, Any]], window: int = RATE_WINDOW) -> float | None:
     """Seconds per step over the last `window` records of the newest attempt; None with fewer than 2."""
     cur = current_attempt(recs)[-(window + 1):]
@@ -90,14 +103,18 @@ def step_rate(recs: list[dict[str, Any]], window: int = RATE_WINDOW) -> float | 
     return dt / steps if steps > 0 and dt > 0 else None
 
 
-def read_progress(folder: Path, total: int | None = None) -> Progress:
+def read_progress(folder: Path, total: int | None = None, *, started: float | None = None,
+                  waiting: bool = False) -> Progress:
+    """Where the run stands. The rate, and so the ETA, comes from the current attempt's own steps only: those
+    written since `started` (the attempt's start) when given; none while the attempt waits (`waiting`: queued, or
+    its nodes not yet up) or before it has two steps of its own."""
     paths = RunFolder(folder)
     total = total_steps(folder) if total is None else total
     recs = tail_records(paths.metrics_jsonl)
     ckpts = complete_steps(paths.checkpoints_dir)
     last = recs[-1] if recs else {}
     step = last.get("step")
-    per_step = step_rate(recs)
+    per_step = None if waiting else step_rate(since(recs, started) if started is not None else recs)
     eta = per_step * max(0, total - step) if per_step is not None and total is not None and step is not None else None
     return Progress(step=step, total=total, loss=_num(last.get("loss")), tokens_per_s=_num(last.get("tokens_per_s")),
                     step_s=per_step, eta_s=eta, checkpoint=ckpts[-1] if ckpts else None,
