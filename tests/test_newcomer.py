@@ -145,13 +145,13 @@ def test_a_cancelled_rank_does_not_stop_for_requeue(tmp_path: Path, monkeypatch:
 
 
 def test_cancel_records_the_request_before_signalling(tmp_path: Path) -> None:
-    from hpctrain.cli.runs import _request_cancel
+    from hpctrain.api.runs import request_cancel
     from hpctrain.runs.folder import RunFolder
 
-    _request_cancel(str(tmp_path), ["5"])
-    _request_cancel(str(tmp_path), ["6"])
+    request_cancel(str(tmp_path), ["5"])
+    request_cancel(str(tmp_path), ["6"])
     assert RunFolder(tmp_path).cancel_request()["jobs"] == ["5", "6"]  # type: ignore[index]
-    _request_cancel(str(tmp_path / "gone"), ["7"])  # a folder that cannot take it: the cancel still goes on
+    request_cancel(str(tmp_path / "gone"), ["7"])  # a folder that cannot take it: the cancel still goes on
 
 
 def test_local_requeue_is_an_attempt_of_its_own(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from hpctrain.api.runs import pending_reasons as _pending_reasons
 from hpctrain.states import JobState
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -44,58 +45,8 @@ def _find(reg: Registry, ref: str) -> Run:
     return found.run
 
 
-def _reconcile(reg: Registry, runs: list[Run]) -> list[str]:
-    """Submissions of unknown outcome -> their real job (hpctrain.slurm.uncertain); before refresh."""
-    from hpctrain.slurm.uncertain import reconcile
-
-    return reconcile(reg, runs)
-
-
-
-
-def _pending_reasons(runs: list[Run]) -> dict[str, str]:
-    """SLURM's reason for each pending SLURM attempt in view (one squeue call); {} when squeue cannot say."""
-    ids = [a.job_id for r in runs if r.executor == "slurm" for a in r.attempts if a.state == JobState.PENDING]
-    if not ids:
-        return {}
-    try:
-        from hpctrain.slurm import commands as _slurm
-
-        return _slurm.pending_reasons(ids)
-    except Exception:  # noqa: BLE001 - squeue down: the state alone still says PENDING
-        return {}
-
-
 def _shown_state(state: str, job_id: str, reasons: dict[str, str]) -> str:
     return f"{state} ({reasons[job_id]})" if state == JobState.PENDING and job_id in reasons else state
-
-
-def _fill_failures(reg: Registry, rec: Run) -> dict[int, str]:
-    """Attempts that ended in failure but carry no class yet (no supervisor ran: retries 0, a sweep, a local
-    run; or `summary` never ran): the collector's verdict, stored in the registry. Returns attempt -> the
-    failure's one line (who, where, what)."""
-    missing = {a.attempt for a in rec.attempts if a.final and a.state != JobState.COMPLETED and not a.failure_class}
-    if not missing:
-        return {}
-    from hpctrain.collect import summary as co
-
-    inp = co.from_registry(rec)
-    try:
-        record = co.summarize([inp])[0]
-    except Exception:  # noqa: BLE001 - a broken run folder must not cost `status` its table
-        return {}
-    co.store_failure_classes(reg, [{**record, "_registry_attempts": inp.attempts}])
-    lines: dict[int, str] = {}
-    rows = {r["attempt"]: r for r in record["attempts"]}
-    for a in rec.attempts:
-        row = rows.get(a.attempt)
-        if a.attempt in missing and row and row["state"] == a.state and row.get("failure"):
-            f = row["failure"]
-            a.failure_class = row["failure_class"]
-            where = " ".join(x for x in (f"rank {f['rank']}" if f.get("rank") is not None else "",
-                                         f"on {f['host']}" if f.get("host") else "") if x)
-            lines[a.attempt] = f"{f['failure_class']}{' ' + where if where else ''}: {f['message']}"
-    return lines
 
 
 def _age(ts: float | None) -> str:
@@ -125,11 +76,10 @@ def _warn(warnings: list[str]) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def list_runs(show_all: bool, as_json: bool) -> None:
     """List runs from the registry, newest first, with states refreshed from SLURM."""
-    from hpctrain.slurm.refresh import refresh
+    from hpctrain.api.runs import listing
 
-    reg = _registry()
-    runs = reg.list_runs(limit=None if show_all else 20)
-    warnings = _reconcile(reg, runs) + refresh(reg, runs) + reg.warnings
+    found = listing(None if show_all else 20)
+    runs, warnings = found.records, found.warnings
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in runs], indent=2, default=str))
         _warn(warnings)
@@ -143,7 +93,7 @@ def list_runs(show_all: bool, as_json: bool) -> None:
     if rows:
         click.echo(_table(rows, ["RUN", "STATE", "JOB", "ATTEMPTS", "EXECUTOR", "NODES", "CREATED"]))
     else:
-        click.echo(f"no runs yet (registry: {reg.path})")
+        click.echo(f"no runs yet (registry: {_registry().path})")
     _warn(warnings)
 
 
@@ -156,17 +106,15 @@ def list_runs(show_all: bool, as_json: bool) -> None:
               help="Seconds between refreshes with --watch.")
 def status(run: str, as_json: bool, watch: bool, interval: float) -> None:
     """Show RUN (id or unique prefix): state, folder, and every attempt, refreshed from SLURM."""
-    from hpctrain.slurm.refresh import refresh
+    from hpctrain.api.runs import Run as RunHandle
 
     if watch:
         from hpctrain.cli.watch import watch as follow
 
         raise SystemExit(follow(run, interval, as_json))
 
-    reg = _registry()
-    rec = _find(reg, run)
-    warnings = _reconcile(reg, [rec]) + refresh(reg, [rec]) + reg.warnings
-    failures = _fill_failures(reg, rec)
+    st = RunHandle(run).status()
+    rec, warnings, failures = st.record, st.warnings, st.failures
     reasons = _pending_reasons([rec])
     if as_json:
         doc = rec.to_dict()
@@ -188,53 +136,18 @@ def status(run: str, as_json: bool, watch: bool, interval: float) -> None:
     _warn(warnings)
 
 
-def _request_cancel(folder: str, jobs: list[str]) -> None:
-    """RUN/cancel-requested.json names the jobs this cancel stops (best effort: a read-only folder still cancels)."""
-    from hpctrain.runs.folder import RunFolder, json_text, write_private
-
-    run = RunFolder(folder)
-    old = run.cancel_request() or {}
-    jobs = list(dict.fromkeys([*(str(j) for j in old.get("jobs") or []), *jobs]))
-    try:
-        write_private(run.cancel_requested, json_text({"time": time.time(), "jobs": jobs, "by": "hpctrain cancel"}))
-    except OSError:
-        pass
-
-
 @click.command(short_help="Cancel a run's job.")
 @click.argument("run")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def cancel(run: str, as_json: bool) -> None:
     """Cancel RUN's unfinished attempts (scancel, or stop the local job) and record CANCELLED."""
-    import os
-    import signal
+    from hpctrain.api.runs import Run as RunHandle
 
-    from hpctrain.slurm.refresh import refresh
-
-    reg = _registry()
-    rec = _find(reg, run)
-    _reconcile(reg, [rec])  # an unanswered submission's job is cancelled too, once SLURM lists it
-    refresh(reg, [rec])
-    live = [a for a in rec.attempts if not a.final]
-    if live:  # first: the ranks that get SIGTERM stop as cancelled, and the supervisor calls it a user cancel
-        _request_cancel(rec.folder, [a.job_id for a in live])
-    if rec.executor == "slurm" and live:
-        from hpctrain.slurm import commands as _slurm
-
-        _slurm.scancel([a.job_id for a in live])  # raises (nothing recorded) if slurmctld is down
-    elif live:
-        for a in live:
-            try:
-                os.kill(int(a.job_id), signal.SIGTERM)  # submitit's controller forwards it to the tasks
-            except (OSError, ValueError):
-                pass
-    now = time.time()
-    reg.update_attempts([(rec.run_id, a.attempt, {"state": JobState.CANCELLED, "ended": now}) for a in live])
-    out = {"run_id": rec.run_id, "cancelled": [a.job_id for a in live],
-           "state": JobState.CANCELLED if live else rec.state}
+    done = RunHandle(run).cancel()
+    out = done.to_dict()
     if as_json:
         click.echo(json.dumps(out))
-    elif live:
-        click.echo(f"cancelled {rec.run_id} (job {', '.join(out['cancelled'])})")
+    elif done.jobs:
+        click.echo(f"cancelled {done.run_id} (job {', '.join(done.jobs)})")
     else:
-        click.echo(f"{rec.run_id} is already {rec.state}; nothing to cancel")
+        click.echo(f"{done.run_id} is already {done.state}; nothing to cancel")

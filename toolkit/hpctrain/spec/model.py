@@ -497,16 +497,18 @@ def resolve(run_file: str | Path | None, flags: dict[str, Any], site: str | None
 
 
 def resolve_with_defaults(run_file: str | Path | None, flags: dict[str, Any], site: str | None = None, *,
-                          check: bool = True) -> tuple[Spec, list[Default]]:
+                          check: bool = True, run_data: dict[str, Any] | None = None) -> tuple[Spec, list[Default]]:
     """`resolve`, and the fine-tuning defaults it applied, each with its reason (hpctrain.spec.finetune):
-    the plan records them and `hpctrain plan`/`submit` print them."""
+    the plan records them and `hpctrain plan`/`submit` print them. `run_data` is a run file's content given
+    as a mapping (the Python API's hpctrain.submit({...})), read instead of `run_file`."""
     from hpctrain.spec import site as config
 
-    data = load_run_file(run_file) if run_file else {}
+    data = load_run_file(run_file) if run_file else dict(run_data or {})
     inline = data.pop("sites", {})
     if not isinstance(inline, dict):
         raise bad_value("sites", inline, "must hold tables", "write [sites.NAME] tables")
-    run_layer = _flatten(data, f"run file {str(run_file)!r}" if run_file else "run file")
+    where = f"run file {str(run_file)!r}" if run_file else "run mapping" if run_data else "run file"
+    run_layer = _flatten(data, where)
     flags = {k: v for k, v in flags.items() if v is not None}
     site_name = site or flags.get("site") or run_layer.get("site") or ""
     site_layer: dict[str, Any] = {}
