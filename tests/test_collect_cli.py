@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import time
 from pathlib import Path
@@ -427,6 +428,25 @@ def test_an_in_job_restart_is_one_more_attempt_in_summary_and_logs(env: dict[str
     assert a1["spare_hours"] == pytest.approx(a1["cpu_hours"] / 3, abs=1e-5)
     assert a0["cpu_hours"] == pytest.approx(3 * 2 * (30 - 1) / 3600, abs=1e-5)
 
+    table = invoke("summary", "spare").stdout
+    assert "spare a1 (step 60.1): node2 replaced by the spare node3" in table
+    assert re.search(r"spare cost: [\d.]+ CPU-hours, of which [\d.]+ on idle spare nodes", table), table
+
     on3 = invoke("logs", "spare", "--host", "node3").stdout.splitlines()
     assert on3 and all(ln.startswith(("a1 r2 node3", "a1 r3 node3")) for ln in on3), on3
     assert "a0 r2 node2" in invoke("logs", "spare", "--attempt", "0").stdout
+
+
+def test_why_a_retry_waits_is_in_the_table_not_only_the_json(env: dict[str, Any]) -> None:
+    note = ("not excluding node2: the partition has 2 node(s) and the run needs 2; SLURM will not place the job on a "
+            "DOWN node, so it waits for the node to return or for capacity")
+    folder = make_run(env, "waits", [
+        {"attempt": 0, "job_id": "70", "state": "NODE_FAIL", "nodes": "node[1-2]", "started": T0, "ended": T0 + 9},
+        {"attempt": 1, "job_id": "71", "state": "PENDING", "nodes": ""}])
+    with (folder / "attempts.jsonl").open("a") as fh:
+        fh.write(json.dumps({"attempt": 0, "job_id": "70", "decision": {"action": "retry", "notes": [note],
+                                                                        "not_excluded": ["node2"]},
+                             "next": {"attempt": 1, "job_id": "71"}}) + "\n")
+    doc = json.loads(invoke("summary", "waits", "--json").stdout)
+    assert summary_errors(doc) == [] and doc["runs"][0]["waiting_because"] == note
+    assert f"waits waiting: {note}" in invoke("summary", "waits").stdout

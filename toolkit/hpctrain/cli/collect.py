@@ -282,6 +282,7 @@ def _print_table(records: list[dict[str, Any]], warnings: list[str]) -> None:
         _print_data(run)
         _print_health(run)
         _print_failures(run)
+        _print_placement(run)
         _print_stragglers(run)
     for w in dict.fromkeys(warnings + [w for run in records for w in run["warnings"]]):
         click.echo(f"warning: {w}", err=True)
@@ -315,6 +316,22 @@ def _print_health(run: dict[str, Any]) -> None:
             _note(f"{head}: {host} failed: {why}{swap}")
         for note in h["notes"]:
             _note(f"{head}: note: {note}")
+
+
+def _print_placement(run: dict[str, Any]) -> None:
+    """Under the table: the node a spare replaced at each in-job restart, the idle spares' share of the cost, and
+    why the latest attempt waits (issue 29: not only in the JSON)."""
+    for a in run["attempts"]:
+        for old, new in (a.get("replaced") or {}).items():
+            _note(f"{run['run_id']} a{a['attempt']} (step {a.get('step_id') or a['job_id']}): {old} replaced by the "
+                  f"spare {new}")
+    spare = sum(a.get("spare_hours") or 0.0 for a in run["attempts"])
+    if spare > 0:
+        unit = "GPU-hours" if run["gpus_per_node"] > 0 else "CPU-hours"
+        total = run["totals"]["gpu_hours" if run["gpus_per_node"] > 0 else "cpu_hours"]
+        _note(f"{run['run_id']} cost: {total:.3f} {unit}, of which {spare:.3f} on idle spare nodes")
+    if run.get("waiting_because"):
+        _note(f"{run['run_id']} waiting: {run['waiting_because']}")
 
 
 def _print_stragglers(run: dict[str, Any]) -> None:

@@ -368,6 +368,7 @@ def build_run(inp: RunInput, now: float | None = None) -> dict[str, Any]:
         "complete": bool(rows) and all(r["state"] in ENDED for r in rows),
         "updated": now, "attempts": rows, "totals": {**_totals(rows), **_eval_totals(records)}, "warnings": warnings,
         "stragglers": stragglers.of_run(inp.folder) if folder_ok else None,
+        "waiting_because": (history.wait_reason(atts, inp.folder) or None) if folder_ok else None,
         **_data_report(evs),
     }
 
