@@ -19,7 +19,6 @@ import click
 from hpctrain.states import FailureClass, is_final
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hpctrain.collect.logs import LogFile
     from hpctrain.collect.summary import RunInput
     from hpctrain.runs.registry import Registry
 
@@ -60,6 +59,7 @@ def logs(run: str, attempt: int | None, rank: int | None, host: str | None, patt
          follow: bool) -> None:
     """Print RUN's per-rank logs across attempts, merged by time; each line is tagged
     `a<attempt> r<rank> <host>`. Attempts without rank logs show submitit's task logs instead."""
+    from hpctrain.api.runs import log_sources
     from hpctrain.collect import logs as cl
     from hpctrain.errors import HpcUsageError
 
@@ -75,7 +75,7 @@ def logs(run: str, attempt: int | None, rank: int | None, host: str | None, patt
         raise click.ClickException(f"run folder {inp.folder} of {inp.run_id} is missing (moved, deleted, or its "
                                    "filesystem is not mounted here): no logs to show")
     flt = cl.LogFilter(attempt, rank, host, grep)
-    list_files, host_of = _log_sources(inp)
+    list_files, host_of = log_sources(inp)
     emit: Callable[[cl.Line], None] = lambda ln: click.echo(ln.tagged())
     if not follow:
         files = list_files()
@@ -88,13 +88,6 @@ def logs(run: str, attempt: int | None, rank: int | None, host: str | None, patt
         cl.follow(list_files, host_of, flt, _finished_check(inp, reg), emit)
     except KeyboardInterrupt:
         click.echo("", err=True)
-
-
-def _log_sources(inp: RunInput) -> tuple[Callable[[], list[LogFile]], Callable[[LogFile], str]]:
-    from hpctrain.collect import summary as co
-    from hpctrain.collect.files import log_sources
-
-    return log_sources(inp.folder, inp.attempts, co._shape(inp).ranks_per_node)
 
 
 def _finished_check(inp: RunInput, reg: Registry, every_s: float = 10.0) -> Callable[[], bool]:
@@ -133,15 +126,14 @@ def summary(runs: tuple[str, ...], all_runs: bool, as_json: bool, plot: str | No
     """One record per run (one row per attempt): job id, state, failure class and where it came
     from, nodes, times, GPU-hours, steps, loss, tokens/s, TFLOPS/MFU and steps lost since the last
     checkpoint. Also writes RUN_DIR/summary.json. RUN may be a run id, a prefix or a run folder."""
+    from hpctrain.api.runs import summaries
     from hpctrain.collect import summary as co
     from hpctrain.errors import HpcUsageError
 
     if runs and all_runs:
         raise HpcUsageError("RUN and --all together: give run ids, or --all for every run, not both")
-    reg = _registry()
-    inputs, errors, warnings = co.resolve_refs(reg, list(runs), all_runs)
-    records = co.summarize(inputs)
-    co.store_failure_classes(reg, [{**r, "_registry_attempts": i.attempts} for r, i in zip(records, inputs)])
+    found = summaries(list(runs), all_runs)
+    records, errors, warnings = found.records, found.errors, found.warnings
     if as_json:
         doc = {"schema_version": co.SCHEMA_VERSION, "generated": time.time(), "runs": records,
                "errors": errors, "warnings": warnings}
