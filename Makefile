@@ -49,6 +49,7 @@ install: install-node
 # so a fixture installing it later would leave them skipped on a fresh machine. shellcheck: the test extra.
 install-system:
 	bash $(CLUSTER) install
+	bash tests/cluster/login_sshd.sh install  # openssh-server + rsync: the login node of tests/test_remote_slurm.py
 	bash containers/build.sh deps
 
 # The local 4-node cluster (tests/cluster/slurm.sh; LAB=/tmp/hpctrain-slurm, nodes node1..node4, partition debug).

@@ -5,7 +5,8 @@
 #   sbatch/sacct there reach slurmctld at 10.77.0.254 like the root namespace does, and the root namespace is
 #   the "laptop" that reaches it only through sshd. Key-only auth (no passwords, no PAM), root login by key.
 #
-# usage: login_sshd.sh up DIR | down DIR | restart DIR
+# usage: login_sshd.sh install | up DIR | down DIR | restart DIR
+#   install  apt-get openssh-server and rsync (skipped when both are present; apt starts no daemon: policy-rc.d)
 #   up       create DIR/{host_ed25519,client_ed25519,authorized_keys,sshd_config,known_hosts,ssh_config} once,
 #            create the namespace if missing and start sshd (PID in DIR/sshd.pid); waits <= 20 s for port 22
 #   down     stop that sshd (only the PID it recorded) and every sshd session process of the namespace;
@@ -21,8 +22,8 @@ BR=hpcslrmbr0
 IP=${LOGIN_IP:-10.77.0.200}
 CMD=${1:-}
 DIR=${2:-}
-[ -n "$CMD" ] && [ -n "$DIR" ] || {
-  echo "usage: $0 up|down|restart DIR" >&2
+[ "$CMD" = install ] || [ -n "$DIR" ] || {
+  echo "usage: $0 install | up|down|restart DIR" >&2
   exit 2
 }
 SSHD=/usr/sbin/sshd
@@ -108,7 +109,22 @@ start() {
   die "sshd did not listen on $IP:22 within 20 s; log: $DIR/sshd.log"
 }
 
+install() {
+  [ -x "$SSHD" ] && command -v rsync >/dev/null && return 0
+  local made=0 rc=0
+  if [ ! -e /usr/sbin/policy-rc.d ]; then # apt must not start sshd by itself
+    printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
+    chmod +x /usr/sbin/policy-rc.d
+    made=1
+  fi
+  DEBIAN_FRONTEND=noninteractive apt-get -o Acquire::Retries=3 install -y -qq --no-install-recommends \
+    openssh-server openssh-client rsync </dev/null >/tmp/hpctrain-sshd-apt.log 2>&1 || rc=$?
+  if [ $made = 1 ]; then rm -f /usr/sbin/policy-rc.d; fi
+  [ $rc = 0 ] || die "apt-get failed (rc $rc); log: /tmp/hpctrain-sshd-apt.log"
+}
+
 case "$CMD" in
+install) install ;;
 up)
   keys
   net_up
