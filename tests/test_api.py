@@ -1,0 +1,105 @@
+"""hpctrain as a Python library (hpctrain.api, docs/api.md): the same keys, checks and results as the CLI.
+
+The end-to-end test on the real cluster (submit through the API, wait, summarize) is in tests/test_api_slurm.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "examples" / "tiny.toml")
+HEAVY = ("torch", "deepspeed", "transformers", "submitit", "datasets", "jinja2", "rich", "numpy")
+
+
+@pytest.fixture()
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("HPCTRAIN_RUNS_DIR", str(tmp_path / "runs"))
+    monkeypatch.setenv("HPCTRAIN_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def cli(*args: str) -> Any:
+    from hpctrain.cli.main import cli as group
+
+    return CliRunner().invoke(group, list(args), catch_exceptions=False)
+
+
+def test_import_is_light_and_plan_stays_callable() -> None:
+    """`import hpctrain` loads nothing heavy; hpctrain.plan and hpctrain.runs are the API's functions whether or
+    not their subpackages were imported first (Python binds a subpackage to its parent's attribute)."""
+    code = ("import sys, hpctrain; first = [m for m in sys.modules if m.startswith('hpctrain.')]; "
+            "import hpctrain.plan.planner, hpctrain.runs.folder; from hpctrain.plan import planner; "
+            f"p = hpctrain.plan({TINY!r}, nodes=2); "
+            f"print(sorted(first), p.world_size, type(p) is hpctrain.Plan is planner.Plan, callable(hpctrain.runs), "
+            f"[m for m in {HEAVY!r} if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["['hpctrain.plan',", "'hpctrain.runs']", "4", "True", "True", "[]"], out.stdout
+
+
+def test_plan_is_the_cli_plan() -> None:
+    import hpctrain
+
+    flags = ["--nodes", "2", "--zero", "2", "--set", "train.lr=1e-4", "--model", "llama-tiny"]
+    out = cli("plan", TINY, *flags, "--json")
+    assert out.exit_code == 0, out.output
+    plan = hpctrain.plan(TINY, nodes=2, zero="2", model="llama-tiny", **{"train.lr": "1e-4"})
+    assert plan.to_json() == out.output
+    assert hpctrain.plan(TINY, nodes=2, zero=2, set={"train.lr": 1e-4}).to_json() == out.output
+    # A mapping shaped like the run file, and a Spec, plan the same run.
+    import tomllib
+
+    from hpctrain.spec.model import resolve
+
+    with open(TINY, "rb") as f:
+        tables = tomllib.load(f)
+    assert hpctrain.plan(tables, nodes=2, zero=2, set={"train.lr": 1e-4}).to_json() == out.output
+    spec = resolve(TINY, {"resources.nodes": 2}, check=False)
+    assert hpctrain.plan(spec, zero=2, set={"train.lr": 1e-4}).to_json() == out.output
+
+
+def test_a_bad_keyword_or_value_is_the_flags_refusal() -> None:
+    import hpctrain
+    from hpctrain.errors import HpcUsageError
+
+    with pytest.raises(HpcUsageError) as exc:
+        hpctrain.plan(TINY, nodez=2)
+    assert "hpctrain.plan: unknown key 'nodez' (did you mean 'nodes'?)" in str(exc.value)
+    assert "gpus_per_node" in str(exc.value)  # every valid keyword listed
+    with pytest.raises(HpcUsageError) as exc:
+        hpctrain.plan(TINY, nodes=0)
+    out = cli("plan", TINY, "--nodes", "0")
+    assert out.exit_code != 0 and f"Error: {exc.value.format_message()}" in out.output
+    with pytest.raises(HpcUsageError, match="--container = 'docker:x': unknown runtime 'docker'"):
+        hpctrain.plan(TINY, container="docker:x")
+    with pytest.raises(HpcUsageError, match=r"run mapping \[train\]: unknown key 'stepz'"):
+        hpctrain.plan({"train": {"stepz": 3}})
+
+
+def test_run_handle_of_a_folder_and_of_the_registry(home: Path) -> None:
+    """A run folder the registry never saw can be summarized; status needs a registered run and says so."""
+    import hpctrain
+    from hpctrain.errors import HpcUsageError
+
+    out = cli("submit", TINY, "--dry-run", "--out", str(home / "dry"))
+    assert out.exit_code == 0, out.output
+    run = hpctrain.Run(home / "dry")
+    assert run.folder == (home / "dry").absolute() and run.record is None
+    with pytest.raises(HpcUsageError, match="is not in the registry"):
+        run.status()
+    record = run.summary()
+    assert record["run_id"] == run.run_id and record["attempts"] == []
+    assert run.logs() == []
+    assert hpctrain.runs() == []
+    with pytest.raises(HpcUsageError, match="no runs yet"):
+        hpctrain.Run("last")
