@@ -138,7 +138,7 @@ class Run:
         while True:
             st = self.status()
             if is_final(st.state):
-                st = Status(st.record, st.failures, st.pending, st.warnings, _deciding(st.record, st.job_id))
+                st = Status(st.record, st.failures, st.pending, st.warnings, supervisor_deciding(st.record, st.job_id))
             if st.ended:
                 return st
             left = deadline - time.monotonic()
@@ -175,10 +175,12 @@ class Run:
         import signal
 
         from hpctrain.slurm.refresh import refresh
-        from hpctrain.slurm.uncertain import reconcile
+        from hpctrain.slurm.uncertain import establish
 
         rec = self._registered()
-        reconcile(self._reg, [rec])  # an unanswered submission's job is cancelled too, once SLURM lists it
+        # An unanswered submission's job is cancelled too, once SLURM lists it; while its outcome is unknown,
+        # nothing is cancelled or marked (UnknownOutcome says so): never a claim hpctrain cannot make.
+        establish(self._reg, rec, "cancels")
         refresh(self._reg, [rec])
         live = [a for a in rec.attempts if not a.final]
         if live:  # first: the ranks that get SIGTERM stop as cancelled, and the supervisor calls it a user cancel
@@ -287,7 +289,7 @@ def _fill_failures(reg: reglib.Registry, rec: reglib.Run) -> dict[int, str]:
     return lines
 
 
-def _deciding(rec: reglib.Run, job: str) -> str:
+def supervisor_deciding(rec: reglib.Run, job: str) -> str:
     """The supervisor job that watches `job` (attempts.jsonl note), while SLURM still lists it as not
     finished: its retry, if any, is about to become the run's next attempt."""
     from hpctrain.runs.folder import RunFolder

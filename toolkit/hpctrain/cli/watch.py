@@ -99,25 +99,8 @@ def _eta(eta_s: float | None, step_s: float | None) -> str:
     return text + (f" ({step_s:.2f} s/step)" if step_s else "")
 
 
-def _deciding(rec: Run, job: str) -> str:
-    """The supervisor job that watches `job` (attempts.jsonl note), while SLURM still lists it as not
-    finished: its retry, if any, is about to become the run's next attempt."""
-    from hpctrain.runs.folder import RunFolder
-    from hpctrain.slurm import commands
-    from hpctrain.states import is_final
-
-    sups = [str(n["supervisor_job"]) for n in RunFolder(rec.folder).read_attempts()
-            if n.get("supervises") is not None and str(n.get("supervises")) == str(job) and n.get("supervisor_job")]
-    if not sups or rec.executor != "slurm":
-        return ""
-    try:
-        state = commands.queue_state(sups[-1])
-    except click.ClickException:
-        return ""
-    return sups[-1] if state and not is_final(normalize_state(state)) else ""
-
-
 def snapshot(reg: Registry, run_id: str) -> Snapshot:
+    from hpctrain.api.runs import supervisor_deciding
     from hpctrain.collect.progress import read_progress
     from hpctrain.slurm import commands
     from hpctrain.slurm.refresh import refresh
@@ -134,7 +117,7 @@ def snapshot(reg: Registry, run_id: str) -> Snapshot:
         except click.ClickException:
             pass
     if att is not None and is_final(state):
-        deciding = _deciding(rec, att.job_id)
+        deciding = supervisor_deciding(rec, att.job_id)  # what Run.wait() asks too
     current, waiting = _current(rec)
     # No ETA while the attempt waits in the queue; an in-job restart has none until its own steps give a rate.
     queued = state in (JobState.PENDING, JobState.REQUEUE_HOLD, JobState.SUBMIT_UNKNOWN)
