@@ -177,3 +177,20 @@ def test_two_attempt_run_writes_every_tracker(tmp_path: Path, monkeypatch: pytes
     code, out = _invoke("sync", str(run), "--to", "tensorboard")
     assert code == 0 and "nothing new to sync" in out, out
     assert os.environ["WANDB_MODE"] == "offline" and isinstance(first, subprocess.CompletedProcess)
+
+
+def test_sync_counts_a_scripts_attempts_without_trainer_events(tmp_path: Path) -> None:
+    """A user's script writes no `train` start event: its two attempts (the rerun started again from step 1)
+    come from attempts.jsonl's start times, or, without them, from the step going down (was "none recorded")."""
+    from hpctrain.collect.sync import attempt_bounds
+
+    folder = RunFolder(make_run(tmp_path / RUN_ID))
+    recs = [{"step": s, "time": 100.0 + s} for s in range(1, 58)] + [{"step": s, "time": 500.0 + s}
+                                                                    for s in range(1, 61)]
+    assert attempt_bounds(folder, [], recs) == [(0, 0), (1, 0)]  # no start times: the rerun's step 1
+    folder.attempts_jsonl.write_text("".join(json.dumps(a) + "\n" for a in (
+        {"attempt": 0, "job_id": "9", "state": "PREEMPTED", "started": 99.0},
+        {"attempt": 1, "job_id": "10", "state": "COMPLETED", "started": 490.0})))
+    assert attempt_bounds(folder, [], recs) == [(0, 0), (1, 0)]
+    resumed = recs[:57] + [{"step": s, "time": 500.0 + s} for s in range(58, 61)]  # no step goes down
+    assert attempt_bounds(folder, [], resumed) == [(0, 0), (1, 57)]

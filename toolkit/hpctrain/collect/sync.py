@@ -60,7 +60,7 @@ def run_events(folder: RunFolder) -> tuple[list[Scalar], list[tuple[int, int]]]:
         if isinstance(rec.get("step"), int):
             last[int(rec["step"])] = rec  # a resumed attempt's re-run steps replace the earlier values
     evs = list(iter_jsonl(folder.events_jsonl))
-    starts = [(a.attempt, a.step) for a in attempt_starts(evs)]
+    starts = attempt_bounds(folder, evs, list(iter_jsonl(folder.metrics_jsonl)))
     out: list[Scalar] = []
     for step in sorted(last):
         out += step_events(last[step], next((a for a, s in reversed(starts) if s < step), None))
@@ -69,6 +69,36 @@ def run_events(folder: RunFolder) -> tuple[list[Scalar], list[tuple[int, int]]]:
             out.append((EVAL_TAG, float(ev["eval_loss"]), int(ev.get("step") or 0)))
     out.sort(key=lambda e: e[2])
     return out, starts
+
+
+def attempt_bounds(folder: RunFolder, evs: list[dict[str, Any]], recs: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """(attempt, the step it started from) for every attempt that trained, as the other reports count attempts
+    (hpctrain.runs.history: in-job restarts and requeues too). The trainer says where it started (rank 0's
+    `train` start event); a user's script does not, so its attempt's first metrics record after the attempt's start
+    says it; without start times, each place where the step goes down (a rerun) begins the next attempt."""
+    from hpctrain.collect.summary import from_folder
+    from hpctrain.runs import history
+
+    told = {a.attempt: a.step for a in attempt_starts(evs)}
+    steps = [r for r in recs if isinstance(r.get("step"), int)]
+    try:
+        rows = history.expand(from_folder(folder.path).attempts, folder.path)
+    except (OSError, ValueError, TypeError, KeyError):
+        rows = []
+    out = dict(told)
+    for row in rows:
+        k, start = int(row["attempt"]), row.get("started")
+        if k in out or not isinstance(start, (int, float)):
+            continue
+        later = [r for r in steps if isinstance(r.get("time"), (int, float)) and r["time"] >= start - 5]
+        if later:
+            out[k] = later[0]["step"] - 1
+    if len(out) < 2:  # no times: a step going down is a rerun
+        cuts = [i for i in range(1, len(steps)) if steps[i]["step"] <= steps[i - 1]["step"]]
+        nums = [int(r["attempt"]) for r in rows] if len(rows) == len(cuts) + 1 else list(range(len(cuts) + 1))
+        if cuts:
+            out = {nums[0]: steps[0]["step"] - 1} | {nums[j + 1]: steps[c]["step"] - 1 for j, c in enumerate(cuts)}
+    return sorted(out.items())
 
 
 def _new(events: Iterable[Scalar], last_step: dict[str, int]) -> list[Scalar]:
