@@ -82,7 +82,7 @@ def test_a_bad_keyword_or_value_is_the_flags_refusal() -> None:
     assert out.exit_code != 0 and f"Error: {exc.value.format_message()}" in out.output
     with pytest.raises(HpcUsageError, match="--container = 'docker:x': unknown runtime 'docker'"):
         hpctrain.plan(TINY, container="docker:x")
-    with pytest.raises(HpcUsageError, match=r"run mapping \[train\]: unknown key 'stepz'"):
+    with pytest.raises(HpcUsageError, match=r"hpctrain.plan's run mapping \[train\]: unknown key 'stepz'"):
         hpctrain.plan({"train": {"stepz": 3}})
 
 

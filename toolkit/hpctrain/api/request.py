@@ -1,5 +1,6 @@
-"""From what a Python caller passes (a run file, a Spec or a mapping, plus keywords) to a resolved Spec and Plan:
-the same layers and checks as `hpctrain plan`/`submit` (defaults < site < run file < flags)."""
+"""From what a Python caller passes (a run file, a Spec or a mapping, plus keywords) to what the CLI's flags
+become: a run file's path, dotted spec keys and a site, for the same layers and checks as `hpctrain plan`/`submit`
+(defaults < site < run file < flags)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,8 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import tomllib
-
 if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.plan.planner import Plan
-    from hpctrain.spec.finetune import Default
     from hpctrain.spec.model import Spec
 
 # A run file's path, a resolved Spec (e.g. read from a run folder), a mapping shaped like a run file
@@ -19,20 +17,22 @@ if TYPE_CHECKING:  # pragma: no cover
 RunSource = str | os.PathLike[str] | Mapping[str, Any] | None
 
 
-def resolve(source: RunSource | Spec, overrides: Mapping[str, Any], *, where: str,
-            check: bool) -> tuple[Spec, list[Default]]:
-    """The spec `source` and the keywords ask for, and the fine-tuning defaults applied (with their reasons).
-    `check=False` skips the filesystem checks, as `hpctrain plan` does."""
+def request(source: RunSource | Spec, overrides: Mapping[str, Any], *,
+            where: str) -> tuple[str | None, dict[str, Any], str | None]:
+    """(run file, dotted keys, site) for `source` and the keywords. A mapping or a Spec is read as a run file's
+    content whose keys the keywords override (its keys are checked as a run file's: an unknown one is refused)."""
+    import tomllib
+
     from hpctrain.spec.flags import keys_from_keywords
-    from hpctrain.spec.model import Spec, resolve_with_defaults, to_toml
+    from hpctrain.spec.model import Spec, run_keys, to_toml
 
     keys = keys_from_keywords(where, overrides)
     site = overrides.get("site")
     if isinstance(source, Spec):
         source = tomllib.loads(to_toml(source))
-    if source is None or isinstance(source, Mapping):
-        return resolve_with_defaults(None, keys, site, check=check, run_data=dict(source or {}))
-    return resolve_with_defaults(os.fspath(source), keys, site, check=check)
+    if isinstance(source, Mapping):
+        return None, {**run_keys(source, f"{where}'s run mapping"), **keys}, site
+    return (os.fspath(source) if source is not None else None), keys, site
 
 
 def plan(source: RunSource | Spec = None, /, **overrides: Any) -> Plan:
@@ -44,6 +44,8 @@ def plan(source: RunSource | Spec = None, /, **overrides: Any) -> Plan:
     4
     """
     from hpctrain.plan.planner import make_plan
+    from hpctrain.spec.model import resolve_with_defaults
 
-    spec, applied = resolve(source, overrides, where="hpctrain.plan", check=False)
+    runfile, keys, site = request(source, overrides, where="hpctrain.plan")
+    spec, applied = resolve_with_defaults(runfile, keys, site, check=False)
     return make_plan(spec, applied)

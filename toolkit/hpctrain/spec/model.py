@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -420,6 +420,12 @@ def _flatten(data: dict[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
+def run_keys(data: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A run file's content given as a mapping ({"name": ..., "resources": {...}}; the Python API's
+    hpctrain.submit({...})) -> dotted keys, each checked as a run file's would be."""
+    return _flatten(dict(data), where)
+
+
 def _merge(layers: list[dict[str, Any]]) -> dict[str, Any]:
     """Apply dotted layers in order (later wins) into a nested dict ready for `_build`."""
     nested: dict[str, Any] = {"env": {}}
@@ -497,18 +503,16 @@ def resolve(run_file: str | Path | None, flags: dict[str, Any], site: str | None
 
 
 def resolve_with_defaults(run_file: str | Path | None, flags: dict[str, Any], site: str | None = None, *,
-                          check: bool = True, run_data: dict[str, Any] | None = None) -> tuple[Spec, list[Default]]:
+                          check: bool = True) -> tuple[Spec, list[Default]]:
     """`resolve`, and the fine-tuning defaults it applied, each with its reason (hpctrain.spec.finetune):
-    the plan records them and `hpctrain plan`/`submit` print them. `run_data` is a run file's content given
-    as a mapping (the Python API's hpctrain.submit({...})), read instead of `run_file`."""
+    the plan records them and `hpctrain plan`/`submit` print them."""
     from hpctrain.spec import site as config
 
-    data = load_run_file(run_file) if run_file else dict(run_data or {})
+    data = load_run_file(run_file) if run_file else {}
     inline = data.pop("sites", {})
     if not isinstance(inline, dict):
         raise bad_value("sites", inline, "must hold tables", "write [sites.NAME] tables")
-    where = f"run file {str(run_file)!r}" if run_file else "run mapping" if run_data else "run file"
-    run_layer = _flatten(data, where)
+    run_layer = _flatten(data, f"run file {str(run_file)!r}" if run_file else "run file")
     flags = {k: v for k, v in flags.items() if v is not None}
     site_name = site or flags.get("site") or run_layer.get("site") or ""
     site_layer: dict[str, Any] = {}
