@@ -450,3 +450,24 @@ def test_why_a_retry_waits_is_in_the_table_not_only_the_json(env: dict[str, Any]
     doc = json.loads(invoke("summary", "waits", "--json").stdout)
     assert summary_errors(doc) == [] and doc["runs"][0]["waiting_because"] == note
     assert f"waits waiting: {note}" in invoke("summary", "waits").stdout
+
+
+def test_status_and_list_count_an_in_job_restart_as_summary_does(env: dict[str, Any]) -> None:
+    """status and list read hpctrain.runs.history as summary does: two attempts (the job and its step 60.1), each
+    with its own hosts, the spare that replaced node2, and attempt 0's start is the job's (not SLURM's resize)."""
+    from hpctrain.cli import runs as cli_runs
+
+    in_job_restart_run(env)
+    group = click.Group()
+    cli_runs.register(group)
+    out = CliRunner().invoke(group, ["status", "spare"], catch_exceptions=False).stdout
+    rows = [ln.split() for ln in out.splitlines() if ln[:1].isdigit()]
+    assert [r[:4] for r in rows] == [["0", "60", "submitted", "REQUEUED"], ["1", "60.1", "in-job", "RUNNING"]], out
+    assert rows[0][4] == "node1,node2" and rows[1][4] == "node1,node3" and rows[0][-1] == "node_fail", out
+    assert "attempt 1: node2 replaced by the spare node3 (step 60.1)" in out
+    status = json.loads(CliRunner().invoke(group, ["status", "spare", "--json"]).stdout)
+    assert [h["started"] for h in status["history"]] == [T0 + 1, T0 + 32]
+    assert status["history"][1]["rank_hosts"] == {"0": "node1", "1": "node1", "2": "node3", "3": "node3"}
+    listed = CliRunner().invoke(group, ["list"], catch_exceptions=False).stdout.splitlines()
+    assert listed[1].split()[3] == "2", listed
+    assert json.loads(CliRunner().invoke(group, ["list", "--json"]).stdout)[0]["attempt_count"] == 2

@@ -16,6 +16,7 @@ from hpctrain.api.runs import pending_reasons as _pending_reasons
 from hpctrain.states import JobState
 
 if TYPE_CHECKING:  # pragma: no cover
+    from hpctrain.runs.history import AttemptView
     from hpctrain.runs.registry import Registry, Run
 
 
@@ -49,6 +50,36 @@ def _shown_state(state: str, job_id: str, reasons: dict[str, str]) -> str:
     return f"{state} ({reasons[job_id]})" if state == JobState.PENDING and job_id in reasons else state
 
 
+def _views(rec: Run) -> list[AttemptView]:
+    """The run's attempts as every report counts them (hpctrain.runs.history): in-job restarts and requeues too."""
+    from pathlib import Path
+
+    from hpctrain.runs import history
+
+    try:
+        return history.views(history.job_rows(rec.attempts), Path(rec.folder), int(rec.spec.get("ranks_per_node") or 1))
+    except (OSError, ValueError, TypeError):  # an unreadable folder: the registry's rows alone
+        return [history.AttemptView.of(dict(r, how=history.SUBMITTED)) for r in history.job_rows(rec.attempts)]
+
+
+def _view_dict(v: AttemptView) -> dict[str, object]:
+    import dataclasses
+
+    return {**dataclasses.asdict(v), "rank_hosts": {str(k): h for k, h in v.rank_hosts.items()}}
+
+
+def _wait_line(rec: Run) -> str:
+    """Why the run's latest attempt waits (the retry's decision said so), or ""."""
+    from pathlib import Path
+
+    from hpctrain.runs import history
+
+    try:
+        return history.wait_reason(history.job_rows(rec.attempts), Path(rec.folder))
+    except (OSError, ValueError, TypeError):
+        return ""
+
+
 def _age(ts: float | None) -> str:
     if not ts:
         return "-"
@@ -80,15 +111,18 @@ def list_runs(show_all: bool, as_json: bool) -> None:
 
     found = listing(None if show_all else 20)
     runs, warnings = found.records, found.warnings
+    counts = {r.run_id: len(_views(r)) for r in runs}
     if as_json:
-        click.echo(json.dumps([r.to_dict() for r in runs], indent=2, default=str))
+        click.echo(json.dumps([{**r.to_dict(), "attempt_count": counts[r.run_id]} for r in runs], indent=2,
+                              default=str))
         _warn(warnings)
         return
     reasons = _pending_reasons(runs)
     rows = []
     for r in runs:
         a = r.latest
-        rows.append([r.run_id, _shown_state(r.state, a.job_id, reasons) if a else r.state, a.job_id if a else "-", str(len(r.attempts)), r.executor,
+        rows.append([r.run_id, _shown_state(r.state, a.job_id, reasons) if a else r.state, a.job_id if a else "-",
+                     str(counts[r.run_id]), r.executor,
                      str(r.spec.get("nodes", "-")), _age(r.created)])
     if rows:
         click.echo(_table(rows, ["RUN", "STATE", "JOB", "ATTEMPTS", "EXECUTOR", "NODES", "CREATED"]))
@@ -116,11 +150,15 @@ def status(run: str, as_json: bool, watch: bool, interval: float) -> None:
     st = RunHandle(run).status()
     rec, warnings, failures = st.record, st.warnings, st.failures
     reasons = _pending_reasons([rec])
+    views = _views(rec)
+    waiting = _wait_line(rec)
     if as_json:
         doc = rec.to_dict()
         for a in doc.get("attempts", []):
             if a.get("job_id") in reasons and a.get("state") == JobState.PENDING:
                 a["pending_reason"] = reasons[a["job_id"]]
+        doc["history"] = [_view_dict(v) for v in views]  # every attempt: in-job restarts and requeues too
+        doc["waiting_because"] = waiting or None
         click.echo(json.dumps(doc, indent=2, default=str))
         _warn(warnings)
         return
@@ -128,11 +166,17 @@ def status(run: str, as_json: bool, watch: bool, interval: float) -> None:
     state = _shown_state(rec.state, latest.job_id, reasons) if latest else rec.state
     click.echo(f"run       {rec.run_id}\nstate     {state}\nfolder    {rec.folder}\n"
                f"executor  {rec.executor}\ncreated   {_age(rec.created)}")
-    rows = [[str(a.attempt), a.job_id, _shown_state(a.state, a.job_id, reasons), a.nodes or "-", _age(a.started), _age(a.ended),
-             a.exit_code or "-", a.failure_class or "-"] for a in rec.attempts]
-    click.echo(_table(rows, ["ATTEMPT", "JOB", "STATE", "NODES", "STARTED", "ENDED", "EXIT", "FAILURE"]))
+    rows = [[str(v.attempt), v.step_id if v.how == "in_job" and v.step_id else v.job_id, v.how.replace("_", "-"),
+             _shown_state(v.state, v.job_id, reasons), ",".join(v.hosts) or "-", _age(v.started), _age(v.ended),
+             v.exit_code or "-", v.failure_class or "-"] for v in views]
+    click.echo(_table(rows, ["ATTEMPT", "JOB", "HOW", "STATE", "NODES", "STARTED", "ENDED", "EXIT", "FAILURE"]))
+    for v in views:
+        for old, new in v.replaced.items():
+            click.echo(f"attempt {v.attempt}: {old} replaced by the spare {new} ({v.label})")
     for k, line in sorted(failures.items()):
         click.echo(f"attempt {k}: {line}")
+    if waiting:
+        click.echo(f"waiting: {waiting}")
     _warn(warnings)
 
 
