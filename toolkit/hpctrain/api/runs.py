@@ -103,16 +103,52 @@ class Run:
         self.ref = os.fspath(ref)
         self._reg = registry or Registry()
         found = resolve_run(self._reg, self.ref)
-        self.folder: Path = found.folder
-        self.record: reglib.Run | None = found.run
-        self.run_id: str = found.run.run_id if found.run else found.folder.name
+        self._set(found.folder, found.run)
+
+    def _set(self, folder: Path, record: reglib.Run | None, script: str | None = None) -> None:
+        self.folder: Path = folder
+        self.record: reglib.Run | None = record
+        self.run_id: str = record.run_id if record else folder.name
+        self.dry_run = script is not None  # hpctrain.submit(dry_run=True): rendered, never submitted
+        self.notes: list[str] = []  # what the submission told the user (hpctrain submit prints them on stderr)
+        self._script = script
+
+    @classmethod
+    def of(cls, record: reglib.Run, registry: reglib.Registry) -> Run:
+        """The handle of a record the registry already returned (no lookup)."""
+        run = cls.__new__(cls)
+        run.ref, run._reg = record.run_id, registry
+        run._set(Path(record.folder), record)
+        return run
+
+    @classmethod
+    def rendered(cls, folder: Path, script: str, *, notes: list[str]) -> Run:
+        """A dry run's handle: the folder its files were written to (or would be), and its batch script."""
+        from hpctrain.runs.registry import Registry
+
+        run = cls.__new__(cls)
+        run.ref, run._reg = str(folder), Registry()
+        run._set(Path(folder), None, script)
+        run.notes = list(notes)
+        return run
 
     def __repr__(self) -> str:
-        return f"hpctrain.Run({self.run_id!r}, folder={str(self.folder)!r})"
+        dry = ", dry_run=True" if self.dry_run else ""
+        return f"hpctrain.Run({self.run_id!r}, folder={str(self.folder)!r}{dry})"
+
+    @property
+    def sbatch(self) -> str:
+        """The batch script as submitted (RUN_DIR/sbatch.sh), or as a dry run rendered it."""
+        from hpctrain.runs.folder import RunFolder
+
+        return self._script if self._script is not None else RunFolder(self.folder).sbatch_sh.read_text()
 
     def _registered(self) -> reglib.Run:
         from hpctrain.errors import HpcUsageError
 
+        if self.dry_run:
+            raise HpcUsageError(f"RUN = {self.folder}: a dry run, never submitted: it has no job. Fix: "
+                                "hpctrain.submit(...) without dry_run=True")
         if self.record is None:
             raise HpcUsageError(f"RUN = {self.ref!r}: the run folder {self.folder} is not in the registry "
                                 f"{self._reg.path}. Fix: `hpctrain summary {self.folder}` reads such a folder; this "
@@ -205,12 +241,7 @@ def runs(limit: int | None = 20) -> list[Run]:
     from hpctrain.runs.registry import Registry
 
     reg = Registry()
-    out = []
-    for rec in listing(limit, reg).records:
-        run = Run.__new__(Run)
-        run.ref, run._reg, run.folder, run.record, run.run_id = rec.run_id, reg, Path(rec.folder), rec, rec.run_id
-        out.append(run)
-    return out
+    return [Run.of(rec, reg) for rec in listing(limit, reg).records]
 
 
 def listing(limit: int | None = 20, reg: reglib.Registry | None = None) -> Listing:
