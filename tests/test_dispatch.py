@@ -233,7 +233,10 @@ def test_submit_one_job_records_after_sbatch(fake_slurm: Path, stand_in_render: 
     assert "HF_TOKEN=hf_canary" in (fake_slurm / "env-101").read_text()  # reaches sbatch by environment
     run = Registry().get_run("tiny-0")
     assert run.latest and run.latest.job_id == "101" and run.spec["world_size"] == 2
-    assert json.loads((d / "attempts.jsonl").read_text())["job_id"] == "101"
+    intent, settled = map(json.loads, (d / "attempts.jsonl").read_text().splitlines())
+    # the intent (before sbatch: no job id yet, the tag it is found by) and the settling line (after it)
+    assert (intent["state"], intent["job_id"], intent["tag"]) == ("SUBMIT_UNKNOWN", "", "hpctrain:tiny-0")
+    assert (settled["state"], settled["job_id"]) == ("PENDING", "101")
     _assert_no_canary(d, tmp_path / "state")
 
 

@@ -147,7 +147,7 @@ def test_submit_writes_the_bundle_and_snapshot_sets_the_jobs_folder(tmp_path: Pa
     seen: list[Any] = []
 
     def fake_submit(run_dirs: list[Path], spec: Any, plan: Any, executor: str = "auto", mode: str = "train",
-                    dependency: str = "") -> list[Any]:
+                    dependency: str = "", **_: Any) -> list[Any]:
         seen.append(spec)
         return [dispatch.Submitted(run_id=d.name, run_dir=d, job_id="7", executor="local") for d in run_dirs]
     monkeypatch.setattr(dispatch, "submit", fake_submit)
@@ -171,7 +171,7 @@ def test_snapshot_of_a_users_script_runs_the_copy(tmp_path: Path, monkeypatch: p
     seen: list[Any] = []
 
     def fake_submit(run_dirs: list[Path], spec: Any, plan: Any, executor: str = "auto", mode: str = "train",
-                    dependency: str = "") -> list[Any]:
+                    dependency: str = "", **_: Any) -> list[Any]:
         seen.append(spec)
         return [dispatch.Submitted(run_id=d.name, run_dir=d, job_id="7", executor="local") for d in run_dirs]
     monkeypatch.setattr(dispatch, "submit", fake_submit)

@@ -25,12 +25,15 @@ def _run_dir(ref: str) -> tuple[Path, list[str]]:
     from hpctrain.runs.registry import Registry
     from hpctrain.runs.resolve import resolve_run
     from hpctrain.slurm.refresh import refresh
+    from hpctrain.slurm.uncertain import establish
 
     reg = Registry()
     found = resolve_run(reg, ref)
     if found.run is None:
         jobs = [str(r["job_id"]) for r in RunFolder(found.folder).read_attempts() if r.get("job_id")]
         return found.folder, list(dict.fromkeys(jobs))
+    # A submission of unknown outcome may have a job: never start a second one beside it.
+    establish(reg, found.run, "resubmits")
     refresh(reg, [found.run])
     if not found.folder.is_dir():
         raise HpcUsageError(f"RUN = {ref!r}: its folder {found.folder} is missing. Fix: resubmit needs the run "

@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,6 +22,7 @@ from hpctrain.spec.flags import FLAGS
 
 if TYPE_CHECKING:
     from hpctrain.plan.planner import Plan
+    from hpctrain.slurm.submission import Submission
     from hpctrain.spec.model import Spec
 
 # Secret variable names of the requests this process resolved (their secret_env): their values are
@@ -157,40 +157,21 @@ def flags_from_options(opts: dict[str, Any]) -> dict[str, Any]:
     return keys_from_options({**opts, "set": opts.get("overrides"), "script_args": opts.get(SCRIPT_ARGS)})
 
 
-def _resolve(runfile: str | None, opts: dict[str, Any], point: dict[str, Any] | None = None,
-             check: bool = True) -> tuple[Spec, Plan]:
-    from hpctrain.plan.planner import make_plan
-    from hpctrain.spec.model import resolve_with_defaults
-    from hpctrain.spec.rules import secret_names
+def _prepare(runfile: str | None, opts: dict[str, Any], *, check: bool = True, sweep: tuple[str, ...] = (),
+             mode: str = "train", out: str | None = None) -> Submission:
+    """The command's request as one Submission (hpctrain.slurm.submission); its notes on stderr."""
+    from hpctrain.slurm.submission import Submission
 
-    flags = {**flags_from_options(opts), **(point or {})}
-    spec, applied = resolve_with_defaults(runfile, flags, opts.get("site"), check=check)
-    _SECRET_NAMES.update(secret_names(spec))
-    plan = make_plan(spec, applied)
-    return (_data_source(spec, plan) if check else spec), plan
+    sub = Submission.prepare(runfile, flags_from_options(opts), site=opts.get("site"), sweep=sweep, mode=mode,
+                             check=check, out=out, secrets_seen=_SECRET_NAMES)
+    _print_notes(sub)
+    return sub
 
 
-def _data_source(spec: Spec, plan: Plan) -> Spec:
-    """A prepared folder's vocabulary against the model's; raw text prepared in the data cache -> that folder;
-    raw text on several nodes refused with the `data prepare` command (hpctrain.data.source)."""
-    import dataclasses
-
-    from hpctrain.data.source import submit_source
-
-    d = spec.data
-    from hpctrain.data.format import is_prepared
-
-    source, note = submit_source(d.source, d.tokenizer, d.text_field, int(plan.model.get("vocab") or 0), plan.nodes,
-                                 data=d)
-    # A prepared folder is read as one whatever raw format the run file named for its inputs ("jsonl"):
-    # the folder's manifest.json is not a document.
-    fmt = "prepared" if source != "synthetic" and d.format not in ("prepared", "synthetic") and is_prepared(source) \
-        else d.format
-    if source == d.source and fmt == d.format:
-        return spec
-    if note:
+def _print_notes(sub: Submission) -> None:
+    for note in sub.notes:
         click.echo(note, err=True)
-    return dataclasses.replace(spec, data=dataclasses.replace(d, source=source, format=fmt))
+    sub.notes.clear()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -204,7 +185,8 @@ def plan_cmd(runfile: str | None, as_json: bool, **opts: Any) -> None:
 
     Data and tokenizer paths are not checked here (they may live only on the cluster); submit checks them.
     """
-    spec, plan = _resolve(runfile, opts, check=False)
+    sub = _prepare(runfile, opts, check=False)
+    spec, plan = sub.spec, sub.plan
     if as_json:
         click.echo(plan.to_json(), nl=False)
         return
@@ -295,53 +277,6 @@ def hostfile_cmd(nodelist: str, slots: int) -> None:
 # --------------------------------------------------------------------------------------------------
 # submit
 
-def _writing(field: str, where: Path, fix: str) -> Callable[[OSError], Exception]:
-    """An OSError while creating run files -> a refusal naming the folder (never a traceback)."""
-    from hpctrain.errors import bad_value
-
-    def refuse(exc: OSError) -> Exception:
-        return bad_value(field, str(where), f"cannot write there ({exc.strerror or exc})", fix)
-    return refuse
-
-
-def _script(spec: Spec, plan: Plan, run_dirs: list[Path], mode: str = "train", dependency: str = "") -> str:
-    """The batch script as it would be submitted: one job, or one array over run_dirs whose task i writes its
-    logs and submitit's files into run_dirs[i] (through the sweep's `%a` links, as slurm.dispatch submits it)."""
-    import shlex
-
-    from hpctrain.render.sbatch import render_sbatch, submitit_command
-    from hpctrain.runs.folder import RunFolder
-
-    first = run_dirs[0]
-    if len(run_dirs) == 1:
-        command = submitit_command(shlex.quote(sys.executable), str(RunFolder(first).submitit_dir))
-        return render_sbatch(spec, plan, first, command, mode=mode, dependency=dependency)
-    from hpctrain.slurm.dispatch import sweep_links_dir
-
-    folder = RunFolder(sweep_links_dir(run_dirs) / "%a").submitit_dir
-    command = submitit_command(shlex.quote(sys.executable), str(folder))
-    return render_sbatch(spec, plan, first, command, array=f"0-{len(run_dirs) - 1}", run_dirs=run_dirs, mode=mode,
-                         submitit_folder=folder, dependency=dependency)
-
-
-def _write_dry_run(out: Path, points: list[tuple[Spec, Plan]], mode: str, dependency: str = "") -> list[Path]:
-    """--dry-run --out DIR: the files of each run into DIR (one run) or DIR/point-<i> (a sweep). Each point's
-    sbatch.sh is its own: the script that runs that point alone, logging into its own folder."""
-    from hpctrain.render.runfolder import run_files
-    from hpctrain.runs import folder as runs
-
-    dirs = [out.absolute()] if len(points) == 1 else [(out / f"point-{i}").absolute() for i in range(len(points))]
-    # all checked before the first write
-    files = [run_files(spec, plan, _script(spec, plan, [d], mode, dependency)) for d, (spec, plan) in zip(dirs, points)]
-    try:
-        out.mkdir(parents=True, exist_ok=True, mode=0o700)
-        for d, texts in zip(dirs, files):
-            runs.write_run_files(d, texts)
-    except OSError as exc:
-        raise _writing("--out", out, "pass --out with a new or writable folder")(exc) from None
-    return dirs
-
-
 @cli.command("submit", cls=ScriptArgsCommand, short_help="Validate, render and submit a training run (or your own "
              "script: --script PATH -- ARGS).")
 @spec_options
@@ -358,122 +293,38 @@ def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry
 
     With --script PATH (or --module pkg.mod) hpctrain runs your own training script on every rank instead of
     its trainer; the words after `--` are its arguments, passed exactly."""
-    from hpctrain.render.runfolder import run_files
-    from hpctrain.runs import folder as runs
-    from hpctrain.spec.model import parse_sweep
-
     if out and not dry_run:
         from hpctrain.errors import bad_value
 
         raise bad_value("--out", out, "only a dry run writes into a chosen folder",
                         "add --dry-run, or set HPCTRAIN_RUNS_DIR to choose where run folders are created")
-    _check_run_parent(out)
-    grid = parse_sweep(list(sweep)) if sweep else [{}]
-    points = [_resolve(runfile, opts, p) for p in grid]
-    _check_sweep_binds(points)
-    spec, plan = points[0]
+    sub = _prepare(runfile, opts, sweep=sweep, mode="preflight" if preflight else "train", out=out)
     if not as_json:  # --json carries them in each plan's "defaults" and "reasons"
-        print_defaults(spec, plan)
-    mode = "preflight" if preflight else "train"
+        print_defaults(sub.spec, sub.plan)
     from hpctrain.cli import options
 
-    dependency = options.dependency(opts)  # --after: resolved before anything is written
-    if not dry_run:  # runtime known, executor runs containers, image exists: refuse before any folder
-        from hpctrain.render.containers import check_submit
-        from hpctrain.slurm.dispatch import resolve_executor
-
-        check_submit(spec, executor=resolve_executor(spec.launch.executor))
+    sub.dependency = options.dependency(opts)  # --after: resolved before anything is written
     if dry_run:
-        if out:
-            dirs = _write_dry_run(Path(out), points, mode, dependency)
-        else:
-            dirs = [(runs.runs_dir_default() / runs.new_run_id(s.name)).absolute() for s, _ in points]
-        script = _script(spec, plan, dirs, mode, dependency)
-        for s, p in points:
-            run_files(s, p, script)  # the same check as a submit, though nothing is written
-        if as_json:
-            from hpctrain.render.deepspeed import build_ds_config
-
-            click.echo(json.dumps({"dry_run": True, "run_dirs": [str(d) for d in dirs], "sbatch": script,
-                                   "plans": [json.loads(p.to_json()) for _, p in points],
-                                   "ds_configs": [build_ds_config(s, p) for s, p in points]}, indent=2))
-        else:
-            click.echo(script, nl=False)
+        _print_dry_run(sub, out, as_json)
         return
-    run_dirs = _create_runs(points, mode)
-    from hpctrain.slurm import dispatch
-    from hpctrain.slurm.uncertain import JobMayExist
-
-    try:
-        points = options.prepare_runs(points, run_dirs)  # --snapshot, the repro bundle
-        spec, plan = points[0]
-        subs = dispatch.submit(run_dirs, spec, plan, spec.launch.executor, mode=mode, dependency=dependency)
-    except JobMayExist:  # a job may run in these folders: keep them (the error says what to do)
-        raise
-    except BaseException:  # refused, SLURM unreachable, or any other failure: nothing queued, leave nothing
-        for d in run_dirs:
-            runs.remove_run_folder(d)
-        raise
     from hpctrain.fault.supervisor import arm_submitted  # the job that resubmits failed attempts
 
-    arm_submitted(subs, spec, mode)
+    # Armed inside the submission's transaction: a Ctrl-C after sbatch still leaves the retries armed.
+    subs = sub.submit(on_settled=lambda subs: arm_submitted(subs, sub.spec, sub.mode))
+    _print_notes(sub)
     _report(subs, as_json)
 
 
-def _check_run_parent(out: str | None) -> None:
-    """The folder that run folders go into reaches #SBATCH --output and submitit's folder: refuse what SLURM or
-    submitit would read as something else (the same check at submit and --dry-run)."""
-    from hpctrain.errors import check_path
-    from hpctrain.render.sbatch import check_job_path
-    from hpctrain.runs import folder as runs
-
-    # Room for what goes below it: a run id, a sweep's point-<i>, submitit's and the ranks' file names.
-    field, parent = ("--out", Path(out)) if out else ("HPCTRAIN_RUNS_DIR", runs.runs_dir_default())
-    check_path(field, str(parent.absolute()), "choose a folder with a shorter path", room=512)
-    check_job_path(field, parent.absolute())
-
-
-def _check_sweep_binds(points: list[tuple[Spec, Plan]]) -> None:
-    """A sweep shares one batch script, so in a container every point must need the same binds."""
-    from hpctrain.errors import bad_value
-    from hpctrain.render.sbatch import container_binds
-
-    spec = points[0][0]
-    if spec.container.runtime == "none" or len(points) < 2:
+def _print_dry_run(sub: Submission, out: str | None, as_json: bool) -> None:
+    done = sub.dry_run(Path(out) if out else None)
+    if not as_json:
+        click.echo(done.script, nl=False)
         return
-    first = container_binds(spec, [Path("/run")])
-    for s, _ in points[1:]:
-        if container_binds(s, [Path("/run")]) != first:
-            raise bad_value("--sweep", "model/data paths", "sweep points need different container mounts, "
-                            "but one job array has one launch line",
-                            "sweep non-path keys only, or submit each path separately")
+    from hpctrain.render.deepspeed import build_ds_config
 
-
-def _create_runs(points: list[tuple[Spec, Plan]], mode: str) -> list[Path]:
-    """One private run folder per point, each created whole (temp dir + rename) or not at all."""
-    from hpctrain.render.runfolder import run_files
-    from hpctrain.runs import folder as runs
-
-    base = runs.runs_dir_default()
-    ids = [runs.new_run_id(s.name) for s, _ in points]
-    dirs = [(base / i).absolute() for i in ids]
-    spec, plan = points[0]
-    script = _script(spec, plan, dirs, mode)  # preview; dispatch replaces it with the script it submits
-    files = [run_files(s, p, script) for s, p in points]
-    made: list[Path] = []
-    try:
-        for run_id, texts in zip(ids, files):
-            made.append(runs.create_run_folder_atomically(base, run_id, texts).absolute())
-    except OSError as exc:
-        for d in made:
-            runs.remove_run_folder(d)
-        raise _writing("HPCTRAIN_RUNS_DIR", base, "set HPCTRAIN_RUNS_DIR to a writable folder (default ./runs)")(
-            exc) from None
-    except BaseException:
-        for d in made:
-            runs.remove_run_folder(d)
-        raise
-    return made
+    click.echo(json.dumps({"dry_run": True, "run_dirs": [str(d) for d in done.run_dirs], "sbatch": done.script,
+                           "plans": [json.loads(p.to_json()) for _, p in done.points],
+                           "ds_configs": [build_ds_config(s, p) for s, p in done.points]}, indent=2))
 
 
 def _report(subs: list[Any], as_json: bool) -> None:

@@ -80,16 +80,11 @@ _LOCK = ".supervise.lock"
 
 # ============================================================================ resubmission
 def next_attempt_number(run_dir: Path, registry_attempts: list[int] | None = None) -> int:
-    """One past every attempt number seen: registry, attempts.jsonl, and logs/attempt-K.* (SLURM's own
-    requeues number their logs by restart count, so those numbers are taken too)."""
-    seen = list(registry_attempts or [])
-    seen += [int(r["attempt"]) for r in runs_mod.RunFolder(run_dir).read_attempts()
-             if isinstance(r.get("attempt"), int)]
-    for p in runs_mod.RunFolder(run_dir).logs_dir.glob("attempt-*.rank-*.log"):
-        m = re.match(r"attempt-(\d+)\.", p.name)
-        if m:
-            seen.append(int(m.group(1)))
-    return max(seen, default=-1) + 1
+    """The run's next attempt number (hpctrain.slurm.submission.next_attempt_number, loaded on first use: the
+    watchdog runs this module on the batch host and needs none of the submission's imports)."""
+    from hpctrain.slurm import submission
+
+    return submission.next_attempt_number(run_dir, registry_attempts)
 
 
 def latest_checkpoint(run_dir: Path) -> int | None:
@@ -102,67 +97,24 @@ def latest_checkpoint(run_dir: Path) -> int | None:
 def resubmit_run(run_dir: Path, *, exclude: tuple[str, ...] | None = None, time_limit: str | None = None,
                  retries: int | None = None, record: dict[str, Any] | None = None,
                  arm_supervisor: bool = True) -> dict[str, Any]:
-    """Submit attempt K+1 of the run in `run_dir` (same spec and folder; exclude/time/retries as given)
-    and, when the run has retries left, its supervisor. Returns what was submitted."""
-    import dataclasses as dc
-
-    from hpctrain.plan.planner import make_plan
-    from hpctrain.render.runfolder import write_run_folder
-    from hpctrain.slurm import dispatch
-    from hpctrain.spec.model import read_resolved
+    """Submit attempt K+1 of the run in `run_dir` (same spec and folder; exclude/time/retries as given; the
+    fine-tuning defaults plan.json recorded kept) through the one Submission, and, when the run has retries
+    left, its supervisor (armed inside the submission's transaction). Returns what was submitted."""
+    from hpctrain.slurm.submission import Submission
 
     run_dir = Path(run_dir).absolute()
-    spec = read_resolved(run_dir)
-    res = spec.resources
-    excl = tuple(exclude) if exclude is not None else res.exclude
-    spec = dc.replace(spec, resources=dc.replace(res, exclude=excl, time=time_limit or res.time,
-                                                 spare_nodes=_spares_that_fit(spec, excl)),
-                      launch=dc.replace(spec.launch, retries=spec.launch.retries if retries is None else retries))
-    plan = make_plan(spec)
-    attempt = next_attempt_number(run_dir, _registry_attempts(run_dir.name))
-    # "exactly as dispatched": the latest attempt's request, its plan and DeepSpeed config
-    write_run_folder(run_dir, spec, plan)
-    rec = {"excluded": list(spec.resources.exclude), "time": spec.resources.time, **(record or {})}
-    old = os.environ.get("HPCTRAIN_ATTEMPT")
-    os.environ["HPCTRAIN_ATTEMPT"] = str(attempt)  # sbatch --export=ALL: the ranks log as attempt-K
-    try:
-        sub = dispatch.submit_attempt(run_dir, spec, plan, attempt, record=rec)
-    finally:
-        if old is None:
-            os.environ.pop("HPCTRAIN_ATTEMPT", None)
-        else:
-            os.environ["HPCTRAIN_ATTEMPT"] = old
-    out = {"run_id": run_dir.name, "run_dir": str(run_dir), "attempt": attempt, "job_id": sub.job_id,
-           "excluded": list(spec.resources.exclude), "time": spec.resources.time, "supervisor": None}
-    if arm_supervisor and spec.launch.retries > 0 and sub.executor == "slurm":  # local runs: by hand
-        out["supervisor"] = arm(run_dir, sub.job_id, spec)
-    return out
+    sub = Submission.resubmission(run_dir, exclude=exclude, time_limit=time_limit, retries=retries)
+    spec = sub.spec
+    armed: list[str] = []
 
+    def arm_it(subs: list[Any]) -> None:
+        if arm_supervisor and spec.launch.retries > 0 and subs[0].executor == "slurm":  # local runs: by hand
+            armed.append(arm(run_dir, subs[0].job_id, spec))
 
-def _spares_that_fit(spec: Spec, exclude: tuple[str, ...]) -> int:
-    """The spare nodes a resubmission still asks for: as many as the partition has beside the training nodes and
-    the excluded hosts (spares are a luxury; a job asking for more nodes than can ever be free would pend)."""
-    res = spec.resources
-    if not res.spare_nodes:
-        return 0
-    from hpctrain.slurm import commands as _slurm
-
-    try:
-        info = _slurm.partition_info(res.partition, tries=2)
-    except Exception:  # noqa: BLE001 - unknown size: keep the request as it was
-        return res.spare_nodes
-    if info is None:
-        return res.spare_nodes
-    return max(0, min(res.spare_nodes, info.nodes - len(set(exclude)) - res.nodes))
-
-
-def _registry_attempts(run_id: str) -> list[int]:
-    try:
-        from hpctrain.runs.registry import Registry
-
-        return [a.attempt for a in Registry().get_run(run_id).attempts]
-    except Exception:  # noqa: BLE001 - a run this registry never saw: the folder is the record
-        return []
+    done = sub.submit_attempt(record=record, on_settled=arm_it)
+    return {"run_id": run_dir.name, "run_dir": str(run_dir), "attempt": sub.attempt, "job_id": done.job_id,
+            "excluded": list(spec.resources.exclude), "time": spec.resources.time,
+            "supervisor": armed[0] if armed else None}
 
 
 def _registry_failure(run_id: str, attempt: int, failure_class: str) -> None:
@@ -314,7 +266,7 @@ def _plain_summary(run_dir: Path, job_id: str, sacct_rec: Any, exc: BaseExceptio
     """The collector failed: one row per job from attempts.jsonl and sacct's state alone."""
     rows: dict[str, dict[str, Any]] = {}
     for r in runs_mod.RunFolder(run_dir).read_attempts():
-        if r.get("job_id") is not None and isinstance(r.get("attempt"), int):
+        if r.get("job_id") and isinstance(r.get("attempt"), int):  # not a submission's intent (no job id yet)
             rows.setdefault(str(r["job_id"]), {"job_id": str(r["job_id"]), "attempt": r["attempt"]}).update(
                 {k: r[k] for k in ("state", "exit_code") if r.get(k)})
     if sacct_rec is not None and str(job_id) in rows:

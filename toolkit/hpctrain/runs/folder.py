@@ -362,12 +362,15 @@ def _write_inside(root: Path, rel: str, text: str) -> None:
         fh.write(text)
 
 
-def append_attempt(path: Path, record: dict[str, Any]) -> None:
-    """Append one JSON line; O_APPEND + one write() keeps concurrent writers' lines whole."""
+def append_attempt(path: Path, record: dict[str, Any], fsync: bool = False) -> None:
+    """Append one JSON line; O_APPEND + one write() keeps concurrent writers' lines whole. `fsync`: on disk
+    before this returns (a submission's intent, hpctrain.slurm.transaction: it must outlive a power cut too)."""
     line = json.dumps(record, sort_keys=True, default=str) + "\n"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         os.write(fd, line.encode("utf-8"))
+        if fsync:
+            os.fsync(fd)
     finally:
         os.close(fd)
 

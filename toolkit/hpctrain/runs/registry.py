@@ -248,6 +248,32 @@ class Registry:
 
         self._write(tx)
 
+    def record_intent(self, items: list[tuple[dict[str, Any] | None, Attempt]]) -> None:
+        """Before sbatch (hpctrain.slurm.transaction): each run (None: a new attempt of a known run) and its
+        attempt, usually SUBMIT_UNKNOWN with its tag, in ONE transaction. Idempotent, so a registry rebuilt from
+        the run folders meanwhile (which already hold the same record) is no error: rows present are kept."""
+
+        def tx(c: sqlite3.Connection) -> None:
+            for run, attempt in items:
+                if run is not None:
+                    c.execute(
+                        "INSERT OR IGNORE INTO runs(run_id,name,folder,created,executor,spec,state) "
+                        "VALUES (?,?,?,?,?,?,?)",
+                        (run["run_id"], run["name"], run["folder"], run.get("created") or time.time(),
+                         run["executor"], json.dumps(_strip_secrets(run.get("spec", {})), sort_keys=True,
+                                                     default=str), attempt.state))
+                _insert_attempt(c, attempt, replace=True)
+                c.execute("UPDATE runs SET state=? WHERE run_id=?", (attempt.state, attempt.run_id))
+
+        self._write(tx)
+
+    def remove_runs(self, run_ids: list[str]) -> None:
+        """Forget runs whose submission was withdrawn before sbatch ran (their folders are removed too)."""
+        if run_ids:
+            marks = ",".join("?" * len(run_ids))
+            self._write(lambda c: (c.execute(f"DELETE FROM attempts WHERE run_id IN ({marks})", run_ids),
+                                   c.execute(f"DELETE FROM runs WHERE run_id IN ({marks})", run_ids)))
+
     def import_runs(self, items: list[tuple[dict[str, Any], list[dict[str, Any]]]],
                     skipped: list[str] | None = None) -> int:
         """Add runs (and their attempts, as Attempt fields) this registry does not have yet; returns how
@@ -425,9 +451,9 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _insert_attempt(c: sqlite3.Connection, a: Attempt) -> None:
+def _insert_attempt(c: sqlite3.Connection, a: Attempt, replace: bool = False) -> None:
     c.execute(
-        "INSERT INTO attempts(run_id,attempt,job_id,state,nodes,submitted,started,ended,exit_code,"
+        f"INSERT {'OR REPLACE ' if replace else ''}INTO attempts(run_id,attempt,job_id,state,nodes,submitted,started,ended,exit_code,"
         "failure_class,note,tag) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
         (a.run_id, a.attempt, a.job_id, a.state, a.nodes, a.submitted or time.time(), a.started,
          a.ended, a.exit_code, a.failure_class, a.note, a.tag))

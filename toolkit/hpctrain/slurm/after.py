@@ -92,7 +92,9 @@ def _latest(folder: Path, run: object) -> tuple[str, str, str]:
     same = [r for r in records if r.get("attempt") == last.get("attempt")]
     state = str(same[-1].get("state", ""))
     executor = str(next((r["executor"] for r in records if r.get("executor")), ""))
-    return executor, str(last.get("job_id", "")), state
+    # The submission's intent line (hpctrain.slurm.transaction) has no job id yet; the settling line has it.
+    job_id = next((str(r["job_id"]) for r in reversed(same) if r.get("job_id")), "")
+    return executor, job_id, state
 
 
 def dependency(waits: Sequence[Wait]) -> str:

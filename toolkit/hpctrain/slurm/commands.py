@@ -110,8 +110,10 @@ def _budget() -> float:
 
 def _run(argv: Sequence[str], *, input_text: str | None = None, timeout_s: float = 30.0,
          retryable: re.Pattern[str] = _TRANSIENT, env: dict[str, str] | None = None,
-         retry_timeouts: bool = True, tries: int | None = None) -> subprocess.CompletedProcess[str]:
-    """Run a SLURM command; retry transient failures with exponential backoff, then raise."""
+         retry_timeouts: bool = True, tries: int | None = None,
+         own_session: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run a SLURM command; retry transient failures with exponential backoff, then raise. `own_session`: the
+    command runs in a session of its own, so a Ctrl-C at the terminal reaches hpctrain but not the command."""
     argv = list(argv)
     delay, last = _backoff(), ""
     tries = tries or _retries()
@@ -121,7 +123,8 @@ def _run(argv: Sequence[str], *, input_text: str | None = None, timeout_s: float
         left = deadline - time.monotonic()
         try:
             proc = subprocess.run(argv, input=input_text, capture_output=True, text=True,
-                                  timeout=max(1.0, min(timeout_s, left)), env=env, check=False)
+                                  timeout=max(1.0, min(timeout_s, left)), env=env, check=False,
+                                  start_new_session=own_session)
         except FileNotFoundError as exc:
             raise SlurmUnavailable(
                 f"`{argv[0]}` is not on PATH: SLURM's client tools are not installed here. "
@@ -452,11 +455,13 @@ def sbatch(script_path: str, extra: Sequence[str] = (), comment: str = "") -> st
     `comment` goes to `--comment`: what `reconcile` finds the job by when sbatch's answer is lost.
     Only connect failures are retried: after a send/receive timeout slurmctld may already have
     queued the job, and a blind retry would submit it twice. Every outcome that may have queued a
-    job raises SubmitUnknown; a refusal raises SbatchRejected.
+    job raises SubmitUnknown; a refusal raises SbatchRejected. sbatch runs in a session of its own: a Ctrl-C
+    at the terminal never kills it half-way (hpctrain.slurm.transaction holds the signal until the job is recorded).
     """
     argv = ["sbatch", "--parsable", *([f"--comment={comment}"] if comment else []), *extra, script_path]
     try:
-        proc = _run(argv, retryable=_SBATCH_RETRYABLE, timeout_s=_sbatch_timeout(), retry_timeouts=False)
+        proc = _run(argv, retryable=_SBATCH_RETRYABLE, timeout_s=_sbatch_timeout(), retry_timeouts=False,
+                    own_session=True)
     except SlurmCommandError as exc:
         raise _sbatch_failure(exc) from exc
     return proc.stdout.strip()

@@ -10,13 +10,14 @@ per-submit throttle (200 ms) and one sbatch per run would make a 100-run sweep t
 Each array task finds its own run folder through `<runs_dir>/.sweeps/<id>/<index>` -> run folder
 links, so submitit's `%a` path expansion puts each task's files in its own run folder.
 
-Nothing is recorded in the registry until sbatch has accepted the job. Secrets never reach a file:
-they travel in the environment (sbatch's default --export=ALL; the local executor inherits it).
+A SLURM submission is a transaction (hpctrain.slurm.transaction): its intent is recorded in the run folder and
+the registry before sbatch runs, and settled with the job id after, so no signal, timeout or crash between
+the two loses a queued job. Secrets never reach a file: they travel in the environment (sbatch's default
+--export=ALL; the local executor inherits it).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -24,7 +25,7 @@ import shutil
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
@@ -32,7 +33,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from hpctrain.errors import HpcUsageError
 from hpctrain.runs import folder as runs_mod
-from hpctrain.slurm.uncertain import JobMayExist, drop_pickles, record_unknown, submission_tag
+from hpctrain.slurm.transaction import Interrupted, Transaction, point_summary
+from hpctrain.slurm.uncertain import JobMayExist, drop_pickles
 from hpctrain.spec.rules import secret_names
 from hpctrain.states import JobState
 
@@ -64,12 +66,16 @@ def resolve_executor(name: str) -> Literal["slurm", "local"]:
 
 
 def submit(run_dirs: Sequence[Path], spec: Spec, plan: Plan, executor: str = "auto",
-           mode: str = "train", dependency: str = "") -> list[Submitted]:
+           mode: str = "train", dependency: str = "", script: str | None = None,
+           on_settled: Settled | None = None) -> list[Submitted]:
     """Submit one job (one run folder) or one job array (a sweep); record each run + attempt 0.
     `dependency`: sbatch's --dependency for this submission (`submit --after`; hpctrain.slurm.after).
+    `script`: the batch script as rendered once (hpctrain.slurm.submission), else rendered here.
+    `on_settled(subs)`: runs once the jobs are recorded, before a signal held meanwhile takes effect.
 
     Raises HpcUsageError when the cluster refuses the job (nothing recorded; the caller removes
-    the run folders), SlurmUnavailable when slurmctld does not answer.
+    the run folders), SlurmUnavailable when slurmctld does not answer, SubmitUncertain when sbatch may
+    have queued it (the run is kept, recorded as SUBMIT_UNKNOWN).
     """
     if not run_dirs:
         raise ValueError("submit() needs at least one run folder")
@@ -85,37 +91,66 @@ def submit(run_dirs: Sequence[Path], spec: Spec, plan: Plan, executor: str = "au
             raise HpcUsageError(f"--after = {dependency!r}: the local executor runs the job now and cannot wait "
                                 "for another. Fix: use --executor slurm, or submit without --after")
         subs = _submit_local(dirs, spec, plan, mode)
-    else:
-        from hpctrain.slurm import commands as _slurm
+        _record(subs, spec, plan, mode)
+        if on_settled is not None:
+            on_settled(subs)
+        return subs
+    tx = Transaction(dirs, staging=_staging(dirs), name=spec.name, summary=spec_summary(spec, plan, mode), mode=mode)
+    return _transact(tx, lambda: _submit_slurm(dirs, spec, plan, mode, dependency, script, tx), on_settled)
 
+
+Settled = Callable[[list[Submitted]], object]
+
+
+def _transact(tx: Transaction, sbatch: Callable[[], list[Submitted]], on_settled: Settled | None) -> list[Submitted]:
+    """intent -> sbatch -> settle, signals held throughout (hpctrain.slurm.transaction)."""
+    from hpctrain.slurm import commands as _slurm
+
+    with tx:
+        tx.begin()
+        tx.pause("intent")
+        if tx.interrupted:
+            tx.withdraw("a signal arrived before sbatch ran", remove=True)
+            raise Interrupted()
         try:
-            subs = _submit_slurm(dirs, spec, plan, mode, dependency)
+            subs = sbatch()
         except _slurm.SubmitUnknown as exc:
-            raise record_unknown(dirs, spec.name, spec_summary(spec, plan, mode), mode, exc) from exc
-    _record(subs, spec, plan, mode)
+            raise tx.unknown(exc) from exc
+        except BaseException as exc:
+            tx.withdraw(str(exc) or type(exc).__name__)
+            raise
+        tx.pause("sbatch")
+        tx.settle(subs)
+        tx.pause("settled")
+        if on_settled is not None:
+            on_settled(subs)
     return subs
 
 
+def _staging(dirs: list[Path]) -> Path:
+    """Where the pickles wait for their job id: the run's submitit folder, or a sweep's links folder."""
+    return runs_mod.RunFolder(dirs[0]).submitit_dir if len(dirs) == 1 else sweep_links_dir(dirs)
+
+
 def submit_attempt(run_dir: Path, spec: Spec, plan: Plan, attempt: int, mode: str = "train",
-                   record: dict[str, Any] | None = None) -> Submitted:
+                   record: dict[str, Any] | None = None, script: str | None = None,
+                   on_settled: Settled | None = None) -> Submitted:
     """A new attempt of an existing run (`hpctrain resubmit`, the supervisor): same run folder, a new
     job on the executor the run was first submitted to (a local run stays local), recorded as attempt
     `attempt` in attempts.jsonl (with `record`'s extra keys) and in the registry. A run this registry
-    does not know (another state dir) is still submitted and recorded in its folder."""
+    does not know (another state dir) is still submitted and recorded in its folder. On SLURM it is a
+    transaction like `submit` (its tag names the attempt: hpctrain.slurm.uncertain.submission_tag)."""
     from hpctrain.runs.registry import Attempt, Registry
 
     d = Path(run_dir).absolute()
     folder = runs_mod.RunFolder(d)
     first = folder.read_attempts()[:1]
     executor = str(first[0].get("executor", "slurm")) if first else resolve_executor(spec.launch.executor)
-    submit_one = _submit_local if executor == "local" else _submit_slurm
-    from hpctrain.slurm import commands as _slurm
-
-    try:
-        sub = submit_one([d], spec, plan, mode)[0]
-    except _slurm.SubmitUnknown as exc:
-        raise record_unknown([d], spec.name, spec_summary(spec, plan, mode), mode, exc, attempt=attempt,
-                             record=record) from exc
+    if executor != "local":
+        tx = Transaction([d], staging=_staging([d]), name=spec.name, summary=spec_summary(spec, plan, mode),
+                         mode=mode, attempt=attempt, record=record)
+        return _transact(tx, lambda: _submit_slurm([d], spec, plan, mode, "", script, tx), on_settled)[0]
+    sub = _submit_local([d], spec, plan, mode)[0]
     now = time.time()
     runs_mod.append_attempt(folder.attempts_jsonl,
                             {**(record or {}), "attempt": attempt, "job_id": sub.job_id, "state": JobState.PENDING,
@@ -125,6 +160,8 @@ def submit_attempt(run_dir: Path, spec: Spec, plan: Plan, attempt: int, mode: st
                                        submitted=now))
     except Exception:  # noqa: BLE001,S110 - the job IS queued; attempts.jsonl holds the record
         pass
+    if on_settled is not None:
+        on_settled([sub])
     return sub
 
 
@@ -149,13 +186,14 @@ def spec_summary(spec: Spec, plan: Plan, mode: str) -> dict[str, Any]:
 
 
 def _record(subs: list[Submitted], spec: Spec, plan: Plan, mode: str) -> None:
+    """A local run, once its controller has started (a SLURM run is recorded by its Transaction)."""
     from hpctrain.runs.registry import Attempt, Registry
 
     reg, now = Registry(), time.time()
     summary = spec_summary(spec, plan, mode)
     items = []
     for i, s in enumerate(subs):
-        point = _point_summary(s, summary) if i else summary
+        point = point_summary(s.run_dir, summary) if i else summary
         rec = {"attempt": 0, "job_id": s.job_id, "state": JobState.PENDING, "submitted": now,
                "executor": s.executor, "mode": mode}
         runs_mod.append_attempt(runs_mod.RunFolder(s.run_dir).attempts_jsonl, rec)
@@ -165,35 +203,11 @@ def _record(subs: list[Submitted], spec: Spec, plan: Plan, mode: str) -> None:
     try:
         reg.add_submitted_many(items)  # one transaction for a whole sweep
     except Exception as exc:
-        # The job IS queued: say so with its id instead of pretending nothing happened.
-        ids = sorted({s.job_id.split("_")[0] for s in subs})
-        raise JobMayExist(f"job {', '.join(ids)} was submitted but could not be recorded in the registry "
-                          f"({exc}); its run folder records it: `hpctrain registry rebuild` adds it to the "
-                          f"registry, or cancel it with `scancel {' '.join(ids)}`") from exc
-
-
-def _point_summary(sub: Submitted, first: dict[str, Any]) -> dict[str, Any]:
-    """A sweep point differs from the first only in train/parallel/data/model keys (an array has one
-    allocation shape): patch the first summary from this point's spec.toml and plan.json.
-
-    Plain tomllib/json reads, not a re-validation: this runs 100 times for a 100-point sweep.
-    """
-    import tomllib
-
-    out = dict(first)
-    folder = runs_mod.RunFolder(sub.run_dir)
-    try:
-        doc = tomllib.loads(folder.spec_toml.read_text(encoding="utf-8"))
-        facts = json.loads(folder.plan_json.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return out  # informative only: never fail a queued job over a summary
-    train, par, model = doc.get("train", {}), doc.get("parallel", {}), doc.get("model", {})
-    picks = {"steps": train.get("steps"), "lr": train.get("lr"), "offload": par.get("offload"),
-             "pp": par.get("pp"), "tp": par.get("tp"), "data": doc.get("data", {}).get("source"),
-             "model": model.get("path") or model.get("config"), "micro_batch": facts.get("micro_batch"),
-             "global_batch": facts.get("global_batch"), "zero": facts.get("zero_stage")}
-    out.update({k: v for k, v in picks.items() if v is not None})
-    return out
+        # The job IS running: say so with its id instead of pretending nothing happened.
+        ids = sorted({s.job_id for s in subs})
+        raise JobMayExist(f"local job {', '.join(ids)} (process id) was started but could not be recorded in the "
+                          f"registry ({exc}); its run folder records it: `hpctrain registry rebuild` adds it to the "
+                          f"registry, or stop it with `kill {' '.join(ids)}`") from exc
 
 
 # -- SLURM ----------------------------------------------------------------------------------------
@@ -204,7 +218,8 @@ def time_minutes(text: str) -> int:
     return max(1, (time_limit_s(text) + 59) // 60)
 
 
-def _submit_slurm(dirs: list[Path], spec: Spec, plan: Plan, mode: str, dependency: str = "") -> list[Submitted]:
+def _submit_slurm(dirs: list[Path], spec: Spec, plan: Plan, mode: str, dependency: str, script: str | None,
+                  tx: Transaction) -> list[Submitted]:
     from hpctrain.slurm import commands as _slurm
 
     if not shutil.which("srun"):  # submitit's SlurmExecutor refuses to start without it (a bare RuntimeError)
@@ -218,7 +233,7 @@ def _submit_slurm(dirs: list[Path], spec: Spec, plan: Plan, mode: str, dependenc
         links = _make_sweep_links(dirs)
         folder = runs_mod.RunFolder(links / "%a").submitit_dir
     try:
-        job_ids = _submit_pickled(dirs, spec, plan, mode, folder, staging=links or folder, dependency=dependency)
+        job_ids = _submit_pickled(dirs, spec, plan, mode, folder, dependency, script, tx)
     except _slurm.SbatchRejected as exc:
         if links is not None:
             shutil.rmtree(links, ignore_errors=True)
@@ -243,7 +258,7 @@ def sweep_links_dir(dirs: Sequence[Path]) -> Path:
 def _make_sweep_links(dirs: list[Path]) -> Path:
     """`<runs_dir>/.sweeps/<first run id>/<i>` -> run folder i (what `%a` resolves through)."""
     base = sweep_links_dir(dirs)
-    base.mkdir(parents=True, mode=0o700)
+    base.mkdir(parents=True, mode=0o700, exist_ok=True)
     for i, d in enumerate(dirs):
         os.symlink(d, base / str(i), target_is_directory=True)
     return base
@@ -334,31 +349,36 @@ def _check_no_secrets(text: str, spec: Spec) -> None:
 MAX_TIMEOUT_REQUEUES = 3  # requeues submitit grants a checkpointable call after a time-out (SlurmExecutor's default)
 
 
-def _submit_pickled(dirs: list[Path], spec: Spec, plan: Plan, mode: str, folder: Path,
-                    staging: Path, dependency: str = "") -> list[str]:
+def _submit_pickled(dirs: list[Path], spec: Spec, plan: Plan, mode: str, folder: Path, dependency: str,
+                    script: str | None, tx: Transaction) -> list[str]:
     """Pickle NodeJob(dir, mode) for every run folder, submit ONE script (an array when there are several),
     then move each pickle to the name its task loads. Returns the job ids ("123", or "123_0", "123_1", ...).
 
-    `folder` is submitit's folder for the job (`%a` in it is the array index); `staging` is a folder
-    without `%` where the pickles wait until the job id is known. A task that starts before its pickle
-    is moved waits for it (submitit's runner polls for 60 s).
+    `folder` is submitit's folder for the job (`%a` in it is the array index); the pickles wait under the names
+    `tx.pickles` (in a folder without `%`, recorded in the intent) until the job id is known. A task that
+    starts before its pickle is moved waits for it (submitit's runner polls for 60 s). `script`: as rendered
+    once by the caller (written to sbatch.sh already), else rendered here and written.
     """
     import submitit
     from submitit.helpers import DelayedSubmission
 
     from hpctrain.node.entry import NodeJob
 
-    staging.mkdir(parents=True, exist_ok=True)
     pickles: list[Path] = []
+    rendered_here = script is None
     try:
-        for d in dirs:
+        for d, pickle_path in zip(dirs, tx.pickles):
             call = DelayedSubmission(NodeJob(str(d), mode))
             call.set_timeout(time_minutes(spec.resources.time), MAX_TIMEOUT_REQUEUES)
-            pickles.append(staging / f".{uuid.uuid4().hex}.pkl")
-            call.dump(pickles[-1])
-        script = _render_script(spec, plan, dirs, folder, dependency)
+            pickle_path.parent.mkdir(parents=True, exist_ok=True)
+            pickles.append(pickle_path)
+            call.dump(pickle_path)
+        if script is None:
+            script = _render_script(spec, plan, dirs, folder, dependency)
+        else:
+            _check_no_secrets(script, spec)
         _test_hatches(script, spec, dependency)
-        job_id = _sbatch(staging, script, comment=submission_tag(dirs))
+        job_id = _sbatch(tx.pickles[0].parent, script, comment=tx.tag)
     except BaseException as exc:
         drop_pickles(pickles, exc)
         raise
@@ -370,8 +390,9 @@ def _submit_pickled(dirs: list[Path], spec: Spec, plan: Plan, mode: str, folder:
         # submitit's own copy of the script (%j_submission.sh, or %A_submission.sh for an array) per run.
         if not paths.submission_file.exists():
             runs_mod.write_private(paths.submission_file, script)
-    for d in dirs:
-        runs_mod.write_private(runs_mod.RunFolder(d).sbatch_sh, script)
+    if rendered_here:
+        for d in dirs:
+            runs_mod.write_private(runs_mod.RunFolder(d).sbatch_sh, script)
     return ids
 
 

@@ -12,7 +12,7 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
@@ -35,9 +35,10 @@ class SubmitUncertain(JobMayExist):
     exit_code = 75
 
 
-def submission_tag(run_dirs: Sequence[Path]) -> str:
-    """The job's --comment: the (first) run id, what `reconcile` finds an unanswered submission by."""
-    return f"hpctrain:{Path(run_dirs[0]).name}"
+def submission_tag(run_dirs: Sequence[Path], attempt: int = 0) -> str:
+    """The job's --comment, what `reconcile` finds an unanswered submission by: the (first) run id, and for a
+    resubmission its attempt number too (attempt 3's job is never taken for attempt 2's, still in squeue)."""
+    return f"hpctrain:{Path(run_dirs[0]).name}" + (f":{attempt}" if attempt else "")
 
 
 def record_unknown(dirs: list[Path], name: str, summary: dict[str, Any], mode: str, exc: Any, attempt: int = 0,
@@ -74,6 +75,39 @@ def record_unknown(dirs: list[Path], name: str, summary: dict[str, Any], mode: s
         f"Fix: do not submit it again; `hpctrain status {first}` finds the job by its comment {tag} once "
         f"SLURM lists it, or marks the run SUBMIT_FAILED if SLURM never does (`squeue --me -o '%i %k'` shows "
         "comments too)")
+
+
+class UnknownOutcome(SubmitUncertain):
+    """An action (cancel, resubmit) refused because a submission's outcome could not be established: a job may
+    be queued that hpctrain cannot name, so acting as if there were none (or one) would be a claim it cannot make."""
+
+
+def establish(reg: Registry, run: Run, action: str) -> list[str]:
+    """Before acting on `run` (`action`: "cancels", "resubmits"): its submissions of unknown outcome resolved by
+    their tag (`reconcile`). Raises UnknownOutcome, naming the attempt, its tag and what to do, when one stays
+    unknown (SLURM could not be asked, or lists no job with the tag yet); returns reconcile's warnings."""
+    from hpctrain.runs.registry import SUBMIT_UNKNOWN
+
+    warnings = reconcile(reg, [run])
+    left = [a for a in run.attempts if a.state == SUBMIT_UNKNOWN and run.executor == "slurm"]
+    if not left:
+        return warnings
+    att = left[-1]
+    asked = [w for w in warnings if w.startswith("could not look up")]
+    age = time.time() - (att.submitted or time.time())
+    why = (asked[0].replace("could not look up submissions of unknown outcome: ", "SLURM could not be asked: ")
+           if asked else f"SLURM lists no job with that comment yet ({age:.0f}s after the submission; it counts as "
+           f"not queued {grace_s():.0f}s after)")
+    _refuse(run, att, why, action)
+
+
+def _refuse(run: Run, att: Attempt, why: str, action: str) -> NoReturn:
+    tag = _tag(run, att)
+    raise UnknownOutcome(
+        f"RUN = {run.run_id!r}: attempt {att.attempt} was submitted with an unknown outcome ({att.note}), and {why}. "
+        f"A job tagged {tag} may be queued or running, so hpctrain {action} nothing. Fix: `hpctrain status "
+        f"{run.run_id}` again once SLURM answers (it finds the job by its comment, or marks the attempt "
+        f"SUBMIT_FAILED); `squeue --me -o '%i %k'` lists your jobs with their comments")
 
 
 def drop_pickles(pickles: list[Path], exc: BaseException) -> None:
