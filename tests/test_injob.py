@@ -215,6 +215,7 @@ def test_a_persistent_straggler_is_replaced_by_a_spare(tmp_path: Path, monkeypat
     assert "--nodelist=node1,node3" in fake.argv[1]
     (restart,) = ev.read_events(d.run_dir, kind=injob.RESTART)
     assert restart.extra["replaced"] == {"node2": "node3"} and restart.message.startswith("straggler: node2")
+    assert restart.failure_class == FailureClass.STRAGGLER  # slow is not failed: never node_fail
 
 
 def test_without_a_spare_a_straggler_is_left_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

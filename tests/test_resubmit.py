@@ -243,6 +243,9 @@ def test_watchdog_peer_lost_names_the_dead_host_after_the_confirm_window(tmp_pat
     assert rec is not None and rec["event"] == "peer_lost" and rec["job_id"] == "7"
     assert rec["silent_hosts"] == ["node2"] and rec["silent_ranks"] == [1] and rec["last_step"] == 20
     assert "rank 0 on node1 lost its peer on node2" in rec["message"]
+    assert "still waiting for them 4 s later" in rec["message"]
+    at_once = w.peer_check(now + 0.2, confirm_s=0.0)  # the in-job driver's early check: no "0 s later"
+    assert at_once is not None and "s later" not in at_once["message"], at_once["message"]
 
 
 def test_watchdog_hands_a_lost_peer_to_on_peer_lost_before_the_cancel(tmp_path: Path,

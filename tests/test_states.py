@@ -78,7 +78,7 @@ def test_on_disk_values_never_change() -> None:
     """summary.json, attempts.jsonl and the registry hold these strings: renaming one orphans old runs."""
     assert {c.value for c in FailureClass} == {
         "gpu_oom", "host_oom", "comm_timeout", "hang", "python_exception", "input_error", "container_error",
-        "preflight", "node_fail", "time_limit", "preempted", "cancelled", "unknown"}
+        "preflight", "node_fail", "straggler", "time_limit", "preempted", "cancelled", "unknown"}
     assert [int(c) for c in ExitCode] == [0, 1, 2, 3, 4]
     assert json.dumps([JobState.NODE_FAIL, FailureClass.GPU_OOM]) == '["NODE_FAIL", "gpu_oom"]'
     assert f"{JobState.TIMEOUT} {FailureClass.HANG}" == "TIMEOUT hang"

@@ -129,6 +129,9 @@ class FailureClass(_StrEnum):
     # "connection closed by peer" naming a host whose ranks just stopped, both mean the peer's node (or its
     # process) died without a word, and a retry must exclude that host, as for SLURM's NODE_FAIL.
     NODE_FAIL = "node_fail"
+    # A node whose ranks stayed slower than the others' median for fault.straggler_patience_s (the in-job
+    # driver's straggler verdict): it works, so it is not a node failure, but it is replaced or excluded like one.
+    STRAGGLER = "straggler"
     TIME_LIMIT = "time_limit"  # SLURM's TIMEOUT / DEADLINE, or the pre-timeout signal (checkpointed)
     PREEMPTED = "preempted"  # SLURM preempted or requeued it, or the node stopped on SIGTERM (checkpointed)
     CANCELLED = "cancelled"  # scancel by a person (the watchdog's own cancel is a hang or a node_fail)
@@ -138,7 +141,7 @@ class FailureClass(_StrEnum):
 # What a retry can do about each class (hpctrain.fault.policy acts on these; every class is in exactly one).
 # Retried: the cause is outside the run (a node, the scheduler, the clock) or may be transient.
 RETRYABLE: frozenset[FailureClass] = frozenset({
-    FailureClass.NODE_FAIL, FailureClass.PREEMPTED, FailureClass.TIME_LIMIT, FailureClass.HANG,
+    FailureClass.NODE_FAIL, FailureClass.STRAGGLER, FailureClass.PREEMPTED, FailureClass.TIME_LIMIT, FailureClass.HANG,
     FailureClass.COMM_TIMEOUT, FailureClass.PREFLIGHT, FailureClass.UNKNOWN,
 })
 # Not retried: the same code, config, input, sizing or image fails the same way again; a person must fix it.
@@ -150,11 +153,11 @@ USER_ERRORS: frozenset[FailureClass] = frozenset({
 STOPPED_BY_PERSON: frozenset[FailureClass] = frozenset({FailureClass.CANCELLED})
 # Events outside the run: the same one twice in a row says nothing about the run (bad luck, not a loop).
 OUTSIDE_EVENTS: frozenset[FailureClass] = frozenset({
-    FailureClass.NODE_FAIL, FailureClass.PREEMPTED, FailureClass.TIME_LIMIT,
+    FailureClass.NODE_FAIL, FailureClass.STRAGGLER, FailureClass.PREEMPTED, FailureClass.TIME_LIMIT,
 })
 # Classes whose `host` names a machine to keep the retry away from (--exclude).
 IMPLICATES_HOST: frozenset[FailureClass] = frozenset({
-    FailureClass.NODE_FAIL, FailureClass.PREFLIGHT, FailureClass.HANG,
+    FailureClass.NODE_FAIL, FailureClass.STRAGGLER, FailureClass.PREFLIGHT, FailureClass.HANG,
 })
 
 
@@ -265,3 +268,11 @@ HEALTH_ROUND_ENV = "HPCTRAIN_HEALTH_ROUND"
 # and the collector read each as node_fail on its `silent_hosts`, which a resubmission excludes; "hang" is the
 # other verdict.
 NODE_VERDICTS: frozenset[str] = frozenset({"peer_lost", "unhealthy", "straggler"})
+
+
+def class_of_verdict(event: str | None) -> FailureClass:
+    """The failure class a watchdog.jsonl verdict names: a straggler is a straggler (slow, not failed), the other
+    node verdicts are node_fail, anything else a hang. Every one of them implicates its `silent_hosts`."""
+    if event == "straggler":
+        return FailureClass.STRAGGLER
+    return FailureClass.NODE_FAIL if event in NODE_VERDICTS else FailureClass.HANG

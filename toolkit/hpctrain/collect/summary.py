@@ -34,7 +34,7 @@ from hpctrain.runs import events as run_events
 from hpctrain.runs import history
 from hpctrain.runs.folder import RunFolder
 from hpctrain.runs.history import hosts_of
-from hpctrain.states import NODE_VERDICTS, FailureClass, JobState, is_final
+from hpctrain.states import NODE_VERDICTS, FailureClass, JobState, class_of_verdict, is_final
 from hpctrain.states import RUN_ENDED_STATES as ENDED
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -241,11 +241,13 @@ def _attempt_row(inp: RunInput, a: dict[str, Any], files: list[cl.LogFile], recs
 
 
 def _peer_lost_failure(lost: dict[str, Any], found: Any) -> Any:
-    """The watchdog's peer-lost verdict as the attempt's failure: node_fail on the silent host."""
+    """The watchdog's node verdict as the attempt's failure on the silent host: node_fail (a lost peer, a failed
+    health check), or straggler (slow, not failed: never called a node failure)."""
     from hpctrain.collect import classify as cc
 
     hosts, ranks = lost.get("silent_hosts") or [], lost.get("silent_ranks") or []
-    return cc.Failure(FailureClass.NODE_FAIL, str(lost.get("message") or "a peer's node went away"),
+    return cc.Failure(class_of_verdict(str(lost.get("event") or "peer_lost")),
+                      str(lost.get("message") or "a peer's node went away"),
                       rank=ranks[0] if len(ranks) == 1 else None, host=hosts[0] if len(hosts) == 1 else None,
                       source="metrics/watchdog.jsonl", exception=getattr(found, "exception", None))
 

@@ -49,6 +49,7 @@ from hpctrain.states import (
     ExitCode,
     FailureClass,
     JobState,
+    class_of_verdict,
     is_retryable,
 )
 
@@ -130,8 +131,8 @@ def classify_exit(run_dir: Path, job: str, attempt: int, rc: int, down: Sequence
 
 def verdict_of_watchdog(rec: dict[str, Any]) -> Verdict:
     """The watchdog's record as a verdict: a lost peer is a node failure, a hang a hang (as the supervisor reads
-    them); a persistent straggler is treated like a failing node (node_fail, the message says straggler)."""
-    cls = FailureClass.HANG if rec.get("event") == "hang" else FailureClass.NODE_FAIL
+    them); a persistent straggler is replaced like a failing node, under its own class (straggler)."""
+    cls = class_of_verdict(str(rec.get("event") or ""))
     return Verdict(cls, tuple(rec.get("silent_hosts") or ()), str(rec.get("message", "")), rec,
                    float(rec.get("time") or time.time()))
 

@@ -88,9 +88,11 @@ def lost_peers(failures: list[dict[str, Any]], beats: list[dict[str, Any]], worl
     err = str(culprit.get("error", ""))
     err = err if len(err) <= 200 else err[:197] + "..."
     who = ", ".join(sorted(hosts))
+    # Asked at once (confirm_s 0: the in-job driver, which then checks the hosts' slurmd itself), "waiting for
+    # them 0 s later" would say nothing: the wait is only part of the evidence once it has lasted.
+    waited = (f" and the job was still waiting for them {now - first:.0f} s later" if now - first >= 1 else "")
     msg = (f"rank {culprit['rank']} on {culprit.get('host')} lost its peer on {who} ({err}); {who}'s ranks "
-           f"stopped without an error and the job was still waiting for them {now - first:.0f} s later: "
-           "node or network lost")
+           f"stopped without an error{waited}: node or network lost")
     return {"event": "peer_lost", "last_step": min(_done_step(f) for f in comm), "silent_ranks": silent,
             "silent_hosts": sorted(hosts), "details": [{k: f.get(k) for k in ("rank", "host", "step", "error")}
                                                        for f in comm],

@@ -30,6 +30,7 @@ from hpctrain.runs.folder import RunFolder
 from hpctrain.states import JobState
 
 SUBMITTED, REQUEUED, IN_JOB = "submitted", "requeued", "in_job"  # how an attempt began
+_WAITING = frozenset({JobState.PENDING, JobState.SUBMIT_UNKNOWN, JobState.REQUEUE_HOLD})
 Span = Callable[[int], tuple[float | None, float | None]]  # attempt -> (first, last) time its logs show
 
 
@@ -134,6 +135,10 @@ def expand(base: list[dict[str, Any]], folder: Path, *, events: list[run_events.
         for e in entries[1:]:  # later notes on the same job (a supervisor's record) fill in
             job.update({key: v for key, v in e.items() if v not in (None, "")})
         job["allocated"] = job.get("nodes") or ""
+        if str(job.get("state")) in _WAITING and in_job.get(jid):
+            # The job started a new srun step of its own: it holds its allocation, so a registry not refreshed
+            # yet (or a submission of unknown outcome) must not show it as waiting.
+            job["state"] = JobState.RUNNING
         for k in nums:
             row = dict(job, attempt=k, how=SUBMITTED if k == k0 else IN_JOB if k in in_job.get(jid, ()) else REQUEUED)
             if len(nums) > 1:
