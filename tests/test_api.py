@@ -103,3 +103,36 @@ def test_run_handle_of_a_folder_and_of_the_registry(home: Path) -> None:
     assert hpctrain.runs() == []
     with pytest.raises(HpcUsageError, match="no runs yet"):
         hpctrain.Run("last")
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_dry_run_writes_the_bytes_the_cli_writes(home: Path) -> None:
+    """The same request through `hpctrain submit --dry-run --out DIR` and hpctrain.submit(dry_run=True, out=DIR):
+    every file byte-identical (both write into DIR in turn: the files name their folder)."""
+    import shutil
+
+    import hpctrain
+
+    out = home / "dry run 'x'"
+    res = cli("submit", TINY, "--dry-run", "--out", str(out), "--nodes", "2", "--zero", "2", "--model", "llama-tiny",
+              "--set", "train.lr=1e-4", "--sbatch-arg=--exclusive", "--executor", "slurm")
+    assert res.exit_code == 0, res.output
+    by_cli = _files(out)
+    assert {"sbatch.sh", "spec.toml", "plan.json", "ds_config.json"} <= set(by_cli), sorted(by_cli)
+    shutil.rmtree(out)
+    run = hpctrain.submit(TINY, dry_run=True, out=out, nodes=2, zero=2, model="llama-tiny",
+                          set={"train.lr": "1e-4"}, sbatch_args=["--exclusive"], executor="slurm")
+    assert _files(out) == by_cli
+    assert run.dry_run and run.folder == out.absolute() and run.sbatch.encode() == by_cli["sbatch.sh"]
+    # Without a folder nothing is written; the script is the one `--dry-run` prints (but for its run id).
+    bare = hpctrain.submit(TINY, dry_run=True, nodes=2)
+    assert not bare.folder.exists() and "#SBATCH --nodes=2" in bare.sbatch
+    from hpctrain.errors import HpcUsageError
+
+    with pytest.raises(HpcUsageError, match="a dry run, never submitted"):
+        bare.status()
+    with pytest.raises(HpcUsageError, match="out = .*only a dry run writes into a chosen folder"):
+        hpctrain.submit(TINY, out=out)

@@ -17,5 +17,6 @@ from __future__ import annotations
 
 from hpctrain.api.request import plan
 from hpctrain.api.runs import Cancelled, Listing, Run, Status, Summaries, listing, runs, summaries
+from hpctrain.api.submitting import submit
 
-__all__ = ["Cancelled", "Listing", "Run", "Status", "Summaries", "listing", "plan", "runs", "summaries"]
+__all__ = ["Cancelled", "Listing", "Run", "Status", "Summaries", "listing", "plan", "runs", "submit", "summaries"]
