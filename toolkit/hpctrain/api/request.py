@@ -43,9 +43,7 @@ def plan(source: RunSource | Spec = None, /, **overrides: Any) -> Plan:
     >>> hpctrain.plan("examples/tiny.toml", nodes=2).world_size
     4
     """
-    from hpctrain.plan.planner import make_plan
-    from hpctrain.spec.model import resolve_with_defaults
+    from hpctrain.slurm.submission import Submission
 
     runfile, keys, site = request(source, overrides, where="hpctrain.plan")
-    spec, applied = resolve_with_defaults(runfile, keys, site, check=False)
-    return make_plan(spec, applied)
+    return Submission.prepare(runfile, keys, site=site, check=False).plan  # as `hpctrain plan` does
