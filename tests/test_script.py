@@ -281,6 +281,22 @@ def test_failure_tail_finds_the_last_exception() -> None:
     assert "killed by signal SIGKILL" in str(killed) and killed.exception == ""
 
 
+def test_under_torchrun_the_failure_is_the_scripts_exception_not_the_launchers() -> None:
+    """torchrun prints its own ChildFailedError after the rank's traceback: the rank's ValueError is the cause."""
+    from hpctrain.node.script import failure
+
+    tail = ["[rank1]: Traceback (most recent call last):", '[rank1]:   File "train.py", line 9, in <module>',
+            '[rank1]:     raise ValueError("bad batch")', "[rank1]: ValueError: bad batch",
+            "E1203 08:00:00.000 torch/distributed/elastic/multiprocessing/api.py:882] failed (exitcode: 1)",
+            "Traceback (most recent call last):", '  File "/usr/bin/torchrun", line 8, in <module>',
+            "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ", "train.py FAILED",
+            "Root Cause (first observed failure):", "  exitcode  : 1 (pid: 42)"]
+    f = failure(1, tail)
+    assert f.exception == "ValueError: bad batch" and f.tail[0].endswith("Traceback (most recent call last):"), f
+    only = failure(1, tail[5:])  # the rank's traceback scrolled out of the tail: the launcher's is all there is
+    assert only.exception.startswith("torch.distributed.elastic.multiprocessing.errors.ChildFailedError")
+
+
 # -- hpctrain.runtime ----------------------------------------------------------------------------------
 
 @pytest.fixture

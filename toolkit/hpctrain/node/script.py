@@ -173,17 +173,27 @@ def _pump(proc: subprocess.Popen[bytes], tail: collections.deque[str]) -> None:
         tail.append(raw.decode("utf-8", errors="replace").rstrip("\n"))
 
 
+# What a launcher raises when one of its ranks failed (torchrun's elastic agent, accelerate's subprocess call):
+# the rank's own exception, printed before it, is the cause.
+_LAUNCHER_EXC = re.compile(r"(?:^|\.)(?:ChildFailedError|CalledProcessError)\b")
+
+
 def failure(code: int, tail: list[str]) -> ScriptFailed:
     """The program's non-zero exit as the exception node/main.py reports: its last exception line, and the
-    traceback that ends in it."""
-    exc, start = "", 0
+    traceback that ends in it; under a launcher (torchrun, accelerate) the rank's exception before the
+    launcher's own ChildFailedError / CalledProcessError, which only says that a rank failed."""
+    found: list[tuple[str, int]] = []
     for i in range(len(tail) - 1, -1, -1):
         m = _EXC_LINE.match(tail[i].strip())
         if m:
-            exc = m.group(1)
             start = next((j for j in range(i, -1, -1) if "Traceback (most recent call last)" in tail[j]), i)
-            break
-    return ScriptFailed(code, exc, tail[start:] if exc else tail[-12:])
+            found.append((m.group(1), start))
+            if not _LAUNCHER_EXC.search(m.group(1).split(":", 1)[0]):
+                break
+    if not found:
+        return ScriptFailed(code, "", tail[-12:])
+    exc, start = next(((e, s) for e, s in found if not _LAUNCHER_EXC.search(e.split(":", 1)[0])), found[0])
+    return ScriptFailed(code, exc, tail[start:])
 
 
 def requeue_pending(rank: int, stop: StopFlag) -> None:
