@@ -43,6 +43,7 @@ def test_command_lines_golden() -> None:
         "submit: " + forward.detached_submit(r, ["submit", "run.toml"], "/scratch/u/1/home/alice", "/scratch/u/1"),
         "answer: " + forward.answer_line("/scratch/u/1"),
         "probe: " + ssh.probe_shell(r),
+        "setup: " + ssh.setup_shell(r, "hpctrain==0.1.0"),
     ]
     text = "\n".join(lines) + "\n"
     if os.environ.get("HPCTRAIN_REGEN_GOLDEN") or not GOLDEN.exists():

@@ -183,6 +183,21 @@ def test_failures_are_one_line_with_the_fix(laptop: Laptop) -> None:
     _one_line_error(proc, "password or passphrase", "ssh-add")
 
 
+def test_full_remote_disk_is_one_line(laptop: Laptop) -> None:
+    """remote_dir on a 256 KB tmpfs, a 600 KB data file to carry: rsync fails there, hpctrain says why."""
+    small = laptop.login.parent / "small disk"
+    small.mkdir(exist_ok=True)
+    run_cmd(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", small])
+    try:
+        corpus = laptop.project / "corpus.jsonl"
+        corpus.write_text('{"text": "%s"}\n' % ("x" * 1000) * 600)
+        site = laptop.site("small", remote_dir=str(small))
+        proc = laptop.hpctrain("submit", "run.toml", "--site", str(site), "--set", f"data.source={corpus}")
+        _one_line_error(proc, "disk is full", "free space")
+    finally:
+        run_cmd(["umount", small], check=False)
+
+
 def test_sshd_killed_mid_submit_is_found_again(laptop: Laptop) -> None:
     site = laptop.site()
     uploads = laptop.remote_dir / "uploads"

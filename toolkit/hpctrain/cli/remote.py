@@ -86,13 +86,15 @@ def maybe_forward(ctx: click.Context, cmd_name: str, args: list[str], chosen: st
 
         raise bad_value("--remote", site, f"`hpctrain {cmd_name}` runs on the login node only",
                         f"run it there (ssh {remote.host})")
-    from hpctrain.remote.forward import Connection
+    from hpctrain.remote import forward
 
-    conn = Connection(remote)
+    conn = forward.Connection(remote)
     if sub is not None:
         return _submit(conn, sub, flags_of(sub), args, site_file)
     if cmd_name == "summary":
         return _summary(conn, args)
+    for rec in forward.pending(remote):  # a submit cut off earlier: say what became of it
+        _settle(conn, rec, same=False)
     tty = sys.stdout.isatty() and (("status" == cmd_name and "--watch" in args) or
                                    ("logs" == cmd_name and ("--follow" in args or "-f" in args)))
     return conn.run([cmd_name, *args], tty=tty).returncode
@@ -130,7 +132,6 @@ def _submit(conn: Connection, sub: click.Context, flags: dict[str, Any], args: l
     submit_id = time.strftime("%Y%m%d-%H%M%S-") + digest[:8]
     stage = f"{probe.remote_dir}/{forward.UPLOADS}/{submit_id}"
     cwd = travel.mirrored(stage, os.getcwd())
-    conn.shell(f"mkdir -p -- {_q(cwd)}", f"upload to {conn.remote.host}")
     conn.upload(items, stage)
     extra: list[str] = []
     for item in items:
@@ -281,3 +282,29 @@ def pull_cmd(site: str, run: str, dest: str | None, checkpoints: bool) -> None:
     target = Path(dest) if dest else Path("runs") / doc["run_id"]
     conn.pull(doc["folder"], target, [] if checkpoints else PULL_EXCLUDES)
     click.echo(f"fetched {doc['run_id']} into {target}" + ("" if checkpoints else " (without checkpoints)"))
+
+
+@remote_group.command("setup", short_help="Install this hpctrain's version into a venv on the login node.")
+@_site_option
+@click.option("--wheel", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="Install this wheel (a cluster without PyPI access) instead of hpctrain==VERSION from the index.")
+@click.option("--python", "python", default="python3", show_default=True, help="The login node's Python (3.10+).")
+def setup_cmd(site: str, wheel: str | None, python: str) -> None:
+    """Create REMOTE_DIR/venv on the login node and install hpctrain there (the same version as here); then
+    set [remote] hpctrain to the path it prints."""
+    from hpctrain import __version__
+    from hpctrain.remote import ssh, travel
+
+    conn = _conn(site)
+    requirement = f"hpctrain=={__version__}"
+    if wheel:
+        # relative: under remote_dir, where the setup line runs
+        conn.upload([travel.Item("", Path(wheel).absolute(), Path(wheel).stat().st_size)], "wheels")
+        requirement = travel.mirrored("wheels", wheel)
+    proc = conn.shell(ssh.setup_shell(conn.remote, requirement, python), f"setup on {conn.remote.host}",
+                      capture=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr)
+        raise SystemExit(proc.returncode)
+    click.echo(f"installed; in the site profile set: [remote] hpctrain = {proc.stdout.splitlines()[0]!r}" if
+               proc.stdout else "installed")

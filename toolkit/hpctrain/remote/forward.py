@@ -10,6 +10,7 @@ again (a record per submit under the state dir until its answer is read).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shlex
@@ -67,7 +68,9 @@ class Connection:
 
     def probe(self) -> Probe:
         """The login node's absolute remote_dir and hpctrain version, asked once per shared connection."""
-        cache = self.socket.with_suffix(".probe")
+        # One answer per connection and per (remote_dir, hpctrain): two sites may share a host.
+        which = hashlib.sha256(f"{self.remote.remote_dir}\0{self.remote.hpctrain}".encode()).hexdigest()[:8]
+        cache = self.socket.with_name(f"{self.socket.name}.{which}.probe")
         try:
             ino = os.stat(self.socket).st_ino
             kept = json.loads(cache.read_text())
@@ -125,7 +128,6 @@ class Connection:
         if not items:
             return
         excludes = [*EXCLUDES, *DENIED_FILES]
-        self.shell(f"mkdir -p -- {shlex.quote(stage)}", f"upload to {self.remote.host}")
         argv = ssh.rsync_up_argv(self.remote, self.socket, [str(i.path) for i in items], stage, excludes)
         self.rsync(argv, f"upload to {self.remote.host}")
 
@@ -155,7 +157,7 @@ def detached_submit(remote: Remote, args: list[str], cwd: str, stage: str) -> st
     only the waiting shell."""
     inner = ssh.remote_shell(remote, args, cwd)
     s = shlex.quote(stage)
-    return (f"cd -- {s} && ( trap '' HUP; sh -c {shlex.quote(inner)} >out 2>err </dev/null; echo $? >rc.part; "
+    return (f"mkdir -p -- {s} {shlex.quote(cwd)} && cd -- {s} && ( trap '' HUP; sh -c {shlex.quote(inner)} >out 2>err </dev/null; echo $? >rc.part; "
             f"mv rc.part rc ) & echo $! >{s}/pid; wait; cd -- {s} && cat err >&2; cat out; exit \"$(cat rc)\"")
 
 

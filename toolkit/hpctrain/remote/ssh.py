@@ -99,6 +99,15 @@ def probe_shell(remote: Remote) -> str:
     return f"mkdir -p -- {d} && cd -- {d} && pwd && exec env {ON_LOGIN}=1 {words} --version"
 
 
+def setup_shell(remote: Remote, requirement: str, python: str = "python3") -> str:
+    """`hpctrain remote setup`: a venv under remote_dir with REQUIREMENT (hpctrain==X.Y.Z, or an uploaded
+    wheel's path) installed by pip, then its hpctrain's version."""
+    d = shlex.quote(remote.remote_dir)
+    return (f"mkdir -p -- {d} && cd -- {d} && {shlex.quote(python)} -m venv venv && venv/bin/pip install -q "
+            f"--disable-pip-version-check {shlex.quote(requirement)} && echo \"$(pwd)/venv/bin/hpctrain\" && "
+            f"venv/bin/hpctrain --version")
+
+
 def ssh_argv(remote: Remote, socket: Path, command: str, tty: bool = False) -> list[str]:
     """`ssh ... HOST -- COMMAND`: COMMAND is one shell line (remote_shell), given as one word."""
     return ["ssh", *ssh_options(remote, socket), "-t" if tty else "-T", remote.host, "--", command]
@@ -125,9 +134,12 @@ def _remote_path(remote: Remote, path: str) -> str:
 
 def rsync_up_argv(remote: Remote, socket: Path, sources: Sequence[str], dest: str,
                   excludes: Sequence[str] = ()) -> list[str]:
-    """Send SOURCES (absolute local paths, kept whole under DEST with -R) to DEST under remote_dir: only what
-    changed travels (rsync's delta), over the shared connection."""
-    return ["rsync", "-a", "-s", "-R", "--partial", "--chmod=Du=rwx,Dgo=,Fu=rw,Fgo=",
+    """Send SOURCES (absolute local paths, kept whole under DEST with -R) to DEST under remote_dir, made if
+    missing: only what changed travels, over the shared connection."""
+    # The folder is made by the remote shell that starts rsync there (--rsync-path), not by a round trip of
+    # its own; rsync's --mkpath would do it too but is missing before 3.2.3 (RHEL 8 login nodes have 3.1).
+    made = f"mkdir -p -- {shlex.quote(_under(remote, dest))} && rsync"
+    return ["rsync", "-a", "-s", "-R", f"--rsync-path={made}", "--partial", "--chmod=Du=rwx,Dgo=,Fu=rw,Fgo=",
             *(f"--exclude={x}" for x in excludes), "-e", _rsync_e(remote, socket),
             "--", *sources, _remote_path(remote, _under(remote, dest) + "/")]
 
