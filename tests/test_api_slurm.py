@@ -54,6 +54,10 @@ def test_submit_wait_summarize_through_the_api(home: Path) -> None:
     assert [r.run_id for r in hpctrain.runs()] == [run.run_id]
     assert hpctrain.Run("last").run_id == run.run_id
     assert run.cancel().jobs == []  # ended: nothing to cancel, nothing recorded
+    from hpctrain.errors import HpcUsageError
+
+    with pytest.raises(HpcUsageError, match=f"job {job}\\) COMPLETED at step 4: training is done"):
+        run.resubmit()  # a completed training is not run again (as `hpctrain resubmit` refuses it)
 
     # The CLI reads the same run the same way (it calls the same functions).
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,6 +20,7 @@ import click
 from hpctrain.states import JobState, is_final, normalize_state
 
 if TYPE_CHECKING:  # pragma: no cover
+    from hpctrain.api.resubmitting import Resubmitted
     from hpctrain.collect.logs import LogFile
     from hpctrain.collect.summary import RunInput
     from hpctrain.runs import registry as reglib
@@ -205,6 +206,15 @@ class Run:
         list_files, host_of = log_sources(inp)
         return [ln.tagged() for ln in cl.merged_lines(list_files(), host_of, cl.LogFilter(attempt, rank, host,
                                                                                             pattern))]
+
+    def resubmit(self, *, exclude_failed_nodes: bool = False, exclude: Sequence[str] = (),
+                 max_retries: int | None = None, time_limit: str | None = None) -> Resubmitted:
+        """`hpctrain resubmit RUN`: attempt K+1 in the same folder, resuming from the latest complete checkpoint
+        (refused while an attempt runs or after a completed training; hpctrain.api.resubmitting)."""
+        from hpctrain.api.resubmitting import resubmit
+
+        return resubmit(self.run_id if self.record is not None else self.folder, exclude=exclude,
+                        exclude_failed_nodes=exclude_failed_nodes, max_retries=max_retries, time_limit=time_limit)
 
     def cancel(self) -> Cancelled:
         """Cancel the run's unfinished attempts (scancel, or stop the local job) and record CANCELLED."""
