@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -170,6 +171,7 @@ from pathlib import Path
 env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                                        "MASTER_PORT", "HPCTRAIN_RUN_DIR", "HPCTRAIN_DS_CONFIG")}
 Path(os.environ["OUT"]).write_text(json.dumps({"argv": sys.argv[1:], "env": env}))
+print("probe says hello", flush=True)
 if sys.argv[1:2] == ["raise"]:
     raise KeyError("boom on purpose")
 if sys.argv[1:2] == ["wait"]:
@@ -236,6 +238,11 @@ def test_a_raising_program_is_a_python_exception_with_its_own_words(tmp_path: Pa
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 1
     assert "KeyError: 'boom on purpose'" in err  # the program's stderr passes through
+    # ... and both streams are in the rank's own log, stamped and tagged, where `hpctrain logs` shows them
+    (log,) = (run / "logs").glob("attempt-0.rank-0.log")
+    text = log.read_text()
+    assert re.search(r"^\S+T\S+ rank0 STDOUT probe says hello$", text, re.MULTILINE), text
+    assert re.search(r"^\S+T\S+ rank0 STDERR KeyError: 'boom on purpose'$", text, re.MULTILINE), text
     fail = next(e for e in _events(run) if e["kind"] == "failure")
     assert fail["class"] == "python_exception" and fail["exception"] == "KeyError: 'boom on purpose'"
     assert any("Traceback" in line for line in fail["traceback"])

@@ -33,7 +33,7 @@ from typing import Any
 
 from hpctrain.node.checkpointer import StopFlag
 from hpctrain.node.dist import DistEnv
-from hpctrain.node.metrics import log
+from hpctrain.node.metrics import attempt_number, log
 from hpctrain.runs.folder import RunFolder
 from hpctrain.spec import launch as user_launch
 from hpctrain.spec.model import Spec
@@ -142,14 +142,22 @@ def run_script(spec: Spec, paths: RunFolder, d: DistEnv, stop: ScriptStop, *, ra
     argv = user_launch.script_command(spec.launch, where(spec, d, paths, ranks_per_node, nodes))
     log.info("starting the user's program: %s", user_launch.shell_line(argv))
     stop.request = str(paths.stop_request)  # {"job", "restart", "signal", "time"}
-    proc = subprocess.Popen(argv, env=child_env(spec, d, paths, ranks_per_node, stop.started), stderr=subprocess.PIPE,
+    proc = subprocess.Popen(argv, env=child_env(spec, d, paths, ranks_per_node, stop.started), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
                             preexec_fn=_ignore_usr2)  # noqa: PLW1509 - one signal disposition, nothing else
     stop.child = proc
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-    pump = threading.Thread(target=_pump, args=(proc, tail), name="hpctrain-script-stderr", daemon=True)
-    pump.start()
+    sink = RankLog(paths.logs_dir / f"attempt-{attempt_number()}.rank-{d.rank}.log", d.rank)
+    pumps = [threading.Thread(target=_pump, args=(proc.stderr, sys.stderr, sink, "stderr", tail),
+                              name="hpctrain-script-stderr", daemon=True),
+             threading.Thread(target=_pump, args=(proc.stdout, sys.stdout, sink, "stdout", None),
+                              name="hpctrain-script-stdout", daemon=True)]
+    for pump in pumps:
+        pump.start()
     code = proc.wait()
-    pump.join(timeout=10)
+    for pump in pumps:
+        pump.join(timeout=10)
+    sink.close()
     log.info("the user's program exited with code %d%s", code, f" after signal {stop.signum}" if stop.signum else "")
     return code, list(tail)
 
@@ -160,17 +168,48 @@ def _ignore_usr2() -> None:
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 
-def _pump(proc: subprocess.Popen[bytes], tail: collections.deque[str]) -> None:
-    """The program's stderr to ours, line by line as it comes, keeping the last lines."""
-    assert proc.stderr is not None
-    out = sys.stderr.buffer
-    for raw in iter(proc.stderr.readline, b""):
+class RankLog:
+    """The program's output in this rank's own log (logs/attempt-K.rank-R.log), each line stamped like the node's
+    lines and tagged with its stream, so `hpctrain logs` shows it per rank, host and attempt, merged by time with
+    what hpctrain said. One write() per line on an O_APPEND descriptor: whole lines beside the node's logger."""
+
+    def __init__(self, path: Path, rank: int) -> None:
+        self.rank = rank
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError:
+            self.fd = None  # the output still reaches SLURM's log
+
+    def write(self, stream: str, line: str) -> None:
+        if self.fd is None:
+            return
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+        try:
+            os.write(self.fd, f"{stamp} rank{self.rank} {stream.upper()} {line}\n".encode("utf-8", "replace"))
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _pump(src: Any, dst: Any, sink: RankLog, stream: str, tail: collections.deque[str] | None) -> None:
+    """One of the program's streams to ours (SLURM's log, as before) and to the rank's log, line by line as it
+    comes; stderr's last lines are kept for the failure event."""
+    out = dst.buffer
+    for raw in iter(src.readline, b""):
         try:
             out.write(raw)
             out.flush()
         except (OSError, ValueError):
             pass
-        tail.append(raw.decode("utf-8", errors="replace").rstrip("\n"))
+        line = raw.decode("utf-8", errors="replace").rstrip("\n")
+        sink.write(stream, line)
+        if tail is not None:
+            tail.append(line)
 
 
 # What a launcher raises when one of its ranks failed (torchrun's elastic agent, accelerate's subprocess call):
