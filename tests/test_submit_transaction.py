@@ -139,7 +139,8 @@ def test_sigkill_after_sbatch_is_found_by_its_tag_even_after_a_rebuild(lab: dict
     # the registry file is lost too: the rebuild finds the run from its folder (the intent line)
     (lab["tmp"] / "state" / "registry.sqlite3").unlink()
     rebuilt = _hpctrain(lab, "registry", "rebuild")
-    assert rebuilt.returncode == 0 and "1 run(s) added" in rebuilt.stdout + rebuilt.stderr, rebuilt
+    assert rebuilt.returncode == 0 and "1 run(s) added" in rebuilt.stdout, rebuilt
+    assert f"run {run.name}, attempt 0: PENDING (job {job}): found by its comment {tag}" in rebuilt.stdout
     listed = _hpctrain(lab, "list", "--json")  # asks SLURM by tag
     (rec,) = json.loads(listed.stdout)
     att = rec["attempts"][0]
@@ -170,3 +171,19 @@ def test_sigkill_after_the_record_keeps_the_run(lab: dict[str, Any]) -> None:
     (run,) = _runs(lab)
     att = _status(lab, run.name)["attempts"][0]
     assert (att["job_id"], att["state"]) == (_job_of(tag), "PENDING")
+
+
+def test_a_registry_damaged_mid_submit_still_records_the_job(lab: dict[str, Any]) -> None:
+    """The registry file is truncated between sbatch and the record: the submission repairs it (rebuilt from the
+    run folders, where the intent is) and records the job; it never says "could not be recorded, scancel it"."""
+    proc, tag = _paused_submit(lab, "sbatch")
+    job = _job_of(tag)
+    db = lab["tmp"] / "state" / "registry.sqlite3"
+    db.write_bytes(db.read_bytes()[:100])  # truncated mid-submit
+    Path(lab["env"]["HPCTRAIN_SUBMIT_PAUSE_FILE"]).unlink()  # go on
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0 and "scancel" not in err, err
+    (sub,) = json.loads(out)
+    assert sub["job_id"] == job
+    att = _status(lab, sub["run_id"])["attempts"][0]
+    assert (att["job_id"], att["state"]) == (job, "PENDING")

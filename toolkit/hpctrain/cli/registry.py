@@ -24,11 +24,16 @@ def registry() -> None:
               help="Folder holding run folders (repeatable; default: $HPCTRAIN_RUNS_DIR or ./runs).")
 def rebuild(runs_dirs: tuple[Path, ...]) -> None:
     """Add every run folder (spec.toml + attempts.jsonl or submitit job files) the registry lacks.
-    A damaged registry file is moved aside first; rows of a healthy one are all kept."""
+    A damaged registry file is moved aside first; rows of a healthy one are all kept. Then every
+    submission of unknown outcome (a submitter killed after sbatch) is looked up in SLURM by its tag."""
     from hpctrain.runs.rebuild import rebuild_registry
     from hpctrain.runs.registry import Registry
+    from hpctrain.slurm.uncertain import reconcile_all
 
-    for line in rebuild_registry(Registry(), runs_dirs=list(runs_dirs) or None):
+    reg = Registry()
+    for line in rebuild_registry(reg, runs_dirs=list(runs_dirs) or None):
+        click.echo(line)
+    for line in reconcile_all(reg):
         click.echo(line)
 
 

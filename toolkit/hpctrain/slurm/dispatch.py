@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import click
+
 from hpctrain.errors import HpcUsageError
 from hpctrain.runs import folder as runs_mod
 from hpctrain.slurm.transaction import Interrupted, Transaction, point_summary
@@ -120,7 +122,7 @@ def _transact(tx: Transaction, sbatch: Callable[[], list[Submitted]], on_settled
             tx.withdraw(str(exc) or type(exc).__name__)
             raise
         tx.pause("sbatch")
-        tx.settle(subs)
+        tx.settle(subs)  # never raises for the registry; a run folder that cannot be written keeps the intent
         tx.pause("settled")
         if on_settled is not None:
             on_settled(subs)
@@ -383,16 +385,20 @@ def _submit_pickled(dirs: list[Path], spec: Spec, plan: Plan, mode: str, folder:
         drop_pickles(pickles, exc)
         raise
     ids = [job_id] if len(dirs) == 1 else [f"{job_id}_{i}" for i in range(len(dirs))]
-    for jid, pickle_path in zip(ids, pickles):
-        paths = submitit.SlurmJob(folder=folder, job_id=jid).paths
-        paths.folder.mkdir(parents=True, exist_ok=True)
-        pickle_path.rename(paths.submitted_pickle)
-        # submitit's own copy of the script (%j_submission.sh, or %A_submission.sh for an array) per run.
-        if not paths.submission_file.exists():
-            runs_mod.write_private(paths.submission_file, script)
-    if rendered_here:
-        for d in dirs:
-            runs_mod.write_private(runs_mod.RunFolder(d).sbatch_sh, script)
+    try:
+        for jid, pickle_path in zip(ids, pickles):
+            paths = submitit.SlurmJob(folder=folder, job_id=jid).paths
+            paths.folder.mkdir(parents=True, exist_ok=True)
+            pickle_path.rename(paths.submitted_pickle)
+            # submitit's own copy of the script (%j_submission.sh, or %A_submission.sh for an array) per run.
+            if not paths.submission_file.exists():
+                runs_mod.write_private(paths.submission_file, script)
+        if rendered_here:
+            for d in dirs:
+                runs_mod.write_private(runs_mod.RunFolder(d).sbatch_sh, script)
+    except OSError as exc:  # the job IS queued: it is recorded all the same (the caller settles it), never lost
+        click.echo(f"warning: job {job_id} is queued, but its files could not all be put in place ({exc}); "
+                   "it may fail to start: see `hpctrain status` and its log", err=True)
     return ids
 
 

@@ -196,11 +196,15 @@ class Transaction:
         """Step 3: the job ids, into every run folder and the registry. Never raises for the registry."""
         from hpctrain.runs.registry import Registry
 
-        for i, s in enumerate(subs):
-            runs_mod.append_attempt(runs_mod.RunFolder(s.run_dir).attempts_jsonl, self._line(
-                i, job_id=s.job_id, state=JobState.PENDING, submitted=self.submitted, executor=s.executor,
-                mode=self.mode, note=None))
         self.settled = list(subs)
+        for i, s in enumerate(subs):
+            try:
+                runs_mod.append_attempt(runs_mod.RunFolder(s.run_dir).attempts_jsonl, self._line(
+                    i, job_id=s.job_id, state=JobState.PENDING, submitted=self.submitted, executor=s.executor,
+                    mode=self.mode, note=None))
+            except OSError as exc:  # the intent line stays: `status` finds the job by its tag
+                click.echo(f"warning: job {s.job_id} is queued, but {s.run_dir} could not record its id ({exc})",
+                           err=True)
         fields = [(s.run_id, self.attempt, {"job_id": s.job_id, "state": JobState.PENDING, "note": None})
                   for s in subs]
         try:

@@ -157,6 +157,20 @@ def reconcile(reg: Registry, runs: list[Run]) -> list[str]:
     return reg.cache_updates(updates)
 
 
+def reconcile_all(reg: Registry) -> list[str]:
+    """Every run of the registry with a submission of unknown outcome, resolved by its tag (what `hpctrain
+    registry rebuild` does after importing run folders: a submitter killed after sbatch left only its intent).
+    Returns one line per such attempt (its state now, and its job when found), then reconcile's warnings."""
+    from hpctrain.runs.registry import SUBMIT_UNKNOWN
+
+    runs = [r for r in reg.list_runs(limit=None) if any(a.state == SUBMIT_UNKNOWN for a in r.attempts)]
+    todo = {(r.run_id, a.attempt) for r in runs for a in r.attempts if a.state == SUBMIT_UNKNOWN}
+    warnings = reconcile(reg, runs) if runs else []
+    lines = [f"run {r.run_id}, attempt {a.attempt}: {a.state}{f' (job {a.job_id})' if a.job_id else ''}: {a.note}"
+             for r in runs for a in r.attempts if (r.run_id, a.attempt) in todo]
+    return lines + [f"warning: {w}" for w in warnings]
+
+
 def _tag(run: Run, att: Attempt) -> str:
     return att.tag or f"hpctrain:{run.run_id}"
 
