@@ -260,7 +260,7 @@ def test_a_spare_that_fails_the_check_is_never_used(tmp_path: Path, monkeypatch:
     d, steps = _driver(tmp_path, monkeypatch, reports, hosts, nodes=2)
     # the first training step crashes with a retryable class: no healthy spare is left, so no in-job restart
     steps.scripts = ["raise SystemExit(1)"]
-    monkeypatch.setattr(injob, "classify_exit", lambda *a: injob.Verdict(FailureClass.NODE_FAIL, ("node2",), "x"))
+    monkeypatch.setattr(injob, "classify_exit", lambda *a: injob.StepEnd(FailureClass.NODE_FAIL, ("node2",), "x"))
     assert d.run() == 1 and len(steps.argv) == 2
     assert "--nodelist=node1,node2" in steps.argv[1]
 

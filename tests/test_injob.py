@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from hpctrain.fault import injob
-from hpctrain.fault.injob import Driver, Verdict, plan_restart
+from hpctrain.fault.injob import Driver, StepEnd, plan_restart
 from hpctrain.runs import events as ev
 from hpctrain.states import FailureClass
 
@@ -19,7 +19,7 @@ HOSTS = ["node1", "node2", "node3", "node4"]
 
 
 def test_a_lost_node_is_replaced_by_a_spare_in_its_place() -> None:
-    got = plan_restart(Verdict(FailureClass.NODE_FAIL, ("node2",)), HOSTS[:3], HOSTS, frozenset(), 0, 2)
+    got = plan_restart(StepEnd(FailureClass.NODE_FAIL, ("node2",)), HOSTS[:3], HOSTS, frozenset(), 0, 2)
     assert not isinstance(got, str)
     assert got.hosts == ("node1", "node4", "node3") and got.replaced == {"node2": "node4"}
     assert got.bad == {"node2"}
@@ -27,13 +27,13 @@ def test_a_lost_node_is_replaced_by_a_spare_in_its_place() -> None:
 
 def test_a_host_that_failed_once_never_comes_back_as_a_spare() -> None:
     # node2 failed, node4 replaced it; now node4 fails: node2 is no spare (it failed in this job), none left.
-    got = plan_restart(Verdict(FailureClass.NODE_FAIL, ("node4",)), ["node1", "node4"], HOSTS[:2] + ["node4"],
+    got = plan_restart(StepEnd(FailureClass.NODE_FAIL, ("node4",)), ["node1", "node4"], HOSTS[:2] + ["node4"],
                        frozenset({"node2"}), 1, 3)
     assert isinstance(got, str) and "no spare node left to replace node4" in got
 
 
 def test_a_retryable_crash_without_a_host_restarts_in_place() -> None:
-    got = plan_restart(Verdict(FailureClass.COMM_TIMEOUT), HOSTS[:2], HOSTS[:2], frozenset(), 0, 1)
+    got = plan_restart(StepEnd(FailureClass.COMM_TIMEOUT), HOSTS[:2], HOSTS[:2], frozenset(), 0, 1)
     assert not isinstance(got, str) and got.hosts == ("node1", "node2") and got.replaced == {}
 
 
@@ -45,7 +45,7 @@ def test_a_retryable_crash_without_a_host_restarts_in_place() -> None:
     (None, 0, "without a failure"),
 ])
 def test_no_restart_for_user_errors_a_person_or_a_spent_budget(cls: str | None, used: int, why: str) -> None:
-    got = plan_restart(Verdict(cls, ("node2",)), HOSTS[:2], HOSTS, frozenset(), used, 2)
+    got = plan_restart(StepEnd(cls, ("node2",)), HOSTS[:2], HOSTS, frozenset(), used, 2)
     assert isinstance(got, str) and why in got
 
 

@@ -18,7 +18,7 @@ Pure functions, login side (the in-job driver runs them in the batch script). A 
     CPU-second of the measuring thread; the batch host's noise also counts the in-job driver's own share of
     that host's CPUs (`batch_load`);
   a node below CLEAR x that line is clearly slow; one between is borderline: with `retest` it is not failed but
-  listed in `Verdict.retest`, the driver measures it again, and the merged samples (`merge_remeasured`) are
+  listed in `HealthVerdict.retest`, the driver measures it again, and the merged samples (`merge_remeasured`) are
   judged once more, where only a node that is slow again fails;
 * its best ring link is below `net_ratio` x the median node's best link (3 nodes or more). A node's best link
   is the faster of its two ring pairs: a healthy node next to a slow one still has one good pair, the slow node
@@ -50,7 +50,7 @@ CLEAR = 0.75  # below CLEAR x the line a node is clearly slow (no second measure
 
 
 @dataclasses.dataclass(frozen=True)
-class Verdict:
+class HealthVerdict:
     """The health step's outcome: failed hosts with why, notes, each host's figures for the summary, and the
     borderline hosts to measure again (only with judge(retest=True)), with why."""
 
@@ -120,7 +120,7 @@ def spread(samples: list[float]) -> float:
 
 def judge(reports: dict[str, dict[str, Any] | None], *, matmul_ratio: float = 0.8, net_ratio: float = 0.5,
           min_busbw_gbps: float = 0.0, retest: bool = False, batch_host: str | None = None,
-          batch_load: float = 0.0) -> Verdict:
+          batch_load: float = 0.0) -> HealthVerdict:
     """Which hosts fail, and why (see the module docstring). Pure. With `retest`, a borderline host that was
     not measured again yet is listed in `retest` instead of failed; `batch_load` is the in-job driver's share
     of `batch_host`'s CPUs during the check."""
@@ -140,7 +140,7 @@ def judge(reports: dict[str, dict[str, Any] | None], *, matmul_ratio: float = 0.
         _decide(s, ok[s.host], matmul_ratio, retest, failed, again, notes)
     _remeasured_notes(ok, failed, figures, notes)
     _judge_network(ok, net_ratio, min_busbw_gbps, failed, notes, figures)
-    return Verdict(failed, tuple(notes), figures, {h: w for h, w in again.items() if h not in failed})
+    return HealthVerdict(failed, tuple(notes), figures, {h: w for h, w in again.items() if h not in failed})
 
 
 def _decide(s: Score, rec: dict[str, Any], ratio: float, retest: bool, failed: dict[str, str],

@@ -65,8 +65,9 @@ SLURMD_PROBE_S = 1.0  # a blamed host's slurmd that accepts no connection in thi
 
 
 @dataclasses.dataclass(frozen=True)
-class Verdict:
-    """Why a step ended: a failure class, the hosts it implicates, the evidence, and when it was seen."""
+class StepEnd:
+    """Why an srun step of the job ended (the health check's verdict on nodes is fault.health.HealthVerdict): a
+    failure class, the hosts it implicates, the evidence, and when it was seen."""
 
     failure_class: str | None
     hosts: tuple[str, ...] = ()
@@ -86,7 +87,7 @@ class Restart:
     bad: frozenset[str]
 
 
-def plan_restart(verdict: Verdict, in_use: Sequence[str], job_hosts: Sequence[str], bad: frozenset[str],
+def plan_restart(verdict: StepEnd, in_use: Sequence[str], job_hosts: Sequence[str], bad: frozenset[str],
                  used: int, budget: int) -> Restart | str:
     """The next step's hosts, or why there is none (the caller falls back to ending the job). Pure.
 
@@ -113,7 +114,7 @@ def plan_restart(verdict: Verdict, in_use: Sequence[str], job_hosts: Sequence[st
     return Restart(tuple(hosts), replaced, frozenset(now_bad))
 
 
-def classify_exit(run_dir: Path, job: str, attempt: int, rc: int, down: Sequence[str]) -> Verdict:
+def classify_exit(run_dir: Path, job: str, attempt: int, rc: int, down: Sequence[str]) -> StepEnd:
     """A step that ended by itself with exit status `rc`: the collector's classifier reads this attempt's
     events (the ranks' failure events name class, rank and host); hosts SLURM reports down are implicated."""
     from hpctrain.collect import classify as cc
@@ -126,14 +127,14 @@ def classify_exit(run_dir: Path, job: str, attempt: int, rc: int, down: Sequence
     if found.host and cls in IMPLICATES_HOST:
         hosts.append(found.host)
     msg = found.message or f"step exited {rc}"
-    return Verdict(cls, tuple(dict.fromkeys(hosts)), msg, None, time.time())
+    return StepEnd(cls, tuple(dict.fromkeys(hosts)), msg, None, time.time())
 
 
-def verdict_of_watchdog(rec: dict[str, Any]) -> Verdict:
+def verdict_of_watchdog(rec: dict[str, Any]) -> StepEnd:
     """The watchdog's record as a verdict: a lost peer is a node failure, a hang a hang (as the supervisor reads
     them); a persistent straggler is replaced like a failing node, under its own class (straggler)."""
     cls = class_of_verdict(str(rec.get("event") or ""))
-    return Verdict(cls, tuple(rec.get("silent_hosts") or ()), str(rec.get("message", "")), rec,
+    return StepEnd(cls, tuple(rec.get("silent_hosts") or ()), str(rec.get("message", "")), rec,
                    float(rec.get("time") or time.time()))
 
 
@@ -266,7 +267,7 @@ class Driver:
                    + "; ".join(f"{h}: {verdict.failed[h]}" for h in failed))
             rec = {"event": "unhealthy", "job_id": self.job, "attempt": attempt, "silent_hosts": failed,
                    "time": time.time(), "message": msg}
-            give = Verdict(FailureClass.NODE_FAIL, tuple(failed), msg, rec, time.time())
+            give = StepEnd(FailureClass.NODE_FAIL, tuple(failed), msg, rec, time.time())
             return self._give_up(give, "too few nodes passed the health check", int(ExitCode.ERROR),
                                  frozenset(failed))
         return chosen, frozenset(verdict.failed)
@@ -423,7 +424,7 @@ class Driver:
 
     # -- records -------------------------------------------------------------------------------------
     def _record(self, attempt: int, step: str, step_hosts: list[str], nxt_attempt: int, new_step: str,
-                verdict: Verdict, nxt: Restart, used: int) -> None:
+                verdict: StepEnd, nxt: Restart, used: int) -> None:
         """The restart as an event (the collector's attempt rows) and the new attempt in attempts.jsonl."""
         now = time.time()
         host = next(iter(nxt.replaced), "")
@@ -440,7 +441,7 @@ class Driver:
             {"attempt": nxt_attempt, "job_id": self.job, "step_id": new_step, "in_job_restart_of": used,
              "executor": "slurm", "after": {"attempt": attempt, "step_id": step}})
 
-    def _give_up(self, verdict: Verdict, why: str, rc: int, bad: frozenset[str]) -> int:
+    def _give_up(self, verdict: StepEnd, why: str, rc: int, bad: frozenset[str]) -> int:
         """No restart inside the job: end it as before spares existed. A watchdog verdict is recorded where the
         supervisor reads it, with every host that failed in this job (SLURM may not know them all down yet),
         the supervisor decides now (peer lost) and the job is cancelled; a crash ends with its exit status."""
