@@ -166,6 +166,16 @@ def test_what_travels_with_a_script(laptop: Laptop) -> None:
     copies = list((laptop.remote_dir / "uploads").glob(f"*/{str(code).lstrip('/')}/train.py"))
     assert copies and (copies[-1].parent / "helper.py").is_file() and not (copies[-1].parent / ".env").exists()
     assert "/uploads/" in sbatch and "train.py" in sbatch and "--lr" in sbatch
+    # The next submit has an upload folder of its own, and what did not change is linked, not sent again.
+    pattern = f"*/{str(code).lstrip('/')}/train.py"
+    first = {p for p in (laptop.remote_dir / "uploads").glob(pattern) if (p.parent / "helper.py").exists()}
+    (code / "helper.py").write_text("X = 2\n")
+    again = laptop.hpctrain("submit", "run.toml", "--site", str(site), "--script", "my code/train.py", "--dry-run")
+    assert again.returncode == 0, again.stderr
+    (newer,) = set((laptop.remote_dir / "uploads").glob(pattern)) - first
+    assert newer.stat().st_ino in {p.stat().st_ino for p in first}  # unchanged: one file, two folders
+    assert (newer.parent / "helper.py").read_text() == "X = 2\n"
+    assert {(p.parent / "helper.py").read_text() for p in first} == {"X = 1\n"}  # earlier copies untouched
 
 
 def test_failures_are_one_line_with_the_fix(laptop: Laptop) -> None:

@@ -132,7 +132,8 @@ def _submit(conn: Connection, sub: click.Context, flags: dict[str, Any], args: l
     submit_id = time.strftime("%Y%m%d-%H%M%S-") + digest[:8]
     stage = f"{probe.remote_dir}/{forward.UPLOADS}/{submit_id}"
     cwd = travel.mirrored(stage, os.getcwd())
-    conn.upload(items, stage)
+    conn.upload(items, stage, forward.last_upload(conn.remote))
+    forward.last_upload(conn.remote, stage)
     extra: list[str] = []
     for item in items:
         if item.key:

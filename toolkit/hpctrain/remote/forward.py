@@ -123,12 +123,13 @@ class Connection:
             raise RemoteFailure(problem)
         return proc
 
-    def upload(self, items: list[Item], stage: str) -> None:
-        """Send ITEMS into STAGE (absolute, on the login node), mirrored at their local absolute paths."""
+    def upload(self, items: list[Item], stage: str, previous: str = "") -> None:
+        """Send ITEMS into STAGE (absolute, on the login node), mirrored at their local absolute paths; files
+        unchanged since upload folder PREVIOUS are linked from there."""
         if not items:
             return
         excludes = [*EXCLUDES, *DENIED_FILES]
-        argv = ssh.rsync_up_argv(self.remote, self.socket, [str(i.path) for i in items], stage, excludes)
+        argv = ssh.rsync_up_argv(self.remote, self.socket, [str(i.path) for i in items], stage, excludes, previous)
         self.rsync(argv, f"upload to {self.remote.host}")
 
     def pull(self, source: str, dest: Path, excludes: list[str]) -> None:
@@ -166,6 +167,20 @@ def answer_line(stage: str) -> str:
     s = shlex.quote(stage)
     return (f"cd -- {s} 2>/dev/null || {{ echo lost; exit 0; }}; if [ -f rc ]; then echo done \"$(cat rc)\"; "
             "cat out; elif [ -f pid ] && kill -0 \"$(cat pid)\" 2>/dev/null; then echo running; else echo lost; fi")
+
+
+def last_upload(remote: Remote, stage: str | None = None) -> str:
+    """The upload folder of this site's previous submit (rsync links unchanged files from it); with STAGE,
+    remember STAGE as that folder. The login node may have removed it: rsync then sends everything."""
+    path = pending_dir(remote).parent / f"{remote.site}.last-upload"
+    if stage is None:
+        try:
+            return path.read_text().strip()
+        except OSError:
+            return ""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path.write_text(stage)
+    return stage
 
 
 def record(remote: Remote, submit_id: str, digest: str, stage: str) -> Path:

@@ -133,13 +133,15 @@ def _remote_path(remote: Remote, path: str) -> str:
 
 
 def rsync_up_argv(remote: Remote, socket: Path, sources: Sequence[str], dest: str,
-                  excludes: Sequence[str] = ()) -> list[str]:
+                  excludes: Sequence[str] = (), link_dest: str = "") -> list[str]:
     """Send SOURCES (absolute local paths, kept whole under DEST with -R) to DEST under remote_dir, made if
-    missing: only what changed travels, over the shared connection."""
+    missing, over the shared connection. With LINK_DEST (the previous upload folder), a file unchanged since
+    then is hard-linked there, not sent: each submit has a folder of its own, and only what changed travels."""
     # The folder is made by the remote shell that starts rsync there (--rsync-path), not by a round trip of
     # its own; rsync's --mkpath would do it too but is missing before 3.2.3 (RHEL 8 login nodes have 3.1).
     made = f"mkdir -p -- {shlex.quote(_under(remote, dest))} && rsync"
     return ["rsync", "-a", "-s", "-R", f"--rsync-path={made}", "--partial", "--chmod=Du=rwx,Dgo=,Fu=rw,Fgo=",
+            *([f"--link-dest={_under(remote, link_dest)}"] if link_dest else []),
             *(f"--exclude={x}" for x in excludes), "-e", _rsync_e(remote, socket),
             "--", *sources, _remote_path(remote, _under(remote, dest) + "/")]
 
