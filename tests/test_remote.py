@@ -156,3 +156,26 @@ def test_what_travels_and_the_size_limit(tmp_path: Path) -> None:
         travel.check_size(_remote(max_upload_mb=0.0002), items)
     assert travel.mirrored("/s/u1", "/home/a b/x") == "/s/u1/home/a b/x"
     assert travel.digest(["a"], items) != travel.digest(["b"], items)
+
+
+def test_answer_of_a_detached_submit(tmp_path: Path) -> None:
+    """What the laptop reads back after a dropped connection, through a real sh."""
+    def answer(stage: Path) -> str:
+        return subprocess.run(["sh", "-c", forward.answer_line(str(stage))], capture_output=True, text=True,
+                              check=True, timeout=30).stdout
+
+    stage = tmp_path / "up 'load'"
+    assert answer(stage) == "never\n"  # the upload folder was never made
+    stage.mkdir()
+    assert answer(stage) == "never\n"  # the submit line never started
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        (stage / "pid").write_text(f"{sleeper.pid}\n")
+        assert answer(stage) == "running\n"
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert answer(stage) == "lost\n"  # started, stopped, no answer: the outcome is unknown
+    (stage / "out").write_text('[{"run_id": "r"}]\n')
+    (stage / "rc").write_text("0\n")
+    assert answer(stage) == 'done 0\n[{"run_id": "r"}]\n'

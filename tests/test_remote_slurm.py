@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -181,6 +182,12 @@ def test_what_travels_with_a_script(laptop: Laptop) -> None:
 def test_failures_are_one_line_with_the_fix(laptop: Laptop) -> None:
     missing = laptop.site("missing", hpctrain="/nonexistent/bin/hpctrain")
     _one_line_error(laptop.hpctrain("--remote", str(missing), "list"), "no hpctrain on", "remote setup")
+
+    old = laptop.login / "old hpctrain"
+    old.write_text("#!/bin/sh\necho 'hpctrain, version 9.9.0'\n")
+    old.chmod(0o755)
+    _one_line_error(laptop.hpctrain("--remote", str(laptop.site("old", hpctrain=shlex.quote(str(old)))), "list"),
+                    "version 9.9.0", "pip install 'hpctrain==")
 
     other_key = laptop.login / "not_authorized"
     if not other_key.exists():

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from hpctrain.remote.site import Remote
 
 REMOTE_ENV = "HPCTRAIN_REMOTE"  # the site whose [remote] every command goes to (as --remote SITE)
-FORWARDED = ("submit", "list", "status", "logs", "summary", "stacks", "cancel", "resubmit", "export", "sync")
+FORWARDED = ("submit", "list", "status", "logs", "summary", "stacks", "cancel", "resubmit", "export", "sync",
+             "registry")
 # Results back on demand: everything but checkpoints and submitit's pickles unless asked.
 PULL_EXCLUDES = ["checkpoints/", "submitit/*.pkl"]
 
@@ -164,9 +165,19 @@ def _settle(conn: Connection, rec: dict[str, Any], same: bool) -> int | None:
         click.echo(out, nl=False)
         rc = int(head.split()[1]) if len(head.split()) > 1 and head.split()[1].isdigit() else 1
         return rc if same else None
-    click.echo(f"hpctrain: the submit {rec['id']} never ran on {conn.remote.host} (its upload folder {rec['stage']} "
-               "holds no answer): nothing was queued by it", err=True)
-    return None
+    if head == "never":
+        click.echo(f"hpctrain: the submit {rec['id']}, cut off by a dropped connection, never started on "
+                   f"{conn.remote.host}: nothing was queued by it", err=True)
+        return None
+    # Started, no answer, no longer running (the login node rebooted?): whether sbatch ran is unknown. Say so
+    # once instead of submitting again; the note is gone, so the same submit typed again goes through.
+    from hpctrain.remote.forward import RemoteFailure
+
+    raise RemoteFailure(
+        f"submit {rec['id']}: started on {conn.remote.host} and stopped there before it answered (upload folder "
+        f"{rec['stage']}), so a job may be queued. Fix: look with `hpctrain --remote {conn.remote.site} list` "
+        f"(`hpctrain --remote {conn.remote.site} registry rebuild` finds a job of unknown outcome by its tag); "
+        "if it is not there, run the submit again")
 
 
 def _summary(conn: Connection, args: list[str]) -> int:

@@ -163,10 +163,12 @@ def detached_submit(remote: Remote, args: list[str], cwd: str, stage: str) -> st
 
 
 def answer_line(stage: str) -> str:
-    """The shell line that reads a detached submit's answer: `done RC`, then its output; or `running`/`lost`."""
+    """The shell line that reads a detached submit's answer: `done RC` then its output; `running`; `never`
+    (it never started: no pid); or `lost` (started, no answer, not running: the login node stopped it)."""
     s = shlex.quote(stage)
-    return (f"cd -- {s} 2>/dev/null || {{ echo lost; exit 0; }}; if [ -f rc ]; then echo done \"$(cat rc)\"; "
-            "cat out; elif [ -f pid ] && kill -0 \"$(cat pid)\" 2>/dev/null; then echo running; else echo lost; fi")
+    return (f"cd -- {s} 2>/dev/null || {{ echo never; exit 0; }}; if [ -f rc ]; then echo done \"$(cat rc)\"; "
+            "cat out; elif [ ! -f pid ]; then echo never; elif kill -0 \"$(cat pid)\" 2>/dev/null; then echo running; "
+            "else echo lost; fi")
 
 
 def last_upload(remote: Remote, stage: str | None = None) -> str:
@@ -204,8 +206,8 @@ def pending(remote: Remote) -> list[dict[str, Any]]:
 
 
 def settle(conn: Connection, rec: dict[str, Any], wait_s: float = 600.0) -> tuple[str, str]:
-    """Ask the login node what became of a recorded submit: ('done', its output with rc first) or ('lost', '').
-    A submit still running there is waited for (bounded)."""
+    """Ask the login node what became of a recorded submit: ('done RC', its output), ('never', '') or
+    ('lost', ''). A submit still running there is waited for (bounded)."""
     deadline = time.monotonic() + wait_s
     while True:
         proc = conn.shell(answer_line(rec["stage"]), f"reading submit {rec['id']} on {conn.remote.host}", capture=True)
@@ -213,5 +215,5 @@ def settle(conn: Connection, rec: dict[str, Any], wait_s: float = 600.0) -> tupl
         if head.startswith("done"):
             return head, rest
         if head != "running" or time.monotonic() > deadline:
-            return head or "lost", ""
+            return head if head in ("never", "lost") else "lost", ""
         time.sleep(1.0)

@@ -4,7 +4,8 @@
     host = "alice@login.cluster"     # or a Host alias of ~/.ssh/config (ProxyJump, keys, agent honoured)
     port = 22                         # optional; else ssh's own default or ~/.ssh/config
     remote_dir = "hpctrain"           # run folders, uploaded files; relative = under the remote home
-    hpctrain = "hpctrain"             # the command that runs hpctrain there, e.g. "~/venv/bin/hpctrain"
+    hpctrain = "hpctrain"             # the command that runs hpctrain there, e.g. "~/venv/bin/hpctrain": words
+                                      # split as a shell does ("python3 -m hpctrain"; quote a path with spaces)
     ssh_config = "~/.ssh/config"      # optional: another ssh client config (ssh -F)
     persist = "10m"                   # how long the shared connection stays open after the last command
     max_upload_mb = 50                # what a submit may carry; more is refused with the way to copy it
