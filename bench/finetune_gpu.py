@@ -665,6 +665,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=0, help="override each case's rounds (--alternate: windows, 3)")
     ap.add_argument("--alternate", default="", help="ft_alternate processes first, comma separated "
                     "RUNFILE_VARIANT:WINDOW+WINDOW..., e.g. full:synthetic+packed-sdpa+packed-flex,lora:packed")
+    ap.add_argument("--alt-cap-s", type=float, default=0, help="at most this many s for each --alternate process "
+                    "(its windows stop in time), so the processes after it fit in one call")
     ap.add_argument("--cold", action="store_true", help="no CPU Adam prebuild by the bench (the node's own "
                     "start-up then pays or overlaps it, as on a fresh machine)")
     ap.add_argument("--steps", type=int, default=2, help="timed steps after the warm-up")
@@ -724,7 +726,8 @@ def main() -> None:
         if left < est_s(s, variant):
             skipped.append(f"{case} {variant} round {rnd}")
             continue
-        row = run_one(s, case, variant, rnd, timeout=max(30.0, left - 5))
+        cap = a.alt_cap_s if case == "alt" and a.alt_cap_s else left - 5
+        row = run_one(s, case, variant, rnd, timeout=max(30.0, min(left - 5, cap)))
         rows.append(row)
         with (out / "suite.jsonl").open("a") as fh:
             fh.write(json.dumps(row) + "\n")
