@@ -422,9 +422,11 @@ def run_alternate(s: Setup, spec: str, tag: str, timeout: float) -> dict[str, An
             p = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout, check=False, env=env,
                                cwd=str(ROOT), start_new_session=True)
     except subprocess.TimeoutExpired:
-        raise RunFailed(124, f"timed out after {timeout:.0f} s\n" + log.read_text(errors="replace")[-3000:])
-    if p.returncode or not res.exists():
-        raise RunFailed(p.returncode or 1, log.read_text(errors="replace")[-4000:])
+        if not res.exists():  # else: keep the windows it finished (it writes its result after each)
+            raise RunFailed(124, f"timed out after {timeout:.0f} s\n" + log.read_text(errors="replace")[-3000:])
+    else:
+        if p.returncode or not res.exists():
+            raise RunFailed(p.returncode or 1, log.read_text(errors="replace")[-4000:])
     out = dict(json.loads(res.read_text()))
     out["chosen"] = chosen_of(json.loads((dry / "plan.json").read_text()))
     out.pop("steps_rows", None)

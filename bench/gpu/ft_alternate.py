@@ -131,15 +131,20 @@ def main() -> None:
     warm: set[str] = set()
     steps: list[dict[str, Any]] = []
     first_step_end = 0.0
+    last_dt = 0.0
+    skipped: list[str] = []
     for rnd in range(a.rounds):
         k = rnd % len(names)
         for v in names[k:] + names[:k]:
-            if a.budget_s and time.time() - t_start > a.budget_s:
+            n_warm = 0 if v in warm else a.warmup
+            # A window that would end past the budget is not started (a compile of flex: ~60 s more).
+            need = (n_warm + a.steps) * last_dt * 1.2 + (60.0 if n_warm and "flex" in v else 0.0)
+            if a.budget_s and time.time() - t_start + need > a.budget_s:
+                skipped.append(f"{v} round {rnd}")
                 print(f"budget: window {v} round {rnd} not run", flush=True)
                 continue
             src, impl = sources[v]
             got = set_attention(engine, impl)
-            n_warm = 0 if v in warm else a.warmup
             warm.add(v)
             for i in range(n_warm + a.steps):
                 batches = [src.batch(cursor + m) for m in range(prep.gas)]
@@ -149,6 +154,7 @@ def main() -> None:
                 loss = train._train_step(engine, batches, False) / prep.gas
                 sync()
                 dt = time.time() - t0
+                last_dt = max(last_dt, dt) if i < n_warm else dt
                 first_step_end = first_step_end or time.time()
                 tokens = sum(b.tokens for b in batches)
                 row = {"variant": v, "round": rnd, "timed": i >= n_warm, "step_s": round(dt, 4),
@@ -157,6 +163,16 @@ def main() -> None:
                        "gpu_peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 1) if cuda else 0.0}
                 steps.append(row)
                 print(json.dumps(row), flush=True)
+            write_result(a, marks, t_start, first_step_end, caught, steps, skipped, prep, n_params, names)
+    out = write_result(a, marks, t_start, first_step_end, caught, steps, skipped, prep, n_params, names)
+    print("RESULT " + json.dumps({k: out[k] for k in ("startup", "summary", "micro", "gas", "zero", "lora_r")}),
+          flush=True)
+
+
+def write_result(a: argparse.Namespace, marks: dict[str, float], t_start: float, first_step_end: float,
+                 caught: BuiltLine, steps: list[dict[str, Any]], skipped: list[str], prep: Any, n_params: int,
+                 names: list[str]) -> dict[str, Any]:
+    """The result JSON so far (written after every window: a process killed at its limit keeps its windows)."""
     parts = {"imports_s": marks["imports"] - t_start, "prepare_s": marks["prepare"] - marks["imports"],
              "process_group_s": marks["process_group"] - marks["prepare"],
              "engine_s": marks["engine"] - marks["process_group"], "first_step_s": first_step_end - marks["engine"],
@@ -166,13 +182,13 @@ def main() -> None:
             w = line.split()
             parts["model_build_s"], parts["weights_load_s"] = float(w[3]), float(w[-2])
             parts["engine_init_s"] = parts["engine_s"] - parts["model_build_s"] - parts["weights_load_s"]
-    out = {"run_dir": str(run), "variants": names, "rounds": a.rounds, "steps": a.steps, "n_params": n_params,
+    out = {"run_dir": str(Path(a.run_dir).absolute()), "variants": names, "rounds": a.rounds, "steps": a.steps, "n_params": n_params,
            "micro": prep.micro, "gas": prep.gas, "zero": prep.zero, "checkpointing": prep.checkpointing,
            "lora_r": prep.spec.lora.r, "startup": {k: round(v, 2) for k, v in parts.items()},
            "log": caught.lines, "summary": summarize(steps), "steps_rows": steps}
+    out["skipped"] = skipped
     Path(a.out).write_text(json.dumps(out, indent=1))
-    print("RESULT " + json.dumps({k: out[k] for k in ("startup", "summary", "micro", "gas", "zero", "lora_r")}),
-          flush=True)
+    return out
 
 
 def summarize(steps: list[dict[str, Any]]) -> dict[str, Any]:
