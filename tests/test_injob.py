@@ -13,6 +13,7 @@ import pytest
 from hpctrain.fault import injob
 from hpctrain.fault.injob import Driver, StepEnd, plan_restart
 from hpctrain.runs import events as ev
+from hpctrain.runs.journal import WatchdogVerdict
 from hpctrain.states import FailureClass
 
 HOSTS = ["node1", "node2", "node3", "node4"]
@@ -173,8 +174,8 @@ def test_a_peer_lost_verdict_swaps_the_dead_host_for_a_spare(tmp_path: Path, mon
     starts the next on the survivor and the spare, rank order kept."""
     d, fake = _driver(tmp_path, monkeypatch, ["import time; time.sleep(60)", "pass"])
     d.job_hosts = ["node1", "node2", "node3"]
-    verdict = {"event": "peer_lost", "silent_hosts": ["node2"], "message": "rank 0 lost its peer on node2",
-               "time": 5.0}
+    verdict = WatchdogVerdict(event="peer_lost", silent_hosts=("node2",), message="rank 0 lost its peer on node2",
+                              time=5.0)
     calls = iter([verdict])
     monkeypatch.setattr(injob.Watchdog, "peer_check", lambda self, **kw: next(calls, None))
     monkeypatch.setattr(injob.Driver, "_stop_step", lambda self, proc, step: proc.kill())
@@ -202,7 +203,7 @@ def test_a_straggler_must_persist_before_it_counts() -> None:
     assert p.update(["node2", "node3"], now=170.0) is None  # another set: the clock starts again
     assert p.update(["node2", "node3"], now=229.0) is None
     rec = p.update(["node2", "node3"], now=231.0)
-    assert rec is not None and rec["event"] == "straggler" and rec["silent_hosts"] == ["node2", "node3"]
+    assert rec is not None and rec.event == "straggler" and rec.silent_hosts == ("node2", "node3")
     assert p.update([], now=300.0) is None
 
 
@@ -298,7 +299,7 @@ def test_a_dead_node_is_condemned_at_once_a_live_one_after_the_confirmation(tmp_
     rec = d._early_peer_lost(dog, probed)
     assert (rec is not None) is expect and probes == ["node2"]
     if rec:
-        assert rec["silent_hosts"] == ["node2"] and "not answering" in rec["message"]
+        assert rec.silent_hosts == ("node2",) and "not answering" in rec.message
     d._early_peer_lost(dog, probed)
     assert probes == ["node2"]  # once per host and step
 

@@ -141,8 +141,8 @@ def test_watchdog_names_the_rank_behind(tmp_path: Path) -> None:
     for r, ph in ((0, "reduce"), (1, "compute"), (2, "reduce")):
         _beat(tmp_path, r, 5, ph, now + 30)  # beats keep coming, the step does not move
     hang = w.check(now + 30)
-    assert hang is not None and hang["silent_ranks"] == [1] and hang["silent_hosts"] == ["node2"]
-    assert hang["last_step"] == 4 and "rank 1 on node2" in hang["message"]
+    assert hang is not None and hang.silent_ranks == (1,) and hang.silent_hosts == ("node2",)
+    assert hang.last_step == 4 and "rank 1 on node2" in hang.message
 
 
 def test_watchdog_stale_and_missing_ranks_and_grace(tmp_path: Path) -> None:
@@ -155,7 +155,7 @@ def test_watchdog_stale_and_missing_ranks_and_grace(tmp_path: Path) -> None:
     assert w.check(now + 60) is None
     _beat(tmp_path, 0, 4, "reduce", now + 85)  # rank 0 alive, waiting for the others
     hang = w.check(now + 90)
-    assert hang is not None and hang["silent_ranks"] == [1, 2]
+    assert hang is not None and hang.silent_ranks == (1, 2)
     _beat(tmp_path, 0, 4, "done", now + 95)
     assert w.check(now + 200) is None  # finished: nothing to watch
 
@@ -240,12 +240,12 @@ def test_watchdog_peer_lost_names_the_dead_host_after_the_confirm_window(tmp_pat
     _failed(tmp_path, 2, 21, now + 0.2, error=GLOO_RESET.replace("node2", "node1"))  # names a rank that failed too
     assert w.peer_check(now + 1) is None  # a live node's srun ends the step within the confirm window
     rec = w.peer_check(now + 4)
-    assert rec is not None and rec["event"] == "peer_lost" and rec["job_id"] == "7"
-    assert rec["silent_hosts"] == ["node2"] and rec["silent_ranks"] == [1] and rec["last_step"] == 20
-    assert "rank 0 on node1 lost its peer on node2" in rec["message"]
-    assert "still waiting for them 4 s later" in rec["message"]
+    assert rec is not None and rec.event == "peer_lost" and rec.job_id == "7"
+    assert rec.silent_hosts == ("node2",) and rec.silent_ranks == (1,) and rec.last_step == 20
+    assert "rank 0 on node1 lost its peer on node2" in rec.message
+    assert "still waiting for them 4 s later" in rec.message
     at_once = w.peer_check(now + 0.2, confirm_s=0.0)  # the in-job driver's early check: no "0 s later"
-    assert at_once is not None and "s later" not in at_once["message"], at_once["message"]
+    assert at_once is not None and "s later" not in at_once.message, at_once.message
 
 
 def test_watchdog_hands_a_lost_peer_to_on_peer_lost_before_the_cancel(tmp_path: Path,
@@ -265,7 +265,7 @@ def test_watchdog_hands_a_lost_peer_to_on_peer_lost_before_the_cancel(tmp_path: 
     w = watchdog.Watchdog(tmp_path, "7", timeout_s=300, world=3, restart="0",
                           on_peer_lost=lambda run_dir, job: order.append(("decide", run_dir, job)) or None)
     rec = w.run()
-    assert rec is not None and rec["event"] == "peer_lost"
+    assert rec is not None and rec.event == "peer_lost"
     assert order == [("decide", tmp_path, "7"), ("scancel", ("7",))]
 
     seen: dict[str, object] = {}
@@ -286,7 +286,7 @@ def test_watchdog_peer_lost_ignores_user_errors_and_blames_quiet_hosts_without_a
     nccl = "DistBackendError: NCCL error: remote process exited or there was a network error"
     _failed(tmp_path, 0, 21, now, error=nccl)
     rec = w.peer_check(now + 10)
-    assert rec is not None and rec["silent_hosts"] == ["node2"] and rec["silent_ranks"] == [1]
+    assert rec is not None and rec.silent_hosts == ("node2",) and rec.silent_ranks == (1,)
     _beat(tmp_path, 2, 20, "compute", now - 4)  # two of three hosts quiet, nobody named: too unsure to act
     assert w.peer_check(now + 10) is None
     # An address that resolves to no host of the job names nobody (it would end up in sbatch --exclude).
@@ -314,7 +314,11 @@ def test_peer_lost_verdict_is_a_node_failure_for_supervisor_and_summary(tmp_path
     # The collector (no supervisor note, e.g. retries 0) reads the watchdog's file: node_fail, not "cancelled".
     rows = collect._with_fault_notes(tmp_path, [{"attempt": 0, "job_id": "7", "state": "CANCELLED"}])
     assert rows[0]["peer_lost"]["silent_hosts"] == ["node2"]
-    f = collect._peer_lost_failure(rows[0]["peer_lost"], None)
+    from hpctrain.runs.journal import from_note
+
+    lost = from_note("peer_lost", rows[0]["peer_lost"])
+    assert lost is not None
+    f = collect._peer_lost_failure(lost, None)
     assert (f.failure_class, f.host, f.rank) == ("node_fail", "node2", 1)
 
 

@@ -24,6 +24,7 @@ from hpctrain.collect import progress, stacks, stragglers
 from hpctrain.runs import beats
 from hpctrain.runs import stacks as rs
 from hpctrain.runs.folder import RunFolder
+from hpctrain.runs.journal import WatchdogVerdict
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,7 +116,7 @@ def test_the_watchdog_dumps_every_rank_before_it_cancels(ranks: tuple[Path, list
     monkeypatch.setattr(commands, "signal_steps", signal_steps)
     monkeypatch.setattr(commands, "scancel", scancel)
     dog = Watchdog(run, "77", timeout_s=1, world=3, stack_timeout_s=10)
-    hang = {"event": "hang", "silent_ranks": [1], "message": "no step", "job_id": "77"}
+    hang = WatchdogVerdict(event="hang", silent_ranks=(1,), message="no step", job_id="77", time=0.0)
     monkeypatch.setattr(dog, "check", lambda now=None: hang)
     monkeypatch.setattr(dog, "peer_check", lambda now=None: None)
     assert dog.run() is hang

@@ -31,11 +31,11 @@ from hpctrain.collect.files import (
     text_of,
 )
 from hpctrain.runs import events as run_events
-from hpctrain.runs import history
+from hpctrain.runs import history, journal
 from hpctrain.runs.folder import RunFolder
 from hpctrain.runs.history import hosts_of
-from hpctrain.states import NODE_VERDICTS, FailureClass, JobState, class_of_verdict, is_final
 from hpctrain.states import RUN_ENDED_STATES as ENDED
+from hpctrain.states import FailureClass, JobState, is_final
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.runs.registry import Attempt, Registry, Run
@@ -198,15 +198,15 @@ def _attempt_row(inp: RunInput, a: dict[str, Any], files: list[cl.LogFile], recs
     hang = cc.is_hang(beat, hang_end, m.step_interval_s) if state not in (JobState.COMPLETED, JobState.PENDING) else False
     hang_msg = (f"no step for {((hang_end or 0) - (beat or 0)) / 60:.0f} min before "
                 f"{'the job ended' if state in ENDED else 'now'} (last step {m.last_step})") if hang else ""
-    watch = a.get("hang") if isinstance(a.get("hang"), dict) else None  # the hang watchdog's verdict
+    watch = journal.from_note(journal.HANG, a.get("hang"))  # the hang watchdog's verdict
     if watch and state in ENDED and state != JobState.COMPLETED:
-        hang, hang_msg = True, str(watch.get("message") or hang_msg)
+        hang, hang_msg = True, watch.message or hang_msg
     # A running attempt is judged by its own events only: a job's shared logs (submitit's, untimed lines) still
     # hold what its earlier run said, and that failure belongs to the earlier run, never to its successor.
     failure = cc.classify(state if state in ENDED or hang else None, sources if state in ENDED or hang else [],
                           exit_code=a.get("exit_code"),
                           hang=hang, hang_message=hang_msg, hosts=hosts, events=evs)
-    lost = a.get("peer_lost") if isinstance(a.get("peer_lost"), dict) else None
+    lost = journal.from_note(journal.PEER_LOST, a.get("peer_lost"))
     # The watchdog cancelled it (or is cancelling it: its verdict comes first): a node died, not a person, and
     # the verdict is the one cause; the survivors' errors blame whichever peer each one talked to.
     if lost and state != JobState.COMPLETED:
@@ -220,9 +220,9 @@ def _attempt_row(inp: RunInput, a: dict[str, Any], files: list[cl.LogFile], recs
         if str(a.get("job_id") or "") in {str(j) for j in asked.get("jobs") or []}:
             failure.message = f"cancelled by the user (hpctrain cancel); {failure.message}"
     if watch and failure.failure_class == FailureClass.HANG:
-        silent, silent_hosts = watch.get("silent_ranks") or [], watch.get("silent_hosts") or []
+        silent, hosts_named = watch.silent_ranks, watch.silent_hosts
         failure.rank = silent[0] if len(silent) == 1 else failure.rank
-        failure.host = silent_hosts[0] if len(silent_hosts) == 1 else failure.host
+        failure.host = hosts_named[0] if len(hosts_named) == 1 else failure.host
     return {
         "attempt": k, "job_id": str(a.get("job_id") or ""), "state": state, "exit_code": a.get("exit_code"),
         "failure_class": failure.failure_class, "failure": failure.to_dict() if failure.failure_class else None,
@@ -240,14 +240,13 @@ def _attempt_row(inp: RunInput, a: dict[str, Any], files: list[cl.LogFile], recs
     }
 
 
-def _peer_lost_failure(lost: dict[str, Any], found: Any) -> Any:
+def _peer_lost_failure(lost: journal.WatchdogVerdict, found: Any) -> Any:
     """The watchdog's node verdict as the attempt's failure on the silent host: node_fail (a lost peer, a failed
     health check), or straggler (slow, not failed: never called a node failure)."""
     from hpctrain.collect import classify as cc
 
-    hosts, ranks = lost.get("silent_hosts") or [], lost.get("silent_ranks") or []
-    return cc.Failure(class_of_verdict(str(lost.get("event") or "peer_lost")),
-                      str(lost.get("message") or "a peer's node went away"),
+    hosts, ranks = lost.silent_hosts, lost.silent_ranks
+    return cc.Failure(lost.failure_class, lost.message or "a peer's node went away",
                       rank=ranks[0] if len(ranks) == 1 else None, host=hosts[0] if len(hosts) == 1 else None,
                       source="metrics/watchdog.jsonl", exception=getattr(found, "exception", None))
 
@@ -265,12 +264,11 @@ def _with_fault_notes(folder: Path, atts: list[dict[str, Any]]) -> list[dict[str
         if rec.get("job_id") is not None:
             notes.setdefault(str(rec["job_id"]), {}).update(
                 {k: rec[k] for k in ("excluded", "hang", "peer_lost", "decision") if rec.get(k) is not None})
-    for rec in read_attempts(RunFolder(folder).watchdog_jsonl):
-        key = "peer_lost" if rec.get("event") in NODE_VERDICTS else "hang"
-        if rec.get("job_id") is not None:
-            note = notes.setdefault(str(rec["job_id"]), {})
-            if "hang" not in note and "peer_lost" not in note:
-                note[key] = rec
+    for verdict in journal.read_verdicts(folder):
+        if verdict.job_id:
+            note = notes.setdefault(verdict.job_id, {})
+            if journal.HANG not in note and journal.PEER_LOST not in note:
+                note[journal.note_key(verdict)] = verdict.to_json()
     if not notes:
         return atts
     rows = {(str(a.get("job_id")), int(a["attempt"])): i for i, a in enumerate(atts)}

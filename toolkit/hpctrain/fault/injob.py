@@ -39,17 +39,17 @@ from hpctrain.nodelist import expand
 from hpctrain.runs import beats as beats_mod
 from hpctrain.runs import events as events_mod
 from hpctrain.runs import folder as runs_mod
+from hpctrain.runs import journal
+from hpctrain.runs.journal import WatchdogVerdict
 from hpctrain.states import (
     HEALTH_DIR_ENV,
     HEALTH_ROUND_ENV,
     IMPLICATES_HOST,
     INJOB_RESTART_ENV,
     NODE_MODE_ENV,
-    NODE_VERDICTS,
     ExitCode,
     FailureClass,
     JobState,
-    class_of_verdict,
     is_retryable,
 )
 
@@ -72,7 +72,7 @@ class StepEnd:
     failure_class: str | None
     hosts: tuple[str, ...] = ()
     message: str = ""
-    watchdog: dict[str, Any] | None = None  # the watchdog's record (peer_lost / hang), when it decided
+    watchdog: WatchdogVerdict | None = None  # the watchdog's verdict (peer_lost / hang / ...), when it decided
     detected: float = 0.0
     stopped: float = 0.0  # when the step was over (ended by itself, or stopped by the driver)
     first_error: float | None = None  # the step's first rank failure (its beat's time), when one failed
@@ -130,12 +130,10 @@ def classify_exit(run_dir: Path, job: str, attempt: int, rc: int, down: Sequence
     return StepEnd(cls, tuple(dict.fromkeys(hosts)), msg, None, time.time())
 
 
-def verdict_of_watchdog(rec: dict[str, Any]) -> StepEnd:
+def verdict_of_watchdog(rec: WatchdogVerdict) -> StepEnd:
     """The watchdog's record as a verdict: a lost peer is a node failure, a hang a hang (as the supervisor reads
     them); a persistent straggler is replaced like a failing node, under its own class (straggler)."""
-    cls = class_of_verdict(str(rec.get("event") or ""))
-    return StepEnd(cls, tuple(rec.get("silent_hosts") or ()), str(rec.get("message", "")), rec,
-                   float(rec.get("time") or time.time()))
+    return StepEnd(rec.failure_class, rec.silent_hosts, rec.message, rec, rec.time or time.time())
 
 
 # ---------------------------------------------------------------------------------------------- plumbing
@@ -265,8 +263,8 @@ class Driver:
             failed = sorted(verdict.failed)
             msg = (f"health check: {len(healthy)} of {len(self.job_hosts)} node(s) passed, {self.nodes} needed; "
                    + "; ".join(f"{h}: {verdict.failed[h]}" for h in failed))
-            rec = {"event": "unhealthy", "job_id": self.job, "attempt": attempt, "silent_hosts": failed,
-                   "time": time.time(), "message": msg}
+            rec = WatchdogVerdict(event=journal.UNHEALTHY, job_id=self.job, attempt=attempt,
+                                  silent_hosts=tuple(failed), time=time.time(), message=msg)
             give = StepEnd(FailureClass.NODE_FAIL, tuple(failed), msg, rec, time.time())
             return self._give_up(give, "too few nodes passed the health check", int(ExitCode.ERROR),
                                  frozenset(failed))
@@ -337,7 +335,7 @@ class Driver:
         return f"{self.job}.?"
 
     def _watch(self, proc: Any, restarts: str, attempt: int,
-               replaceable: Sequence[str] = ()) -> tuple[int, dict[str, Any] | None]:
+               replaceable: Sequence[str] = ()) -> tuple[int, WatchdogVerdict | None]:
         """Wait for the step to end (its exit status) or for the watchdog's verdict on it (-1, the record); with
         `replaceable` hosts (a spare is left), a straggler verdict on them that lasts counts too."""
         dog = Watchdog(self.run_dir, self.job, self.hang_timeout_s or 1e9, world=self.world, restart=restarts,
@@ -357,7 +355,7 @@ class Driver:
             if rec is None and replaceable and self.straggler_patience_s and slow.due():
                 rec = slow.update(self._slow_hosts(restarts, attempt, replaceable))
             if rec is not None:
-                if rec.get("event") == "hang":  # which line each rank hung in, before the step is stopped
+                if rec.event == journal.HANG:  # which line each rank hung in, before the step is stopped
                     dog.dump_stacks(rec)
                 return -1, rec
 
@@ -368,13 +366,13 @@ class Driver:
         beats = beats_mod.read_beats(self.run_dir, self.job, restarts, attempt)
         return [h for h in find(beats, self.straggler_ratio) if h in replaceable]
 
-    def _early_peer_lost(self, dog: Watchdog, probed: dict[str, bool]) -> dict[str, Any] | None:
+    def _early_peer_lost(self, dog: Watchdog, probed: dict[str, bool]) -> WatchdogVerdict | None:
         """The peer-lost verdict before its confirmation period, when every host it blames has no slurmd
         answering (a dead node: SLURM itself notices only after SlurmdTimeout). The period is there for a rank
         that died on a live node: then srun ends the step within a second, and its exit is classified instead.
         Each host is probed once per step (`probed`: host -> alive)."""
         rec = dog.peer_check(confirm_s=0.0)
-        hosts = list(rec.get("silent_hosts") or ()) if rec else []
+        hosts = list(rec.silent_hosts) if rec else []
         if rec is None or not hosts:
             return None
         for h in hosts:
@@ -382,7 +380,7 @@ class Driver:
                 probed[h] = _slurmd_answers(h, self._slurmd_port())
         if any(probed[h] for h in hosts):
             return None
-        return {**rec, "message": f"{rec.get('message', '')} (slurmd on {', '.join(hosts)} not answering)"}
+        return rec.replace(message=f"{rec.message} (slurmd on {', '.join(hosts)} not answering)")
 
     def _slurmd_port(self) -> int:
         if self.slurmd_port is None:
@@ -452,10 +450,9 @@ class Driver:
         from hpctrain.fault.supervisor import take_over
         from hpctrain.slurm import commands as _slurm
 
-        hosts = sorted(set(verdict.watchdog.get("silent_hosts") or ()) | set(bad))
-        rec = {**verdict.watchdog, "silent_hosts": hosts, "in_job": why}
-        runs_mod.append_attempt(runs_mod.RunFolder(self.run_dir).watchdog_jsonl, rec)
-        if rec.get("event") in NODE_VERDICTS:
+        rec = verdict.watchdog.replace(silent_hosts=sorted(set(verdict.watchdog.silent_hosts) | set(bad)), in_job=why)
+        journal.write_verdict(self.run_dir, rec)
+        if rec.blames_nodes:
             try:
                 take_over(self.run_dir, self.job)
             except Exception as exc:  # noqa: BLE001 - the supervisor job decides later instead
@@ -508,7 +505,7 @@ class _Persistence:
         self.next = time.monotonic() + self.every_s
         return True
 
-    def update(self, hosts: Sequence[str], now: float | None = None) -> dict[str, Any] | None:
+    def update(self, hosts: Sequence[str], now: float | None = None) -> WatchdogVerdict | None:
         now = time.time() if now is None else now
         key = tuple(sorted(hosts))
         if key != self.hosts:
@@ -516,9 +513,10 @@ class _Persistence:
         if not key or now - self.since < self.patience_s:
             return None
         who = ", ".join(key)
-        return {"event": "straggler", "silent_hosts": list(key), "time": now,
-                "message": f"straggler: {who} slower than the other ranks' median for {now - self.since:.0f} s "
-                           f"(fault.straggler_patience_s = {self.patience_s:g}); replaced by a spare"}
+        return WatchdogVerdict(event=journal.STRAGGLER, silent_hosts=key, time=now,
+                               message=f"straggler: {who} slower than the other ranks' median for "
+                                       f"{now - self.since:.0f} s (fault.straggler_patience_s = "
+                                       f"{self.patience_s:g}); replaced by a spare")
 
 
 def _straggler_finder() -> Callable[[list[dict[str, Any]], float], list[str]]:

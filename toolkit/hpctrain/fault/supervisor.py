@@ -49,7 +49,8 @@ from hpctrain.fault.watchdog import (
 )
 from hpctrain.fault.watchdog import main as watchdog_main
 from hpctrain.runs import folder as runs_mod
-from hpctrain.states import IMPLICATES_HOST, NODE_VERDICTS, FailureClass, JobState, class_of_state, is_final
+from hpctrain.runs.journal import WatchdogVerdict, note_key
+from hpctrain.states import IMPLICATES_HOST, FailureClass, JobState, class_of_state, is_final
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.spec.model import Spec
@@ -245,9 +246,9 @@ def history(run_dir: Path, job_id: str, sacct_rec: Any = None) -> tuple[list[pol
         if hang:  # the watchdog's verdict: a hang, or a peer lost (its node died) -> node_fail
             # A lost peer is a node failure: its host goes into --exclude (hpctrain.states.FailureClass). The
             # verdict is the one cause: the surviving ranks' own errors blame whichever peer they talked to.
-            cls = FailureClass.NODE_FAIL if hang[-1].get("event") in NODE_VERDICTS else FailureClass.HANG
-            msg, exc = hang[-1]["message"], None
-            implicated = list(hang[-1].get("silent_hosts", []))
+            cls = FailureClass.NODE_FAIL if hang[-1].blames_nodes else FailureClass.HANG
+            msg, exc = hang[-1].message, None
+            implicated = list(hang[-1].silent_hosts)
             evidence = _verdict_evidence(hang[-1], run_dir)
         if jid == str(job_id) and sacct_rec is not None and state == JobState.NODE_FAIL:
             implicated += down_hosts(sacct_rec.nodelist)
@@ -286,9 +287,9 @@ def _evidence(fail: dict[str, Any], run_dir: Path) -> str:
     return ", ".join(where)
 
 
-def _verdict_evidence(verdict: dict[str, Any], run_dir: Path) -> str:
+def _verdict_evidence(verdict: WatchdogVerdict, run_dir: Path) -> str:
     """Where the watchdog's verdict points: the silent ranks and their hosts, and its own file."""
-    ranks, hosts = verdict.get("silent_ranks") or [], verdict.get("silent_hosts") or []
+    ranks, hosts = verdict.silent_ranks, verdict.silent_hosts
     where = []
     if ranks:
         where.append(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(str(r) for r in ranks)}"
@@ -370,9 +371,7 @@ def supervise(run_dir: Path, job_id: str, ending: str | None = None) -> dict[str
                                 "decision": decision.to_dict(), "time": time.time()}
         hang = watchdog_records(run_dir, job_id)
         if hang:  # "hang" or "peer_lost" (the collector reads both from here)
-            key = "peer_lost" if hang[-1].get("event") in NODE_VERDICTS else "hang"
-            note[key] = {k: hang[-1].get(k) for k in ("last_step", "silent_ranks", "silent_hosts", "stale_s",
-                                                       "detected_s", "message") if k in hang[-1]}
+            note[note_key(hang[-1])] = hang[-1].note()  # with its event: a straggler read back stays one
         if decision.action == "retry":
             try:
                 sub = resubmit_run(run_dir, exclude=decision.exclude,

@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.runs import folder as runs_mod
+from hpctrain.runs import journal
 from hpctrain.runs.beats import PHASES, read_beats, read_failures
+from hpctrain.runs.journal import WatchdogVerdict
 from hpctrain.states import JobState
 
 PEER_POLL_S = 1.0  # the peer-lost check is one directory listing: cheap enough every second
@@ -57,7 +59,7 @@ def _done_step(rec: dict[str, Any]) -> int:
 
 
 def lost_peers(failures: list[dict[str, Any]], beats: list[dict[str, Any]], world: int, now: float,
-               confirm_s: float) -> dict[str, Any] | None:
+               confirm_s: float) -> WatchdogVerdict | None:
     """The peer-lost verdict, or None. Needs a rank whose collective failed on a closed peer connection at
     least `confirm_s` ago (the job still running then: srun waits for a node that no longer answers) and a
     host to blame: the peer the errors name, else the hosts whose ranks neither failed nor beat since."""
@@ -93,10 +95,10 @@ def lost_peers(failures: list[dict[str, Any]], beats: list[dict[str, Any]], worl
     waited = (f" and the job was still waiting for them {now - first:.0f} s later" if now - first >= 1 else "")
     msg = (f"rank {culprit['rank']} on {culprit.get('host')} lost its peer on {who} ({err}); {who}'s ranks "
            f"stopped without an error{waited}: node or network lost")
-    return {"event": "peer_lost", "last_step": min(_done_step(f) for f in comm), "silent_ranks": silent,
-            "silent_hosts": sorted(hosts), "details": [{k: f.get(k) for k in ("rank", "host", "step", "error")}
-                                                       for f in comm],
-            "detected_s": round(now - first, 1), "time": now, "message": msg}
+    return WatchdogVerdict(event=journal.PEER_LOST, last_step=min(_done_step(f) for f in comm),
+                           silent_ranks=tuple(silent), silent_hosts=tuple(sorted(hosts)),
+                           details=tuple({k: f.get(k) for k in ("rank", "host", "step", "error")} for f in comm),
+                           time=now, message=msg, extra={"detected_s": round(now - first, 1)})
 
 
 def _order(beat: dict[str, Any]) -> tuple[int, int]:
@@ -156,7 +158,7 @@ class Watchdog:
     def __post_init__(self) -> None:
         self.grace_s = self.grace_s or max(3 * self.timeout_s, 600.0)
 
-    def check(self, now: float | None = None) -> dict[str, Any] | None:
+    def check(self, now: float | None = None) -> WatchdogVerdict | None:
         """None while fine; the hang record when the run has made no progress for too long."""
         now = time.time() if now is None else now
         beats = read_beats(self.run_dir, self.job, self.restart, self.only_attempt)
@@ -178,9 +180,10 @@ class Watchdog:
         done = progress - 1 if progress is not None and phases & {"compute", "reduce"} else progress
         msg = (f"no step completed after step {done} for {stale:.0f} s (limit {limit:.0f} s); "
                + (f"silent: {who}" if silent else "every rank is waiting in the same collective"))
-        return {"event": "hang", "job_id": self.job, "attempt": self.attempt, "last_step": done,
-                "silent_ranks": [s["rank"] for s in silent], "silent_hosts": hosts, "details": silent,
-                "stale_s": round(stale, 1), "timeout_s": self.timeout_s, "time": now, "message": msg}
+        return WatchdogVerdict(event=journal.HANG, job_id=self.job, attempt=self.attempt, last_step=done,
+                               silent_ranks=tuple(s["rank"] for s in silent), silent_hosts=tuple(hosts),
+                               details=tuple(silent), time=now, message=msg,
+                               extra={"stale_s": round(stale, 1), "timeout_s": self.timeout_s})
 
     def poll_s(self) -> float:
         return min(10.0, max(1.0, self.timeout_s / 5))
@@ -208,7 +211,7 @@ class Watchdog:
             print(f"hpctrain watchdog: could not decide now ({exc}); the supervisor job will", file=sys.stderr,
                   flush=True)
 
-    def peer_check(self, now: float | None = None, confirm_s: float | None = None) -> dict[str, Any] | None:
+    def peer_check(self, now: float | None = None, confirm_s: float | None = None) -> WatchdogVerdict | None:
         """None, or the peer-lost record (see `lost_peers`); one directory listing while nothing failed.
         `confirm_s` overrides peer_confirm_s (the in-job driver: 0 once the blamed hosts' slurmd is gone)."""
         now = time.time() if now is None else now
@@ -217,20 +220,20 @@ class Watchdog:
             return None
         beats = read_beats(self.run_dir, self.job, self.restart, self.only_attempt)
         rec = lost_peers(failures, beats, self.world, now, self.peer_confirm_s if confirm_s is None else confirm_s)
-        return None if rec is None else {**rec, "job_id": self.job, "attempt": self.attempt}
+        return None if rec is None else rec.replace(job_id=self.job, attempt=self.attempt)
 
-    def dump_stacks(self, rec: dict[str, Any]) -> dict[str, Any]:
+    def dump_stacks(self, rec: WatchdogVerdict) -> dict[str, Any]:
         """Every live rank's Python stack into stacks/ before the cancel (hpctrain.collect.stacks): which
         line each rank hung in; what came back goes to stacks/watchdog-JOB.json. A lost peer's ranks cannot answer: only the others are waited for, briefly
         (the retry should not wait on forensics). Never raises: the cancel must happen."""
         try:
             from hpctrain.collect import stacks
 
-            lost = set(rec.get("silent_ranks") or []) if rec["event"] == "peer_lost" else set()
+            lost = set(rec.silent_ranks) if rec.event == journal.PEER_LOST else set()
             want = [r for r in range(self.world) if r not in lost]
             rep = stacks.request(Path(self.run_dir), stacks.slurm_sender(self.job), want,
                                  timeout_s=self.stack_timeout_s if not lost else min(3.0, self.stack_timeout_s))
-            out = {"event": rec["event"], "job_id": self.job, "time": time.time(), **rep.to_dict()}
+            out = {"event": rec.event, "job_id": self.job, "time": time.time(), **rep.to_dict()}
             stacks.write_json(rep.stacks_dir / f"watchdog-{self.job}.json", out)
             print(f"hpctrain watchdog: stacks of rank(s) {out['dumped']} in {rep.stacks_dir}"
                   + (f"; no dump from {rep.missing}" if rep.missing else ""), file=sys.stderr, flush=True)
@@ -239,7 +242,7 @@ class Watchdog:
             print(f"hpctrain watchdog: no stack dumps ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
             return {"error": f"{type(exc).__name__}: {exc}"[:300]}
 
-    def run(self, cancel: bool = True) -> dict[str, Any] | None:
+    def run(self, cancel: bool = True) -> WatchdogVerdict | None:
         """Poll until a lost peer (every second) or a hang (every poll_s): record it, cancel the job, return
         the record. The batch script kills this process when the job ends by itself."""
         next_hang = time.monotonic() + self.poll_s()
@@ -251,12 +254,11 @@ class Watchdog:
                 rec = self.check()
             if rec is None:
                 continue
-            if cancel and rec["event"] == "peer_lost" and not self._running():
+            if cancel and rec.event == journal.PEER_LOST and not self._running():
                 return None  # cancelled, timed out or preempted meanwhile: the dying ranks' errors say nothing
-            path = runs_mod.RunFolder(self.run_dir).watchdog_jsonl
-            runs_mod.append_attempt(path, rec)
-            print(f"hpctrain watchdog: {rec['message']}; cancelling job {self.job}", file=sys.stderr, flush=True)
-            if cancel and rec["event"] == "peer_lost":
+            journal.write_verdict(self.run_dir, rec)
+            print(f"hpctrain watchdog: {rec.message}; cancelling job {self.job}", file=sys.stderr, flush=True)
+            if cancel and rec.event == journal.PEER_LOST:
                 self._decide_now()
             if cancel:
                 from hpctrain.slurm import commands as _slurm
@@ -266,9 +268,9 @@ class Watchdog:
             return rec
 
 
-def watchdog_records(run_dir: Path, job: str) -> list[dict[str, Any]]:
-    return [r for r in runs_mod.read_attempts(runs_mod.RunFolder(run_dir).watchdog_jsonl)
-            if str(r.get("job_id")) == str(job)]
+def watchdog_records(run_dir: Path, job: str) -> list[WatchdogVerdict]:
+    """Job `job`'s verdicts in metrics/watchdog.jsonl (hpctrain.runs.journal), oldest first."""
+    return journal.read_verdicts(run_dir, job)
 
 
 def log_attempt(env: dict[str, str] | None = None) -> int:
