@@ -53,9 +53,9 @@ def test_refusals_name_the_fix(reg: Registry, tmp_path: Path) -> None:
 
 def test_status_summary_and_resubmit_share_it(reg: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
     """`status`, `summary` and `resubmit` accept the same references (here `last` and a name)."""
-    from hpctrain.api.resubmitting import run_dir
     from hpctrain.cli.main import cli
     from hpctrain.collect.summary import resolve_refs
+    from hpctrain.fault.resubmit import run_folder
 
     monkeypatch.setenv("HPCTRAIN_STATE_DIR", str(reg.path.parent))
     monkeypatch.setattr("hpctrain.slurm.refresh.refresh", lambda reg, runs: [])
@@ -63,5 +63,5 @@ def test_status_summary_and_resubmit_share_it(reg: Registry, monkeypatch: pytest
     assert res.exit_code == 0 and "big-20261201-120000-cccc" in res.output, res.output
     inputs, errors, _ = resolve_refs(reg, ["tiny", "nope"], all_runs=False)
     assert [i.run_id for i in inputs] == ["tiny-20261201-110000-bbbb"] and "no such run" in errors[0]
-    folder, _jobs = run_dir("tiny")
+    folder, _jobs = run_folder("tiny")
     assert folder.name == "tiny-20261201-110000-bbbb"
