@@ -91,6 +91,10 @@ def main() -> None:
             ways: list[tuple[str, Callable[[], subprocess.CompletedProcess[str]]]] = [
                 ("floor: ssh login true over the shared connection (sshd session + login shell rc)",
                  lambda: subprocess.run(floor, capture_output=True, text=True, timeout=60, check=False)),
+                ("part of it: the login shell's rc files alone (bash -c 'source ~/.bashrc')",
+                 lambda: subprocess.run(["bash", "-c", "source ~/.bashrc"], capture_output=True, text=True,
+                                        timeout=60, check=False)),
+                ("laptop: hpctrain --version (Python start, the CLI's imports)", lambda: laptop("--version")),
                 ("status: on the login node", lambda: on_login("status", rid)),
                 ("status: hpctrain --remote (open connection)", lambda: laptop("--remote", str(site), "status", rid)),
                 ("status: plain ssh login hpctrain status", lambda: plain("status", rid)),
@@ -135,7 +139,7 @@ def _table(rows: dict[str, list[float]], n: int) -> None:
     for name, xs in rows.items():
         print(f"| {name} | {statistics.median(xs):.3f} | {min(xs):.3f} - {max(xs):.3f} |")
     med = {k: statistics.median(v) for k, v in rows.items()}
-    keys = list(med)[1:]  # after the floor row
+    keys = list(med)[3:]  # after the floor rows
     print(f"\nstatus over the open connection - on the login node: {med[keys[1]] - med[keys[0]]:+.3f} s (goal <= 0.3)")
     print(f"submit over the open connection: {med[keys[4]]:.3f} s (goal <= 1.5); on the login node {med[keys[3]]:.3f} s")
 

@@ -178,6 +178,12 @@ def test_what_travels_with_a_script(laptop: Laptop) -> None:
     assert (newer.parent / "helper.py").read_text() == "X = 2\n"
     assert {(p.parent / "helper.py").read_text() for p in first} == {"X = 1\n"}  # earlier copies untouched
 
+    # The login host from --remote, the job's own site profile from --site: each one's keys where they belong.
+    job_site = laptop.project / "job.toml"
+    job_site.write_text('partition = "debug"\nexclude = "node4"\n')
+    proc = laptop.hpctrain("--remote", str(site), "submit", "run.toml", "--site", str(job_site), "--dry-run")
+    assert proc.returncode == 0 and "#SBATCH --exclude=node4" in proc.stdout, proc.stderr
+
 
 def test_failures_are_one_line_with_the_fix(laptop: Laptop) -> None:
     missing = laptop.site("missing", hpctrain="/nonexistent/bin/hpctrain")

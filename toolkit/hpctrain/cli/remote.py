@@ -67,11 +67,13 @@ def maybe_forward(ctx: click.Context, cmd_name: str, args: list[str], chosen: st
     if os.environ.get(ON_LOGIN) or cmd_name in ("remote", "plan", "hostfile") or "--help" in args or "-h" in args:
         return None
     site = chosen or os.environ.get(REMOTE_ENV) or None
-    sub = None
+    sub, job_site = None, ""
     if cmd_name == "submit":
         cmd = ctx.command.get_command(ctx, cmd_name)  # type: ignore[attr-defined]
         sub = cmd.make_context(cmd_name, list(args), parent=ctx)
-        site = site or sub.params.get("site") or _run_file_site(sub.params.get("runfile"))
+        # The job's site profile (what SLURM is asked for) may differ from the one naming the login host.
+        job_site = sub.params.get("site") or _run_file_site(sub.params.get("runfile")) or ""
+        site = site or job_site
     if not site:
         return None
     remote, site_file = remote_for(site, sub.params.get("runfile") if sub else None)
@@ -91,7 +93,8 @@ def maybe_forward(ctx: click.Context, cmd_name: str, args: list[str], chosen: st
 
     conn = forward.Connection(remote)
     if sub is not None:
-        return _submit(conn, sub, flags_of(sub), args, site_file)
+        job_file = site_file if job_site in ("", site) else load_profile(job_site, sub.params.get("runfile"))[1]
+        return _submit(conn, sub, flags_of(sub), args, job_file, job_site or site)
     if cmd_name == "summary":
         return _summary(conn, args)
     for rec in forward.pending(remote):  # a submit cut off earlier: say what became of it
@@ -111,14 +114,13 @@ def _run_file_site(run_file: str | None) -> str | None:
 
 
 def _submit(conn: Connection, sub: click.Context, flags: dict[str, Any], args: list[str],
-            site_file: Path | None) -> int:
+            site_file: Path | None, job_site: str) -> int:
     """Send what the request names, then submit on the login node, detached from the connection."""
     from hpctrain.remote import forward, travel
     from hpctrain.spec.model import resolve_with_defaults
 
     run_file = sub.params.get("runfile")
-    site = str(site_file or sub.params.get("site") or "") or None
-    spec, _ = resolve_with_defaults(run_file, flags, site, check=False)
+    spec, _ = resolve_with_defaults(run_file, flags, str(site_file or job_site), check=False)
     named = {"launch.script": spec.launch.script, "model.path": spec.model.path, "model.config": spec.model.config,
              "data.source": spec.data.source, "data.tokenizer": spec.data.tokenizer,
              "launch.template_dir": spec.launch.template_dir}
