@@ -136,3 +136,36 @@ def test_a_dry_run_writes_the_bytes_the_cli_writes(home: Path) -> None:
         bare.status()
     with pytest.raises(HpcUsageError, match="out = .*only a dry run writes into a chosen folder"):
         hpctrain.submit(TINY, out=out)
+
+
+def test_wait_is_bounded_and_returns_the_final_status(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run.wait polls status() (sacct refreshed: faked here, the cluster test waits for real) until the job
+    ended; past its bound a TimeoutError names the job and where its logs are."""
+    import hpctrain
+    from hpctrain.runs.registry import Attempt, Registry
+
+    folder = home / "runs" / "tiny-1"
+    folder.mkdir(parents=True)
+    reg = Registry()
+    reg.add_run("tiny-1", "tiny", str(folder), "slurm", {"nodes": 1})
+    reg.add_attempt(Attempt("tiny-1", 0, "4242", state="RUNNING"))
+    polls: list[bool] = []
+    ended = {"now": False}
+
+    def refresh(registry: Any, records: list[Any]) -> list[str]:
+        polls.append(ended["now"])
+        if ended["now"]:  # SLURM says the job ended
+            registry.update_attempt("tiny-1", 0, state="COMPLETED", ended=1.0)
+            for r in records:
+                r.attempts[0].state = r.state = "COMPLETED"
+        return []
+
+    monkeypatch.setattr("hpctrain.slurm.refresh.refresh", refresh)
+    monkeypatch.setattr("hpctrain.slurm.uncertain.reconcile", lambda registry, records: [])
+    run = hpctrain.Run("tiny")
+    with pytest.raises(TimeoutError, match=r"run tiny-1: job 4242 is still RUNNING after 0.05 s; logs: .*tiny-1/logs"):
+        run.wait(timeout=0.05, poll=0.01)
+    assert polls and not any(polls)
+    ended["now"] = True
+    done = run.wait(timeout=60, poll=0.01)
+    assert done.state == "COMPLETED" and done.job_id == "4242" and done.ended and polls[-1]
