@@ -379,14 +379,15 @@ def test_requeues_of_an_earlier_job_and_a_resubmission(env: dict[str, Any]) -> N
 def in_job_restart_run(env: dict[str, Any]) -> Path:
     """Job 60 on node1,node2 with node3 as its spare (2 nodes x 2 ranks): node2 died at step 25 (the watchdog's
     peer-lost verdict names attempt 0), the in-job driver started step 60.1 on node1,node3 from step-20, which is
-    still running. SLURM resized the job meanwhile: sacct's start is the resize time (T0 + 35)."""
+    still running. SLURM resized the job meanwhile: sacct's start is the resize time (T0 + 35), and its node list
+    lacks node2."""
     from hpctrain.runs import events as ev
 
     peer = "RuntimeError: [pair.cc:553] Connection closed by peer [node2]:30955"
     logs = {f"logs/attempt-{k}.rank-{r}.log": rank_log(r, [(t, f"hpctrain node: rank {r}/4")])
             for k, t in ((0, 1), (1, 40)) for r in (0, 2)}
     logs["submitit/60_0_log.err"] = f"[W{time.strftime('%m%d %H:%M:%S', time.localtime(T0 + 29))}.1 x.cpp:1] y\n{peer}\n"
-    folder = make_run(env, "spare", [{"attempt": 0, "job_id": "60", "state": "RUNNING", "nodes": "node[1-3]",
+    folder = make_run(env, "spare", [{"attempt": 0, "job_id": "60", "state": "RUNNING", "nodes": "node[1,3]",
                                       "started": T0 + 35}], logs=logs,
                       metrics=metrics(range(1, 26), 1) + metrics(range(21, 31), 20))
     (folder / "spec.toml").write_text(SPEC.format(gpus=0) + "spare_nodes = 1\n")

@@ -431,7 +431,7 @@ class Driver:
             message=verdict.message, extra={"step_id": step, "step_hosts": list(step_hosts), "next_step_id": new_step, "next_attempt": nxt_attempt,
                                             "replaced": nxt.replaced, "hosts": list(nxt.hosts), "restart": used,
                                             "budget": self.budget, "detected": verdict.detected, "stopped": verdict.stopped,
-                                            "first_error": verdict.first_error,
+                                            "first_error": verdict.first_error, "job_hosts": list(self.job_hosts),
                                             "launched": now}))
         # No state, times or nodes here: the collector merges a job's lines into each of its rows (state from
         # SLURM), and takes each step's own times and hosts from the restart event.

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.runs import events as run_events
+from hpctrain.runs import journal
 from hpctrain.runs.folder import RunFolder
 from hpctrain.states import JobState
 
@@ -134,7 +135,7 @@ def expand(base: list[dict[str, Any]], folder: Path, *, events: list[run_events.
         job = dict(entries[0])
         for e in entries[1:]:  # later notes on the same job (a supervisor's record) fill in
             job.update({key: v for key, v in e.items() if v not in (None, "")})
-        job["allocated"] = job.get("nodes") or ""
+        job["allocated"] = ",".join(_allocation(str(job.get("nodes") or ""), jid, evs))
         if str(job.get("state")) in _WAITING and in_job.get(jid):
             # The job started a new srun step of its own: it holds its allocation, so a registry not refreshed
             # yet (or a submission of unknown outcome) must not show it as waiting.
@@ -153,6 +154,18 @@ def expand(base: list[dict[str, Any]], folder: Path, *, events: list[run_events.
         _first_run_start(out, evs, jid, k0)
     out = _with_in_job_restarts(out, evs)
     return _with_rank_hosts(out, evs)
+
+
+def _allocation(nodelist: str, jid: str, evs: list[run_events.Event]) -> list[str]:
+    """Every node the job held, spares included: SLURM's node list (after SLURM resized the job under --no-kill,
+    it lacks the node it dropped), and the nodes its in-job restarts name (the driver's allocation, else the
+    ended step's hosts and the next one's: the dead node and the spare that replaced it)."""
+    out = dict.fromkeys(hosts_of(nodelist))
+    for e in evs:
+        if e.kind == run_events.RESTART and e.job_id == jid:
+            for key in ("job_hosts", "step_hosts", "hosts"):
+                out.update(dict.fromkeys(str(h) for h in e.extra.get(key) or ()))
+    return list(out)
 
 
 def _first_run_start(rows: list[dict[str, Any]], evs: list[run_events.Event], jid: str, k0: int) -> None:
@@ -242,10 +255,9 @@ def wait_reason(rows: list[dict[str, Any]], folder: Path) -> str:
     if not rows or str(rows[-1].get("state")) not in (JobState.PENDING, JobState.REQUEUE_HOLD):
         return ""
     jid = str(rows[-1].get("job_id") or "")
-    for rec in reversed(RunFolder(folder).read_attempts()):
-        d = rec.get("decision")
-        nxt = rec.get("next") if isinstance(rec.get("next"), dict) else {}
-        if isinstance(d, dict) and str(nxt.get("job_id") or "") == jid:
+    for rec in reversed(journal.decisions(folder)):
+        d, nxt = rec.decision, rec.next or {}
+        if str(nxt.get("job_id") or "") == jid:
             kept = [str(h) for h in d.get("not_excluded") or []]
             notes = [str(n) for n in d.get("notes") or []]
             return "; ".join(notes) or (f"its nodes may include {', '.join(kept)}" if kept else "")
