@@ -42,3 +42,28 @@ def test_supervisor_notes_old_and_new() -> None:
     old = journal.from_note("hang", {"last_step": 9, "silent_ranks": [1], "silent_hosts": ["node2"], "stale_s": 40})
     assert old is not None and old.event == "hang" and old.last_step == 9 and old.failure_class == "hang"
     assert journal.from_note("hang", None) is None
+
+
+def test_decisions_and_armed_supervisors(tmp_path: Path) -> None:
+    """attempts.jsonl: decision lines (the supervisor's, a person's) beside attempt rows and supervisor notes; a
+    line written before the type (plain dict) loads; attempt rows are no decisions."""
+    from hpctrain.runs.journal import SupervisorDecision
+
+    rows = [{"attempt": 0, "job_id": "7", "state": "PENDING"},
+            {"supervisor_job": "8", "supervises": "7", "time": 1.0},
+            {"attempt": 0, "job_id": "7", "state": "FAILED", "failure_class": "node_fail", "checkpoint_step": 4,
+             "decision": {"action": "retry", "reason": "node_fail", "exclude": ["node2"]}, "time": 2.0,
+             "peer_lost": {"last_step": 4, "silent_ranks": [1], "silent_hosts": ["node2"], "message": "lost"},
+             "next": {"attempt": 1, "job_id": "9", "supervisor": "10"}}]
+    (tmp_path / "attempts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    journal.write_armed(tmp_path, "10", "9", 3.0)
+    journal.write_decision(tmp_path, SupervisorDecision(
+        job_id="9", checkpoint_step=None, decision={"action": "manual", "reason": "by hand"},
+        next={"attempt": 2, "job_id": "11", "supervisor": None}))
+    old, manual = journal.decisions(tmp_path)
+    assert (old.job_id, old.action, old.attempt, old.checkpoint_step, old.next) == ("7", "retry", 0, 4, rows[2]["next"])
+    assert old.verdict is not None and old.verdict.event == "peer_lost" and old.verdict.silent_hosts == ("node2",)
+    assert SupervisorDecision.from_json(old.to_json()) == old
+    assert manual.action == "manual" and manual.reason == "by hand" and manual.to_json()["checkpoint_step"] is None
+    assert [d.job_id for d in journal.decisions(tmp_path, job="9")] == ["9"]
+    assert journal.supervisors_of(tmp_path, "7") == ["8"] and journal.supervisors_of(tmp_path, "9") == ["10"]

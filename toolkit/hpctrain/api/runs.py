@@ -333,11 +333,10 @@ def _fill_failures(reg: reglib.Registry, rec: reglib.Run) -> dict[int, str]:
 def supervisor_deciding(rec: reglib.Run, job: str) -> str:
     """The supervisor job that watches `job` (attempts.jsonl note), while SLURM still lists it as not
     finished: its retry, if any, is about to become the run's next attempt."""
-    from hpctrain.runs.folder import RunFolder
+    from hpctrain.runs.journal import supervisors_of
     from hpctrain.slurm import commands
 
-    sups = [str(n["supervisor_job"]) for n in RunFolder(rec.folder).read_attempts()
-            if n.get("supervises") is not None and str(n.get("supervises")) == str(job) and n.get("supervisor_job")]
+    sups = supervisors_of(rec.folder, job)
     if not sups or rec.executor != "slurm":
         return ""
     try:

@@ -18,6 +18,7 @@ from hpctrain.errors import HpcUsageError, bad_value
 from hpctrain.fault import policy as pol
 from hpctrain.fault import supervisor as sup
 from hpctrain.runs import folder as runs_mod
+from hpctrain.runs import journal
 from hpctrain.states import JobState, is_final
 
 
@@ -69,18 +70,18 @@ def resubmit_by_hand(ref: str, *, exclude_failed_nodes: bool = False, exclude: S
         out = sup.resubmit_run(run_dir, exclude=tuple(excluded), time_limit=time_limit, retries=max_retries,
                                record={"manual": True, "resubmitted_after": last_job,
                                        "reason": "hpctrain resubmit (by hand)"})
-        runs_mod.RunFolder(run_dir).append_attempt({
-            "job_id": last_job, "checkpoint_step": ck,
-            "decision": {"action": "manual", "reason": f"resubmitted by hand as attempt {out['attempt']}"},
-            "next": {"attempt": out["attempt"], "job_id": out["job_id"], "supervisor": out["supervisor"]}})
+        journal.write_decision(run_dir, journal.SupervisorDecision(
+            job_id=last_job, checkpoint_step=ck,
+            decision={"action": "manual", "reason": f"resubmitted by hand as attempt {out['attempt']}"},
+            next={"attempt": out["attempt"], "job_id": out["job_id"], "supervisor": out["supervisor"]}))
     return {**out, "resume_step": ck, "notes": notes}
 
 
 def _check_resubmittable(ref: str, run_dir: Path, last_job: str) -> list[pol.AttemptRecord]:
     """The run's attempt history, once it is clear that a new attempt is wanted and safe."""
     done = sup.already_decided(run_dir, last_job)
-    if done and done["decision"].get("action") == "retry" and done.get("next"):
-        nxt = done["next"]
+    if done and done.action == "retry" and done.next:
+        nxt = done.next
         raise HpcUsageError(f"RUN = {ref!r}: the supervisor already resubmitted job {last_job} as attempt "
                             f"{nxt['attempt']} (job {nxt['job_id']}). Fix: wait for it, or `hpctrain cancel` "
                             "the run first")

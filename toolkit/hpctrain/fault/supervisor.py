@@ -49,7 +49,8 @@ from hpctrain.fault.watchdog import (
 )
 from hpctrain.fault.watchdog import main as watchdog_main
 from hpctrain.runs import folder as runs_mod
-from hpctrain.runs.journal import WatchdogVerdict, note_key
+from hpctrain.runs import journal
+from hpctrain.runs.journal import SupervisorDecision, WatchdogVerdict
 from hpctrain.states import IMPLICATES_HOST, FailureClass, JobState, class_of_state, is_final
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -175,7 +176,7 @@ def arm(run_dir: Path, job_id: str, spec: Spec) -> str:
     path = runs_mod.RunFolder(run_dir).submitit_dir / f"supervise-{job_id}.sh"
     runs_mod.write_private(path, supervisor_script(run_dir, job_id, spec))
     sup = _slurm.job_id_from_sbatch(_slurm.sbatch(str(path)))
-    runs_mod.RunFolder(run_dir).append_attempt({"supervisor_job": sup, "supervises": job_id, "time": time.time()})
+    journal.write_armed(run_dir, sup, job_id, time.time())
     return sup
 
 
@@ -205,11 +206,10 @@ def wait_final(job_id: str, timeout_s: float = 120.0) -> Any:
     return rec
 
 
-def already_decided(run_dir: Path, job_id: str) -> dict[str, Any] | None:
-    for r in runs_mod.RunFolder(run_dir).read_attempts():
-        if str(r.get("job_id")) == str(job_id) and "decision" in r:
-            return r
-    return None
+def already_decided(run_dir: Path, job_id: str) -> SupervisorDecision | None:
+    """The first decision recorded about job `job_id` (the supervisor's or a person's), or None."""
+    found = journal.decisions(run_dir, job_id)
+    return found[0] if found else None
 
 
 def history(run_dir: Path, job_id: str, sacct_rec: Any = None) -> tuple[list[policy_mod.AttemptRecord], dict[str, Any]]:
@@ -347,13 +347,12 @@ def supervise(run_dir: Path, job_id: str, ending: str | None = None) -> dict[str
         fcntl.flock(lock, fcntl.LOCK_EX)  # a requeued supervisor must not act twice
         done = already_decided(run_dir, job_id)
         if done:  # decided before (the watchdog's take-over, or an earlier run of this supervisor): say so
-            dec = done["decision"]
-            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(done["time"])) if done.get("time") else "earlier"
-            nxt = done.get("next") or {}
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(done.time)) if done.time else "earlier"
+            nxt = done.next or {}
             then = f" -> attempt {nxt['attempt']} (job {nxt['job_id']})" if nxt.get("job_id") else ""
-            print(f"hpctrain supervise: job {job_id} was already decided at {when}: {dec.get('action')}: "
-                  f"{dec.get('reason')}{then}", flush=True)
-            return dict(dec)
+            print(f"hpctrain supervise: job {job_id} was already decided at {when}: {done.action}: "
+                  f"{done.reason}{then}", flush=True)
+            return dict(done.decision)
         rec = _slurm.SacctRecord(str(job_id), ending) if ending else wait_final(job_id)
         spec = read_resolved(run_dir)
         hist, _summary = history(run_dir, job_id, rec)
@@ -365,27 +364,26 @@ def supervise(run_dir: Path, job_id: str, ending: str | None = None) -> dict[str
         else:
             decision = policy_mod.decide(hist, policy_mod.Policy(max_retries=spec.launch.retries), fit_of(spec))
         last = hist[-1] if hist else None
-        note: dict[str, Any] = {"attempt": last.attempt if last else None, "job_id": str(job_id),
-                                "state": last.state if last else None,
-                                "failure_class": decision.failure_class, "checkpoint_step": latest_checkpoint(run_dir),
-                                "decision": decision.to_dict(), "time": time.time()}
-        hang = watchdog_records(run_dir, job_id)
-        if hang:  # "hang" or "peer_lost" (the collector reads both from here)
-            note[note_key(hang[-1])] = hang[-1].note()  # with its event: a straggler read back stays one
+        hang = watchdog_records(run_dir, job_id)  # its last verdict goes with the decision (the collector reads it)
+        note = SupervisorDecision(attempt=last.attempt if last else None, job_id=str(job_id),
+                                  state=last.state if last else None, failure_class=decision.failure_class,
+                                  checkpoint_step=latest_checkpoint(run_dir), decision=decision.to_dict(),
+                                  time=time.time(), verdict=hang[-1] if hang else None)
         if decision.action == "retry":
             try:
                 sub = resubmit_run(run_dir, exclude=decision.exclude,
                                    record={"resubmitted_after": str(job_id), "reason": decision.reason})
-                note["next"] = {"attempt": sub["attempt"], "job_id": sub["job_id"], "supervisor": sub["supervisor"]}
+                note = dataclasses.replace(note, next={"attempt": sub["attempt"], "job_id": sub["job_id"],
+                                                       "supervisor": sub["supervisor"]})
             except Exception as exc:  # noqa: BLE001 - say why in the record, then fail the supervisor job
-                note["decision"] = {**decision.to_dict(), "action": "stop",
-                                    "reason": f"{decision.reason}; resubmission failed: {exc}"}
-        runs_mod.RunFolder(run_dir).append_attempt(note)
+                note = dataclasses.replace(note, decision={**decision.to_dict(), "action": "stop",
+                                                           "reason": f"{decision.reason}; resubmission failed: {exc}"})
+        journal.write_decision(run_dir, note)
         if last is not None and decision.failure_class:
             _registry_failure(run_dir.name, last.attempt, decision.failure_class)
     _refresh_summary(run_dir)
-    print(f"hpctrain supervise: {note['decision']['action']}: {note['decision']['reason']}", flush=True)
-    return dict(note["decision"])
+    print(f"hpctrain supervise: {note.action}: {note.reason}", flush=True)
+    return dict(note.decision)
 
 
 def take_over(run_dir: Path, job_id: str) -> dict[str, Any] | None:
@@ -394,9 +392,7 @@ def take_over(run_dir: Path, job_id: str) -> dict[str, Any] | None:
     satisfies `afterany` only once the cancelled job has stopped COMPLETING on every node, SlurmdTimeout
     later. That supervisor still runs afterwards and finds the decision made (one per job, under the lock).
     None when the run has no supervisor for this job (retries 0, a sweep, a local run): only the cancel."""
-    notes = runs_mod.RunFolder(run_dir).read_attempts()
-    armed = any(str(r.get("supervises")) == str(job_id) for r in notes)
-    if not armed:
+    if not journal.supervisors_of(run_dir, job_id):
         return None
     return supervise(run_dir, job_id, ending=JobState.CANCELLED)
 

@@ -1,4 +1,4 @@
-"""The run folder's typed records of what was decided about the ranks, beside hpctrain.runs.events.Event (what
+"""The run folder's typed records of what was decided about a run, beside hpctrain.runs.events.Event (what
 the ranks themselves say): one dataclass per record, written and read here only.
 
 `WatchdogVerdict`: one line of metrics/watchdog.jsonl. Its writers are the hang watchdog of the batch script
@@ -7,6 +7,11 @@ check, `straggler`: a persistent straggler, and a verdict it acted on, marked `i
 its readers the driver, the supervisor's retry decision and the collector's summary. Lines written before
 this module (plain dicts with the same keys) load unchanged; keys a writer added beyond the typed fields
 (`stale_s`, `timeout_s`, `detected_s`, `in_job`, ...) travel in `extra`.
+
+`SupervisorDecision`: a decision line of attempts.jsonl, what followed an attempt (the supervisor's retry or stop,
+or a person's `hpctrain resubmit`), with the verdict it acted on and the attempt it submitted; beside it the
+notes saying which supervisor job was armed for which job (`write_armed`, `supervisors_of`). The attempt rows
+of the same file are the submission's (hpctrain.slurm.dispatch, hpctrain.runs.history reads them).
 
 Stdlib only, like runs.events: the node side and the login side both import it.
 """
@@ -120,3 +125,91 @@ def read_verdicts(run_dir: str | Path, job: str | None = None) -> list[WatchdogV
         if v is not None and (job is None or v.job_id == str(job)):
             out.append(v)
     return out
+
+
+# -- attempts.jsonl: what followed an attempt ---------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class SupervisorDecision:
+    """One decision line of attempts.jsonl: what followed the attempt of job `job_id`. The supervisor's (`retry`,
+    `stop`: hpctrain.fault.supervisor) or a person's (`manual`: `hpctrain resubmit`, hpctrain.fault.resubmit).
+    `decision` is the retry policy's whole answer (hpctrain.fault.policy.Decision.to_dict(): action, reason,
+    failure_class, exclude, added, not_excluded, notes, ...); `verdict` the watchdog's verdict it acted on; `next`
+    the attempt it submitted ({attempt, job_id, supervisor})."""
+
+    job_id: str
+    decision: dict[str, Any]
+    time: float | None = None
+    attempt: int | None = None
+    state: str | None = None
+    failure_class: str | None = None
+    checkpoint_step: int | None = None
+    verdict: WatchdogVerdict | None = None
+    next: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def action(self) -> str:
+        return str(self.decision.get("action") or "")
+
+    @property
+    def reason(self) -> str:
+        return str(self.decision.get("reason") or "")
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {**self.extra, "job_id": self.job_id, "decision": self.decision}
+        for k in ("time", "attempt", "state", "failure_class", "checkpoint_step", "next"):
+            if getattr(self, k) is not None or k == "checkpoint_step":  # checkpoint_step None: none yet, said
+                out[k] = getattr(self, k)
+        if self.verdict is not None:
+            out[note_key(self.verdict)] = self.verdict.note()
+        return out
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> SupervisorDecision | None:
+        """A decision line read back (every line of attempts.jsonl that carries a `decision`), else None."""
+        if not isinstance(obj.get("decision"), dict) or obj.get("job_id") is None:
+            return None
+        verdict = from_note(HANG, obj.get(HANG)) or from_note(PEER_LOST, obj.get(PEER_LOST))
+        known = {"job_id", "decision", "time", "attempt", "state", "failure_class", "checkpoint_step", "next", HANG,
+                 PEER_LOST}
+        return cls(job_id=str(obj["job_id"]), decision=dict(obj["decision"]), time=_float(obj.get("time")),
+                   attempt=_int(obj.get("attempt")), state=_str(obj.get("state")),
+                   failure_class=_str(obj.get("failure_class")), checkpoint_step=_int(obj.get("checkpoint_step")),
+                   verdict=verdict, next=obj["next"] if isinstance(obj.get("next"), dict) else None,
+                   extra={k: v for k, v in obj.items() if k not in known})
+
+
+def _float(v: Any) -> float | None:
+    try:
+        return None if v is None or isinstance(v, bool) else float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _str(v: Any) -> str | None:
+    return None if v is None else str(v)
+
+
+def write_decision(run_dir: str | Path, decision: SupervisorDecision) -> None:
+    RunFolder(run_dir).append_attempt(decision.to_json())
+
+
+def decisions(run_dir: str | Path, job: str | None = None) -> list[SupervisorDecision]:
+    """The decision lines of the run's attempts.jsonl in the order written (only those about job `job`)."""
+    out = []
+    for obj in iter_jsonl(RunFolder(run_dir).attempts_jsonl):
+        d = SupervisorDecision.from_json(obj)
+        if d is not None and (job is None or d.job_id == str(job)):
+            out.append(d)
+    return out
+
+
+def write_armed(run_dir: str | Path, supervisor_job: str, job: str, when: float) -> None:
+    """attempts.jsonl: supervisor job `supervisor_job` decides what follows job `job` once it ends."""
+    RunFolder(run_dir).append_attempt({"supervisor_job": supervisor_job, "supervises": job, "time": when})
+
+
+def supervisors_of(run_dir: str | Path, job: str) -> list[str]:
+    """The supervisor jobs armed for job `job` (write_armed), oldest first."""
+    return [str(r["supervisor_job"]) for r in iter_jsonl(RunFolder(run_dir).attempts_jsonl)
+            if r.get("supervises") is not None and str(r["supervises"]) == str(job) and r.get("supervisor_job")]
