@@ -187,3 +187,37 @@ def test_a_registry_damaged_mid_submit_still_records_the_job(lab: dict[str, Any]
     assert sub["job_id"] == job
     att = _status(lab, sub["run_id"])["attempts"][0]
     assert (att["job_id"], att["state"]) == (job, "PENDING")
+
+
+def test_an_outer_timeout_while_sbatch_hangs_is_obeyed_and_the_job_found(lab: dict[str, Any]) -> None:
+    """sbatch is slow (a wrapper that waits before the real sbatch): SIGTERM from an outer `timeout` stops
+    hpctrain's wait at once, sbatch (in its own session) still queues the job, and `status` finds it by its tag."""
+    import shutil
+
+    bin_dir = lab["tmp"] / "bin"
+    bin_dir.mkdir()
+    started, go = lab["tmp"] / "sbatch-started", lab["tmp"] / "sbatch-go"
+    real = shutil.which("sbatch")
+    (bin_dir / "sbatch").write_text(  # --test-only (the --hold hatch's check) passes; the submission waits
+        f"#!/bin/sh\ncase \"$*\" in *--test-only*) exec {real} \"$@\";; esac\ntouch {started}\n"
+        f"for i in $(seq 600); do [ -e {go} ] && break; sleep 0.1; done\nexec {real} \"$@\"\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    lab["env"]["PATH"] = f"{bin_dir}:{lab['env']['PATH']}"
+    proc, tag = _paused_submit(lab, "intent", outer_timeout=True)
+    Path(lab["env"]["HPCTRAIN_SUBMIT_PAUSE_FILE"]).unlink()  # on to sbatch
+    deadline = time.monotonic() + PAUSE_WAIT_S
+    while not started.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    rc, _, err = _deliver(proc, "timeout")  # sbatch still waits for `go`: hpctrain must not
+    assert rc != 0 and "kept as SUBMIT_UNKNOWN" in err and tag in err, err
+    (run,) = _runs(lab)
+    assert _status(lab, run.name)["state"] == "SUBMIT_UNKNOWN"
+    go.touch()  # sbatch goes on, on its own, and queues the job
+    deadline = time.monotonic() + PAUSE_WAIT_S
+    while tag not in _squeue().values():
+        assert time.monotonic() < deadline, "the abandoned sbatch never queued its job"
+        time.sleep(0.5)
+    att = _status(lab, run.name)["attempts"][0]
+    assert (att["job_id"], att["state"]) == (_job_of(tag), "PENDING"), att
+    assert (run / "submitit" / f"{att['job_id']}_submitted.pkl").is_file()

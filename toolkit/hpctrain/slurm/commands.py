@@ -12,7 +12,7 @@ import os
 import re
 import subprocess
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -110,10 +110,12 @@ def _budget() -> float:
 
 def _run(argv: Sequence[str], *, input_text: str | None = None, timeout_s: float = 30.0,
          retryable: re.Pattern[str] = _TRANSIENT, env: dict[str, str] | None = None,
-         retry_timeouts: bool = True, tries: int | None = None,
-         own_session: bool = False) -> subprocess.CompletedProcess[str]:
+         retry_timeouts: bool = True, tries: int | None = None, own_session: bool = False,
+         abandon: Callable[[], bool] | None = None) -> subprocess.CompletedProcess[str]:
     """Run a SLURM command; retry transient failures with exponential backoff, then raise. `own_session`: the
-    command runs in a session of its own, so a Ctrl-C at the terminal reaches hpctrain but not the command."""
+    command runs in a session of its own, so a Ctrl-C at the terminal reaches hpctrain but not the command.
+    `abandon()` true while it runs (sbatch, a signal held meanwhile): stop waiting and raise SubmitUnknown,
+    leaving the command to finish on its own."""
     argv = list(argv)
     delay, last = _backoff(), ""
     tries = tries or _retries()
@@ -122,9 +124,7 @@ def _run(argv: Sequence[str], *, input_text: str | None = None, timeout_s: float
     for attempt in range(tries):
         left = deadline - time.monotonic()
         try:
-            proc = subprocess.run(argv, input=input_text, capture_output=True, text=True,
-                                  timeout=max(1.0, min(timeout_s, left)), env=env, check=False,
-                                  start_new_session=own_session)
+            proc = _complete(argv, input_text, max(1.0, min(timeout_s, left)), env, own_session, abandon)
         except FileNotFoundError as exc:
             raise SlurmUnavailable(
                 f"`{argv[0]}` is not on PATH: SLURM's client tools are not installed here. "
@@ -139,7 +139,7 @@ def _run(argv: Sequence[str], *, input_text: str | None = None, timeout_s: float
             last = proc.stderr.strip() or proc.stdout.strip()
             if not retryable.search(last):
                 raise SlurmCommandError(argv, proc.returncode, proc.stderr)
-        if attempt == tries - 1 or time.monotonic() + delay >= deadline:
+        if attempt == tries - 1 or time.monotonic() + delay >= deadline or (abandon is not None and abandon()):
             tries = attempt + 1
             break
         time.sleep(delay)
@@ -152,6 +152,32 @@ def _run(argv: Sequence[str], *, input_text: str | None = None, timeout_s: float
         f"Check that {what} and munged are running and reachable (`scontrol ping`"
         f"{', `sacctmgr show cluster`' if what.startswith('slurmdbd') else ''}); "
         "hpctrain recorded nothing from this call.")
+
+
+def _complete(argv: list[str], input_text: str | None, timeout_s: float, env: dict[str, str] | None,
+              own_session: bool, abandon: Callable[[], bool] | None) -> subprocess.CompletedProcess[str]:
+    """subprocess.run, or with `abandon` a wait that checks it five times a second (never killing the command:
+    an sbatch left alone still queues its job, and its tag finds it)."""
+    if abandon is None:
+        return subprocess.run(argv, input=input_text, capture_output=True, text=True, timeout=timeout_s, env=env,
+                              check=False, start_new_session=own_session)
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE if input_text is not None else subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=own_session)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            out, err = proc.communicate(input_text, timeout=0.2)
+            return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+        except subprocess.TimeoutExpired:
+            input_text = None  # sent with the first call; a retried communicate() must not send it again
+            if abandon():
+                raise SubmitUnknown(f"a signal arrived while `{argv[0]}` ran; it was left to finish on its own, "
+                                    "so the job may be queued") from None
+            if time.monotonic() >= deadline:
+                proc.kill()
+                proc.communicate()
+                raise subprocess.TimeoutExpired(argv, timeout_s) from None
 
 
 def _last_lines(text: str, n: int = 3) -> str:
@@ -449,19 +475,21 @@ def test_only(script_text: str) -> str:
     return (proc.stderr or proc.stdout).strip()
 
 
-def sbatch(script_path: str, extra: Sequence[str] = (), comment: str = "") -> str:
+def sbatch(script_path: str, extra: Sequence[str] = (), comment: str = "",
+           abandon: Callable[[], bool] | None = None) -> str:
     """Submit a script file with `--parsable`; returns sbatch's stdout (parse it with job_id_from_sbatch).
 
     `comment` goes to `--comment`: what `reconcile` finds the job by when sbatch's answer is lost.
     Only connect failures are retried: after a send/receive timeout slurmctld may already have
     queued the job, and a blind retry would submit it twice. Every outcome that may have queued a
     job raises SubmitUnknown; a refusal raises SbatchRejected. sbatch runs in a session of its own: a Ctrl-C
-    at the terminal never kills it half-way (hpctrain.slurm.transaction holds the signal until the job is recorded).
+    at the terminal never kills it half-way (hpctrain.slurm.transaction holds the signal until the job is recorded);
+    `abandon()` (a signal held meanwhile) stops the wait, leaving sbatch to queue the job on its own: SubmitUnknown.
     """
     argv = ["sbatch", "--parsable", *([f"--comment={comment}"] if comment else []), *extra, script_path]
     try:
         proc = _run(argv, retryable=_SBATCH_RETRYABLE, timeout_s=_sbatch_timeout(), retry_timeouts=False,
-                    own_session=True)
+                    own_session=True, abandon=abandon)
     except SlurmCommandError as exc:
         raise _sbatch_failure(exc) from exc
     return proc.stdout.strip()

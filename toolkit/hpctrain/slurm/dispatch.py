@@ -97,8 +97,9 @@ def submit(run_dirs: Sequence[Path], spec: Spec, plan: Plan, executor: str = "au
         if on_settled is not None:
             on_settled(subs)
         return subs
+    text, rendered_here = _checked_script(dirs, spec, plan, dependency, script)
     tx = Transaction(dirs, staging=_staging(dirs), name=spec.name, summary=spec_summary(spec, plan, mode), mode=mode)
-    return _transact(tx, lambda: _submit_slurm(dirs, spec, plan, mode, dependency, script, tx), on_settled)
+    return _transact(tx, lambda: _submit_slurm(dirs, spec, mode, text, rendered_here, tx), on_settled)
 
 
 Settled = Callable[[list[Submitted]], object]
@@ -119,7 +120,8 @@ def _transact(tx: Transaction, sbatch: Callable[[], list[Submitted]], on_settled
         except _slurm.SubmitUnknown as exc:
             raise tx.unknown(exc) from exc
         except BaseException as exc:
-            tx.withdraw(str(exc) or type(exc).__name__)
+            # Interrupted: the held signal may end the process as it leaves, before the caller could clean up.
+            tx.withdraw(str(exc) or type(exc).__name__, remove=tx.interrupted)
             raise
         tx.pause("sbatch")
         tx.settle(subs)  # never raises for the registry; a run folder that cannot be written keeps the intent
@@ -149,9 +151,10 @@ def submit_attempt(run_dir: Path, spec: Spec, plan: Plan, attempt: int, mode: st
     first = folder.read_attempts()[:1]
     executor = str(first[0].get("executor", "slurm")) if first else resolve_executor(spec.launch.executor)
     if executor != "local":
+        text, rendered_here = _checked_script([d], spec, plan, "", script)
         tx = Transaction([d], staging=_staging([d]), name=spec.name, summary=spec_summary(spec, plan, mode),
                          mode=mode, attempt=attempt, record=record)
-        return _transact(tx, lambda: _submit_slurm([d], spec, plan, mode, "", script, tx), on_settled)[0]
+        return _transact(tx, lambda: _submit_slurm([d], spec, mode, text, rendered_here, tx), on_settled)[0]
     sub = _submit_local([d], spec, plan, mode)[0]
     now = time.time()
     runs_mod.append_attempt(folder.attempts_jsonl,
@@ -220,8 +223,11 @@ def time_minutes(text: str) -> int:
     return max(1, (time_limit_s(text) + 59) // 60)
 
 
-def _submit_slurm(dirs: list[Path], spec: Spec, plan: Plan, mode: str, dependency: str, script: str | None,
-                  tx: Transaction) -> list[Submitted]:
+def _checked_script(dirs: list[Path], spec: Spec, plan: Plan, dependency: str,
+                    script: str | None) -> tuple[str, bool]:
+    """Everything that can refuse a SLURM submission before it begins (srun on PATH, the partition's size, no
+    secret in the script, `sbatch --test-only` for the escape hatches): (the script, whether it was rendered
+    here because the caller gave none). Outside the transaction: a signal meanwhile acts as usual."""
     from hpctrain.slurm import commands as _slurm
 
     if not shutil.which("srun"):  # submitit's SlurmExecutor refuses to start without it (a bare RuntimeError)
@@ -229,13 +235,30 @@ def _submit_slurm(dirs: list[Path], spec: Spec, plan: Plan, mode: str, dependenc
             "`srun` is not on PATH although `sbatch` is: SLURM's client tools are incomplete here. Fix: submit "
             "from a login node with SLURM's client tools installed, or use --executor local")
     _check_fits(spec, plan)
-    if len(dirs) == 1:
-        folder, links = runs_mod.RunFolder(dirs[0]).submitit_dir, None
+    if script is None:
+        script = _render_script(spec, plan, dirs, _submitit_folder(dirs), dependency)
+        rendered_here = True
     else:
-        links = _make_sweep_links(dirs)
-        folder = runs_mod.RunFolder(links / "%a").submitit_dir
+        _check_no_secrets(script, spec)
+        rendered_here = False
+    _test_hatches(script, spec, dependency)
+    return script, rendered_here
+
+
+def _submitit_folder(dirs: list[Path]) -> Path:
+    """submitit's folder for the job: the run's, or for a sweep the links' `%a` (each task its own run folder)."""
+    if len(dirs) == 1:
+        return runs_mod.RunFolder(dirs[0]).submitit_dir
+    return runs_mod.RunFolder(sweep_links_dir(dirs) / "%a").submitit_dir
+
+
+def _submit_slurm(dirs: list[Path], spec: Spec, mode: str, script: str, rendered_here: bool,
+                  tx: Transaction) -> list[Submitted]:
+    from hpctrain.slurm import commands as _slurm
+
+    links = _make_sweep_links(dirs) if len(dirs) > 1 else None
     try:
-        job_ids = _submit_pickled(dirs, spec, plan, mode, folder, dependency, script, tx)
+        job_ids = _submit_pickled(dirs, spec, mode, _submitit_folder(dirs), script, rendered_here, tx)
     except _slurm.SbatchRejected as exc:
         if links is not None:
             shutil.rmtree(links, ignore_errors=True)
@@ -351,15 +374,15 @@ def _check_no_secrets(text: str, spec: Spec) -> None:
 MAX_TIMEOUT_REQUEUES = 3  # requeues submitit grants a checkpointable call after a time-out (SlurmExecutor's default)
 
 
-def _submit_pickled(dirs: list[Path], spec: Spec, plan: Plan, mode: str, folder: Path, dependency: str,
-                    script: str | None, tx: Transaction) -> list[str]:
+def _submit_pickled(dirs: list[Path], spec: Spec, mode: str, folder: Path, script: str, rendered_here: bool,
+                    tx: Transaction) -> list[str]:
     """Pickle NodeJob(dir, mode) for every run folder, submit ONE script (an array when there are several),
     then move each pickle to the name its task loads. Returns the job ids ("123", or "123_0", "123_1", ...).
 
     `folder` is submitit's folder for the job (`%a` in it is the array index); the pickles wait under the names
     `tx.pickles` (in a folder without `%`, recorded in the intent) until the job id is known. A task that
-    starts before its pickle is moved waits for it (submitit's runner polls for 60 s). `script`: as rendered
-    once by the caller (written to sbatch.sh already), else rendered here and written.
+    starts before its pickle is moved waits for it (submitit's runner polls for 60 s). `script`: checked
+    (_checked_script); written to sbatch.sh here when `rendered_here` (else the caller wrote it).
     """
     import submitit
     from submitit.helpers import DelayedSubmission
@@ -367,7 +390,6 @@ def _submit_pickled(dirs: list[Path], spec: Spec, plan: Plan, mode: str, folder:
     from hpctrain.node.entry import NodeJob
 
     pickles: list[Path] = []
-    rendered_here = script is None
     try:
         for d, pickle_path in zip(dirs, tx.pickles):
             call = DelayedSubmission(NodeJob(str(d), mode))
@@ -375,12 +397,9 @@ def _submit_pickled(dirs: list[Path], spec: Spec, plan: Plan, mode: str, folder:
             pickle_path.parent.mkdir(parents=True, exist_ok=True)
             pickles.append(pickle_path)
             call.dump(pickle_path)
-        if script is None:
-            script = _render_script(spec, plan, dirs, folder, dependency)
-        else:
-            _check_no_secrets(script, spec)
-        _test_hatches(script, spec, dependency)
-        job_id = _sbatch(tx.pickles[0].parent, script, comment=tx.tag)
+        if tx.interrupted:  # held since the intent: nothing is queued yet, so the submission is withdrawn
+            raise Interrupted()
+        job_id = _sbatch(tx.pickles[0].parent, script, tx)
     except BaseException as exc:
         drop_pickles(pickles, exc)
         raise
@@ -424,16 +443,21 @@ def _render_script(spec: Spec, plan: Plan, dirs: list[Path], folder: Path, depen
     return str(text)
 
 
-def _sbatch(staging: Path, script: str, comment: str) -> str:
-    """Submit `script` through the one SLURM wrapper (`comment` -> --comment); returns the job id sbatch printed."""
+def _sbatch(staging: Path, script: str, tx: Transaction) -> str:
+    """Submit `script` through the one SLURM wrapper (the transaction's tag -> --comment); returns the job id sbatch
+    printed. A signal held meanwhile stops the wait (sbatch finishes on its own: the tag finds its job)."""
     from hpctrain.slurm import commands as _slurm
 
     path = staging / f".submission_file_{uuid.uuid4().hex}.sh"
     runs_mod.write_private(path, script)
     try:
-        out = _slurm.sbatch(str(path), comment=comment)
-    finally:
+        out = _slurm.sbatch(str(path), comment=tx.tag, abandon=lambda: tx.interrupted)
+    except _slurm.SubmitUnknown:
+        raise  # an sbatch left to finish may still read the script: it stays (private, in the staging folder)
+    except BaseException:
         path.unlink(missing_ok=True)
+        raise
+    path.unlink(missing_ok=True)
     return _slurm.job_id_from_sbatch(out)
 
 

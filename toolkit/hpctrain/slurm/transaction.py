@@ -15,9 +15,11 @@ The sequence, the same for a new run, a sweep and a resubmission (hpctrain.slurm
    warning, never the submission: the run is recorded (step 1) and its folder holds the job id.
 
 SIGINT, SIGTERM and SIGHUP are held from step 1 to the end of step 3. One that arrives before sbatch runs
-withdraws the intent (nothing was queued: the registry forgets the run, the caller removes the folder) and then
-takes effect; one that arrives later takes effect once the job is recorded, with a line on stderr naming the
-job and how to cancel it. SIGKILL cannot be held; step 1 is what makes it harmless.
+withdraws the intent (nothing was queued: the registry forgets the run and the folder goes) and then takes
+effect; one that arrives while sbatch runs stops the wait (sbatch, in its own session, finishes queueing on its
+own; the run stays SUBMIT_UNKNOWN for its tag to resolve), so an outer `timeout` is obeyed at once; one that
+arrives later takes effect once the job is recorded, with a line on stderr naming the job and how to cancel
+it. SIGKILL cannot be held; step 1 is what makes it harmless.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class Transaction:
         self.pickles = [staging / f".{uuid.uuid4().hex}.pkl" for _ in self.dirs]
         self.submitted = time.time()
         self.settled: list[Submitted] = []
+        self.unsettled = False  # sbatch may have queued the job, its id unknown (`unknown`)
         self.pending: list[int] = []
         self._old: dict[int, Any] = {}
 
@@ -103,10 +106,15 @@ class Transaction:
             return
         sig = self.pending[0]
         self.pending = []
-        if self.settled:
+        name = signal.Signals(sig).name
+        if self.unsettled:
+            click.echo(f"hpctrain: {name} arrived while sbatch ran; the run {self.dirs[0].name} is kept as "
+                       f"SUBMIT_UNKNOWN: `hpctrain status {self.dirs[0].name}` finds its job by its comment "
+                       f"{self.tag}, or marks it SUBMIT_FAILED if SLURM never lists one", err=True)
+        elif self.settled:
             ids = ", ".join(s.job_id for s in self.settled)
             run = self.settled[0].run_id
-            click.echo(f"hpctrain: {signal.Signals(sig).name} arrived while submitting; job {ids} is queued and "
+            click.echo(f"hpctrain: {name} arrived while submitting; job {ids} is queued and "
                        f"recorded as run {run}{' and more' if len(self.settled) > 1 else ''}: `hpctrain cancel "
                        f"{run}` stops it", err=True)
         os.kill(os.getpid(), sig)  # as if it arrived now: its own handler (KeyboardInterrupt, or the default)
@@ -177,6 +185,7 @@ class Transaction:
         from hpctrain.runs.registry import SUBMIT_UNKNOWN, Registry
 
         reason = str(exc.reason)
+        self.unsettled = True
         for i, d in enumerate(self.dirs):
             runs_mod.append_attempt(runs_mod.RunFolder(d).attempts_jsonl, self._line(i, note=reason))
         recorded = ""
