@@ -24,8 +24,8 @@ import pytest
 pytest.importorskip("deepspeed")
 pytest.importorskip("peft")
 
-from datakit import build_tokenizer  # noqa: E402
-from runkit import make_run, metrics, torchrun  # noqa: E402
+from datakit import build_tokenizer
+from runkit import make_run, metrics, torchrun
 
 pytestmark = pytest.mark.deepspeed
 
