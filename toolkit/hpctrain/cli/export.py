@@ -21,7 +21,14 @@ def register(group: click.Group) -> None:
               help="Folder to write (default: RUN_FOLDER/hf).")
 @click.option("--tag", default=None, help="Checkpoint to export, e.g. step-20 (default: the latest complete one).")
 def export_cmd(run: str, out: str | None, tag: str | None) -> None:
-    """Write a from_pretrained-loadable folder from RUN (a run id or a run folder)."""
+    """Write a from_pretrained-loadable folder from RUN (a run id or a run folder).
+
+    \b
+    A full fine-tune or pretraining run: the model's weights (safetensors), config and tokenizer.
+    A LoRA/QLoRA run ([lora] r > 0): the adapters merged into the base model of [model] path, and the
+    adapters alone in OUT/adapter/ (PEFT's adapter_config.json + adapter_model.safetensors, for
+    PeftModel.from_pretrained on the same base).
+    """
     from hpctrain.errors import HpcUsageError
 
     run_dir = _run_dir(run)
