@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,7 +17,6 @@ import click
 
 if TYPE_CHECKING:
     from hpctrain.remote.forward import Connection
-    from hpctrain.remote.site import Remote
 
 REMOTE_ENV = "HPCTRAIN_REMOTE"  # the site whose [remote] every command goes to (as --remote SITE)
 FORWARDED = ("submit", "list", "status", "logs", "summary", "stacks", "cancel", "resubmit", "export", "sync",
@@ -32,33 +29,6 @@ def register(group: click.Group) -> None:
     group.add_command(remote_group)
 
 
-def load_profile(site: str, run_file: str | None = None) -> tuple[dict[str, Any], Path | None]:
-    """Site profile SITE as a dict, and the file it came from (None: a [sites.NAME] table of the run file)."""
-    from hpctrain.spec import site as config
-
-    by_path = config.site_path(site)
-    if by_path is not None:
-        return config.read_toml(by_path, f"site file {str(by_path)!r}"), by_path.absolute()
-    inline: dict[str, Any] = {}
-    near = Path(run_file).parent if run_file else None
-    if run_file and Path(run_file).is_file():
-        inline = config.read_toml(Path(run_file), "run file").get("sites", {}) or {}
-    prof = config.load_site(site, inline, near)
-    if site in inline:
-        return prof, None
-    for cand in (config.config_dir() / "sites" / f"{site}.toml", *([near / "sites" / f"{site}.toml"] if near else [])):
-        if cand.is_file():
-            return prof, cand.absolute()
-    return prof, None
-
-
-def remote_for(site: str, run_file: str | None = None) -> tuple[Remote | None, Path | None]:
-    from hpctrain.remote.site import remote_of
-
-    prof, path = load_profile(site, run_file)
-    return remote_of(Path(site).stem if site.endswith(".toml") else site, prof), path
-
-
 def maybe_forward(ctx: click.Context, cmd_name: str, args: list[str], chosen: str | None,
                   flags_of: Callable[[click.Context], dict[str, Any]]) -> int | None:
     """Run CMD_NAME ARGS on the login node when a [remote] applies (exit status returned); None: run here."""
@@ -69,13 +39,17 @@ def maybe_forward(ctx: click.Context, cmd_name: str, args: list[str], chosen: st
     site = chosen or os.environ.get(REMOTE_ENV) or None
     sub, job_site = None, ""
     if cmd_name == "submit":
+        from hpctrain.remote.site import run_file_site
+
         cmd = ctx.command.get_command(ctx, cmd_name)  # type: ignore[attr-defined]
         sub = cmd.make_context(cmd_name, list(args), parent=ctx)
         # The job's site profile (what SLURM is asked for) may differ from the one naming the login host.
-        job_site = sub.params.get("site") or _run_file_site(sub.params.get("runfile")) or ""
+        job_site = sub.params.get("site") or run_file_site(sub.params.get("runfile")) or ""
         site = site or job_site
     if not site:
         return None
+    from hpctrain.remote.site import load_profile, remote_for
+
     remote, site_file = remote_for(site, sub.params.get("runfile") if sub else None)
     if remote is None:
         if chosen or os.environ.get(REMOTE_ENV):
@@ -89,128 +63,27 @@ def maybe_forward(ctx: click.Context, cmd_name: str, args: list[str], chosen: st
 
         raise bad_value("--remote", site, f"`hpctrain {cmd_name}` runs on the login node only",
                         f"run it there (ssh {remote.host})")
-    from hpctrain.remote import forward
+    from hpctrain.remote import commands, forward
 
     conn = forward.Connection(remote)
     if sub is not None:
-        job_file = site_file if job_site in ("", site) else load_profile(job_site, sub.params.get("runfile"))[1]
-        return _submit(conn, sub, flags_of(sub), args, job_file, job_site or site)
+        run_file = sub.params.get("runfile")
+        job_file = site_file if job_site in ("", site) else load_profile(job_site, run_file)[1]
+        return commands.submit(conn, args, run_file, flags_of(sub), job_file, job_site or site, _say, _show)
+    commands.settle_pending(conn, _say, _show)
     if cmd_name == "summary":
-        return _summary(conn, args)
-    for rec in forward.pending(remote):  # a submit cut off earlier: say what became of it
-        _settle(conn, rec, same=False)
+        return commands.summary(conn, args)
     tty = sys.stdout.isatty() and (("status" == cmd_name and "--watch" in args) or
                                    ("logs" == cmd_name and ("--follow" in args or "-f" in args)))
     return conn.run([cmd_name, *args], tty=tty).returncode
 
 
-def _run_file_site(run_file: str | None) -> str | None:
-    if not run_file or not Path(run_file).is_file():
-        return None
-    from hpctrain.spec.site import read_toml
-
-    value = read_toml(Path(run_file), "run file").get("site")
-    return value if isinstance(value, str) and value else None
+def _say(text: str) -> None:
+    click.echo(text, err=True)
 
 
-def _submit(conn: Connection, sub: click.Context, flags: dict[str, Any], args: list[str],
-            site_file: Path | None, job_site: str) -> int:
-    """Send what the request names, then submit on the login node, detached from the connection."""
-    from hpctrain.remote import forward, travel
-    from hpctrain.spec.model import resolve_with_defaults
-
-    run_file = sub.params.get("runfile")
-    spec, _ = resolve_with_defaults(run_file, flags, str(site_file or job_site), check=False)
-    named = {"launch.script": spec.launch.script, "model.path": spec.model.path, "model.config": spec.model.config,
-             "data.source": spec.data.source, "data.tokenizer": spec.data.tokenizer,
-             "launch.template_dir": spec.launch.template_dir}
-    items = travel.local_items(run_file, site_file, named)
-    travel.check_size(conn.remote, items)
-    digest = travel.digest(args, items)
-    for rec in forward.pending(conn.remote):  # a submit cut off earlier: its answer first, never a second job
-        code = _settle(conn, rec, same=rec["digest"] == digest)
-        if rec["digest"] == digest and code is not None:
-            return code
-    probe = conn.probe()
-    submit_id = time.strftime("%Y%m%d-%H%M%S-") + digest[:8]
-    stage = f"{probe.remote_dir}/{forward.UPLOADS}/{submit_id}"
-    cwd = travel.mirrored(stage, os.getcwd())
-    conn.upload(items, stage, forward.last_upload(conn.remote))
-    forward.last_upload(conn.remote, stage)
-    extra: list[str] = []
-    for item in items:
-        if item.key:
-            extra += ["--set", f"{item.key}={travel.mirrored(stage, named[item.key])}"]
-    if site_file is not None:
-        extra += ["--site", travel.mirrored(stage, site_file)]
-    words = list(args)
-    if run_file and Path(run_file).is_absolute():
-        words[words.index(run_file)] = travel.mirrored(stage, run_file)
-    cut = words.index("--") if "--" in words else len(words)
-    words = [*words[:cut], *extra, *words[cut:]]
-    record = forward.record(conn.remote, submit_id, digest, stage)
-    proc = conn.shell(forward.detached_submit(conn.remote, ["submit", *words], cwd, stage),
-                      f"submit on {conn.remote.host}")
-    record.unlink(missing_ok=True)
-    return proc.returncode
-
-
-def _settle(conn: Connection, rec: dict[str, Any], same: bool) -> int | None:
-    """Read the answer of a submit recorded earlier; its exit status when it went through, else None."""
-    from hpctrain.remote import forward
-
-    head, out = forward.settle(conn, rec)
-    Path(rec["path"]).unlink(missing_ok=True)
-    if head.startswith("done"):
-        click.echo(f"hpctrain: the submit of {time.strftime('%H:%M:%S', time.localtime(rec['sent']))} "
-                   f"({rec['id']}), cut off by a dropped connection, reached the login node; its answer:", err=True)
-        click.echo(out, nl=False)
-        rc = int(head.split()[1]) if len(head.split()) > 1 and head.split()[1].isdigit() else 1
-        return rc if same else None
-    if head == "never":
-        click.echo(f"hpctrain: the submit {rec['id']}, cut off by a dropped connection, never started on "
-                   f"{conn.remote.host}: nothing was queued by it", err=True)
-        return None
-    # Started, no answer, no longer running (the login node rebooted?): whether sbatch ran is unknown. Say so
-    # once instead of submitting again; the note is gone, so the same submit typed again goes through.
-    from hpctrain.remote.forward import RemoteFailure
-
-    raise RemoteFailure(
-        f"submit {rec['id']}: started on {conn.remote.host} and stopped there before it answered (upload folder "
-        f"{rec['stage']}), so a job may be queued. Fix: look with `hpctrain --remote {conn.remote.site} list` "
-        f"(`hpctrain --remote {conn.remote.site} registry rebuild` finds a job of unknown outcome by its tag); "
-        "if it is not there, run the submit again")
-
-
-def _summary(conn: Connection, args: list[str]) -> int:
-    """`summary --plot FILE`: the plot is drawn on the login node and fetched to FILE here."""
-    words = list(args)
-    plot = next((w.split("=", 1)[1] for w in words if w.startswith("--plot=")), None)
-    if plot is None and "--plot" in words and words.index("--plot") + 1 < len(words):
-        plot = words[words.index("--plot") + 1]
-    if plot is None:
-        return conn.run(["summary", *words]).returncode
-    probe = conn.probe()
-    folder = f"{probe.remote_dir}/plots/{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    there = f"{folder}/{Path(plot).name}"
-    words = [w for w in words if not w.startswith("--plot=")]
-    if "--plot" in words:
-        i = words.index("--plot")
-        del words[i:i + 2]
-    conn.shell(f"mkdir -p -- {_q(folder)}", f"summary on {conn.remote.host}")
-    rc = conn.run(["summary", *words, "--plot", there]).returncode
-    if rc == 0:
-        with tempfile.TemporaryDirectory() as tmp:
-            conn.pull(folder, Path(tmp), [])
-            Path(plot).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(Path(tmp) / Path(plot).name, plot)
-    return rc
-
-
-def _q(text: str) -> str:
-    import shlex
-
-    return shlex.quote(text)
+def _show(text: str) -> None:
+    click.echo(text, nl=False)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -229,6 +102,7 @@ def _site_option(fn: Any) -> Any:
 def _conn(site: str) -> Connection:
     from hpctrain.errors import bad_value
     from hpctrain.remote.forward import Connection
+    from hpctrain.remote.site import remote_for
 
     remote, _ = remote_for(site)
     if remote is None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hpctrain.errors import HpcUsageError, bad_value, unknown_key
@@ -93,3 +94,39 @@ def without_remote(profile: dict[str, Any]) -> dict[str, Any]:
 def replace(remote: Remote, **changes: Any) -> Remote:
     """A copy with CHANGES (tests point one profile at another host key or port)."""
     return dataclasses.replace(remote, **changes)
+
+
+def load_profile(site: str, run_file: str | None = None) -> tuple[dict[str, Any], Path | None]:
+    """Site profile SITE as a dict, and the file it came from (None: a [sites.NAME] table of the run file)."""
+    from hpctrain.spec import site as config
+
+    by_path = config.site_path(site)
+    if by_path is not None:
+        return config.read_toml(by_path, f"site file {str(by_path)!r}"), by_path.absolute()
+    inline: dict[str, Any] = {}
+    near = Path(run_file).parent if run_file else None
+    if run_file and Path(run_file).is_file():
+        inline = config.read_toml(Path(run_file), "run file").get("sites", {}) or {}
+    prof = config.load_site(site, inline, near)
+    if site in inline:
+        return prof, None
+    for cand in (config.config_dir() / "sites" / f"{site}.toml", *([near / "sites" / f"{site}.toml"] if near else [])):
+        if cand.is_file():
+            return prof, cand.absolute()
+    return prof, None
+
+
+def remote_for(site: str, run_file: str | None = None) -> tuple[Remote | None, Path | None]:
+    """The [remote] of site SITE (None when it has none) and the file the profile came from."""
+    prof, path = load_profile(site, run_file)
+    return remote_of(Path(site).stem if site.endswith(".toml") else site, prof), path
+
+
+def run_file_site(run_file: str | None) -> str | None:
+    """The `site` key of RUN_FILE, if it names one."""
+    if not run_file or not Path(run_file).is_file():
+        return None
+    from hpctrain.spec.site import read_toml
+
+    value = read_toml(Path(run_file), "run file").get("site")
+    return value if isinstance(value, str) and value else None
