@@ -62,8 +62,16 @@ class DryRun:
 class Submission:
     """One request, resolved and planned (one point, or every point of a sweep), ready to render and dispatch.
 
-    Build it with `Submission.prepare(...)` or `Submission.resubmission(...)` (signatures in the module's
-    docstring); `points` holds (Spec, Plan) per run folder, `notes` the lines the caller shows the user."""
+        Submission.prepare(runfile, flags=None, *, site=None, sweep=(), mode="train", dependency="", check=True,
+                           out=None, secrets_seen=None) -> Submission
+        Submission.resubmission(run_dir, *, exclude=None, time_limit=None, retries=None) -> Submission
+        .spec, .plan, .points, .notes, .mode, .dependency (settable before submit), .run_dir, .attempt
+        .script(run_dirs) -> str
+        .dry_run(out=None) -> DryRun(run_dirs, script, points)
+        .submit(on_settled=None) -> list[Submitted]
+        .submit_attempt(record=None, on_settled=None) -> Submitted
+
+    `points` holds (Spec, Plan) per run folder, `notes` the lines the caller shows the user (stderr)."""
 
     points: list[Point]
     mode: str = "train"
