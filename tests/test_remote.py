@@ -179,3 +179,28 @@ def test_answer_of_a_detached_submit(tmp_path: Path) -> None:
     (stage / "out").write_text('[{"run_id": "r"}]\n')
     (stage / "rc").write_text("0\n")
     assert answer(stage) == 'done 0\n[{"run_id": "r"}]\n'
+
+
+def test_which_commands_go_to_the_login_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decided before any connection: plan runs here, a site without [remote] is refused for --remote, a
+    command that needs the login node's own files is refused with where to run it."""
+    from click.testing import CliRunner
+
+    from hpctrain.cli.main import cli
+
+    monkeypatch.setenv(ssh.CONTROL_DIR_ENV, str(tmp_path / "cm"))
+    monkeypatch.delenv("HPCTRAIN_REMOTE", raising=False)
+    monkeypatch.delenv(ssh.ON_LOGIN, raising=False)
+    lab = tmp_path / "lab.toml"
+    lab.write_text('partition = "debug"\n[remote]\nhost = "nobody@host.invalid"\n')
+    plain = tmp_path / "plain.toml"
+    plain.write_text('partition = "debug"\n')
+    run = CliRunner().invoke
+    res = run(cli, ["--remote", str(lab), "plan", "--model", "llama-tiny", "--json"])
+    assert res.exit_code == 0 and '"world_size"' in res.output, res.output
+    res = run(cli, ["--remote", str(plain), "list"])
+    assert res.exit_code == 2 and "has no [remote] table" in res.output
+    res = run(cli, ["--remote", str(lab), "data", "prepare", "x"])
+    assert res.exit_code == 2 and "runs on the login node only" in res.output and "ssh nobody@host.invalid" in res.output
+    res = run(cli, ["--remote", str(lab), "list"], env={ssh.ON_LOGIN: "1", "HPCTRAIN_STATE_DIR": str(tmp_path / "s")})
+    assert res.exit_code == 0, res.output  # on the login node the [remote] is not followed again
