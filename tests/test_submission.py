@@ -96,3 +96,19 @@ def test_attempt_numbers_from_a_run_folder_are_bounded(tmp_path: Path) -> None:
     (run / "logs" / "attempt-99999999999999999999.rank-0.log").write_text("")
     (run / "logs" / "attempt-4.rank-0.log").write_text("")
     assert next_attempt_number(run, [1, 10**40]) == 5
+
+
+def test_a_job_recorded_after_a_list_gave_up_on_it_is_pending_again(tmp_path: Path) -> None:
+    """A `list` elsewhere, with a grace period shorter than this sbatch took, marked the intent SUBMIT_FAILED;
+    the job's id arrives after: the attempt is PENDING with that id, not ended."""
+    from hpctrain.runs import folder as runs
+    from hpctrain.runs.registry import Registry
+    from hpctrain.slurm.transaction import Transaction
+
+    d = runs.create_run_folder_atomically(tmp_path / "runs", "tiny-0", {"spec.toml": "x\n"})
+    with Transaction([d], staging=d / "submitit", name="tiny", summary={}, mode="train") as tx:
+        tx.begin()
+        Registry().update_attempt("tiny-0", 0, state="SUBMIT_FAILED", ended=1.0, note="no job with the tag")
+        tx.settle([dispatch.Submitted("tiny-0", d, "42", "slurm")])
+    att = Registry().get_run("tiny-0").attempts[0]
+    assert (att.job_id, att.state, att.ended, att.tag) == ("42", "PENDING", None, "hpctrain:tiny-0")

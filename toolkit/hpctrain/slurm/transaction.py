@@ -210,12 +210,14 @@ class Transaction:
             try:
                 runs_mod.append_attempt(runs_mod.RunFolder(s.run_dir).attempts_jsonl, self._line(
                     i, job_id=s.job_id, state=JobState.PENDING, submitted=self.submitted, executor=s.executor,
-                    mode=self.mode, note=None))
+                    mode=self.mode, note=None, ended=None))
             except OSError as exc:  # the intent line stays: `status` finds the job by its tag
                 click.echo(f"warning: job {s.job_id} is queued, but {s.run_dir} could not record its id ({exc})",
                            err=True)
-        fields = [(s.run_id, self.attempt, {"job_id": s.job_id, "state": JobState.PENDING, "note": None})
-                  for s in subs]
+        # `ended` cleared too: a `list` elsewhere may have marked the intent SUBMIT_FAILED meanwhile (a grace
+        # period shorter than this sbatch took); the job's id and state are the truth now.
+        fields = [(s.run_id, self.attempt, {"job_id": s.job_id, "state": JobState.PENDING, "note": None,
+                                            "ended": None}) for s in subs]
         try:
             Registry().update_attempts(fields)
         except Exception as exc:  # noqa: BLE001 - the job IS queued and recorded (the intent); say so, go on
