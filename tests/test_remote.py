@@ -114,6 +114,7 @@ def test_site_profile_with_remote_still_resolves(tmp_path: Path) -> None:
     (1, "mkdir: cannot create directory 'x': No space left on device", "disk is full"),
     (255, "client_loop: send disconnect: Broken pipe", "never queued twice"),
     (12, "rsync: connection unexpectedly closed (0 bytes received so far) [sender]", "failed or dropped"),
+    (12, "bash: line 1: rsync: command not found\nrsync: connection unexpectedly closed", "no rsync on"),
 ])
 def test_failures_are_one_line_with_cause_and_fix(rc: int, stderr: str, words: str) -> None:
     msg = ssh.failure(_remote(), rc, stderr, "hpctrain status on alice@login.cluster")
@@ -204,3 +205,10 @@ def test_which_commands_go_to_the_login_node(tmp_path: Path, monkeypatch: pytest
     assert res.exit_code == 2 and "runs on the login node only" in res.output and "ssh nobody@host.invalid" in res.output
     res = run(cli, ["--remote", str(lab), "list"], env={ssh.ON_LOGIN: "1", "HPCTRAIN_STATE_DIR": str(tmp_path / "s")})
     assert res.exit_code == 0, res.output  # on the login node the [remote] is not followed again
+
+
+def test_no_ssh_on_this_machine_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # neither ssh nor rsync to be found
+    monkeypatch.setenv(ssh.CONTROL_DIR_ENV, str(tmp_path / "cm"))
+    with pytest.raises(forward.RemoteFailure, match=r"no `ssh` on this machine.*Fix: install"):
+        forward.Connection(_remote()).probe()

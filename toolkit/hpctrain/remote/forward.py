@@ -61,7 +61,7 @@ class Connection:
         return ssh.ssh_argv(self.remote, self.socket, command, tty)
 
     def rsync(self, argv: list[str], what: str) -> None:
-        proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
+        proc = _run(argv, what, stdin=subprocess.DEVNULL, capture_output=True)
         if proc.returncode != 0:
             raise RemoteFailure(ssh.failure(self.remote, proc.returncode, proc.stderr, what)
                                 or f"{what}: rsync failed (rc {proc.returncode}): {proc.stderr.strip()[-400:]}")
@@ -78,8 +78,8 @@ class Connection:
                 return Probe(kept["remote_dir"], kept["version"])
         except (OSError, ValueError, KeyError):
             pass
-        proc = subprocess.run(self._argv(ssh.probe_shell(self.remote)), stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
         what = f"hpctrain on {self.remote.host}"
+        proc = _run(self._argv(ssh.probe_shell(self.remote)), what, stdin=subprocess.DEVNULL, capture_output=True)
         if proc.returncode != 0:
             raise RemoteFailure(ssh.failure(self.remote, proc.returncode, proc.stderr, what)
                                 or f"{what}: `hpctrain --version` failed there (rc {proc.returncode}): "
@@ -108,12 +108,10 @@ class Connection:
     def shell(self, line: str, what: str, tty: bool = False, capture: bool = False) -> subprocess.CompletedProcess[str]:
         """One shell LINE on the login node (built from quoted words only)."""
         if capture:
-            proc = subprocess.run(self._argv(line, tty), stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                                  check=False)
+            proc = _run(self._argv(line, tty), what, stdin=subprocess.DEVNULL, capture_output=True)
             err = proc.stderr
         else:
-            proc = subprocess.run(self._argv(line, tty), stdin=None if tty else subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, text=True, check=False)
+            proc = _run(self._argv(line, tty), what, stdin=None if tty else subprocess.DEVNULL, stderr=subprocess.PIPE)
             err = proc.stderr or ""
             # The remote hpctrain's own messages pass through; ssh's are turned into one line below.
             if proc.returncode not in (ssh.SSH_FAILED, 127) and err:
@@ -141,6 +139,14 @@ class Connection:
     def close(self) -> None:
         subprocess.run(ssh.exit_argv(self.remote, self.socket), capture_output=True, check=False,
                        stdin=subprocess.DEVNULL)
+
+
+def _run(argv: list[str], what: str, **kw: Any) -> subprocess.CompletedProcess[str]:
+    """subprocess.run of ssh/rsync; their absence on this machine is a one-line refusal, not a traceback."""
+    try:
+        return subprocess.run(argv, text=True, check=False, **kw)
+    except FileNotFoundError as exc:
+        raise RemoteFailure(ssh.missing_program(exc, what)) from None
 
 
 # --------------------------------------------------------------------------------------------------

@@ -157,6 +157,13 @@ def _under(remote: Remote, path: str) -> str:
     return path if path.startswith("/") else f"{remote.remote_dir.rstrip('/')}/{path}"
 
 
+def missing_program(exc: FileNotFoundError, what: str) -> str:
+    """ssh or rsync itself is not installed on this machine."""
+    name = Path(str(exc.filename or "ssh")).name
+    return (f"{what}: no `{name}` on this machine (hpctrain uses your own OpenSSH and rsync). Fix: install "
+            "it (Debian/Ubuntu: apt-get install openssh-client rsync; macOS has both; Windows: use WSL)")
+
+
 def failure(remote: Remote, rc: int, stderr: str, what: str) -> str | None:
     """One line for a failed ssh/rsync, naming cause and fix; None when the remote hpctrain itself failed
     (its own message is already on stderr)."""
@@ -166,6 +173,9 @@ def failure(remote: Remote, rc: int, stderr: str, what: str) -> str | None:
     if "no space left on device" in err or "disk quota exceeded" in err:
         return (f"{what}: the login node's disk is full under {remote.remote_dir} ({site}.remote_dir). "
                 "Fix: free space there (old run folders, checkpoints) or point remote_dir at a larger filesystem")
+    if "rsync: command not found" in err or "rsync: not found" in err:
+        return (f"{what}: no rsync on {where} (files go to the login node with rsync). Fix: install rsync there "
+                "(Debian/Ubuntu: apt-get install rsync; RHEL: dnf install rsync), or ask its admins")
     if rc == 127:  # `exec env hpctrain ...` found no such program
         return (f"{what}: no hpctrain on {where} ({site}.hpctrain = {remote.hpctrain!r}: command not found). "
                 f"Fix: `hpctrain remote setup --site {remote.site}` installs it into a venv under "
