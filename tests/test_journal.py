@@ -67,3 +67,31 @@ def test_decisions_and_armed_supervisors(tmp_path: Path) -> None:
     assert manual.action == "manual" and manual.reason == "by hand" and manual.to_json()["checkpoint_step"] is None
     assert [d.job_id for d in journal.decisions(tmp_path, job="9")] == ["9"]
     assert journal.supervisors_of(tmp_path, "7") == ["8"] and journal.supervisors_of(tmp_path, "9") == ["10"]
+
+
+def test_in_job_restarts_and_health_checks_are_events_read_back_typed(tmp_path: Path) -> None:
+    """Both travel in events.jsonl as events of their kind (restart, health); an event written before the types
+    existed (extra keys only) reads back the same."""
+    from hpctrain.runs import events as ev
+    from hpctrain.runs.journal import HealthCheck, InJobRestart
+
+    r = InJobRestart(time=5.0, job_id="7", attempt=0, host="node2", failure_class="node_fail", message="lost",
+                     step_id="7.0", step_hosts=("node1", "node2"), next_step_id="7.1", next_attempt=1,
+                     hosts=("node1", "node3"), replaced={"node2": "node3"}, restart=1, budget=2, detected=4.0,
+                     stopped=4.5, first_error=3.9, job_hosts=("node1", "node2", "node3"), launched=5.0)
+    h = HealthCheck(time=1.0, job_id="7", attempt=0, step_id="7.0", hosts=("node1", "node2", "node3"),
+                    failed={"node2": "slow"}, train_hosts=("node1", "node3"), replaced={"node2": "node3"},
+                    elapsed_s=12.5)
+    (tmp_path / "events.jsonl").touch()
+    ev.append_event(tmp_path, h.to_event())
+    ev.append_event(tmp_path, r.to_event())
+    old = {"time": 9.0, "kind": "restart", "job_id": "8", "attempt": 2, "host": "", "class": "hang", "message": "x",
+           "step_id": "8.2", "next_step_id": "8.3", "next_attempt": 3, "hosts": ["node4"], "replaced": {}}
+    with (tmp_path / "events.jsonl").open("a") as f:
+        f.write(json.dumps(old) + "\n")
+    evs = ev.read_events(tmp_path)
+    assert journal.health_checks(evs) == [h] and h.to_event().message == "node2: slow"
+    got = journal.restarts(evs)
+    assert got[0] == r
+    assert (got[1].job_id, got[1].next_attempt, got[1].hosts, got[1].restart, got[1].detected) == \
+        ("8", 3, ("node4",), 0, None)

@@ -286,21 +286,18 @@ def _with_fault_notes(folder: Path, atts: list[dict[str, Any]]) -> list[dict[str
 def _with_health_checks(atts: list[dict[str, Any]], evs: list[run_events.Event]) -> list[dict[str, Any]]:
     """The health check a job ran before its first step (hpctrain.fault.injob's `health` event) onto the row
     of the attempt it opened: which nodes failed and why, and the spare that took each one's place."""
-    checks = {(str(e.job_id), e.attempt): e for e in evs if e.kind == run_events.HEALTH}
+    checks = {(h.job_id, h.attempt): h for h in journal.health_checks(evs)}
     if not checks:
         return atts
     out = []
     for a in atts:
-        e = checks.get((str(a.get("job_id") or ""), int(a["attempt"])))
-        if e is None:
+        h = checks.get((str(a.get("job_id") or ""), int(a["attempt"])))
+        if h is None:
             out.append(a)
             continue
-        x = e.extra
-        out.append(dict(a, health={"step_id": str(x.get("step_id") or ""), "hosts": list(x.get("hosts") or []),
-                                   "failed": dict(x.get("failed") or {}), "replaced": dict(x.get("replaced") or {}),
-                                   "train_hosts": list(x.get("train_hosts") or []),
-                                   "notes": [str(n) for n in x.get("notes") or []],
-                                   "elapsed_s": _float(x.get("elapsed_s")), "figures": dict(x.get("figures") or {})}))
+        out.append(dict(a, health={"step_id": h.step_id, "hosts": list(h.hosts), "failed": dict(h.failed),
+                                   "replaced": dict(h.replaced), "train_hosts": list(h.train_hosts),
+                                   "notes": list(h.notes), "elapsed_s": h.elapsed_s, "figures": dict(h.figures)}))
     return out
 
 

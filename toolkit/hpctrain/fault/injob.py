@@ -290,13 +290,11 @@ class Driver:
     def _record_health(self, attempt: int, step: str, verdict: Any, chosen: list[str], replaced: dict[str, str],
                        elapsed: float, driver: dict[str, Any] | None = None) -> None:
         remeasured = sorted(h for h, f in verdict.figures.items() if "remeasured" in f)
-        events_mod.append_event(self.run_dir, events_mod.Event(
-            kind=HEALTH, time=time.time(), job_id=self.job, attempt=attempt,
-            message="; ".join(f"{h}: {w}" for h, w in sorted(verdict.failed.items())),
-            extra={"step_id": step, "hosts": list(self.job_hosts), "failed": dict(verdict.failed),
-                   "notes": list(verdict.notes), "train_hosts": chosen, "replaced": replaced,
-                   "figures": verdict.figures, "remeasured": remeasured, "elapsed_s": round(elapsed, 2),
-                   **({"driver": {"host": self.job_hosts[0], **driver}} if driver else {})}))
+        events_mod.append_event(self.run_dir, journal.HealthCheck(
+            time=time.time(), job_id=self.job, attempt=attempt, step_id=step, hosts=tuple(self.job_hosts),
+            failed=dict(verdict.failed), notes=tuple(verdict.notes), train_hosts=tuple(chosen), replaced=replaced,
+            figures=verdict.figures, remeasured=tuple(remeasured), elapsed_s=round(elapsed, 2),
+            driver={"host": self.job_hosts[0], **driver} if driver else None).to_event())
 
     def _launch(self, hosts: list[str], attempt: int, restarts: str, used: int) -> tuple[Any, str]:
         from hpctrain.render.sbatch import render_hostfile
@@ -426,13 +424,12 @@ class Driver:
         """The restart as an event (the collector's attempt rows) and the new attempt in attempts.jsonl."""
         now = time.time()
         host = next(iter(nxt.replaced), "")
-        events_mod.append_event(self.run_dir, events_mod.Event(
-            kind=RESTART, time=now, host=host, job_id=self.job, attempt=attempt, failure_class=verdict.failure_class,
-            message=verdict.message, extra={"step_id": step, "step_hosts": list(step_hosts), "next_step_id": new_step, "next_attempt": nxt_attempt,
-                                            "replaced": nxt.replaced, "hosts": list(nxt.hosts), "restart": used,
-                                            "budget": self.budget, "detected": verdict.detected, "stopped": verdict.stopped,
-                                            "first_error": verdict.first_error, "job_hosts": list(self.job_hosts),
-                                            "launched": now}))
+        events_mod.append_event(self.run_dir, journal.InJobRestart(
+            time=now, host=host, job_id=self.job, attempt=attempt, failure_class=verdict.failure_class,
+            message=verdict.message, step_id=step, step_hosts=tuple(step_hosts), next_step_id=new_step,
+            next_attempt=nxt_attempt, replaced=nxt.replaced, hosts=tuple(nxt.hosts), restart=used, budget=self.budget,
+            detected=verdict.detected, stopped=verdict.stopped, first_error=verdict.first_error,
+            job_hosts=tuple(self.job_hosts), launched=now).to_event())
         # No state, times or nodes here: the collector merges a job's lines into each of its rows (state from
         # SLURM), and takes each step's own times and hosts from the restart event.
         runs_mod.RunFolder(self.run_dir).append_attempt(
@@ -469,8 +466,8 @@ def timeline(run_dir: Path) -> list[dict[str, Any]]:
     evs = events_mod.read_events(run_dir)
     steps = [r for r in runs_mod.iter_jsonl(runs_mod.RunFolder(run_dir).metrics_jsonl) if "step" in r]
     out = []
-    for e in (x for x in evs if x.kind == RESTART):
-        k, t0 = int(e.extra.get("next_attempt", -1)), float(e.extra.get("detected") or e.time)
+    for e in journal.restarts(evs):
+        k, t0 = e.next_attempt, float(e.detected or e.time)
         mine = [x for x in evs if x.attempt == k]
         up = min((x.time for x in mine if x.kind == events_mod.START), default=None)
         # rank 0's `train` events carry no attempt (the node writes them so): the first one after the restart
@@ -479,12 +476,12 @@ def timeline(run_dir: Path) -> list[dict[str, Any]]:
         resumed = starts[0].time if starts else None
         first = min((float(r["time"]) for r in steps if float(r.get("time", 0)) > t0), default=None)
         rel = {name: (None if t is None else round(float(t) - t0, 2)) for name, t in (
-            ("first_error", e.extra.get("first_error")), ("stopped", e.extra.get("stopped")), ("launched", e.extra.get("launched")), ("ranks_up", up),
+            ("first_error", e.first_error), ("stopped", e.stopped), ("launched", e.launched), ("ranks_up", up),
             ("resumed", resumed), ("first_step", first))}
         # rank 0's start-up, part by part (hpctrain.node.phases): entry, preflight, prepare, process group, engine, load
         startup = starts[0].extra.get("startup") if starts else None
         out.append({"attempt": e.attempt, "next_attempt": k, "class": e.failure_class,
-                    "replaced": e.extra.get("replaced"), "detected": t0, **rel,
+                    "replaced": e.replaced, "detected": t0, **rel,
                     **({"startup": startup} if isinstance(startup, dict) else {})})
     return out
 

@@ -161,10 +161,9 @@ def _allocation(nodelist: str, jid: str, evs: list[run_events.Event]) -> list[st
     it lacks the node it dropped), and the nodes its in-job restarts name (the driver's allocation, else the
     ended step's hosts and the next one's: the dead node and the spare that replaced it)."""
     out = dict.fromkeys(hosts_of(nodelist))
-    for e in evs:
-        if e.kind == run_events.RESTART and e.job_id == jid:
-            for key in ("job_hosts", "step_hosts", "hosts"):
-                out.update(dict.fromkeys(str(h) for h in e.extra.get(key) or ()))
+    for r in journal.restarts(evs):
+        if r.job_id == jid:
+            out.update(dict.fromkeys((*r.job_hosts, *r.step_hosts, *r.hosts)))
     return list(out)
 
 
@@ -190,9 +189,9 @@ def _in_job_numbers(folder: Path, evs: list[run_events.Event]) -> dict[str, set[
     """job id -> the attempt numbers its in-job restarts began (restart events, and attempts.jsonl's lines:
     those are written before the new step's ranks log anything)."""
     out: dict[str, set[int]] = {}
-    for e in evs:
-        if e.kind == run_events.RESTART and isinstance(e.extra.get("next_attempt"), int):
-            out.setdefault(e.job_id, set()).add(int(e.extra["next_attempt"]))
+    for r in journal.restarts(evs):
+        if r.next_attempt >= 0:
+            out.setdefault(r.job_id, set()).add(r.next_attempt)
     for rec in RunFolder(folder).read_attempts():
         if rec.get("in_job_restart_of") is not None and isinstance(rec.get("attempt"), int):
             out.setdefault(str(rec.get("job_id") or ""), set()).add(int(rec["attempt"]))
@@ -202,32 +201,31 @@ def _in_job_numbers(folder: Path, evs: list[run_events.Event]) -> dict[str, set[
 def _with_in_job_restarts(atts: list[dict[str, Any]], evs: list[run_events.Event]) -> list[dict[str, Any]]:
     """Rows of in-job restarts (hpctrain.fault.injob's `restart` events): each gets its step id, its own hosts
     and times (the step's launch to the restart's detection), the nodes a spare replaced, and the restart."""
-    restarts = {(e.job_id, e.attempt): e for e in evs if e.kind == run_events.RESTART and e.attempt is not None}
+    restarts = {(r.job_id, r.attempt): r for r in journal.restarts(evs)}
     if not restarts:
         return atts
-    after = {(e.job_id, int(e.extra.get("next_attempt", -1))): e for e in restarts.values()}
+    after = {(r.job_id, r.next_attempt): r for r in restarts.values()}
     out = []
     for a in atts:
         key = (str(a.get("job_id") or ""), int(a["attempt"]))
         row, ended, began = dict(a), restarts.get(key), after.get(key)
         if began is not None:
-            row.update(step_id=str(began.extra.get("next_step_id") or ""), started=_float(began.extra.get("launched")),
-                       nodes=",".join(began.extra.get("hosts") or []) or row.get("nodes"),
-                       replaced=dict(began.extra.get("replaced") or {}))
+            row.update(step_id=began.next_step_id, started=began.launched,
+                       nodes=",".join(began.hosts) or row.get("nodes"), replaced=dict(began.replaced))
             # The metrics split allows 5 s of clock skew before a start; every record of the ended step is
             # older than the restart's detection, so the split point is exact there.
-            over = _float(began.extra.get("stopped")) or _float(began.extra.get("detected"))
+            over = began.stopped or began.detected
             if over:
                 row["_split"] = over + 5
         if ended is not None:
-            replaced = ended.extra.get("replaced") or {}
-            row.update(step_id=str(ended.extra.get("step_id") or ""), state=JobState.REQUEUED,
-                       ended=_float(ended.extra.get("detected")) or ended.time,
-                       in_job_restart={k2: ended.extra.get(k2) for k2 in ("next_attempt", "next_step_id", "replaced",
-                                                                        "hosts", "restart", "budget")}
-                       | {"class": ended.failure_class, "message": ended.message})
-            if ended.extra.get("step_hosts"):
-                row["nodes"] = ",".join(ended.extra["step_hosts"])
+            replaced = ended.replaced
+            row.update(step_id=ended.step_id, state=JobState.REQUEUED, ended=ended.detected or ended.time,
+                       in_job_restart={"next_attempt": ended.next_attempt, "next_step_id": ended.next_step_id,
+                                       "replaced": dict(ended.replaced), "hosts": list(ended.hosts),
+                                       "restart": ended.restart, "budget": ended.budget,
+                                       "class": ended.failure_class, "message": ended.message})
+            if ended.step_hosts:
+                row["nodes"] = ",".join(ended.step_hosts)
             row["_in_job_failure"] = (ended.failure_class, ended.message, next(iter(replaced), None))
         out.append(row)
     return out

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpctrain.runs.events import HEALTH, RESTART, Event
 from hpctrain.runs.folder import RunFolder, append_attempt, iter_jsonl
 from hpctrain.states import NODE_VERDICTS, FailureClass, class_of_verdict
 
@@ -213,3 +214,117 @@ def supervisors_of(run_dir: str | Path, job: str) -> list[str]:
     """The supervisor jobs armed for job `job` (write_armed), oldest first."""
     return [str(r["supervisor_job"]) for r in iter_jsonl(RunFolder(run_dir).attempts_jsonl)
             if r.get("supervises") is not None and str(r["supervises"]) == str(job) and r.get("supervisor_job")]
+
+
+# -- events.jsonl: what the in-job driver did --------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class InJobRestart:
+    """One in-job restart (hpctrain.fault.injob), an events.jsonl line of kind `restart`: srun step `step_id` of
+    attempt `attempt` ended (`failure_class`, `message`; detected, stopped, its first rank error), and step
+    `next_step_id` began as attempt `next_attempt` on `hosts` (launched), a spare replacing each key of
+    `replaced`; restart `restart` of `budget`, in a job that holds `job_hosts`."""
+
+    time: float
+    job_id: str
+    attempt: int
+    host: str = ""  # the first host a spare replaced ("" for a restart in place)
+    failure_class: str | None = None
+    message: str = ""
+    step_id: str = ""
+    step_hosts: tuple[str, ...] = ()
+    next_step_id: str = ""
+    next_attempt: int = -1
+    hosts: tuple[str, ...] = ()
+    replaced: dict[str, str] = field(default_factory=dict)
+    restart: int = 0
+    budget: int = 0
+    detected: float | None = None
+    stopped: float | None = None
+    first_error: float | None = None
+    job_hosts: tuple[str, ...] = ()
+    launched: float | None = None
+
+    def to_event(self) -> Event:
+        extra = {"step_id": self.step_id, "step_hosts": list(self.step_hosts), "next_step_id": self.next_step_id,
+                 "next_attempt": self.next_attempt, "replaced": dict(self.replaced), "hosts": list(self.hosts),
+                 "restart": self.restart, "budget": self.budget, "detected": self.detected, "stopped": self.stopped,
+                 "first_error": self.first_error, "job_hosts": list(self.job_hosts), "launched": self.launched}
+        return Event(kind=RESTART, time=self.time, host=self.host, job_id=self.job_id, attempt=self.attempt,
+                     failure_class=self.failure_class, message=self.message, extra=extra)
+
+    @classmethod
+    def of_event(cls, e: Event) -> InJobRestart | None:
+        if e.kind != RESTART or e.attempt is None:
+            return None
+        x = e.extra
+        return cls(time=e.time, job_id=e.job_id, attempt=e.attempt, host=e.host, failure_class=e.failure_class,
+                   message=e.message, step_id=str(x.get("step_id") or ""), step_hosts=_strs(x.get("step_hosts")),
+                   next_step_id=str(x.get("next_step_id") or ""), next_attempt=_or(_int(x.get("next_attempt")), -1),
+                   hosts=_strs(x.get("hosts")),
+                   replaced={str(k): str(v) for k, v in (x.get("replaced") or {}).items()},
+                   restart=_or(_int(x.get("restart")), 0), budget=_or(_int(x.get("budget")), 0),
+                   detected=_float(x.get("detected")), stopped=_float(x.get("stopped")),
+                   first_error=_float(x.get("first_error")), job_hosts=_strs(x.get("job_hosts")),
+                   launched=_float(x.get("launched")))
+
+
+@dataclass(frozen=True, kw_only=True)
+class HealthCheck:
+    """The in-job driver's health check before a job's first step (hpctrain.fault.health's HealthVerdict), an
+    events.jsonl line of kind `health`: the nodes tested (`hosts`), those that failed and why, the spare that
+    took each one's place, the nodes chosen to train, notes, each node's figures, the nodes measured twice."""
+
+    time: float
+    job_id: str
+    attempt: int
+    step_id: str = ""
+    hosts: tuple[str, ...] = ()
+    failed: dict[str, str] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+    train_hosts: tuple[str, ...] = ()
+    replaced: dict[str, str] = field(default_factory=dict)
+    figures: dict[str, dict[str, Any]] = field(default_factory=dict)
+    remeasured: tuple[str, ...] = ()
+    elapsed_s: float | None = None
+    driver: dict[str, Any] | None = None  # the driver's own load on the batch host
+
+    def to_event(self) -> Event:
+        extra: dict[str, Any] = {"step_id": self.step_id, "hosts": list(self.hosts), "failed": dict(self.failed),
+                                 "notes": list(self.notes), "train_hosts": list(self.train_hosts),
+                                 "replaced": dict(self.replaced), "figures": self.figures,
+                                 "remeasured": list(self.remeasured), "elapsed_s": self.elapsed_s}
+        if self.driver:
+            extra["driver"] = self.driver
+        return Event(kind=HEALTH, time=self.time, job_id=self.job_id, attempt=self.attempt,
+                     message="; ".join(f"{h}: {w}" for h, w in sorted(self.failed.items())), extra=extra)
+
+    @classmethod
+    def of_event(cls, e: Event) -> HealthCheck | None:
+        if e.kind != HEALTH or e.attempt is None:
+            return None
+        x = e.extra
+        return cls(time=e.time, job_id=e.job_id, attempt=e.attempt, step_id=str(x.get("step_id") or ""),
+                   hosts=_strs(x.get("hosts")), failed={str(k): str(v) for k, v in (x.get("failed") or {}).items()},
+                   notes=_strs(x.get("notes")), train_hosts=_strs(x.get("train_hosts")),
+                   replaced={str(k): str(v) for k, v in (x.get("replaced") or {}).items()},
+                   figures=dict(x.get("figures") or {}), remeasured=_strs(x.get("remeasured")),
+                   elapsed_s=_float(x.get("elapsed_s")),
+                   driver=x["driver"] if isinstance(x.get("driver"), dict) else None)
+
+
+def _or(v: int | None, default: int) -> int:
+    return default if v is None else v
+
+
+def _strs(v: Any) -> tuple[str, ...]:
+    return tuple(str(x) for x in v) if isinstance(v, (list, tuple)) else ()
+
+
+def restarts(evs: list[Event]) -> list[InJobRestart]:
+    """The in-job restarts among a run's events (hpctrain.runs.events.read_events), in order."""
+    return [r for r in map(InJobRestart.of_event, evs) if r is not None]
+
+
+def health_checks(evs: list[Event]) -> list[HealthCheck]:
+    """The health checks among a run's events, in order."""
+    return [h for h in map(HealthCheck.of_event, evs) if h is not None]
