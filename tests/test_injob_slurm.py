@@ -66,6 +66,21 @@ def kill_and_restore(n: str, job: str, then: Callable[[], Any], what: str) -> An
         run_cmd(["bash", str(SLURM_SH), "restart-node", n.removeprefix("node")], timeout=120)
 
 
+def hpctrain(env: dict[str, str], *args: str, text: bool = False, timeout: float = 120, check: bool = True) -> Any:
+    """`hpctrain ARGS` as a user runs it: its stdout, parsed as JSON unless `text`."""
+    try:
+        out = subprocess.run([sys.executable, "-m", "hpctrain", *args], capture_output=True, text=True,
+                             timeout=timeout, check=check, env=env, stdin=subprocess.DEVNULL).stdout
+    except subprocess.TimeoutExpired as exc:  # --watch runs until the job ends: what it printed by then
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+    return out if text else json.loads(out)
+
+
+def summary_of(run: Path, env: dict[str, str]) -> dict[str, Any]:
+    rec = hpctrain(env, "summary", str(run), "--json")
+    return rec["runs"][0] if "runs" in rec else rec
+
+
 def test_a_spare_replaces_a_dead_node_in_the_same_job_then_the_queue_takes_over(slurm_cluster: Any,
                                                                                  tmp_path: Path) -> None:
     env = {**os.environ, "HPCTRAIN_RUNS_DIR": str(tmp_path / "runs"), "HPCTRAIN_STATE_DIR": str(tmp_path / "state")}
@@ -96,6 +111,19 @@ def test_a_spare_replaces_a_dead_node_in_the_same_job_then_the_queue_takes_over(
     resumed_at = max(r["step"] for r in steps_seen(run))
     wait_until(lambda: len([r for r in steps_seen(run) if r["time"] > first["launched"]]) >= 6, 600,
                "six steps of the in-job restart", poll=1)
+    # While the replacement trains, every report counts it as attempt 1 of its own, without its predecessor's
+    # failure (summary showed "node_fail, rank 0 on node3" on it), and status names the node its spare replaced.
+    live = summary_of(run, env)["attempts"]
+    assert [(a["attempt"], a.get("step_id"), a["how"]) for a in live] == [(0, f"{job}.0", "submitted"),
+                                                                          (1, f"{job}.1", "in_job")], live
+    assert live[1]["state"] == "RUNNING" and live[1]["failure_class"] is None, (live[1], summary_of(run, env)["warnings"])
+    assert live[0]["failure_class"] == "node_fail" and live[0]["failure"]["host"] == hosts[2], live[0]
+    st = hpctrain(env, "status", run.name, "--json")
+    assert [(h["attempt"], h["how"]) for h in st["history"]] == [(0, "submitted"), (1, "in_job")], st["history"]
+    assert st["history"][1]["replaced"] == {hosts[2]: spare}
+    assert "replaced by the spare" in hpctrain(env, "status", run.name, text=True)
+    watched = hpctrain(env, "status", run.name, "--watch", "--interval", "0.5", text=True, timeout=20, check=False)
+    assert f"job step {job}.1 (attempt 1)" in watched and f"{hosts[2]} replaced by the spare {spare}" in watched
     t_restart = first["launched"]
     decided = kill_and_restore(spare, job, lambda: [n for n in jsonl(run / "attempts.jsonl") if "decision" in n],
                                "the supervisor's decision")[0]
@@ -122,15 +150,28 @@ def test_a_spare_replaces_a_dead_node_in_the_same_job_then_the_queue_takes_over(
     assert resumed_at - 3 <= min(int(r["step"]) for r in steps_seen(run) if r["time"] > t_restart) <= resumed_at + 1
 
     # summary: the in-job restart is an attempt of its own, with its step id and the node its spare replaced.
-    out = subprocess.run([sys.executable, "-m", "hpctrain", "summary", str(run), "--json"], capture_output=True,
-                         text=True, timeout=120, check=True, env=env, stdin=subprocess.DEVNULL).stdout
-    rec = json.loads(out)
-    rec = rec[0] if isinstance(rec, list) else rec
-    atts = rec["runs"][0]["attempts"] if "runs" in rec else rec["attempts"]
+    atts = summary_of(run, env)["attempts"]
     a0 = atts[0]
     assert a0["step_id"] == f"{job}.0" and a0["failure_class"] == "node_fail"
     assert a0["in_job_restart"]["replaced"] == {hosts[2]: spare}
     assert atts[1]["step_id"] == f"{job}.1" and atts[1]["job_id"] == job and atts[-1]["job_id"] == nxt
+    # Lost work is what the next attempt trained again; the first job's cost counts all 4 nodes it held, as
+    # SLURM's accounting does (the spare's share shown), not the 3 that trained.
+    redone = min(int(r["step"]) for r in steps_seen(run) if r["time"] > t_restart)
+    assert (a0["lost_steps"], a0["lost_from"]) == (a0["last_step"] - redone + 1, "redone"), a0
+    held = run_cmd(["sacct", "-n", "-P", "-X", "-j", job, "-o", "NNodes"], timeout=30).stdout.split()
+    res = (run / "spec.toml").read_text().split("[resources]")[1][:400]
+    assert a0["allocated_nodes"] == atts[1]["allocated_nodes"] == int(held[0]) == 4, \
+        (held, {k: a0[k] for k in ("nodes", "hosts", "allocated_nodes", "cpu_hours", "elapsed_s")}, res)
+    assert a0["spare_hours"] == pytest.approx(a0["cpu_hours"] / 4, abs=1e-5)
+    # status and list count the same three attempts; logs place attempt 1's third rank on the spare.
+    st = hpctrain(env, "status", run.name, "--json")
+    assert [(h["attempt"], h["job_id"], h["how"]) for h in st["history"]] == \
+        [(0, job, "submitted"), (1, job, "in_job"), (2, nxt, "submitted")], st["history"]
+    assert st["history"][0]["started"] <= min(r["time"] for r in steps_seen(run))
+    assert next(r for r in hpctrain(env, "list", "--json") if r["run_id"] == run.name)["attempt_count"] == 3
+    on_spare = hpctrain(env, "logs", run.name, "--host", spare, "--attempt", "1", text=True).splitlines()
+    assert on_spare and all(ln.startswith(f"a1 r2 {spare}") for ln in on_spare), on_spare[:3]
 
     from hpctrain.fault.injob import timeline
 
