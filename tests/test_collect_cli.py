@@ -472,3 +472,38 @@ def test_status_and_list_count_an_in_job_restart_as_summary_does(env: dict[str, 
     listed = CliRunner().invoke(group, ["list"], catch_exceptions=False).stdout.splitlines()
     assert listed[1].split()[3] == "2", listed
     assert json.loads(CliRunner().invoke(group, ["list", "--json"]).stdout)[0]["attempt_count"] == 2
+
+
+def test_a_requeue_is_one_more_attempt_in_status_and_list_too(env: dict[str, Any]) -> None:
+    """SLURM requeued job 80 (logs/attempt-1.*): status and list count two attempts, as summary does."""
+    from hpctrain.cli import runs as cli_runs
+
+    logs = {f"logs/attempt-{k}.rank-0.log": rank_log(0, [(t, "hpctrain node: rank 0/2")]) for k, t in ((0, 1), (1, 50))}
+    make_run(env, "requeue2", [{"attempt": 0, "job_id": "80", "state": "COMPLETED", "nodes": "node1",
+                                "started": T0 + 49, "ended": T0 + 60, "exit_code": "0:0"}], logs=logs)
+    rows = json.loads(invoke("summary", "requeue2", "--json").stdout)["runs"][0]["attempts"]
+    assert [(r["attempt"], r["how"], r["state"]) for r in rows] == [(0, "submitted", "REQUEUED"),
+                                                                    (1, "requeued", "COMPLETED")]
+    group = click.Group()
+    cli_runs.register(group)
+    st = json.loads(CliRunner().invoke(group, ["status", "requeue2", "--json"]).stdout)
+    assert [(h["attempt"], h["how"], h["state"]) for h in st["history"]] == [(0, "submitted", "REQUEUED"),
+                                                                            (1, "requeued", "COMPLETED")]
+    assert json.loads(CliRunner().invoke(group, ["list", "--json"]).stdout)[0]["attempt_count"] == 2
+
+
+def test_a_script_that_never_resumes_lost_every_step_it_redid(env: dict[str, Any]) -> None:
+    """A user's script checkpointed on the preemption signal but its rerun started again from step 1: the 57
+    steps it redid are lost (was 0, from the checkpoint's existence), and the stop no longer says "resumable"."""
+    stop = {"kind": "stop", "time": T0 + 60, "rank": 0, "host": "node1", "job_id": "90", "attempt": 0,
+            "class": "preempted", "signal": 15, "checkpointed": True,
+            "message": "signal 15: checkpointed at step 57, stopping for requeue"}
+    folder = make_run(env, "noresume", [
+        {"attempt": 0, "job_id": "90", "state": "PREEMPTED", "nodes": "node1", "started": T0, "ended": T0 + 61},
+        {"attempt": 1, "job_id": "91", "state": "COMPLETED", "nodes": "node2", "started": T0 + 100,
+         "ended": T0 + 170, "exit_code": "0:0"}],
+        metrics=metrics(range(1, 58), 0, 1000) + metrics(range(1, 61), 100, 1000), ckpts=(57,))
+    (folder / "events.jsonl").write_text(json.dumps(stop) + "\n")
+    a0, a1 = json.loads(invoke("summary", "noresume", "--json").stdout)["runs"][0]["attempts"]
+    assert (a0["lost_steps"], a0["lost_from"], a1["lost_steps"]) == (57, "redone", 0), a0
+    assert "resumable" not in a0["failure"]["message"] and "started again from step 1" in a0["failure"]["message"]
