@@ -92,10 +92,14 @@ def submit(run_dirs: Sequence[Path], spec: Spec, plan: Plan, executor: str = "au
         if dependency:
             raise HpcUsageError(f"--after = {dependency!r}: the local executor runs the job now and cannot wait "
                                 "for another. Fix: use --executor slurm, or submit without --after")
-        subs = _submit_local(dirs, spec, plan, mode)
-        _record(subs, spec, plan, mode)
-        if on_settled is not None:
-            on_settled(subs)
+        # A local job starts at once, so there is no intent to record first; the signals are held all the same
+        # from its start until it is recorded (never a running job whose folder an interrupt removed).
+        with Transaction(dirs, staging=_staging(dirs), name=spec.name, summary={}, mode=mode) as held:
+            subs = _submit_local(dirs, spec, plan, mode)
+            _record(subs, spec, plan, mode)
+            held.settled = subs
+            if on_settled is not None:
+                on_settled(subs)
         return subs
     text, rendered_here = _checked_script(dirs, spec, plan, dependency, script)
     tx = Transaction(dirs, staging=_staging(dirs), name=spec.name, summary=spec_summary(spec, plan, mode), mode=mode)
@@ -155,18 +159,20 @@ def submit_attempt(run_dir: Path, spec: Spec, plan: Plan, attempt: int, mode: st
         tx = Transaction([d], staging=_staging([d]), name=spec.name, summary=spec_summary(spec, plan, mode),
                          mode=mode, attempt=attempt, record=record)
         return _transact(tx, lambda: _submit_slurm([d], spec, mode, text, rendered_here, tx), on_settled)[0]
-    sub = _submit_local([d], spec, plan, mode)[0]
-    now = time.time()
-    runs_mod.append_attempt(folder.attempts_jsonl,
-                            {**(record or {}), "attempt": attempt, "job_id": sub.job_id, "state": JobState.PENDING,
-                             "submitted": now, "executor": executor, "mode": mode})
-    try:
-        Registry().add_attempt(Attempt(run_id=d.name, attempt=attempt, job_id=sub.job_id, state=JobState.PENDING,
-                                       submitted=now))
-    except Exception:  # noqa: BLE001,S110 - the job IS queued; attempts.jsonl holds the record
-        pass
-    if on_settled is not None:
-        on_settled([sub])
+    with Transaction([d], staging=_staging([d]), name=spec.name, summary={}, mode=mode) as held:  # signals
+        sub = _submit_local([d], spec, plan, mode)[0]
+        now = time.time()
+        runs_mod.append_attempt(folder.attempts_jsonl,
+                                {**(record or {}), "attempt": attempt, "job_id": sub.job_id,
+                                 "state": JobState.PENDING, "submitted": now, "executor": executor, "mode": mode})
+        try:
+            Registry().add_attempt(Attempt(run_id=d.name, attempt=attempt, job_id=sub.job_id,
+                                           state=JobState.PENDING, submitted=now))
+        except Exception:  # noqa: BLE001,S110 - the job IS running; attempts.jsonl holds the record
+            pass
+        held.settled = [sub]
+        if on_settled is not None:
+            on_settled([sub])
     return sub
 
 
