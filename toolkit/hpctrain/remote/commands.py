@@ -71,7 +71,9 @@ def settle(conn: Connection, rec: dict[str, Any], same: bool, say: Callable[[str
     if head.startswith("done"):
         say(f"hpctrain: the submit of {time.strftime('%H:%M:%S', time.localtime(rec['sent']))} ({rec['id']}), "
             "cut off by a dropped connection, reached the login node; its answer:")
-        show(out)
+        # Typed again: its answer is this command's output. Another command's: a note on stderr, so that
+        # this command's stdout (JSON, say) stays its own.
+        (show if same else say)(out if same else out.rstrip("\n"))
         rc = int(head.split()[1]) if len(head.split()) > 1 and head.split()[1].isdigit() else 1
         return rc if same else None
     if head == "never":
