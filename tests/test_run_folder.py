@@ -90,8 +90,8 @@ def _config_given_to_deepspeed(run: Path, world: int, monkeypatch: pytest.Monkey
     that deepspeed.initialize received)."""
     import deepspeed
 
-    from hpctrain.node import model as node_model
     from hpctrain.node import lora, pipeline, train
+    from hpctrain.node import model as node_model
 
     seen: dict[str, Any] = {}
 
