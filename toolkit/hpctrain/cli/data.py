@@ -109,9 +109,17 @@ def _submit(argv: list[str], inputs: list[str], out: str | None, workers: int, p
     extra = ["--job-name=hpctrain-prepare", "--nodes=1", "--ntasks=1", f"--cpus-per-task={cpus}",
              f"--time={time_limit}", f"--output={slurm_filename(folder)}/prepare-%j.out",
              *([f"--partition={partition}"] if partition else []), *([f"--mem={mem}"] if mem else [])]
-    job = commands.job_id_from_sbatch(commands.sbatch(str(path), extra=extra))
-    click.echo(f"submitted prepare job {job} ({cpus} CPUs): log {str(log).replace('%j', job)}"
-               + (f", folder {folder}" if out else " (the log names the cache folder)"))
+    # Held signals (hpctrain.slurm.transaction): a Ctrl-C while sbatch runs still prints the job's id, and the
+    # tag finds the job if sbatch's answer is lost (`squeue --me -o '%i %k'`).
+    from hpctrain.slurm.transaction import HeldSignals
+
+    job = ""
+    with HeldSignals(lambda sig: f"hpctrain: {sig} arrived while submitting; prepare job {job} is queued: "
+                                 f"`scancel {job}` stops it" if job else ""):
+        answer = commands.sbatch(str(path), extra=extra, comment=f"hpctrain-prepare:{folder}")
+        job = commands.job_id_from_sbatch(answer)
+        click.echo(f"submitted prepare job {job} ({cpus} CPUs): log {str(log).replace('%j', job)}"
+                   + (f", folder {folder}" if out else " (the log names the cache folder)"))
 
 
 def _node_cpus(partition: str) -> int:

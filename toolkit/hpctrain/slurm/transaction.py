@@ -30,7 +30,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, Self
@@ -59,27 +59,16 @@ class Interrupted(click.Abort):
     """A signal arrived before sbatch ran: the intent is withdrawn, nothing was queued."""
 
 
-class Transaction:
-    """The intent, the held signals and the settling of one submission (see the module's docstring).
+class HeldSignals:
+    """SIGINT, SIGTERM and SIGHUP held while the block runs (main thread only; a signal the process ignores stays
+    ignored), then delivered as if they arrived at its end, after `note()`'s line (if any) on stderr. For any
+    sbatch whose job must not be lost to an interrupt (a submission; `data prepare --submit`'s job)."""
 
-    Transaction(dirs, staging=..., name=..., summary=..., mode="train", attempt=0, record=None) is a context
-    manager: `begin()` before sbatch, then `settle(subs)`, `unknown(exc)` or `withdraw(reason)`.
-    `staging` is the folder where the pickles wait for their job id (`pickles`, one per run folder)."""
-
-    def __init__(self, dirs: Sequence[Path], *, staging: Path, name: str, summary: dict[str, Any], mode: str,
-                 attempt: int = 0, record: dict[str, Any] | None = None) -> None:
-        self.dirs = [Path(d) for d in dirs]
-        self.name, self.summary, self.mode, self.attempt = name, summary, mode, attempt
-        self.record = dict(record or {})
-        self.tag = submission_tag(self.dirs, attempt)
-        self.pickles = [staging / f".{uuid.uuid4().hex}.pkl" for _ in self.dirs]
-        self.submitted = time.time()
-        self.settled: list[Submitted] = []
-        self.unsettled = False  # sbatch may have queued the job, its id unknown (`unknown`)
+    def __init__(self, note: Callable[[str], str] | None = None) -> None:
         self.pending: list[int] = []
         self._old: dict[int, Any] = {}
+        self._note = note
 
-    # -- held signals -------------------------------------------------------------------------
     def __enter__(self) -> Self:
         if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
             for sig in _HELD:
@@ -97,6 +86,10 @@ class Transaction:
     def interrupted(self) -> bool:
         return bool(self.pending)
 
+    def note(self, signame: str) -> str:
+        """The line stderr gets before a held signal takes effect ("" for none)."""
+        return self._note(signame) if self._note is not None else ""
+
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         for sig, old in self._old.items():
@@ -106,18 +99,43 @@ class Transaction:
             return
         sig = self.pending[0]
         self.pending = []
-        name = signal.Signals(sig).name
+        line = self.note(signal.Signals(sig).name)
+        if line:
+            click.echo(line, err=True)
+        os.kill(os.getpid(), sig)  # as if it arrived now: its own handler (KeyboardInterrupt, or the default)
+
+
+class Transaction(HeldSignals):
+    """The intent, the held signals and the settling of one submission (see the module's docstring).
+
+    Transaction(dirs, staging=..., name=..., summary=..., mode="train", attempt=0, record=None) is a context
+    manager: `begin()` before sbatch, then `settle(subs)`, `unknown(exc)` or `withdraw(reason)`.
+    `staging` is the folder where the pickles wait for their job id (`pickles`, one per run folder)."""
+
+    def __init__(self, dirs: Sequence[Path], *, staging: Path, name: str, summary: dict[str, Any], mode: str,
+                 attempt: int = 0, record: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.dirs = [Path(d) for d in dirs]
+        self.name, self.summary, self.mode, self.attempt = name, summary, mode, attempt
+        self.record = dict(record or {})
+        self.tag = submission_tag(self.dirs, attempt)
+        self.pickles = [staging / f".{uuid.uuid4().hex}.pkl" for _ in self.dirs]
+        self.submitted = time.time()
+        self.settled: list[Submitted] = []
+        self.unsettled = False  # sbatch may have queued the job, its id unknown (`unknown`)
+
+    def note(self, signame: str) -> str:
+        first = self.dirs[0].name
         if self.unsettled:
-            click.echo(f"hpctrain: {name} arrived while sbatch ran; the run {self.dirs[0].name} is kept as "
-                       f"SUBMIT_UNKNOWN: `hpctrain status {self.dirs[0].name}` finds its job by its comment "
-                       f"{self.tag}, or marks it SUBMIT_FAILED if SLURM never lists one", err=True)
-        elif self.settled:
+            return (f"hpctrain: {signame} arrived while sbatch ran; the run {first} is kept as SUBMIT_UNKNOWN: "
+                    f"`hpctrain status {first}` finds its job by its comment {self.tag}, or marks it SUBMIT_FAILED "
+                    "if SLURM never lists one")
+        if self.settled:
             ids = ", ".join(s.job_id for s in self.settled)
             run = self.settled[0].run_id
-            click.echo(f"hpctrain: {name} arrived while submitting; job {ids} is queued and "
-                       f"recorded as run {run}{' and more' if len(self.settled) > 1 else ''}: `hpctrain cancel "
-                       f"{run}` stops it", err=True)
-        os.kill(os.getpid(), sig)  # as if it arrived now: its own handler (KeyboardInterrupt, or the default)
+            return (f"hpctrain: {signame} arrived while submitting; job {ids} is queued and recorded as run "
+                    f"{run}{' and more' if len(self.settled) > 1 else ''}: `hpctrain cancel {run}` stops it")
+        return ""
 
     def pause(self, point: str) -> None:
         """The tests' hook (PAUSE_POINTS); nothing unless HPCTRAIN_SUBMIT_PAUSE_AT names `point`."""
