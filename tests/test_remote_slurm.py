@@ -99,6 +99,12 @@ def laptop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Laptop]:
 
             ids = {a.job_id.split("_")[0] for r in Registry(state).list_runs(limit=None) for a in r.attempts}
             subprocess.run(["scancel", *sorted(i for i in ids if i)], capture_output=True, timeout=30, check=False)
+        # and the supervisor jobs the submits armed (waiting on those jobs): their scripts lie in our run folders
+        queue = subprocess.run(["squeue", "-h", "-o", "%i|%o"], capture_output=True, text=True, timeout=30,
+                               check=False).stdout
+        ours = [ln.split("|")[0] for ln in queue.splitlines() if f"{lap.remote_dir}/runs/" in ln]
+        if ours:
+            subprocess.run(["scancel", *ours], capture_output=True, timeout=30, check=False)
         for sock in (base / "cm").glob("*"):
             if sock.is_socket():
                 subprocess.run(["ssh", "-o", f"ControlPath={sock}", "-O", "exit", "login"], capture_output=True,
