@@ -561,3 +561,16 @@ def test_the_driver_condemns_a_borderline_node_that_is_slow_again(tmp_path: Path
     assert d.run() == 0 and "--nodelist=node2,node3" in steps.argv[2]
     (e,) = ev.read_events(d.run_dir, kind=ev.HEALTH)
     assert "slow again when measured again" in e.extra["failed"]["node1"] and e.extra["replaced"] == {"node1": "node3"}
+
+
+def test_an_injected_borderline_host_is_measured_again_and_a_failed_one_stays_failed() -> None:
+    from hpctrain.fault.health import HealthVerdict, with_injected_borderline
+    from hpctrain.node.health import injected
+
+    v = HealthVerdict(failed={"node2": "slow"}, retest={"node3": "CPU matmul 50 < 0.8 x ..."})
+    text = "fail:rank=1; borderline:host=node1;borderline:host=node2"
+    got = with_injected_borderline(v, text)
+    assert got.retest == {"node1": "injected (HPCTRAIN_HEALTH_INJECT)", "node3": "CPU matmul 50 < 0.8 x ..."}
+    assert got.failed == {"node2": "slow"}
+    assert with_injected_borderline(v, "matmul:host=node1,f=0.5") is v
+    assert ("borderline", {"host": "node1"}) in injected(text)  # the node accepts the entry (and ignores it)

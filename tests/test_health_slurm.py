@@ -3,7 +3,9 @@
 1. A slow link, made for real (tc on node2's veth pair: 40 Mbit/s both ways): a 2-node run with one spare,
    pinned to node1-node3, checks all three nodes in an srun step of its own; node2's ring pairs are slow while
    its neighbours each keep one fast pair, so node2 alone fails, node3 takes its place before any training step,
-   and the run trains to its end on node1 and node3 in the same job (sacct: the health step, then training).
+   and the run trains to its end on node1 and node3 in the same job. node1 is made borderline in the first round
+   (injected: a real borderline depends on each node's noise), so the driver measures it again in a second srun
+   step of its own, where it passes and keeps its place (sacct: the health step, the re-measurement, training).
 2. No spare: a check that fails on one node (injected once per run) ends the job before training; the
    supervisor resubmits with that node excluded, and the second job passes its check and trains to the end.
 """
@@ -58,13 +60,15 @@ def test_a_node_with_a_slow_link_is_swapped_for_the_spare_before_training(slurm_
     run_cmd(["bash", str(SLURM_SH), "slow-net", "2", "40mbit"], timeout=60)
     try:
         run, job, env = submit(tmp_path, "--nodes", "2", "--spare-nodes", "1", "--set", "resources.exclude=node4",
-                               "--job-name", "health-net")
+                               "--job-name", "health-net", env_extra={"HPCTRAIN_HEALTH_INJECT": "borderline:host=node1"})
         (check,) = wait_until(lambda: health_events(run), 600, "the health check's verdict", poll=1)
     finally:
         run_cmd(["bash", str(SLURM_SH), "slow-net", "2", "off"], timeout=60)
     assert list(check["failed"]) == ["node2"], check
     assert "best ring link" in check["failed"]["node2"] and check["replaced"] == {"node2": "node3"}
     assert check["train_hosts"] == ["node1", "node3"]
+    assert check["remeasured"] == ["node1"], check
+    assert any(n.startswith("node1: borderline at first (injected") and "passed" in n for n in check["notes"]), check
     figures = check["figures"]
     assert figures["node2"]["best_link_gbps"] < 0.5 * figures["node1"]["best_link_gbps"]
     wait_until(lambda: last_step(run) >= STEPS, 900, "the run's last step", poll=1)
@@ -72,7 +76,8 @@ def test_a_node_with_a_slow_link_is_swapped_for_the_spare_before_training(slurm_
 
     rows = run_cmd(["sacct", "-n", "-P", "-j", job, "-o", "JobID,NodeList"], timeout=30).stdout.splitlines()
     steps = {r.split("|")[0]: r.split("|")[1] for r in rows}
-    assert steps.get(f"{job}.0") == "node[1-3]" and steps.get(f"{job}.1") == "node[1,3]", rows
+    assert steps.get(f"{job}.0") == "node[1-3]" and steps.get(f"{job}.1") == "node1", rows
+    assert steps.get(f"{job}.2") == "node[1,3]", rows
     text = summary_text(run, env)
     assert "health check" in text and "node2 failed: network" in text and "replaced by node3" in text, text
 

@@ -262,6 +262,9 @@ NODE_MODE_ENV, HEALTH_DIR_ENV = "HPCTRAIN_NODE_MODE", "HPCTRAIN_HEALTH_DIR"
 # The driver's second health step, on borderline nodes only: HPCTRAIN_HEALTH_ROUND=2 makes the check measure
 # the node's compute again (no network test) into HPCTRAIN_HEALTH_DIR; the driver judges both rounds' samples.
 HEALTH_ROUND_ENV = "HPCTRAIN_HEALTH_ROUND"
+# Tests' fault injection into the health check (hpctrain.node.health's docstring lists the entries; the
+# driver reads "borderline:host=H", the node the rest).
+HEALTH_INJECT_ENV = "HPCTRAIN_HEALTH_INJECT"
 
 # Verdicts in metrics/watchdog.jsonl that blame nodes, not the program: a lost peer (the watchdog), a node that
 # failed the health check and a persistent straggler (the in-job driver, when no spare was left). The supervisor

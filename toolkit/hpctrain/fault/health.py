@@ -94,6 +94,21 @@ class Score:
         return out + (f" ({ratio:g} less the windows' noise {self.noise:.2f})" if f < ratio else "")
 
 
+def with_injected_borderline(verdict: HealthVerdict, inject: str) -> HealthVerdict:
+    """Tests: the hosts that HPCTRAIN_HEALTH_INJECT names in "borderline:host=H" entries are measured again as if
+    their first round had been borderline (a failed host stays failed). A real borderline needs a rate between
+    two lines that move with each node's noise; this makes the driver's second step run on the cluster at will."""
+    hosts = [kw.get("host", "") for kind, _, kw in (_entry(p) for p in inject.split(";") if p.strip())
+             if kind == "borderline"]
+    extra = {h: "injected (HPCTRAIN_HEALTH_INJECT)" for h in hosts if h and h not in verdict.failed}
+    return dataclasses.replace(verdict, retest={**extra, **verdict.retest}) if extra else verdict
+
+
+def _entry(item: str) -> tuple[str, str, dict[str, str]]:
+    kind, _, args = item.strip().partition(":")
+    return kind, args, dict(a.split("=", 1) for a in args.split(",") if "=" in a)
+
+
 def read_reports(directory: Path, hosts: list[str]) -> dict[str, dict[str, Any] | None]:
     """Each host's report (None: none, or an unreadable one)."""
     out: dict[str, dict[str, Any] | None] = {}

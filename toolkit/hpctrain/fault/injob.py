@@ -43,6 +43,7 @@ from hpctrain.runs import journal
 from hpctrain.runs.journal import WatchdogVerdict
 from hpctrain.states import (
     HEALTH_DIR_ENV,
+    HEALTH_INJECT_ENV,
     HEALTH_ROUND_ENV,
     IMPLICATES_HOST,
     INJOB_RESTART_ENV,
@@ -236,7 +237,7 @@ class Driver:
         judge = functools.partial(health_mod.judge, matmul_ratio=self.health_matmul_ratio, retest=True,
                                   net_ratio=self.health_net_ratio, min_busbw_gbps=self.health_min_busbw_gbps,
                                   batch_host=self.job_hosts[0], batch_load=driver["share"])
-        verdict = judge(reports)
+        verdict = health_mod.with_injected_borderline(judge(reports), os.environ.get(HEALTH_INJECT_ENV, ""))
         if verdict.retest:  # borderline: measured again, judged on both rounds' windows; only slow again fails
             again_dir = out_dir / "again"
             again_dir.mkdir(exist_ok=True)

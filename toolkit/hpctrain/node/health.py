@@ -28,7 +28,8 @@ again (REMEASURE_WINDOWS windows) and skips the network.
 HPCTRAIN_HEALTH_INJECT (tests): "matmul:host=H,f=F" makes host H's matmul F times as fast, every time: each
 counted product costs 1/F products of real work (extra products, uncounted), so the GPU or CPU is measured as
 slow per wall second and per CPU-second alike; "fail:rank=R" makes the check of the step's rank R raise, once
-per run (a marker in metrics/faults/, so the resubmitted job passes). A slow link is made for real in the tests
+per run (a marker in metrics/faults/, so the resubmitted job passes); "borderline:host=H" is read by the in-job
+driver, not here: it measures H again as if its first round had been borderline (fault.health). A slow link is made for real in the tests
 (tc on the node's interface).
 """
 
@@ -46,7 +47,7 @@ from typing import Any
 
 from hpctrain.node.faultinject import fire_once
 from hpctrain.runs.folder import RunFolder
-from hpctrain.states import HEALTH_DIR_ENV, HEALTH_ROUND_ENV
+from hpctrain.states import HEALTH_DIR_ENV, HEALTH_INJECT_ENV, HEALTH_ROUND_ENV
 
 # Compute windows before and after the network test (interleaved: a burst of load on the machine, another
 # node's start-up, the driver on the batch host, hits only some of them); the judge uses the best one.
@@ -67,7 +68,7 @@ ALLREDUCE_BYTES = {"gpu": 256 << 20, "cpu": 4 << 20}
 PAIR_BYTES = {"gpu": 64 << 20, "cpu": 2 << 20}
 NET_TIME_S = 0.5  # the all-reduce is repeated for about this long (at least 3 times, the count agreed by all)
 PAIR_REPS = 5  # ping-pongs per pair (a fixed count: both ends must run the same number)
-INJECT_ENV = "HPCTRAIN_HEALTH_INJECT"
+INJECT_ENV = HEALTH_INJECT_ENV
 
 
 
@@ -100,9 +101,10 @@ def injected(text: str | None = None) -> list[tuple[str, dict[str, str]]]:
     for item in filter(None, (p.strip() for p in text.split(";"))):
         kind, _, args = item.partition(":")
         kw = dict(a.split("=", 1) for a in args.split(",") if "=" in a)
-        if kind not in ("matmul", "fail") or (kind == "matmul" and not {"host", "f"} <= set(kw)) or \
-                (kind == "fail" and "rank" not in kw):
-            raise ValueError(f"{INJECT_ENV} entry {item!r}: expected matmul:host=H,f=F or fail:rank=R")
+        if kind not in ("matmul", "fail", "borderline") or (kind == "matmul" and not {"host", "f"} <= set(kw)) or \
+                (kind == "fail" and "rank" not in kw) or (kind == "borderline" and "host" not in kw):
+            raise ValueError(f"{INJECT_ENV} entry {item!r}: expected matmul:host=H,f=F, fail:rank=R or "
+                             "borderline:host=H")
         out.append((kind, kw))
     return out
 
