@@ -322,6 +322,25 @@ def test_peer_lost_verdict_is_a_node_failure_for_supervisor_and_summary(tmp_path
     assert (f.failure_class, f.host, f.rank) == ("node_fail", "node2", 1)
 
 
+def test_a_straggler_verdict_is_a_straggler_for_the_supervisor_and_its_host_is_excluded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The in-job driver's verdict when a persistent straggler had no spare left: retried without that node,
+    # and never called node_fail (the node is slow, not dead).
+    (tmp_path / "attempts.jsonl").write_text(
+        json.dumps({"attempt": 0, "job_id": "8", "state": "PENDING", "nodes": "node[1-2]"}) + "\n")
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "watchdog.jsonl").write_text(json.dumps(
+        {"event": "straggler", "job_id": "8", "last_step": 20, "silent_ranks": [1], "silent_hosts": ["node2"],
+         "message": "node2 was the slowest rank in 5 windows in a row"}) + "\n")
+    monkeypatch.setenv("HPCTRAIN_STATE_DIR", str(tmp_path / "state"))
+    from hpctrain.slurm.commands import SacctRecord
+
+    hist, _ = supervise.history(tmp_path, "8", SacctRecord("8", "CANCELLED"))
+    assert [(h.failure_class, h.implicated) for h in hist] == [("straggler", ("node2",))]
+    d = decide(hist, Policy(), FIT)
+    assert d.action == "retry" and d.added == ("node2",)
+
+
 def test_take_over_only_for_a_supervised_job(tmp_path: Path) -> None:
     (tmp_path / "attempts.jsonl").write_text(json.dumps({"attempt": 0, "job_id": "7", "state": "PENDING"}) + "\n")
     assert supervise.take_over(tmp_path, "7") is None  # retries 0 / sweep / local: no supervisor, only the cancel

@@ -51,7 +51,7 @@ from hpctrain.fault.watchdog import main as watchdog_main
 from hpctrain.runs import folder as runs_mod
 from hpctrain.runs import journal
 from hpctrain.runs.journal import SupervisorDecision, WatchdogVerdict
-from hpctrain.states import IMPLICATES_HOST, FailureClass, JobState, class_of_state, is_final
+from hpctrain.states import IMPLICATES_HOST, JobState, class_of_state, is_final
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.spec.model import Spec
@@ -243,10 +243,11 @@ def history(run_dir: Path, job_id: str, sacct_rec: Any = None) -> tuple[list[pol
             state = sacct_rec.state
         hang = watchdog_records(run_dir, jid)
         evidence = _evidence(fail, run_dir)
-        if hang:  # the watchdog's verdict: a hang, or a peer lost (its node died) -> node_fail
-            # A lost peer is a node failure: its host goes into --exclude (hpctrain.states.FailureClass). The
-            # verdict is the one cause: the surviving ranks' own errors blame whichever peer they talked to.
-            cls = FailureClass.NODE_FAIL if hang[-1].blames_nodes else FailureClass.HANG
+        if hang:  # the watchdog's verdict: a hang, a peer lost (its node died) -> node_fail, or a straggler
+            # A lost peer is a node failure, a persistent straggler a straggler: either host goes into --exclude
+            # (hpctrain.states.FailureClass). The verdict is the one cause: the surviving ranks' own errors blame
+            # whichever peer they talked to.
+            cls = hang[-1].failure_class
             msg, exc = hang[-1].message, None
             implicated = list(hang[-1].silent_hosts)
             evidence = _verdict_evidence(hang[-1], run_dir)
