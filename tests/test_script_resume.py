@@ -1,0 +1,135 @@
+"""A user's HF Trainer script resumes by default (issue 29 item 4): a real Trainer run on the CPU with a tiny
+local model (save_pretrained here, nothing from a hub), stopped by SIGTERM as SLURM's preemption would, run
+again unchanged: it continues after the step hpctrain marked, and the Trainer's rotation (save_total_limit=1)
+never leaves a marker naming a removed folder nor removes the checkpoint the rerun needs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+# The user's script: the callback is its only hpctrain line; `trainer.train()` as any Trainer script has it.
+SCRIPT = '''
+import sys, time
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+from hpctrain import runtime
+from hpctrain.runtime.hf import HpctrainCallback
+
+model_dir, steps, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+
+class Slow(TrainerCallback):
+    def on_step_end(self, args, state, control, **kw):
+        time.sleep(0.1)  # room for the signal to come mid-run
+
+class Blocks(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+    def __getitem__(self, i):
+        ids = torch.arange(16) * (i + 1) % 256
+        return {"input_ids": ids, "labels": ids}
+
+model = LlamaForCausalLM.from_pretrained(model_dir)
+args = TrainingArguments(output_dir=str(runtime.checkpoint_dir()), max_steps=steps, logging_steps=1,
+                         save_strategy="steps", save_steps=3, save_total_limit=1, per_device_train_batch_size=2,
+                         report_to="none", disable_tqdm=True, use_cpu=True, seed=0, dataloader_num_workers=0)
+trainer = Trainer(model=model, args=args, train_dataset=Blocks(), callbacks=[HpctrainCallback(), Slow()])
+trainer.train(**({"resume_from_checkpoint": True} if resume == "true" else {}))
+'''
+
+MAKE_MODEL = '''
+import sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                             num_key_value_heads=2, vocab_size=256, max_position_embeddings=16,
+                             use_cache=False)).save_pretrained(sys.argv[1])
+'''
+
+WAIT_S = 300  # bound for each wait (the imports alone take seconds on a busy 2-core machine)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("model") / "tiny-llama"
+    subprocess.run([sys.executable, "-c", MAKE_MODEL, str(out)], check=True, timeout=WAIT_S)
+    return out
+
+
+def _env(run: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "HPCTRAIN_"))}
+    return {**env, "HPCTRAIN_RUN_DIR": str(run), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+
+
+def _steps(run: Path) -> list[int]:
+    try:
+        lines = (run / "metrics" / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line)["step"] for line in lines if line.strip()]
+
+
+def _markers(run: Path) -> dict[int, Path]:
+    """step -> the checkpoint folder its hpctrain marker names."""
+    out = {}
+    for marker in (run / "checkpoints").glob("step-*/hpctrain.json"):
+        meta = json.loads(marker.read_text(encoding="utf-8"))
+        out[int(meta["step"])] = Path(meta.get("path") or marker.parent)
+    return out
+
+
+def _assert_markers_name_live_folders(run: Path) -> int:
+    marks = _markers(run)
+    assert marks and all(p.is_dir() for p in marks.values()), marks
+    trainer_folders = sorted(p.name for p in (run / "checkpoints").glob("checkpoint-*"))
+    newest = max(marks)
+    assert marks[newest].name == f"checkpoint-{newest}" and trainer_folders == [f"checkpoint-{newest}"]
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{newest}"
+    return newest
+
+
+def test_trainer_script_unchanged_resumes_from_the_marked_step_after_sigterm(model_dir: Path,
+                                                                             tmp_path: Path) -> None:
+    run, script = tmp_path / "run", tmp_path / "train.py"
+    script.write_text(SCRIPT, encoding="utf-8")
+    argv = [sys.executable, str(script), str(model_dir), "40", "plain"]
+    first = subprocess.Popen(argv, env=_env(run), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not any(s >= 7 for s in _steps(run)):  # past two saves, so rotation has removed one
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0][-3000:]
+            time.sleep(0.2)
+        first.send_signal(signal.SIGTERM)  # SLURM's preemption: the callback saves at the step's end and stops
+        out, _ = first.communicate(timeout=WAIT_S)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0, out[-3000:]
+    stopped = _steps(run)
+    marked = _assert_markers_name_live_folders(run)
+    assert marked == stopped[-1] and 7 <= marked < 40  # the save on the signal, not only the every-3-steps ones
+
+    second = subprocess.run(argv, check=False, env=_env(run), capture_output=True, text=True, timeout=WAIT_S)
+    assert second.returncode == 0, second.stderr[-3000:]
+    rerun = _steps(run)[len(stopped):]
+    assert rerun[0] == marked + 1 and rerun[-1] == 40, rerun  # resumed after the marked step, not from step 1
+    assert _assert_markers_name_live_folders(run) == 40
+
+
+def test_resume_true_on_the_first_attempt_starts_fresh(model_dir: Path, tmp_path: Path) -> None:
+    """`resume_from_checkpoint=True` alone raises on the first attempt (no checkpoint yet); with the callback it
+    starts fresh."""
+    run, script = tmp_path / "run", tmp_path / "train.py"
+    script.write_text(SCRIPT, encoding="utf-8")
+    done = subprocess.run([sys.executable, str(script), str(model_dir), "3", "true"], check=False, env=_env(run),
+                          capture_output=True, text=True, timeout=WAIT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _steps(run) == [1, 2, 3] and _assert_markers_name_live_folders(run) == 3
