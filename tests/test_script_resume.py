@@ -133,3 +133,29 @@ def test_resume_true_on_the_first_attempt_starts_fresh(model_dir: Path, tmp_path
                           capture_output=True, text=True, timeout=WAIT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     assert _steps(run) == [1, 2, 3] and _assert_markers_name_live_folders(run) == 3
+
+
+def test_submit_warns_of_flags_a_script_building_its_own_ds_config_ignores(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from hpctrain.cli.main import cli
+
+    for name in ("CONFIG", "RUNS", "STATE"):
+        monkeypatch.setenv(f"HPCTRAIN_{name}_DIR", str(tmp_path / name.lower()))
+    own, reads = tmp_path / "own config.py", tmp_path / "reads.py"
+    own.write_text("ds_config = {'zero_optimization': {'stage': 3}}\n")
+    reads.write_text("import json, os\ncfg = json.load(open(os.environ['HPCTRAIN_DS_CONFIG']))\n")
+
+    def stderr(script: Path, *flags: str) -> str:
+        res = CliRunner().invoke(cli, ["submit", "--script", str(script), *flags, "--dry-run", "--out",
+                                       str(tmp_path / "o" / script.stem), "--", "--steps", "3"])
+        assert res.exit_code == 0, res.output
+        return res.stderr
+
+    warned = stderr(own, "--zero", "2", "--micro-batch", "4", "--data", "synthetic")
+    assert "--zero 2, --micro-batch 4 only set RUN/ds_config.json" in warned and "--pass-ds-config" in warned
+    assert "--data is read by hpctrain's trainer only" in warned
+    assert "warning" not in stderr(own, "--zero", "2", "--pass-ds-config")  # given the file: it applies
+    assert "warning" not in stderr(reads, "--zero", "2", "--micro-batch", "4")  # reads $HPCTRAIN_DS_CONFIG
+    assert "warning" not in stderr(own)  # no such flag given

@@ -301,6 +301,7 @@ def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry
     sub = _prepare(runfile, opts, sweep=sweep, mode="preflight" if preflight else "train", out=out)
     if not as_json:  # --json carries them in each plan's "defaults" and "reasons"
         print_defaults(sub.spec, sub.plan)
+    _warn_unapplied(sub.spec, opts)
     from hpctrain.cli import options
 
     sub.dependency = options.dependency(opts)  # --after: resolved before anything is written
@@ -313,6 +314,22 @@ def submit_cmd(runfile: str | None, sweep: tuple[str, ...], preflight: bool, dry
     subs = sub.submit(on_settled=lambda subs: arm_submitted(subs, sub.spec, sub.mode))
     _print_notes(sub)
     _report(subs, as_json)
+
+
+def _warn_unapplied(spec: Spec, opts: dict[str, Any]) -> None:
+    """On stderr: flags given to a --script/--module run that its program may never see (--zero, --micro-batch
+    ... when it builds its own DeepSpeed config), each named (hpctrain.spec.launch.unapplied_flags)."""
+    from hpctrain.spec.flags import option_name
+    from hpctrain.spec.launch import unapplied_flags
+
+    la = spec.launch
+    try:
+        text = Path(la.script).read_text(encoding="utf-8", errors="replace") if la.script else None
+    except OSError:
+        text = None  # a path on the cluster only: say that hpctrain cannot tell
+    given = {f.flag: opts.get(option_name(f.flag)) for f in FLAGS}
+    for line in unapplied_flags(la, given, text):
+        click.echo(f"hpctrain: {line}", err=True)
 
 
 def _print_dry_run(sub: Submission, out: str | None, as_json: bool) -> None:

@@ -101,3 +101,36 @@ def _only_vars(word: str, keep: frozenset[str]) -> bool:
     """`--master-addr=$MASTER_ADDR`: a flag whose value is a kept variable (quoted as a whole: "...")."""
     flag, sep, value = word.partition("=")
     return bool(sep) and value in keep and flag.startswith("-") and shlex.quote(flag) == flag
+
+
+# Flags that reach a user's program only through RUN/ds_config.json, and flags only hpctrain's trainer reads.
+DS_CONFIG_FLAGS = ("--zero", "--offload", "--offload-ratio", "--offload-device", "--nvme-path", "--precision",
+                   "--micro-batch", "--grad-accum", "--global-batch")
+TRAINER_FLAGS = ("--data", "--eval-every")  # (--steps stays: status and summary count progress against it)
+DS_CONFIG_ENV = "HPCTRAIN_DS_CONFIG"
+
+
+def unapplied_flags(launch: Launch, given: dict[str, object], script_text: str | None) -> list[str]:
+    """Warnings (one line each, naming the flags) for flags given to `submit --script/--module` that the program
+    may never see. `given` holds the option values by flag; `script_text` is the script's source (None when it
+    cannot be read, e.g. a --module): a program given --pass-ds-config, or whose source reads HPCTRAIN_DS_CONFIG,
+    uses hpctrain's ds_config.json; one that builds its own DeepSpeed config ignores --zero, --micro-batch ...."""
+    if not (launch.script or launch.module):
+        return []
+    program = launch.script or f"-m {launch.module}"
+    named = [f for f in (*DS_CONFIG_FLAGS, *TRAINER_FLAGS) if given.get(f) is not None]
+    lines = []
+    ds = [f"{f} {given[f]}" for f in named if f in DS_CONFIG_FLAGS]
+    reads = launch.pass_ds_config or (script_text is not None and DS_CONFIG_ENV in script_text)
+    if ds and not reads:
+        seen = "its source never reads" if script_text is not None else "hpctrain cannot tell whether it reads"
+        lines.append(f"warning: {', '.join(ds)} only set RUN/ds_config.json, and {program} is not given it "
+                     f"(--pass-ds-config) and {seen} ${DS_CONFIG_ENV}: a script that builds its own DeepSpeed config "
+                     "ignores them. Fix: add --pass-ds-config, or load the file named by "
+                     f"${DS_CONFIG_ENV} in the script, or set these in the script and drop the flags.")
+    trainer = [f for f in named if f in TRAINER_FLAGS]
+    if trainer:
+        lines.append(f"warning: {', '.join(trainer)} {'is' if len(trainer) == 1 else 'are'} read by hpctrain's "
+                     f"trainer only; {program} does not get {'it' if len(trainer) == 1 else 'them'}. Fix: pass the "
+                     "script's own argument after `--` and drop the flag.")
+    return lines
