@@ -17,6 +17,11 @@ jsonl files):
     python bench/finetune_gpu.py --tables-from c1/suite.jsonl,c2/suite.jsonl --out merged   # the calls' rows pooled
     python bench/finetune_gpu.py --cpu --out /tmp/ft-suite      # every variant, tiny llama, on this CPU
 
+    # In-process alternation (bench/gpu/ft_alternate.py; what BENCHMARKS.md's 2026-12-03 section ran): one
+    # engine per process, windows of steps alternating variants that differ only in data or attention kernel.
+    source bench/gpu/setup.sh && python bench/finetune_gpu.py --cold --alternate \
+        lora:packed,full:synthetic+packed-sdpa+packed-flex --alt-cap-s 130 --rounds 3 --steps 2 --budget-s 570 --out $OUT
+
 What it does. First it makes its inputs on the machine (bench/gpu/ft_assets.py, kept across calls under
 --assets while the machine stays warm): a Llama-3.1-8B-shaped local folder with random bf16 weights written shard
 by shard (the host never holds more than one 2 GB shard), `pad_token_id` in config.json, and a byte-level BPE
