@@ -159,3 +159,76 @@ def test_submit_warns_of_flags_a_script_building_its_own_ds_config_ignores(tmp_p
     assert "warning" not in stderr(own, "--zero", "2", "--pass-ds-config")  # given the file: it applies
     assert "warning" not in stderr(reads, "--zero", "2", "--micro-batch", "4")  # reads $HPCTRAIN_DS_CONFIG
     assert "warning" not in stderr(own)  # no such flag given
+
+
+# A plain DeepSpeed loop whose only hpctrain line is `attach(engine)` (no report, no should_stop, no marking).
+DS_SCRIPT = '''
+import sys, time
+import deepspeed, deepspeed.ops, torch
+from hpctrain.runtime.ds import attach
+
+steps = int(sys.argv[1])
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # CPU: no JIT build of the shm op
+deepspeed.init_distributed(dist_backend="gloo")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1},
+       "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+start = attach(engine)
+print(f"START {start}", flush=True)
+for step in range(start + 1, steps + 1):
+    for micro in range(2):
+        g = torch.Generator().manual_seed(step * 2 + micro)
+        x = torch.randn(2, 8, generator=g)
+        loss = (engine(x) - x.sum(1, keepdim=True)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    print(f"STEP {step} {loss.item():.6f}", flush=True)
+    time.sleep(0.05)
+    if step % 4 == 0 or step == steps:
+        engine.save_checkpoint("saves")  # the script's own saves, into its own folder
+'''
+
+
+def _ds_env(run: Path) -> dict[str, str]:
+    import socket
+
+    with socket.socket() as s:  # a free port for the one-rank process group
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return {**_env(run), "DS_ACCELERATOR": "cpu", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+            "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+def test_plain_deepspeed_script_with_attach_resumes_after_sigterm(tmp_path: Path) -> None:
+    run, script = tmp_path / "run", tmp_path / "loop.py"
+    script.write_text(DS_SCRIPT, encoding="utf-8")
+    argv = [sys.executable, str(script), "30"]
+    first = subprocess.Popen(argv, env=_ds_env(run), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    lines: list[str] = []
+    try:
+        assert first.stdout is not None
+        for line in first.stdout:  # bounded: the process ends (30 steps) or is stopped below
+            lines.append(line)
+            if line.startswith("STEP 6 "):
+                first.send_signal(signal.SIGTERM)
+        first.wait(timeout=WAIT_S)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    out = "".join(lines)
+    assert first.returncode == 0, out[-3000:]
+    done = [int(ln.split()[1]) for ln in lines if ln.startswith("STEP ")]
+    assert 6 <= done[-1] < 30, out[-3000:]
+    marks = _markers(run)
+    assert max(marks) == done[-1] and all(p.is_dir() for p in marks.values())  # the save on the signal
+    assert 4 in marks and marks[4] == tmp_path / "saves" / "global_step4"  # the script's own save, marked
+
+    second = subprocess.run(argv, check=False, env=_ds_env(run), cwd=tmp_path, capture_output=True, text=True,
+                            timeout=WAIT_S)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    rerun = [ln for ln in second.stdout.splitlines() if ln.startswith(("START", "STEP"))]
+    assert rerun[0] == f"START {done[-1]}" and rerun[1].startswith(f"STEP {done[-1] + 1} ")
+    assert rerun[-1].startswith("STEP 30 ") and max(_markers(run)) == 30
