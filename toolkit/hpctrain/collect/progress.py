@@ -14,7 +14,7 @@ from typing import Any
 
 import tomllib
 
-from hpctrain.runs.checkpoints import complete_steps
+from hpctrain.runs.checkpoints import choose_resume
 from hpctrain.runs.folder import RunFolder
 
 TAIL_BYTES = 256 << 10  # ~1,000 step records: enough for the rate window, cheap on a shared filesystem
@@ -29,7 +29,7 @@ class Progress:
     tokens_per_s: float | None
     step_s: float | None  # seconds per step over the recent window
     eta_s: float | None
-    checkpoint: int | None  # step of the last complete checkpoint (hpctrain.runs.checkpoints)
+    checkpoint: int | None  # step a resume starts from (hpctrain.runs.checkpoints.choose_resume)
     updated: float | None  # time of the newest step record
 
     def to_dict(self) -> dict[str, Any]:
@@ -111,13 +111,13 @@ def read_progress(folder: Path, total: int | None = None, *, started: float | No
     paths = RunFolder(folder)
     total = total_steps(folder) if total is None else total
     recs = tail_records(paths.metrics_jsonl)
-    ckpts = complete_steps(paths.checkpoints_dir)
+    resume = choose_resume(paths.checkpoints_dir).step  # what the next attempt resumes from
     last = recs[-1] if recs else {}
     step = last.get("step")
     per_step = None if waiting else step_rate(since(recs, started) if started is not None else recs)
     eta = per_step * max(0, total - step) if per_step is not None and total is not None and step is not None else None
     return Progress(step=step, total=total, loss=_num(last.get("loss")), tokens_per_s=_num(last.get("tokens_per_s")),
-                    step_s=per_step, eta_s=eta, checkpoint=ckpts[-1] if ckpts else None,
+                    step_s=per_step, eta_s=eta, checkpoint=resume,
                     updated=_num(last.get("time")))
 
 

@@ -59,7 +59,7 @@ class Policy:
 class AttemptRecord:
     """What the policy needs to know about one finished attempt (one SLURM job of the run).
 
-    `checkpoint_step` is the newest complete checkpoint when the attempt ended (None: none yet);
+    `checkpoint_step` is the step a resume starts from when the attempt ended (None: none yet);
     `hosts` the job's nodes; `implicated` the host(s) the failure points at (a dead node, the rank
     that crashed or went silent); `excluded` the --exclude it ran with.
     """

@@ -90,10 +90,10 @@ def next_attempt_number(run_dir: Path, registry_attempts: list[int] | None = Non
 
 
 def latest_checkpoint(run_dir: Path) -> int | None:
-    from hpctrain.runs.checkpoints import complete_steps
+    """The step the run's next attempt resumes from (the one rule, hpctrain.runs.checkpoints.choose_resume)."""
+    from hpctrain.runs.checkpoints import choose_resume
 
-    steps = complete_steps(runs_mod.RunFolder(run_dir).checkpoints_dir)
-    return steps[-1] if steps else None
+    return choose_resume(runs_mod.RunFolder(run_dir).checkpoints_dir).step
 
 
 def resubmit_run(run_dir: Path, *, exclude: tuple[str, ...] | None = None, time_limit: str | None = None,

@@ -7,8 +7,9 @@ Layout under RUN/checkpoints/:
     step-N/hpctrain.json  the completion marker: step, world/dp/pp, zero stage, file sizes (manifest)
     latest                text "step-N", replaced atomically, written last
     universal-step-N/     DeepSpeed universal checkpoint, made on demand when the DP size changed
-Only folders with a marker count (the rule is hpctrain.runs.checkpoints, shared with the collector and
-the supervisor); a crash mid-save leaves a .tmp-* folder that is ignored and removed.
+Only folders with a marker count, and a resume starts from `latest` when whole, else the newest whole one (the
+rule is hpctrain.runs.checkpoints, shared with hpctrain.runtime, the collector and the supervisor); a crash
+mid-save leaves a .tmp-* folder that is ignored and removed.
 When to save, and the resume itself, are node/checkpointer.py's.
 Every file is fsynced before the marker is written. Async saves (node/ckpt_async.py) keep all of this:
 only the moment the marker appears moves, from inside save() to rank 0's writer thread.
@@ -17,20 +18,23 @@ only the moment the marker appears moves, from inside save() to rank 0's writer 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
 import sys
 import threading
 import time
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hpctrain.node.dist import OtherRankFailed, agree
 from hpctrain.node.runconf import NodeInputError
-from hpctrain.runs.checkpoints import LATEST, MARKER, complete_steps, is_complete, latest_tag
+from hpctrain.runs.checkpoints import LATEST, MARKER, choose_resume, complete_steps, manifest_problem
+from hpctrain.runs.checkpoints import read_marker as runs_read_marker
+
+log = logging.getLogger("hpctrain.node")
 
 
 @dataclass(frozen=True)
@@ -46,58 +50,34 @@ class ResumePoint:
 
 # ------------------------------------------------------------------------------------------- finding
 def find_resume(ckpt_dir: Path) -> ResumePoint | None:
-    """The checkpoint to resume from: the one `latest` names (validated), else the newest complete one."""
-    latest = ckpt_dir / LATEST
-    tag = latest_tag(ckpt_dir)
-    if tag is not None:
-        path = ckpt_dir / tag
-        if not is_complete(path):
-            raise NodeInputError(
-                f"{latest} names {tag!r} but {path} is missing or incomplete (no {MARKER}). Fix: delete {latest} "
-                f"to resume from the newest complete checkpoint, or write an existing step-N folder name into it.")
-    else:
-        steps = complete_steps(ckpt_dir)
-        if not steps:
-            return None
-        tag = f"step-{steps[-1]}"
-        path = ckpt_dir / tag
-    meta = read_marker(path)
-    validate_files(path, meta)
-    return ResumePoint(tag, path, meta)
+    """The checkpoint to resume from, by the one rule (hpctrain.runs.checkpoints.choose_resume): `latest` when
+    whole, else the newest whole one; each one passed over is logged. Raises NodeInputError where the rule
+    refuses (checkpoints were marked complete and none is whole)."""
+    choice = choose_resume(ckpt_dir)
+    for why in choice.skipped:
+        log.warning("resume: passed over %s", why)
+    if choice.refused:
+        raise NodeInputError(choice.refused)
+    if choice.checkpoint is None:
+        return None
+    return ResumePoint(choice.checkpoint.tag, choice.checkpoint.folder, choice.checkpoint.meta)
 
 
 def read_marker(path: Path) -> dict[str, Any]:
     try:
-        meta = json.loads((path / MARKER).read_text())
-        int(meta["step"])
-        return dict(meta)
+        return dict(runs_read_marker(path))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise NodeInputError(f"{path / MARKER}: unreadable checkpoint marker ({exc}). Fix: delete {path} (training "
                              "resumes from the previous complete checkpoint) or restore it from a backup.") from exc
 
 
 def validate_files(path: Path, meta: dict[str, Any]) -> None:
-    """Every file in the manifest exists with its recorded size, and torch files have a readable index."""
-    for rel, size in dict(meta.get("files", {})).items():
-        f = path / rel
-        problem = ""
-        if not f.is_file():
-            problem = "is missing"
-        elif f.stat().st_size != size:
-            problem = f"has {f.stat().st_size} bytes, expected {size} (partial write?)"
-        elif f.suffix == ".pt" and not _zip_ok(f):
-            problem = "is not a readable torch file"
-        if problem:
-            raise NodeInputError(f"checkpoint file {f} {problem}. Fix: delete {path} and remove or edit "
-                                 f"{path.parent / 'latest'} so training resumes from an earlier complete checkpoint.")
-
-
-def _zip_ok(f: Path) -> bool:
-    try:
-        with zipfile.ZipFile(f) as z:  # torch.save format: reads only the central directory at the end
-            return bool(z.namelist())
-    except (zipfile.BadZipFile, OSError):
-        return False
+    """Every file in the manifest exists with its recorded size, and torch files have a readable index (the
+    check of hpctrain.runs.checkpoints.manifest_problem), for a checkpoint named explicitly (export --tag)."""
+    problem = manifest_problem(path, meta)
+    if problem:
+        raise NodeInputError(f"{problem}. Fix: delete {path} and remove or edit {path.parent / LATEST} so "
+                             "training resumes from an earlier complete checkpoint.")
 
 
 def needs_universal(meta: dict[str, Any], dp: int, pp: int, tp: int) -> bool:

@@ -36,15 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.runs import beats
-from hpctrain.runs.checkpoints import (
-    LATEST,
-    MARKER,
-    STEP_RE,
-    complete_steps,
-    is_complete,
-    latest_tag,
-    step_tag,
-)
+from hpctrain.runs.checkpoints import LATEST, MARKER, UnusableCheckpoints, choose_resume, step_tag
 from hpctrain.runs.folder import RunFolder
 
 __all__ = ["checkpoint_dir", "is_main", "mark_checkpoint", "rank", "report", "resume_from", "resume_step", "run_dir",
@@ -249,38 +241,23 @@ def _atomic(path: Path, text: str) -> None:
 
 
 def _resume_point() -> tuple[int, Path] | None:
-    """(step, folder) of the checkpoint to resume from: the one `latest` names when complete and whole, else the
-    newest complete one whose files match their manifest."""
+    """(step, files) of the checkpoint to resume from, by the one rule (hpctrain.runs.checkpoints.choose_resume):
+    the one `latest` names when whole, else the newest whole one. Raises UnusableCheckpoints (a ValueError whose
+    message says what to do) when checkpoints were marked complete and none is whole."""
     ckpt = RunFolder(run_dir()).checkpoints_dir
-    steps = complete_steps(ckpt)
-    tag = latest_tag(ckpt) or ""
-    m = STEP_RE.fullmatch(tag)
-    if m and is_complete(ckpt / tag) and int(m.group(1)) in steps:  # `latest` first, then newest first
-        steps.remove(int(m.group(1)))
-        steps.append(int(m.group(1)))
-    for step in reversed(steps):
-        target = _whole(ckpt / step_tag(step))
-        if target is not None:
-            return step, target
-        print(f"hpctrain.runtime: {ckpt / step_tag(step)} does not match its manifest; trying an earlier "
-              "checkpoint", file=sys.stderr)
-    return None
-
-
-def _whole(folder: Path) -> Path | None:
-    """The checkpoint's files (the marker's `path`, or the folder) when each has its recorded size."""
-    try:
-        meta = json.loads((folder / MARKER).read_text(encoding="utf-8"))
-        target = Path(meta.get("path") or folder)
-        ok = all((target / rel).is_file() and (target / rel).stat().st_size == size
-                 for rel, size in dict(meta.get("files", {})).items())
-    except (OSError, ValueError, TypeError, AttributeError):
-        return None
-    return target if ok else None
+    choice = choose_resume(ckpt)
+    for why in choice.skipped:
+        print(f"hpctrain.runtime: resume passed over {why}", file=sys.stderr)
+    if choice.refused:
+        raise UnusableCheckpoints(choice.refused)
+    found = choice.checkpoint
+    return (found.step, found.files) if found else None
 
 
 def resume_from() -> Path | None:
-    """The latest complete checkpoint's folder (what mark_checkpoint recorded), or None to start fresh."""
+    """The folder of the checkpoint to resume from (what mark_checkpoint recorded): the one `latest` names, or the
+    newest whole one when that one is damaged; None to start fresh. Raises UnusableCheckpoints (a ValueError) when
+    every checkpoint marked complete is damaged: starting again from step 0 is then a person's decision."""
     found = _resume_point()
     return found[1] if found else None
 
