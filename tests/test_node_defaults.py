@@ -19,6 +19,15 @@ def test_auto_keeps_transformers_default_and_moves_only_a_measured_backend(monke
     assert (other.hf, other.first) == ("", "") and "8.0" in other.why
 
 
+def test_auto_takes_flex_for_packed_rows_on_a_gpu_only() -> None:
+    from transformers import LlamaConfig
+
+    assert attention.supports_flex(LlamaConfig())
+    assert attention.resolve("auto", (9, 0), packed_flex=True).hf == "flex_attention"
+    assert attention.resolve("auto", None, packed_flex=True).hf == ""  # CPU ranks: no FlexAttention backward
+    assert attention.resolve("sdpa", (9, 0), packed_flex=True).hf == "sdpa"  # an explicit setting wins
+
+
 @pytest.mark.parametrize(("setting", "hf", "first"), [
     ("sdpa", "sdpa", ""), ("sdpa-flash", "sdpa", "flash"), ("sdpa-cudnn", "sdpa", "cudnn"),
     ("sdpa-efficient", "sdpa", "efficient"), ("eager", "eager", ""), ("flash_attention_2", "flash_attention_2", "")])

@@ -11,6 +11,7 @@ transformers' own implementations, passed through (flash_attention_2/3 need thei
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 BACKENDS = ("cudnn", "flash", "efficient", "math")  # names of torch.nn.attention.SDPBackend members, lower-case
 
@@ -29,14 +30,23 @@ class Choice:
     why: str
 
 
-def resolve(setting: str, capability: tuple[int, int] | None) -> Choice:
-    """What `[model] attention = setting` means on a rank whose GPU has this compute capability (None: CPU)."""
+def resolve(setting: str, capability: tuple[int, int] | None, packed_flex: bool = False) -> Choice:
+    """What `[model] attention = setting` means on a rank whose GPU has this compute capability (None: CPU).
+    `packed_flex`: the rows are packed documents and the model supports FlexAttention. transformers turns packed
+    position_ids into a (micro x 1 x seq x seq) boolean mask for SDPA, which then cannot take its flash kernel;
+    FlexAttention gets a block mask instead. Measured on one H200 (Llama-3.1-8B shape, 16 x 4096, the planner's
+    ZeRO-3 offload plan; bench/gpu/ft_alternate.py, BENCHMARKS.md 2026-12-03): packed SFT steps 1.136x the
+    synthetic step with SDPA, 0.965x with FlexAttention; LoRA 5.58 s vs 6.91 s. So "auto" picks it there
+    (GPU ranks only: torch's FlexAttention has no CPU backward)."""
     if setting.startswith("sdpa-"):
         return Choice("sdpa", setting.removeprefix("sdpa-"), f"[model] attention = {setting}")
     if setting != "auto":
         return Choice(setting, "", f"[model] attention = {setting}")
     if capability is None:
         return Choice("", "", "auto: torch's own SDPA order (a CPU rank)")
+    if packed_flex:
+        return Choice("flex_attention", "", "auto: packed rows on a GPU: FlexAttention's block mask, no seq x seq "
+                                            "mask (measured faster than SDPA with the mask)")
     where = f"compute capability {capability[0]}.{capability[1]}"
     first = MEASURED.get(capability, "")
     if first:
@@ -70,3 +80,13 @@ def capability() -> tuple[int, int] | None:
         return None
     major, minor = torch.cuda.get_device_capability()
     return int(major), int(minor)
+
+
+def supports_flex(cfg: Any) -> bool:
+    """Whether transformers' causal-LM class for this config declares FlexAttention support."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        return bool(getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)], "_supports_flex_attn", False))
+    except (ImportError, KeyError, ValueError):
+        return False

@@ -150,7 +150,9 @@ def build_engine(p: Prepared) -> tuple[Any, int]:
 
     spec = p.spec
     torch.manual_seed(spec.train.seed)  # same init on every rank
-    attn = attention.resolve(spec.model.attention, attention.capability() if p.use_gpu else None)
+    packed = getattr(p.source, "mode", "") == "pack" and not p.source.synthetic
+    attn = attention.resolve(spec.model.attention, attention.capability() if p.use_gpu else None,
+                             packed_flex=packed and spec.parallel.pp == 1 and attention.supports_flex(p.hf_cfg))
     kept = attention.apply(attn)
     log.info("attention: %s%s (%s)", attn.hf or "transformers' default", f", SDPA backend {attn.first} first"
              if attn.first and not kept else "", kept or attn.why)
