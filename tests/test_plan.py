@@ -236,3 +236,15 @@ def test_ds_config_writes_a_ratio_only_where_the_rule_allows() -> None:
     assert zero_block["offload_optimizer"]["ratio"] == 0.5
     full = spec(resources=Resources(nodes=1, gpus_per_node=2), parallel=Parallel(zero=2, offload="optimizer"))
     assert "ratio" not in build_ds_config(full, make_plan(full))["zero_optimization"]["offload_optimizer"]
+
+
+@pytest.mark.parametrize(("mem", "size"), [("4000", 4000 * 2**20), ("512M", 2**29), ("64G", 64 * 2**30),
+                                           ("2T", 2 * 2**40), ("8K", 8 * 2**10), ("", None), ("lots", None),
+                                           ("64g", None), ("9" * 20, None)])
+def test_one_reading_of_mem_for_the_rule_and_the_planner(mem: str, size: int | None) -> None:
+    """resources.mem is read once (spec.rules.mem_bytes): the planner's host capacity is the same number."""
+    from hpctrain.plan.memory import parse_mem_gb
+    from hpctrain.spec.rules import mem_bytes
+
+    assert mem_bytes(mem) == size
+    assert parse_mem_gb(mem) == (None if size is None else size / 2**30)

@@ -51,11 +51,11 @@ killed for host memory on a 125 GiB host (predicted 140 GiB: refused).
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from hpctrain.plan.buckets import zero3_buckets
+from hpctrain.spec.rules import mem_bytes
 
 GiB = 1024**3
 DEFAULT_GPU_GB = 80.0  # A100/H100 80GB: the common training GPU when the site does not say
@@ -102,12 +102,10 @@ class Estimate:
 
 
 def parse_mem_gb(mem: str) -> float | None:
-    """SLURM --mem in GiB ("125G" -> 125.0; unit-less is megabytes), None when unset or unreadable."""
-    m = re.fullmatch(r"(\d+)([KMGT]?)", mem)
-    if not m:
-        return None
-    scale = {"K": 1 / 1024**2, "M": 1 / 1024, "": 1 / 1024, "G": 1.0, "T": 1024.0}[m.group(2)]
-    return int(m.group(1)) * scale
+    """SLURM --mem in GiB ("125G" -> 125.0; unit-less is megabytes), None when unset or unreadable
+    (hpctrain.spec.rules.mem_bytes reads it)."""
+    size = mem_bytes(mem)
+    return size / 2**30 if size is not None else None
 
 
 def layer_params(a: dict[str, Any]) -> int:

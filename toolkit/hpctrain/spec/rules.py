@@ -372,10 +372,20 @@ MEM_LIMIT_BYTES = 2**60  # 1 EiB: more than any node has; beyond it SLURM's own 
 _MEM_UNIT = {"K": 2**10, "M": 2**20, "": 2**20, "G": 2**30, "T": 2**40}  # SLURM: no suffix = megabytes
 
 
-def _mem_bound(mem: str) -> None:
+def mem_bytes(mem: str) -> int | None:
+    """SLURM's --mem ("64G", "512M", "4000": no suffix means megabytes) in bytes: the one reading of
+    resources.mem (the planner's host capacity, the bound below). None when empty, not a size, or more than 19
+    digits (beyond any node, and int() of a long string is slow)."""
     m = _MEM.fullmatch(mem)
-    if m:
-        need(len(m.group(1)) <= 19 and int(m.group(1)) * _MEM_UNIT[m.group(2)] <= MEM_LIMIT_BYTES,
+    if m is None or len(m.group(1)) > 19:
+        return None
+    return int(m.group(1)) * _MEM_UNIT[m.group(2)]
+
+
+def _mem_bound(mem: str) -> None:
+    if _MEM.fullmatch(mem):
+        size = mem_bytes(mem)
+        need(size is not None and size <= MEM_LIMIT_BYTES,
              "resources.mem", shown("resources.mem", mem), "more than the limit of 1 EiB (2**60 bytes) per node",
              how_to_set("resources.mem", "64G") + " with the node's real memory")
 
