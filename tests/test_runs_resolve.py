@@ -65,3 +65,23 @@ def test_status_summary_and_resubmit_share_it(reg: Registry, monkeypatch: pytest
     assert [i.run_id for i in inputs] == ["tiny-20261201-110000-bbbb"] and "no such run" in errors[0]
     folder, _jobs = run_folder("tiny")
     assert folder.name == "tiny-20261201-110000-bbbb"
+
+
+def test_commands_that_need_the_record_share_one_refusal(reg: Registry, tmp_path: Path) -> None:
+    """`hpctrain export ID` (cli.runs) and the watch (cli.watch) find a registered run through
+    runs.resolve.registered_run; a folder the registry never saw is refused once, naming it and the fix."""
+    from hpctrain.cli import runs as cli_runs
+    from hpctrain.cli import watch as cli_watch
+
+    for find in (cli_runs._find, cli_watch._find):
+        assert find(reg, "big").run_id == "big-20261201-120000-cccc"
+    loose = tmp_path / "elsewhere"
+    loose.mkdir()
+    (loose / "attempts.jsonl").write_text("")
+    messages = set()
+    for find in (cli_runs._find, cli_watch._find):
+        with pytest.raises(HpcUsageError) as err:
+            find(reg, str(loose))
+        messages.add(str(err.value))
+    (message,) = messages
+    assert str(loose) in message and "hpctrain list" in message and f"hpctrain summary {loose}" in message

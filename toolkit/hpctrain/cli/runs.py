@@ -34,16 +34,10 @@ def _registry() -> Registry:
 
 
 def _find(reg: Registry, ref: str) -> Run:
-    """The registered run `ref` names (see hpctrain.runs.resolve for what a reference may be)."""
-    from hpctrain.errors import HpcUsageError
-    from hpctrain.runs.resolve import resolve_run
+    """The registered run `ref` names (hpctrain.runs.resolve.registered_run)."""
+    from hpctrain.runs.resolve import registered_run
 
-    found = resolve_run(reg, ref)
-    if found.run is None:
-        raise HpcUsageError(f"RUN = {ref!r}: the run folder {found.folder} is not in the registry {reg.path}. "
-                            f"Fix: `hpctrain summary {found.folder}` reads such a folder; this command needs a "
-                            "registered run")
-    return found.run
+    return registered_run(reg, ref)
 
 
 def _shown_state(state: str, job_id: str, reasons: dict[str, str]) -> str:

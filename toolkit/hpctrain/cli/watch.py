@@ -30,14 +30,10 @@ def register(group: click.Group) -> None:
 
 
 def _find(reg: Registry, ref: str) -> Run:
-    from hpctrain.errors import HpcUsageError
-    from hpctrain.runs.resolve import resolve_run
+    """The registered run `ref` names (hpctrain.runs.resolve.registered_run)."""
+    from hpctrain.runs.resolve import registered_run
 
-    found = resolve_run(reg, ref)
-    if found.run is None:
-        raise HpcUsageError(f"RUN = {ref!r}: the run folder {found.folder} is not in the registry {reg.path}. "
-                            "Fix: name a run that `hpctrain list` shows")
-    return found.run
+    return registered_run(reg, ref)
 
 
 # -- the watch ------------------------------------------------------------------------------------------

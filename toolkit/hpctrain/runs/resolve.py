@@ -57,5 +57,17 @@ def resolve_run(reg: Registry, ref: str) -> RunRef:
     raise HpcUsageError(f"RUN = {ref!r}: no such run in {reg.path}.{hint} Fix: {_PICK}") from None
 
 
+def registered_run(reg: Registry, ref: str) -> Run:
+    """The registered run `ref` names, for the commands that need the registry's record (status, list's
+    details, the watch, export by id); HpcUsageError naming the folder when `ref` is a run folder the registry
+    never saw (summary, logs and sync read such a folder through resolve_run)."""
+    found = resolve_run(reg, ref)
+    if found.run is None:
+        raise HpcUsageError(f"RUN = {ref!r}: the run folder {found.folder} is not in the registry {reg.path}. "
+                            f"Fix: name a run that `hpctrain list` shows (`hpctrain summary {found.folder}` reads "
+                            "such a folder)")
+    return found.run
+
+
 def _found(run: Run) -> RunRef:
     return RunRef(Path(run.folder), run)
