@@ -7,8 +7,8 @@ hpctrain renders ds_config.json from the flags (ZeRO stage, micro-batch, accumul
 hands its path to every rank in HPCTRAIN_DS_CONFIG; `training_args_from_ds_config` sets the TrainingArguments
 that must agree with it. `HpctrainCallback` wires the Trainer to hpctrain: its logs go to metrics.jsonl
 (`hpctrain summary`), its checkpoints are marked complete, and on SLURM's pre-timeout or preemption signal it
-saves and stops; hpctrain requeues the job and `trainer.train(resume_from_checkpoint=runtime.resume_from())`
-continues from that checkpoint with the same losses.
+saves and stops; hpctrain requeues the job and the same `trainer.train()` continues from that checkpoint with
+the same losses (the callback makes resume the default).
 
 The model is a tiny Llama built from a config (random weights) and the data a local text file read as bytes:
 nothing is downloaded.
@@ -92,8 +92,7 @@ def main() -> None:
     if a.step_sleep:
         callbacks.append(Slow(a.step_sleep))
     trainer = Trainer(model=model, args=args, train_dataset=ByteBlocks(a.data, a.seq_len), callbacks=callbacks)
-    resume = runtime.resume_from()
-    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    trainer.train()  # with HpctrainCallback: resumes from the checkpoint hpctrain marked last, if any
 
 
 if __name__ == "__main__":
