@@ -128,6 +128,11 @@ def _elapsed_s(job: str) -> int:
     return int(days or 0) * 86400 + secs
 
 
+def first_job(run: Path) -> str:
+    """The first job's id: attempts.jsonl opens with the submission's intent line (no job id yet), then the job."""
+    return next(str(n["job_id"]) for n in notes(run) if n.get("job_id"))
+
+
 def notes(run: Path) -> list[dict[str, Any]]:
     path = run / "attempts.jsonl"
     if not path.exists():
@@ -266,11 +271,11 @@ def test_user_error_is_not_retried(campaign: Campaign) -> None:
                           stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert out["attempt"] == 1 and out["supervisor"] is None and out["job_id"] != notes(run)[0]["job_id"]
+    assert out["attempt"] == 1 and out["supervisor"] is None and out["job_id"] != first_job(run)
     wait_until(lambda: max(losses(run), default=0) >= 24, 400, "the resubmitted attempt to finish")
     status = subprocess.run([sys.executable, "-m", "hpctrain", "status", run.name, "--json"], capture_output=True,
                             text=True, timeout=60, check=True, env=campaign.env, stdin=subprocess.DEVNULL)
-    assert [a["job_id"] for a in json.loads(status.stdout)["attempts"]] == [notes(run)[0]["job_id"], out["job_id"]]
+    assert [a["job_id"] for a in json.loads(status.stdout)["attempts"]] == [first_job(run), out["job_id"]]
 
 
 def test_hang_watchdog_cancels_and_retries_without_the_silent_host(campaign: Campaign,
@@ -324,7 +329,7 @@ def test_time_limit_checkpoints_on_signal_requeues_and_finishes(campaign: Campai
     stopped = int(log0.split(": checkpointed at step ")[1].split(",")[0])
     log1 = (run / "logs" / "attempt-1.rank-0.log").read_text()
     assert f"resumed from step-{stopped} at step {stopped}" in log1
-    job = notes(run)[0]["job_id"]
+    job = first_job(run)
     hist = run_cmd(["sacct", "-X", "-D", "-n", "-P", "-j", job, "-o", "State"], timeout=30).stdout.split()
     assert "REQUEUED" in hist and hist[-1] == "COMPLETED", hist  # one job, requeued by itself
     assert lost_steps(run) == [0] * len(lost_steps(run))  # checkpointed at the step it stopped
@@ -342,7 +347,7 @@ def test_node_failure_is_retried_at_once_without_the_dead_node(campaign: Campaig
     ref3 = losses(ref_run)
     # Submitted only now: the reference (which may use node3 too) is done, so the kill hits only this run.
     run = campaign.submit("nodefail", "--nodes", "3", "--steps", "60", "--set", "checkpoint.every_steps=5")
-    job = notes(run)[0]["job_id"]
+    job = first_job(run)
     wait_until(lambda: any(r["step"] >= 12 for r in metrics(run)), 400, "step 12 of the 3-node run", poll=1)
     nodes = run_cmd(["squeue", "-h", "-j", job, "-o", "%N"], timeout=30).stdout.strip()
     assert "node3" in run_cmd(["scontrol", "show", "hostnames", nodes], timeout=30).stdout.split(), nodes
