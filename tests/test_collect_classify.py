@@ -289,3 +289,21 @@ def test_peer_lost_before_slurm_noticed() -> None:
     assert (f.failure_class, f.host) == (FC.NODE_FAIL, "node4")
     f = cc.classify("FAILED", logs, exit_code="1:0")  # without srun's line: the silent named peer
     assert (f.failure_class, f.host) == (FC.NODE_FAIL, "node4") and "lost its peer" in f.message
+
+
+@pytest.mark.parametrize("exc", ["RuntimeError: [pair.cc:537] Read error [node4]:12010: Connection reset by peer",
+                                 "BrokenPipeError: [Errno 32] Broken pipe",
+                                 "DistBackendError: NCCL error: remote process exited or there was a network error",
+                                 "RuntimeError: Connection refused [node2]:29500"])
+def test_an_exception_reporting_a_lost_peer_is_one_for_the_watchdog_and_the_classifier(exc: str) -> None:
+    """One pattern (classify.PEER_LOST): the hang watchdog's peer-lost verdict and the classifier's class of the
+    same exception agree (before, the classifier called a broken pipe a user's Python exception)."""
+    from hpctrain.fault.watchdog import lost_peers
+
+    failure = {"rank": 0, "host": "node3", "step": 5, "phase": "reduce", "time": 0.0, "error": exc}
+    beats = [{"rank": 0, "host": "node3", "phase": "reduce", "time": -1.0},
+             {"rank": 1, "host": "node4", "phase": "compute", "time": -1.0}]  # rank 1 went quiet before
+    verdict = lost_peers([failure], beats, world=2, now=100.0, confirm_s=1.0)
+    assert verdict is not None and verdict.silent_hosts == ("node4",)
+    assert cc._kind_of_exception(exc) == FC.COMM_TIMEOUT
+    assert cc._kind_of_exception("ValueError: Broken config") == FC.PYTHON_EXCEPTION

@@ -38,6 +38,12 @@ _HOST_OOM = re.compile(r"oom[-_ ]kill|Out of memory: Kill|OUT_OF_MEMORY|Memory c
                        r"oom_reaper|invoked oom-killer", re.IGNORECASE)
 _KILLED = re.compile(r"^\s*(?:\S+: line \d+: \d+ )?Killed\b|\bexit(?:ed)?(?: with)?(?: code| status)? 137\b|"
                      r"\bsignal 9\b|SIGKILL", re.IGNORECASE)
+# A collective failed because a peer's connection went away (gloo's TCP pair, NCCL's remote error): the peer's
+# process or node died. Read here in an exception's text, and by the hang watchdog (fault.watchdog) in a rank's
+# failure record, so both call the same failure a lost peer. Too loose for every log line ("Connection refused"
+# from sacct, "Broken pipe" from a pipe): the scan of whole logs uses _COMM.
+PEER_LOST = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe|Read error \[|Write error \[|"
+                       r"ncclRemoteError|remote process exited|Socket closed|Connection refused")
 _COMM = re.compile(r"Watchdog caught collective operation timeout|Connection closed by peer|"
                    r"Timed out waiting \d+ ?ms|gloo.*timed? ?out|NCCL (?:error|WARN).*(?:timeout|timed out)|"
                    r"ProcessGroupNCCL.*[Tt]imeout|DistBackendError|Connection reset by peer|"
@@ -180,7 +186,7 @@ def _kind_of_exception(exc: str) -> str:
         return "signal_stop"
     if _GPU_OOM.search(exc):
         return FC.GPU_OOM
-    if _COMM.search(exc):
+    if _COMM.search(exc) or PEER_LOST.search(exc):
         return FC.COMM_TIMEOUT
     if _PREFLIGHT.search(exc):
         return FC.PREFLIGHT

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hpctrain.collect.classify import PEER_LOST
 from hpctrain.runs import folder as runs_mod
 from hpctrain.runs import journal
 from hpctrain.runs.beats import PHASES, read_beats, read_failures
@@ -34,10 +35,8 @@ from hpctrain.states import JobState
 
 PEER_POLL_S = 1.0  # the peer-lost check is one directory listing: cheap enough every second
 WATCHDOG_FILE = runs_mod.WATCHDOG_JSONL
-# A collective failed because a peer's connection went away (gloo's TCP pair, NCCL's remote error): the
-# peer's process or node died. Not a timeout: that is a hang, named by the hang check.
-PEER_LOST = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe|Read error \[|Write error \[|"
-                       r"ncclRemoteError|remote process exited|Socket closed|Connection refused")
+# A rank's failure that reports a lost peer (hpctrain.collect.classify.PEER_LOST, the classifier's reading too):
+# the peer's process or node died. Not a timeout: that is a hang, named by the hang check.
 # The peer gloo names: "Read error [10.77.0.2]:36531", "Connection closed by peer [node2]:1234".
 _PEER_ADDR = re.compile(r"(?:peer|error|to|from) \[?([0-9]{1,3}(?:\.[0-9]{1,3}){3}|[A-Za-z][\w.-]*)\]?:\d+")
 
