@@ -15,6 +15,11 @@
         if runtime.should_stop():
             break                                          # hpctrain requeues the job; it resumes here
 
+Most scripts need less: a HF Trainer with `hpctrain.runtime.hf.HpctrainCallback` resumes by default
+(`trainer.train()` starts from the checkpoint hpctrain marked last, and the callback's rotation never deletes it),
+and a plain DeepSpeed loop needs one call, `start = hpctrain.runtime.ds.attach(engine)` (loads the marked
+checkpoint, marks the engine's saves, checkpoints on SLURM's signal). docs/scripts.md has the lines.
+
 Every function works on every rank; those that agree (should_stop, mark_checkpoint) are collective when
 torch.distributed is initialized, so call them on every rank at the same point. Outside a job (HPCTRAIN_RUN_DIR
 unset) the run folder is ./hpctrain-run, so the script also runs by hand.
