@@ -176,7 +176,10 @@ def test_what_travels_with_a_script(laptop: Laptop) -> None:
     # The next submit has an upload folder of its own, and what did not change is linked, not sent again.
     pattern = f"*/{str(code).lstrip('/')}/train.py"
     first = {p for p in (laptop.remote_dir / "uploads").glob(pattern) if (p.parent / "helper.py").exists()}
+    # Edited to the same size with the same mtime (an edit in the same second as the last upload): still sent.
+    before = (code / "helper.py").stat()
     (code / "helper.py").write_text("X = 2\n")
+    os.utime(code / "helper.py", ns=(before.st_atime_ns, before.st_mtime_ns))
     again = laptop.hpctrain("submit", "run.toml", "--site", str(site), "--script", "my code/train.py", "--dry-run")
     assert again.returncode == 0, again.stderr
     (newer,) = set((laptop.remote_dir / "uploads").glob(pattern)) - first

@@ -140,7 +140,10 @@ def rsync_up_argv(remote: Remote, socket: Path, sources: Sequence[str], dest: st
     # The folder is made by the remote shell that starts rsync there (--rsync-path), not by a round trip of
     # its own; rsync's --mkpath would do it too but is missing before 3.2.3 (RHEL 8 login nodes have 3.1).
     made = f"mkdir -p -- {shlex.quote(_under(remote, dest))} && rsync"
-    return ["rsync", "-a", "-s", "-R", f"--rsync-path={made}", "--partial", "--chmod=Du=rwx,Dgo=,Fu=rw,Fgo=",
+    # --checksum: rsync's quick check (size and whole-second mtime) takes a file edited in the same second as
+    # the last upload, to the same size, for unchanged and links the old copy; what travels is small (max_upload_mb).
+    return ["rsync", "-a", "-s", "-R", "--checksum", f"--rsync-path={made}", "--partial",
+            "--chmod=Du=rwx,Dgo=,Fu=rw,Fgo=",
             *([f"--link-dest={_under(remote, link_dest)}"] if link_dest else []),
             *(f"--exclude={x}" for x in excludes), "-e", _rsync_e(remote, socket),
             "--", *sources, _remote_path(remote, _under(remote, dest) + "/")]
