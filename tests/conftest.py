@@ -216,6 +216,18 @@ def _restore_umask() -> Iterator[None]:
     os.umask(old)
 
 
+@pytest.fixture()
+def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """hpctrain's config, runs and state folders under tmp_path, which is also the working directory: a test of
+    the CLI sees no site profile, registry or run of the user's. Modules use it with
+    `pytestmark = pytest.mark.usefixtures("isolated_home")`."""
+    monkeypatch.setenv("HPCTRAIN_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("HPCTRAIN_RUNS_DIR", str(tmp_path / "runs"))
+    monkeypatch.setenv("HPCTRAIN_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster(request: pytest.FixtureRequest,
                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:

@@ -20,12 +20,7 @@ from hpctrain.errors import HpcUsageError
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-@pytest.fixture(autouse=True)
-def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HPCTRAIN_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.setenv("HPCTRAIN_RUNS_DIR", str(tmp_path / "runs"))
-    monkeypatch.setenv("HPCTRAIN_STATE_DIR", str(tmp_path / "state"))
-    monkeypatch.chdir(tmp_path)
+pytestmark = pytest.mark.usefixtures("isolated_home")
 
 
 @pytest.fixture

@@ -22,12 +22,7 @@ CONFIG = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "n
           "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 1024, "max_position_embeddings": 512}
 
 
-@pytest.fixture(autouse=True)
-def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HPCTRAIN_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.setenv("HPCTRAIN_RUNS_DIR", str(tmp_path / "runs"))
-    monkeypatch.setenv("HPCTRAIN_STATE_DIR", str(tmp_path / "state"))
-    monkeypatch.chdir(tmp_path)
+pytestmark = pytest.mark.usefixtures("isolated_home")
 
 
 def _model(tmp_path: Path, tokenizer: bool = True, name: str = "model") -> Path:

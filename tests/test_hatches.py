@@ -29,12 +29,7 @@ GOLDEN = Path(__file__).parent / "golden" / "hatches.sbatch.sh"
 SHELLCHECK = Path(sys.executable).parent / "shellcheck"
 
 
-@pytest.fixture(autouse=True)
-def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HPCTRAIN_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.setenv("HPCTRAIN_RUNS_DIR", str(tmp_path / "runs"))
-    monkeypatch.setenv("HPCTRAIN_STATE_DIR", str(tmp_path / "state"))
-    monkeypatch.chdir(tmp_path)
+pytestmark = pytest.mark.usefixtures("isolated_home")
 
 
 HOSTILE_REFUSED = [

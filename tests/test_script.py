@@ -28,12 +28,7 @@ WHERE = L.Where(python="/py", ds_config="/run dir/ds_config.json", hostfile="/ru
                 ranks_per_node="4", node_rank="1", master_addr="node1", master_port="20001")
 
 
-@pytest.fixture(autouse=True)
-def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HPCTRAIN_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.setenv("HPCTRAIN_RUNS_DIR", str(tmp_path / "runs"))
-    monkeypatch.setenv("HPCTRAIN_STATE_DIR", str(tmp_path / "state"))
-    monkeypatch.chdir(tmp_path)
+pytestmark = pytest.mark.usefixtures("isolated_home")
 
 
 def invoke(*args: str) -> Any:

@@ -18,12 +18,7 @@ from hpctrain.slurm.submission import Submission, next_attempt_number
 TINY = str(Path(__file__).resolve().parents[1] / "examples" / "tiny.toml")
 
 
-@pytest.fixture(autouse=True)
-def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HPCTRAIN_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.setenv("HPCTRAIN_RUNS_DIR", str(tmp_path / "runs"))
-    monkeypatch.setenv("HPCTRAIN_STATE_DIR", str(tmp_path / "state"))
-    monkeypatch.chdir(tmp_path)
+pytestmark = pytest.mark.usefixtures("isolated_home")
 
 
 def _recording_dispatch(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
