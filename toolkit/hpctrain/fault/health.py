@@ -98,15 +98,16 @@ def with_injected_borderline(verdict: HealthVerdict, inject: str) -> HealthVerdi
     """Tests: the hosts that HPCTRAIN_HEALTH_INJECT names in "borderline:host=H" entries are measured again as if
     their first round had been borderline (a failed host stays failed). A real borderline needs a rate between
     two lines that move with each node's noise; this makes the driver's second step run on the cluster at will."""
-    hosts = [kw.get("host", "") for kind, _, kw in (_entry(p) for p in inject.split(";") if p.strip())
+    hosts = [kw.get("host", "") for kind, kw in (_entry(p) for p in inject.split(";") if p.strip())
              if kind == "borderline"]
     extra = {h: "injected (HPCTRAIN_HEALTH_INJECT)" for h in hosts if h and h not in verdict.failed}
     return dataclasses.replace(verdict, retest={**extra, **verdict.retest}) if extra else verdict
 
 
-def _entry(item: str) -> tuple[str, str, dict[str, str]]:
+def _entry(item: str) -> tuple[str, dict[str, str]]:
+    """One HPCTRAIN_HEALTH_INJECT entry, "kind:k=v,k=v", as (kind, {k: v}) (the node parses the same form)."""
     kind, _, args = item.strip().partition(":")
-    return kind, args, dict(a.split("=", 1) for a in args.split(",") if "=" in a)
+    return kind, dict(a.split("=", 1) for a in args.split(",") if "=" in a)
 
 
 def read_reports(directory: Path, hosts: list[str]) -> dict[str, dict[str, Any] | None]:
