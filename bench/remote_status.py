@@ -6,9 +6,11 @@ The login node is tests/cluster/login_sshd.sh's: a real sshd in its own network 
 cluster (tests/cluster/slurm.sh up). The root namespace plays the laptop. Each command is timed --repeat times
 per way, alternating the ways, and the median is shown; every submit is cancelled at once (its supervisor job
 too). Goals of the issue: status over the open connection within 0.3 s of the login node's, a submit of the
-tiny example within 1.5 s.
+tiny example within 1.5 s. hpctrain's way is timed twice: through the login node's hpctrain server (the
+default) and without it (HPCTRAIN_REMOTE_NO_SERVER=1: an ssh session and a Python start there per command).
 
     python bench/remote_status.py [--repeat 7]
+    LOGIN_NS=hpctrain-login-b LOGIN_VETH=vhpcloginb LOGIN_IP=10.77.0.203 python bench/remote_status.py  # beside a test run
 
 The machine is shared with other sessions: compare the differences, not the seconds.
 """
@@ -30,8 +32,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SSHD_SH = ROOT / "tests" / "cluster" / "login_sshd.sh"
 HPCTRAIN = str(Path(sys.executable).parent / "hpctrain")
-LOGIN_NS = "/run/netns/hpctrain-login"
+# login_sshd.sh's namespace; LOGIN_NS/LOGIN_VETH/LOGIN_IP give a second login node beside the tests' one
+LOGIN_NS = f"/run/netns/{os.environ.get('LOGIN_NS', 'hpctrain-login')}"
 RUN_FILE = (ROOT / "examples" / "tiny.toml").read_text()
+
+
+STATUS_LOGIN, STATUS = "status: on the login node", "status: hpctrain --remote (the server, over the open connection)"
+SUBMIT_LOGIN, SUBMIT = "submit: on the login node", "submit: hpctrain submit --site (the server, over the open connection)"
 
 
 def timed(fn: Callable[[], subprocess.CompletedProcess[str]]) -> float:
@@ -66,8 +73,9 @@ def main() -> None:
         plain_prefix = (f"cd {shlex.quote(str(project))} && HPCTRAIN_STATE_DIR={shlex.quote(str(state))} "
                         f"HPCTRAIN_RUNS_DIR={shlex.quote(str(remote_dir / 'runs'))} {HPCTRAIN}")
 
-        def laptop(*a: str) -> subprocess.CompletedProcess[str]:
-            return subprocess.run([HPCTRAIN, *a], cwd=project, env=laptop_env, capture_output=True, text=True,
+        def laptop(*a: str, server: bool = True) -> subprocess.CompletedProcess[str]:
+            env = laptop_env if server else {**laptop_env, "HPCTRAIN_REMOTE_NO_SERVER": "1"}
+            return subprocess.run([HPCTRAIN, *a], cwd=project, env=env, capture_output=True, text=True,
                                   timeout=300, check=False)
 
         def on_login(*a: str) -> subprocess.CompletedProcess[str]:
@@ -86,7 +94,7 @@ def main() -> None:
             plain_site = str(project / "login.toml")  # the login node's own submits: the site without [remote]
             Path(plain_site).write_text('partition = "debug"\n')
             rows: dict[str, list[float]] = {}
-            sock = next(p for p in (base / "cm").iterdir() if p.is_socket())
+            sock = next(p for p in (base / "cm").iterdir() if p.is_socket() and "." not in p.name)  # not a .srv
             floor = [*ssh[:-1], "-o", f"ControlPath={sock}", "login", "true"]
             ways: list[tuple[str, Callable[[], subprocess.CompletedProcess[str]]]] = [
                 ("floor: ssh login true over the shared connection (sshd session + login shell rc)",
@@ -95,12 +103,15 @@ def main() -> None:
                  lambda: subprocess.run(["bash", "-c", "source ~/.bashrc"], capture_output=True, text=True,
                                         timeout=60, check=False)),
                 ("laptop: hpctrain --version (Python start, the CLI's imports)", lambda: laptop("--version")),
-                ("status: on the login node", lambda: on_login("status", rid)),
-                ("status: hpctrain --remote (open connection)", lambda: laptop("--remote", str(site), "status", rid)),
+                (STATUS_LOGIN, lambda: on_login("status", rid)),
+                (STATUS, lambda: laptop("--remote", str(site), "status", rid)),
+                ("status: hpctrain --remote, no server (an ssh session + Python start there per command)",
+                 lambda: laptop("--remote", str(site), "status", rid, server=False)),
                 ("status: plain ssh login hpctrain status", lambda: plain("status", rid)),
-                ("submit: on the login node", lambda: on_login("submit", "run.toml", "--site", plain_site)),
-                ("submit: hpctrain submit --site (open connection)",
-                 lambda: laptop("submit", "run.toml", "--site", str(site))),
+                (SUBMIT_LOGIN, lambda: on_login("submit", "run.toml", "--site", plain_site)),
+                (SUBMIT, lambda: laptop("submit", "run.toml", "--site", str(site))),
+                ("submit: hpctrain submit --site, no server (rsync and the submit each an ssh session)",
+                 lambda: laptop("submit", "run.toml", "--site", str(site), server=False)),
                 ("submit: plain ssh login hpctrain submit", lambda: plain("submit", "run.toml", "--site", plain_site)),
             ]
             for _ in range(args.repeat):
@@ -139,9 +150,10 @@ def _table(rows: dict[str, list[float]], n: int) -> None:
     for name, xs in rows.items():
         print(f"| {name} | {statistics.median(xs):.3f} | {min(xs):.3f} - {max(xs):.3f} |")
     med = {k: statistics.median(v) for k, v in rows.items()}
-    keys = list(med)[3:]  # after the floor rows
-    print(f"\nstatus over the open connection - on the login node: {med[keys[1]] - med[keys[0]]:+.3f} s (goal <= 0.3)")
-    print(f"submit over the open connection: {med[keys[4]]:.3f} s (goal <= 1.5); on the login node {med[keys[3]]:.3f} s")
+    print(f"\nstatus over the open connection - on the login node: {med[STATUS] - med[STATUS_LOGIN]:+.3f} s "
+          "(goal <= 0.3)")
+    print(f"submit over the open connection: {med[SUBMIT]:.3f} s (goal <= 1.5); on the login node "
+          f"{med[SUBMIT_LOGIN]:.3f} s")
 
 
 if __name__ == "__main__":

@@ -45,6 +45,8 @@ def test_command_lines_golden() -> None:
         "answer: " + forward.answer_line("/scratch/u/1"),
         "probe: " + ssh.probe_shell(r),
         "setup: " + ssh.setup_shell(r, "hpctrain==0.1.0"),
+        "setup offline: " + ssh.setup_shell(r, "hpctrain==0.1.0", "/opt/py 3/bin/python3", "wheels/home/a/wh", True),
+        "forward: " + shlex.join(ssh.forward_argv(r, SOCKET, f"{SOCKET}.k.srv", "/scratch/alice/hpc train/.serve/k.sock")),
     ]
     text = "\n".join(lines) + "\n"
     if os.environ.get("HPCTRAIN_REGEN_GOLDEN") or not GOLDEN.exists():
@@ -212,3 +214,16 @@ def test_no_ssh_on_this_machine_is_one_line(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.setenv(ssh.CONTROL_DIR_ENV, str(tmp_path / "cm"))
     with pytest.raises(forward.RemoteFailure, match=r"no `ssh` on this machine.*Fix: install"):
         forward.Connection(_remote()).probe()
+
+
+@pytest.mark.parametrize(("rc", "stderr", "words"), [
+    (ssh.SETUP_NO_PYTHON, "", "no 'py3' on alice@login.cluster. Fix: give --python"),
+    (ssh.SETUP_OLD_PYTHON, "", "older than Python 3.10"),
+    (ssh.SETUP_NO_VENV, "The virtual environment was not created successfully because ensurepip is not\navailable.",
+     "apt-get install python3-venv"),
+    (ssh.SETUP_PIP, "ERROR: No matching distribution found for click>=8.1", "No matching distribution found for click"),
+])
+def test_setup_failures_are_one_line(rc: int, stderr: str, words: str) -> None:
+    text = ssh.setup_failure(_remote(), rc, stderr, "py3", "hpctrain==0.1.0", offline=True)
+    assert text is not None and words in text and "Fix:" in text and "\n" not in text
+    assert ssh.setup_failure(_remote(), 1, "", "py3", "hpctrain==0.1.0", offline=False) is None

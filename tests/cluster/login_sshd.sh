@@ -16,8 +16,8 @@
 # Needs: the lab bridge (slurm.sh up), openssh-server (slurm.sh install or `apt-get install openssh-server`).
 set -euo pipefail
 
-NS=hpctrain-login
-VETH=vhpclogin0
+NS=${LOGIN_NS:-hpctrain-login}  # another name, VETH and LOGIN_IP: a second login node beside the tests' one
+VETH=${LOGIN_VETH:-vhpclogin0}
 BR=hpcslrmbr0
 IP=${LOGIN_IP:-10.77.0.200}
 CMD=${1:-}

@@ -174,25 +174,82 @@ def pull_cmd(site: str, run: str, dest: str | None, checkpoints: bool) -> None:
 
 @remote_group.command("setup", short_help="Install this hpctrain's version into a venv on the login node.")
 @_site_option
-@click.option("--wheel", type=click.Path(dir_okay=False, exists=True), default=None,
-              help="Install this wheel (a cluster without PyPI access) instead of hpctrain==VERSION from the index.")
+@click.option("--wheel", type=click.Path(exists=True), default=None,
+              help="A folder of wheels (hpctrain's and its dependencies'; a cluster without PyPI access) or one "
+                   "wheel file, uploaded and installed instead of hpctrain==VERSION from the index.")
 @click.option("--python", "python", default="python3", show_default=True, help="The login node's Python (3.10+).")
-def setup_cmd(site: str, wheel: str | None, python: str) -> None:
-    """Create REMOTE_DIR/venv on the login node and install hpctrain there (the same version as here); then
-    set [remote] hpctrain to the path it prints."""
+@click.option("--system-site-packages", is_flag=True,
+              help="The venv also sees that Python's own packages (a cluster module that already has the dependencies).")
+def setup_cmd(site: str, wheel: str | None, python: str, system_site_packages: bool) -> None:
+    """Create REMOTE_DIR/venv on the login node (or upgrade the one there) and install hpctrain of the same
+    version as here; then set [remote] hpctrain to the path it prints. Runs over plain ssh: no hpctrain is
+    needed there yet."""
+    import json
+    import shlex
+
     from hpctrain import __version__
     from hpctrain.remote import ssh, travel
+    from hpctrain.remote.forward import RemoteFailure
 
     conn = _conn(site)
-    requirement = f"hpctrain=={__version__}"
+    requirement, links = f"hpctrain=={__version__}", ""
     if wheel:
+        local = Path(wheel).absolute()
         # relative: under remote_dir, where the setup line runs
-        conn.upload([travel.Item("", Path(wheel).absolute(), Path(wheel).stat().st_size)], "wheels")
-        requirement = travel.mirrored("wheels", wheel)
-    proc = conn.shell(ssh.setup_shell(conn.remote, requirement, python), f"setup on {conn.remote.host}",
-                      capture=True)
+        conn.upload([travel.Item("", local, 0)], "wheels", served=False)
+        there = travel.mirrored("wheels", local)
+        requirement, links = (requirement, there) if local.is_dir() else (there, "")
+    line = ssh.setup_shell(conn.remote, requirement, python, links, system_site_packages)
+    proc = conn.shell(line, f"setup on {conn.remote.host}", capture=True, served=False, check=False)
     if proc.returncode != 0:
-        sys.stderr.write(proc.stderr)
-        raise SystemExit(proc.returncode)
-    click.echo(f"installed; in the site profile set: [remote] hpctrain = {proc.stdout.splitlines()[0]!r}" if
-               proc.stdout else "installed")
+        raise RemoteFailure(ssh.setup_failure(conn.remote, proc.returncode, proc.stderr, python, requirement,
+                                              bool(links))
+                            or ssh.failure(conn.remote, proc.returncode, proc.stderr, f"setup on {conn.remote.host}")
+                            or f"setup on {conn.remote.host} failed (rc {proc.returncode}): "
+                               f"{proc.stderr.strip()[-300:]}")
+    path, _, version = proc.stdout.strip().partition("\n")
+    # [remote] hpctrain is split as a shell splits words: a path with spaces goes in quoted
+    click.echo(f"{conn.remote.host}: {version.strip() or 'hpctrain'} in {path}\n"
+               f"in the site profile set: [remote] hpctrain = {json.dumps(shlex.quote(path))}")
+
+
+@remote_group.command("serve", hidden=True, short_help="(login node) The warm server of remote commands.")
+@click.option("--socket", "path", required=True, help="The unix socket to listen on (its folder is made 0700).")
+@click.option("--idle", type=float, default=600.0, show_default=True,
+              help="Stop after this many seconds without a request (0: never).")
+def serve_cmd(path: str, idle: float) -> None:
+    """Started by the laptop over the shared connection (hpctrain.remote.serve): one fork per command."""
+    from functools import partial
+
+    from hpctrain.remote import serve
+
+    _warm()
+    # the `hpctrain` group itself, found from here (cli.main registers this module: no import back)
+    root = click.get_current_context().find_root().command
+    raise SystemExit(serve.serve(path, idle, partial(_run_cli, root)))
+
+
+# The packages a forwarded command loads (torch-free by the layer contracts): imported once by the server, so
+# that each forked command finds them loaded.
+_WARM = ("cli", "api", "spec", "plan", "render", "runs", "slurm", "collect", "fault")
+
+
+def _warm() -> None:
+    import importlib
+    import pkgutil
+    from contextlib import suppress
+
+    for name in _WARM:
+        pkg = importlib.import_module(f"hpctrain.{name}")
+        for mod in pkgutil.walk_packages(pkg.__path__, f"hpctrain.{name}."):
+            with suppress(ImportError):  # an optional extra that is not installed: loaded on use, as before
+                importlib.import_module(mod.name)
+
+
+def _run_cli(root: click.Command, argv: list[str]) -> int:
+    """ARGV as `hpctrain ARGV` would run it (ROOT: the hpctrain group), in this forked process; its exit status."""
+    try:
+        root.main(args=argv, prog_name="hpctrain", standalone_mode=True)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return 0

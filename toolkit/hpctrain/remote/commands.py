@@ -56,8 +56,7 @@ def submit(conn: Connection, args: list[str], run_file: str | None, flags: dict[
     cut = words.index("--") if "--" in words else len(words)
     words = [*words[:cut], *extra, *words[cut:]]
     record = forward.record(conn.remote, submit_id, digest, stage)
-    proc = conn.shell(forward.detached_submit(conn.remote, ["submit", *words], cwd, stage),
-                      f"submit on {conn.remote.host}")
+    proc = conn.submit(["submit", *words], cwd, stage)
     record.unlink(missing_ok=True)
     return proc.returncode
 

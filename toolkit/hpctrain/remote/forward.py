@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shlex
+import socket
 import subprocess
 import sys
 import time
@@ -23,7 +24,8 @@ from typing import Any
 
 from hpctrain import __version__
 from hpctrain.errors import HpcUsageError
-from hpctrain.remote import ssh
+from hpctrain.remote import client, ssh
+from hpctrain.remote.serve import socket_for as serve_socket
 from hpctrain.remote.site import Remote
 from hpctrain.remote.travel import EXCLUDES, Item
 from hpctrain.secret import DENIED_FILES
@@ -86,27 +88,114 @@ class Connection:
                                    f"{proc.stderr.strip()[-300:]}. Fix: check sites.{self.remote.site}.remote.hpctrain")
         lines = proc.stdout.strip().splitlines()
         got = Probe(lines[0], lines[-1].rsplit(" ", 1)[-1] if len(lines) > 1 else "?")
-        if not compatible(__version__, got.version):
-            raise RemoteFailure(
-                f"{what}: version {got.version}, this one {__version__}: run folders and arguments differ between "
-                f"minor versions. Fix: on the login node `pip install 'hpctrain=={__version__}'` into the environment "
-                f"of {self.remote.hpctrain!r}, or `hpctrain remote setup --site {self.remote.site}`")
+        self._check_version(got.version)
         try:
             cache.write_text(json.dumps({"socket": os.stat(self.socket).st_ino, **got.__dict__}))
         except OSError:
             pass  # ControlPersist=no: no socket stays, the probe is asked again next time
         return got
 
+    def _check_version(self, version: str) -> None:
+        if not compatible(__version__, version):
+            raise RemoteFailure(
+                f"hpctrain on {self.remote.host}: version {version}, this one {__version__}: run folders and "
+                f"arguments differ between minor versions. Fix: on the login node `pip install "
+                f"'hpctrain=={__version__}'` into the environment of {self.remote.hpctrain!r}, or "
+                f"`hpctrain remote setup --site {self.remote.site}`")
+
+    # -- the login node's hpctrain server (hpctrain.remote.serve): one fork per command, no session --------
+
+    def server(self) -> socket.socket | None:
+        """A connection to the login node's hpctrain server, started (and forwarded) first if none answers;
+        None when plain ssh must do (persist = "no", forwarding refused, an hpctrain there without one)."""
+        if not client.enabled(self.remote):
+            return None
+        path = client.local_path(self.socket, self.remote)
+        got = client.hello(path) if path.exists() else None
+        if got is None:
+            if not self._start_server(path):
+                return None
+            got = client.hello(path)
+            if got is None:
+                return None
+        sock, doc = got
+        try:
+            self._check_version(str(doc.get("version", "?")))
+        except RemoteFailure:
+            sock.close()
+            raise
+        return sock
+
+    def _start_server(self, path: Path) -> bool:
+        what = f"hpctrain on {self.remote.host}"
+        probe = self.probe()  # opens the shared connection (its failures are one line) and checks the version
+        far = serve_socket(probe.remote_dir, client.key(self.remote))
+        # Forwarded anew: the master answers "done" to a forward it already has even when its socket file is
+        # gone, and refuses to bind over a stale file left by an earlier connection.
+        _run(ssh.cancel_argv(self.remote, self.socket, str(path), far), what, stdin=subprocess.DEVNULL,
+             capture_output=True)
+        path.unlink(missing_ok=True)
+        fwd = _run(ssh.forward_argv(self.remote, self.socket, str(path), far), what, stdin=subprocess.DEVNULL,
+                   capture_output=True)
+        if fwd.returncode != 0:  # the login node forbids socket forwarding (AllowStreamLocalForwarding no)
+            return False
+        line = ssh.remote_shell(self.remote, ["remote", "serve", "--socket", far, "--idle",
+                                              f"{client.idle_s(self.remote):g}"])
+        try:
+            return client.start(self._argv(line), path.with_suffix(".log")) is not None
+        except client.StartFailed as exc:
+            raise RemoteFailure(ssh.failure(self.remote, exc.rc, exc.stderr, what)
+                                or f"{what}: `hpctrain remote serve` failed there (rc {exc.rc}): "
+                                   f"{exc.stderr.strip()[-300:]}. Log: {path.with_suffix('.log')}") from None
+
+    def _served(self, sock: socket.socket, request: dict[str, Any], what: str,
+                capture: bool) -> subprocess.CompletedProcess[str]:
+        rc, out, err = client.call(sock, request, capture)
+        if rc is None:  # cut off before the exit status: the link dropped, or the server was stopped
+            raise RemoteFailure(ssh.failure(self.remote, ssh.SSH_FAILED, err + "\nConnection to the login node's "
+                                            "hpctrain server closed", what) or what)
+        problem = ssh.failure(self.remote, rc, err, what) if rc else None
+        if problem:
+            raise RemoteFailure(problem)
+        return subprocess.CompletedProcess([], rc, out if capture else None, err if capture else None)
+
+    def rsh(self) -> str:
+        """rsync's remote shell: through the server when one answers, else "" (ssh over the connection)."""
+        sock = self.server()
+        if sock is None:
+            return ""
+        sock.close()
+        return client.rsh(client.local_path(self.socket, self.remote))
+
+    # -- commands ---------------------------------------------------------------------------------------
+
     def run(self, args: list[str], cwd: str = "", tty: bool = False, capture: bool = False,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
         """hpctrain ARGS on the login node; output streams to ours unless CAPTURE. A failure of the connection
         raises RemoteFailure; the remote hpctrain's own exit status is returned."""
+        what = f"hpctrain {args[0] if args else ''} on {self.remote.host}"
+        sock = self.server()
+        if sock is not None:
+            return self._served(sock, {"argv": args, "cwd": cwd, "env": env or {}, "tty": tty}, what, capture)
         self.probe()
         line = ssh.remote_shell(self.remote, args, cwd, env)
-        return self.shell(line, f"hpctrain {args[0] if args else ''} on {self.remote.host}", tty, capture)
+        return self.shell(line, what, tty, capture, served=False)
 
-    def shell(self, line: str, what: str, tty: bool = False, capture: bool = False) -> subprocess.CompletedProcess[str]:
-        """One shell LINE on the login node (built from quoted words only)."""
+    def submit(self, args: list[str], cwd: str, stage: str) -> subprocess.CompletedProcess[str]:
+        """hpctrain ARGS (a submit) detached from the connection: its answer kept in upload folder STAGE."""
+        what = f"submit on {self.remote.host}"
+        sock = self.server()
+        if sock is not None:
+            return self._served(sock, {"argv": args, "cwd": cwd, "stage": stage}, what, False)
+        return self.shell(detached_submit(self.remote, args, cwd, stage), what, served=False)
+
+    def shell(self, line: str, what: str, tty: bool = False, capture: bool = False, served: bool = True,
+              check: bool = True) -> subprocess.CompletedProcess[str]:
+        """One shell LINE on the login node (built from quoted words only); SERVED: through the login node's
+        hpctrain server when one answers; CHECK: a failure of ssh raises RemoteFailure."""
+        sock = self.server() if served else None
+        if sock is not None:
+            return self._served(sock, {"shell": line, "tty": tty}, what, capture)
         if capture:
             proc = _run(self._argv(line, tty), what, stdin=subprocess.DEVNULL, capture_output=True)
             err = proc.stderr
@@ -116,24 +205,25 @@ class Connection:
             # The remote hpctrain's own messages pass through; ssh's are turned into one line below.
             if proc.returncode not in (ssh.SSH_FAILED, 127) and err:
                 sys.stderr.write(err)
-        problem = ssh.failure(self.remote, proc.returncode, err, what)
+        problem = ssh.failure(self.remote, proc.returncode, err, what) if check else None
         if problem:
             raise RemoteFailure(problem)
         return proc
 
-    def upload(self, items: list[Item], stage: str, previous: str = "") -> None:
+    def upload(self, items: list[Item], stage: str, previous: str = "", served: bool = True) -> None:
         """Send ITEMS into STAGE (absolute, on the login node), mirrored at their local absolute paths; files
         unchanged since upload folder PREVIOUS are linked from there."""
         if not items:
             return
         excludes = [*EXCLUDES, *DENIED_FILES]
-        argv = ssh.rsync_up_argv(self.remote, self.socket, [str(i.path) for i in items], stage, excludes, previous)
+        argv = ssh.rsync_up_argv(self.remote, self.socket, [str(i.path) for i in items], stage, excludes, previous,
+                                 self.rsh() if served else "")
         self.rsync(argv, f"upload to {self.remote.host}")
 
     def pull(self, source: str, dest: Path, excludes: list[str]) -> None:
         """Fetch folder SOURCE of the login node into DEST (only what changed travels)."""
         dest.mkdir(parents=True, exist_ok=True)
-        self.rsync(ssh.rsync_down_argv(self.remote, self.socket, source, str(dest), excludes),
+        self.rsync(ssh.rsync_down_argv(self.remote, self.socket, source, str(dest), excludes, self.rsh()),
                    f"fetch from {self.remote.host}")
 
     def close(self) -> None:

@@ -99,13 +99,48 @@ def probe_shell(remote: Remote) -> str:
     return f"mkdir -p -- {d} && cd -- {d} && pwd && exec env {ON_LOGIN}=1 {words} --version"
 
 
-def setup_shell(remote: Remote, requirement: str, python: str = "python3") -> str:
-    """`hpctrain remote setup`: a venv under remote_dir with REQUIREMENT (hpctrain==X.Y.Z, or an uploaded
-    wheel's path) installed by pip, then its hpctrain's version."""
-    d = shlex.quote(remote.remote_dir)
-    return (f"mkdir -p -- {d} && cd -- {d} && {shlex.quote(python)} -m venv venv && venv/bin/pip install -q "
-            f"--disable-pip-version-check {shlex.quote(requirement)} && echo \"$(pwd)/venv/bin/hpctrain\" && "
-            f"venv/bin/hpctrain --version")
+# `hpctrain remote setup`'s steps, each with an exit status of its own so that its failure can be named.
+SETUP_NO_PYTHON, SETUP_OLD_PYTHON, SETUP_NO_VENV, SETUP_PIP = 91, 92, 93, 94
+
+
+def setup_shell(remote: Remote, requirement: str, python: str = "python3", find_links: str = "",
+                system_site: bool = False) -> str:
+    """`hpctrain remote setup`: a venv under remote_dir (made, or kept and upgraded) with REQUIREMENT
+    (hpctrain==X.Y.Z) installed by pip, from the index or only from FIND_LINKS (an uploaded folder of wheels),
+    then the path and version of its hpctrain."""
+    d, py = shlex.quote(remote.remote_dir), shlex.quote(python)
+    index = f"--no-index --find-links {shlex.quote(find_links)} " if find_links else ""
+    site = "--system-site-packages " if system_site else ""
+    return (f"mkdir -p -- {d} && cd -- {d} || exit 1\n"
+            f"command -v {py} >/dev/null 2>&1 || exit {SETUP_NO_PYTHON}\n"
+            f"{py} -c 'import sys; sys.exit(sys.version_info < (3, 10))' || exit {SETUP_OLD_PYTHON}\n"
+            f"{py} -m venv {site}venv || exit {SETUP_NO_VENV}\n"
+            f"venv/bin/python -m pip install -q --disable-pip-version-check --upgrade {index}"
+            f"{shlex.quote(requirement)} || exit {SETUP_PIP}\n"
+            f'echo "$(pwd)/venv/bin/hpctrain" && venv/bin/hpctrain --version')
+
+
+def setup_failure(remote: Remote, rc: int, stderr: str, python: str, requirement: str, offline: bool) -> str | None:
+    """One line for a failed setup step (None: not one of them; ssh.failure reads the rest)."""
+    what, where = f"setup on {remote.host}", f"{remote.host}"
+    last = next((x.strip() for x in reversed(stderr.splitlines()) if x.strip()), "no message")
+    fix_py = ("Fix: give --python the path of a Python 3.10 or newer there (on clusters with modules: "
+              "`module load python`, then `which python3`)")
+    if rc == SETUP_NO_PYTHON:
+        return f"{what}: no {python!r} on {where}. {fix_py}"
+    if rc == SETUP_OLD_PYTHON:
+        return f"{what}: {python!r} on {where} is older than Python 3.10, which hpctrain needs. {fix_py}"
+    if rc == SETUP_NO_VENV:
+        extra = " (Debian/Ubuntu: apt-get install python3-venv)" if "ensurepip" in stderr else ""
+        return (f"{what}: {python!r} could not make a venv under {remote.remote_dir} ({last}). Fix: install "
+                f"Python's venv module there{extra}, or give --python another Python")
+    if rc == SETUP_PIP:
+        how = ("the folder given to --wheel must hold hpctrain's wheel and every dependency's (on a machine "
+               f"with internet: `pip download {requirement} -d wheels`, then --wheel wheels)" if offline else
+               f"if the login node cannot reach PyPI, fetch the wheels elsewhere (`pip download {requirement} -d "
+               "wheels`) and run setup again with --wheel wheels")
+        return f"{what}: pip could not install {requirement} ({last}). Fix: {how}"
+    return None
 
 
 def ssh_argv(remote: Remote, socket: Path, command: str, tty: bool = False) -> list[str]:
@@ -116,6 +151,18 @@ def ssh_argv(remote: Remote, socket: Path, command: str, tty: bool = False) -> l
 def check_argv(remote: Remote, socket: Path) -> list[str]:
     """`ssh -O check`: whether the shared connection is open (no network traffic when it is)."""
     return ["ssh", *ssh_options(remote, socket), "-O", "check", remote.host]
+
+
+def forward_argv(remote: Remote, socket: Path, local: str, far: str) -> list[str]:
+    """`ssh -O forward -L LOCAL:FAR`: the shared connection forwards unix socket LOCAL here to FAR on the login
+    node (the hpctrain server's). The master binds LOCAL, so a stale file there is removed first (the caller's
+    job: the master's StreamLocalBindUnlink was fixed when it started)."""
+    return ["ssh", *ssh_options(remote, socket), "-O", "forward", "-L", f"{local}:{far}", remote.host]
+
+
+def cancel_argv(remote: Remote, socket: Path, local: str, far: str) -> list[str]:
+    """`ssh -O cancel -L LOCAL:FAR`: drop that forward (the master refuses to add one it already has)."""
+    return ["ssh", *ssh_options(remote, socket), "-O", "cancel", "-L", f"{local}:{far}", remote.host]
 
 
 def exit_argv(remote: Remote, socket: Path) -> list[str]:
@@ -133,10 +180,11 @@ def _remote_path(remote: Remote, path: str) -> str:
 
 
 def rsync_up_argv(remote: Remote, socket: Path, sources: Sequence[str], dest: str,
-                  excludes: Sequence[str] = (), link_dest: str = "") -> list[str]:
+                  excludes: Sequence[str] = (), link_dest: str = "", rsh: str = "") -> list[str]:
     """Send SOURCES (absolute local paths, kept whole under DEST with -R) to DEST under remote_dir, made if
     missing, over the shared connection. With LINK_DEST (the previous upload folder), a file unchanged since
-    then is hard-linked there, not sent: each submit has a folder of its own, and only what changed travels."""
+    then is hard-linked there, not sent: each submit has a folder of its own, and only what changed travels.
+    RSH replaces ssh as rsync's remote shell (the login node's hpctrain server: hpctrain.remote.pipe)."""
     # The folder is made by the remote shell that starts rsync there (--rsync-path), not by a round trip of
     # its own; rsync's --mkpath would do it too but is missing before 3.2.3 (RHEL 8 login nodes have 3.1).
     made = f"mkdir -p -- {shlex.quote(_under(remote, dest))} && rsync"
@@ -145,13 +193,15 @@ def rsync_up_argv(remote: Remote, socket: Path, sources: Sequence[str], dest: st
     return ["rsync", "-a", "-s", "-R", "--checksum", f"--rsync-path={made}", "--partial",
             "--chmod=Du=rwx,Dgo=,Fu=rw,Fgo=",
             *([f"--link-dest={_under(remote, link_dest)}"] if link_dest else []),
-            *(f"--exclude={x}" for x in excludes), "-e", _rsync_e(remote, socket),
+            *(f"--exclude={x}" for x in excludes), "-e", rsh or _rsync_e(remote, socket),
             "--", *sources, _remote_path(remote, _under(remote, dest) + "/")]
 
 
-def rsync_down_argv(remote: Remote, socket: Path, source: str, dest: str, excludes: Sequence[str] = ()) -> list[str]:
+def rsync_down_argv(remote: Remote, socket: Path, source: str, dest: str, excludes: Sequence[str] = (),
+                    rsh: str = "") -> list[str]:
     """Fetch folder SOURCE (under remote_dir) into local DEST: results back on demand."""
-    return ["rsync", "-a", "-s", "--partial", *(f"--exclude={x}" for x in excludes), "-e", _rsync_e(remote, socket),
+    return ["rsync", "-a", "-s", "--partial", *(f"--exclude={x}" for x in excludes),
+            "-e", rsh or _rsync_e(remote, socket),
             "--", _remote_path(remote, _under(remote, source).rstrip("/") + "/"), dest.rstrip("/") + "/"]
 
 
