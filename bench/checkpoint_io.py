@@ -6,7 +6,7 @@ measures the same checkpoint written by
 
   1. dd if=/dev/zero of=DIR/dd.bin bs=64M count=N oflag=direct  (N ~ the checkpoint's size, bounded)
   2. hpctrain's synchronous save with the one-thread writer of November (torch.save, fsynced): the baseline
-  3. hpctrain's synchronous save with the parallel writer (node/ckpt_write.py, fsynced)
+  3. hpctrain's synchronous save with the parallel writer (node/checkpointing/ckpt_write.py, fsynced)
   4. DeepSpeed's own engine.save_checkpoint (torch.save, no fsync)
 
 then the asynchronous save, --repeats times, with the host buffers reserved when the writer is installed (as
@@ -141,8 +141,8 @@ def main() -> None:
 
 def _sync_variants(engine: Any, folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
     """The three synchronous ways to write the same checkpoint; each returns (seconds, bytes)."""
-    from hpctrain.node import checkpoint as ckpt
-    from hpctrain.node import ckpt_async
+    from hpctrain.node.checkpointing import checkpoint as ckpt
+    from hpctrain.node.checkpointing import ckpt_async
 
     def hpctrain_save(serial: bool) -> Any:
         def go(s: int) -> tuple[float, int]:
@@ -177,8 +177,8 @@ def _sync_variants(engine: Any, folder: Path, meta: dict[str, Any]) -> dict[str,
 def run(a: argparse.Namespace, folder: Path) -> None:
     import torch
 
-    from hpctrain.node import checkpoint as ckpt
-    from hpctrain.node import ckpt_async
+    from hpctrain.node.checkpointing import checkpoint as ckpt
+    from hpctrain.node.checkpointing import ckpt_async
 
     t_start = time.time()
     engine, n_params = build(a)

@@ -97,7 +97,8 @@ def worker(folder: str, out: str, mode: str) -> None:
 
     import torch
 
-    from hpctrain.node import dist, model
+    from hpctrain.node import dist
+    from hpctrain.node.model import build as model
 
     dist.init_process_group(dist.detect(), use_gpu=False, timeout_min=10)
     ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}

@@ -40,9 +40,9 @@ H200_1B_TOKENS_S = 47_000
 RANK = r"""
 import json, sys, time
 t0 = time.perf_counter()
-from hpctrain.node.data import build_source
+from hpctrain.node.data.loader import build_source
 from hpctrain.node.runconf import read_spec
-from hpctrain.node.tokenize import ByteTokenizer
+from hpctrain.node.data.tokenize import ByteTokenizer
 from hpctrain.runs.folder import RunFolder
 t1 = time.perf_counter()
 spec = read_spec(RunFolder(sys.argv[1]))
@@ -136,9 +136,9 @@ def print_startup(rows: list[tuple[str, dict[str, float]]]) -> None:
 
 
 def lazy_source(run: Path) -> object:
-    from hpctrain.node.data import build_source
+    from hpctrain.node.data.loader import build_source
+    from hpctrain.node.data.tokenize import ByteTokenizer
     from hpctrain.node.runconf import read_spec
-    from hpctrain.node.tokenize import ByteTokenizer
     from hpctrain.runs.folder import RunFolder
 
     return build_source(read_spec(RunFolder(run)), ByteTokenizer(), micro=MICRO, vocab=32768)
@@ -149,7 +149,7 @@ def lazy_throughput(run: Path, batches: int) -> float:
 
 
 def print_throughput(run: Path, batches: int, small_gb: float, large_gb: float, large_tps: float) -> None:
-    from hpctrain.node.data import DataSource
+    from hpctrain.node.data.loader import DataSource
 
     lazy: Any = lazy_source(run)
     docs = [lazy.docs[i].astype("int64") for i in range(len(lazy.lengths))]

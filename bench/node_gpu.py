@@ -118,7 +118,7 @@ def run_entry(a: argparse.Namespace, run: Path, plan: dict[str, Any], log: Path)
     steady = recs[a.warmup:]
     tps = statistics.median(r["tokens_per_s"] for r in steady)
     text = log.read_text(errors="replace")
-    # What the node logged about the ZeRO-3 offload step fix (hpctrain.node.zero_offload) and attention.
+    # What the node logged about the ZeRO-3 offload step fix (hpctrain.node.model.zero_offload) and attention.
     fix = [ln.split("step fix: ", 1)[1] for ln in text.splitlines() if "step fix: " in ln]
     attn = [ln.split("attention: ", 1)[1] for ln in text.splitlines() if "attention: " in ln]
     got = {"impl": "hpctrain-node", "model": a.model, "tokens_per_s_per_gpu": round(tps, 1),

@@ -137,7 +137,7 @@ def main(argv: list[str]) -> None:
     import torch
 
     from hpctrain.node import dist
-    from hpctrain.node.model import build_model, hf_config
+    from hpctrain.node.model.build import build_model, hf_config
     from hpctrain.node.runconf import NodeInputError
 
     dist.init_process_group(dist.detect(), use_gpu=False, timeout_min=3)  # gloo, without the shm op's JIT build

@@ -13,7 +13,7 @@ HEAD = "2026-11-29T10:00:01 rank{r} INFO hpctrain node: mode train, rank {r}/4 (
 GPU_OOM = HEAD.format(r=1) + """2026-11-29T10:00:05 rank1 INFO step 3 | loss 9.8123 | lr 1.00e-04 | tok/s 51234 | pad 0.0%
 2026-11-29T10:00:06 rank1 ERROR training failed:
 Traceback (most recent call last):
-  File "/opt/hpctrain/toolkit/hpctrain/node/main.py", line 48, in run
+  File "/opt/hpctrain/toolkit/hpctrain/node/launch/main.py", line 48, in run
     engine, state = train.run_training(prep, stop)
   File "/opt/venv/lib/python3.12/site-packages/torch/_tensor.py", line 626, in backward
     torch.autograd.backward(
@@ -53,7 +53,7 @@ RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection cl
 USER_EXC = HEAD.format(r=1) + """2026-11-29T10:00:07 rank1 INFO step 6 | loss 9.1000 | lr 1.00e-04 | tok/s 812 | pad 0.0%
 2026-11-29T10:00:08 rank1 ERROR training failed:
 Traceback (most recent call last):
-  File "/opt/hpctrain/toolkit/hpctrain/node/main.py", line 48, in run
+  File "/opt/hpctrain/toolkit/hpctrain/node/launch/main.py", line 48, in run
     engine, state = train.run_training(prep, stop)
   File "/opt/hpctrain/toolkit/hpctrain/node/train.py", line 310, in _fail_hook
     raise ValueError(f"HPCTRAIN_FAIL_AT_STEP: failing on purpose at step {step}")

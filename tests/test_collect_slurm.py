@@ -226,7 +226,7 @@ def test_cancelled(lab: dict[str, Any]) -> None:
 
 def test_pending_reason_is_squeues() -> None:
     """squeue's %r for a job that waits (here: for its begin time), as `list`/`status` show it."""
-    from hpctrain.slurm.commands import pending_reasons
+    from hpctrain.slurmcommands import pending_reasons
 
     out = subprocess.run(["sbatch", "--parsable", "--partition", "debug", "--begin", "now+3600", "--wrap", "true"],
                          capture_output=True, text=True, timeout=30, check=True).stdout

@@ -58,7 +58,7 @@ def test_other_format_version_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("named", ["auto", "jsonl", "text", "prepared"])
 def test_a_prepared_folder_is_read_as_one_whatever_raw_format_is_named(tmp_path: Path, named: str) -> None:
-    from hpctrain.node.prepared import is_prepared_source
+    from hpctrain.node.data.prepared import is_prepared_source
 
     _write(tmp_path, [[1, 2], [3], [4, 5, 6]])
     assert is_prepared_source(str(tmp_path), named)  # never its manifest.json read as a jsonl document

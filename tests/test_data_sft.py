@@ -22,9 +22,9 @@ from datakit import build_tokenizer, stdlib_texts
 from hpctrain.data import format as fmt
 from hpctrain.data import sft
 from hpctrain.errors import HpcUsageError
-from hpctrain.node.data import IGNORE, DataSource, build_source, sft_docs
+from hpctrain.node.data.loader import IGNORE, DataSource, build_source, sft_docs
+from hpctrain.node.data.tokenize import ByteTokenizer, load_tokenizer
 from hpctrain.node.runconf import NodeInputError, read_spec
-from hpctrain.node.tokenize import ByteTokenizer, load_tokenizer
 from hpctrain.runs.folder import RunFolder
 from runkit import events, make_run, metrics, torchrun
 

@@ -16,10 +16,10 @@ from types import SimpleNamespace
 import click
 import pytest
 
+from hpctrain import slurmcommands as _slurm
 from hpctrain.render import sbatch as render_sbatch_mod
 from hpctrain.runs import folder as runs
 from hpctrain.runs.registry import Registry
-from hpctrain.slurm import commands as _slurm
 
 # -- run folders ----------------------------------------------------------------------------------
 
@@ -245,7 +245,7 @@ def _assert_pickled_call(path: Path, run_dir: Path, mode: str) -> None:
     call for this run folder, with the time limit and requeue budget its time-out handler reads."""
     from submitit.helpers import DelayedSubmission
 
-    from hpctrain.node.entry import NodeJob
+    from hpctrain.node.launch.entry import NodeJob
 
     call = DelayedSubmission.load(path)
     assert call.function == NodeJob(str(run_dir), mode) and (call.args, call.kwargs) == ((), {})

@@ -71,7 +71,7 @@ def test_many_ranks_appending_at_once_leave_whole_lines(tmp_path: Path) -> None:
 # -- the node writes it -----------------------------------------------------------------------------
 def test_node_failure_on_bad_input_writes_the_event(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A rank that refuses its input exits 2 and says so in events.jsonl (class, rank, host, attempt, code)."""
-    from hpctrain.node import main
+    from hpctrain.node.launch import main
 
     for k in [k for k in __import__("os").environ if k.startswith(("SLURM", "SUBMITIT_", "RANK", "WORLD_SIZE"))]:
         monkeypatch.delenv(k)
@@ -91,7 +91,7 @@ def test_node_failure_on_bad_input_writes_the_event(tmp_path: Path, monkeypatch:
 
 def test_exceptions_are_classified_by_class_not_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     from hpctrain.node.dist import OtherRankFailed
-    from hpctrain.node.main import PreflightFailed, failure_of
+    from hpctrain.node.launch.main import PreflightFailed, failure_of
     from hpctrain.node.runconf import NodeInputError
 
     class OutOfMemoryError(RuntimeError):
@@ -193,8 +193,8 @@ def test_stop_on_signal_is_a_stop_event(tmp_path: Path, signum: int, cls: str | 
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """StopRequested, and submitit declining to requeue (its UncompletedJobError, known by class), are stops
     on the signal: a `stop` event with the signal's class, never a python_exception."""
-    from hpctrain.node import main
-    from hpctrain.node.checkpointer import StopRequested
+    from hpctrain.node.checkpointing.checkpointer import StopRequested
+    from hpctrain.node.launch import main
     from hpctrain.runs.folder import RunFolder
 
     class UncompletedJobError(Exception):
@@ -209,7 +209,7 @@ def test_stop_on_signal_is_a_stop_event(tmp_path: Path, signum: int, cls: str | 
 
     (paths.checkpoints_dir / "step-5").mkdir(parents=True)  # the checkpoint the signal's stop wrote
     (paths.checkpoints_dir / "step-5" / MARKER).write_text("{}\n")
-    from hpctrain.node.checkpointer import StopFlag
+    from hpctrain.node.checkpointing.checkpointer import StopFlag
 
     stop = StopFlag(signum=signum, run_dir=tmp_path)  # no time limit known: USR2 keeps its meaning (time limit)
     assert main._fail(StopRequested("stopped on signal at step 5"), paths, where, stop) == ExitCode.STOPPED

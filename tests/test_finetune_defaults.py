@@ -12,7 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 from hpctrain.cli.main import cli
-from hpctrain.plan.planner import Plan, make_plan
+from hpctrain.plan.model import Plan
+from hpctrain.plan.planner import make_plan
 from hpctrain.spec import finetune
 from hpctrain.spec.model import Data, Train, read_resolved, resolve, resolve_with_defaults
 from hpctrain.spec.site import SITE_KEYS

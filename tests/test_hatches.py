@@ -16,12 +16,13 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from hpctrain import slurmcommands as commands
 from hpctrain.cli.main import cli
 from hpctrain.errors import HpcUsageError
 from hpctrain.plan.planner import make_plan
 from hpctrain.render.sbatch import render_sbatch, submitit_command
 from hpctrain.runs.folder import append_attempt
-from hpctrain.slurm import after, commands, sbatch_check
+from hpctrain.slurm import after, sbatch_check
 from hpctrain.spec import sbatch_args
 from hpctrain.spec.model import Code, Model, Resources, Slurm, Spec, from_toml_text, resolve, to_toml
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from hpctrain.fault import health as judge_mod
 from hpctrain.fault import injob
-from hpctrain.node import health
+from hpctrain.node.launch import health
 from hpctrain.runs import events as ev
 from hpctrain.states import FailureClass
 
@@ -206,7 +206,7 @@ def _driver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reports: dict[str, 
     run = tmp_path / "run"
     (run / "metrics").mkdir(parents=True)
     steps = Steps(reports, ["pass", "pass"])
-    from hpctrain.slurm import commands
+    from hpctrain import slurmcommands as commands
 
     monkeypatch.setattr(commands, "start_step", steps.start)
     monkeypatch.setattr(commands, "step_ids", lambda job: [f"7.{i}" for i in range(len(steps.argv))])
@@ -325,7 +325,7 @@ def test_submitits_callable_runs_the_check_in_the_health_step(monkeypatch: pytes
     """The training's launch line is submitit's `_submit` of NodeJob: the health step's env turns it into the
     check (the deepspeed launcher's `python -m hpctrain.node` path reads the same variable)."""
     from hpctrain.node import __main__ as node_main
-    from hpctrain.node.entry import NodeJob
+    from hpctrain.node.launch.entry import NodeJob
 
     ran: list[str] = []
     monkeypatch.setattr(health, "run", lambda run_dir: ran.append(run_dir) or 0)
@@ -452,7 +452,7 @@ def test_a_gpu_held_back_by_a_power_cap_is_judged_at_its_allowed_clock_and_noted
 
 
 def test_the_h200s_recorded_under_load_a_healthy_one_passes_an_injected_half_rate_one_fails_at_once() -> None:
-    """Recorded by hpctrain.node.health.Meter on the device machine's H200 (2026-12-02, 6 windows of 0.4 s):
+    """Recorded by hpctrain.node.launch.health.Meter on the device machine's H200 (2026-12-02, 6 windows of 0.4 s):
     under sustained bf16 matmul the software power cap held the SM clock at 1440-1500 of 1980 MHz at the
     default 700 W limit; 0.84 of 788 was where CI's healthy H200 came within 5% of being condemned."""
     healthy = _h200([667.2, 663.7, 655.5, 664.6, 658.8, 663.8], mhz=[1455, 1455, 1440, 1470, 1470, 1440],
@@ -565,7 +565,7 @@ def test_the_driver_condemns_a_borderline_node_that_is_slow_again(tmp_path: Path
 
 def test_an_injected_borderline_host_is_measured_again_and_a_failed_one_stays_failed() -> None:
     from hpctrain.fault.health import HealthVerdict, with_injected_borderline
-    from hpctrain.node.health import injected
+    from hpctrain.node.launch.health import injected
 
     v = HealthVerdict(failed={"node2": "slow"}, retest={"node3": "CPU matmul 50 < 0.8 x ..."})
     text = "fail:rank=1; borderline:host=node1;borderline:host=node2"

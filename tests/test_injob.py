@@ -130,7 +130,7 @@ def _driver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scripts: list[str],
     run = tmp_path / "run"
     (run / "metrics").mkdir(parents=True)
     fake = FakeSteps(run, scripts)
-    from hpctrain.slurm import commands
+    from hpctrain import slurmcommands as commands
 
     monkeypatch.setattr(commands, "start_step", fake.start)
     monkeypatch.setattr(commands, "step_ids", lambda job: [f"7.{i}" for i in range(len(fake.argv))])
@@ -317,7 +317,7 @@ def test_a_late_record_of_the_ended_step_is_not_the_new_steps(tmp_path: Path) ->
 
 
 def test_the_new_ranks_find_the_ended_steps_processes_on_their_node(tmp_path: Path) -> None:
-    from hpctrain.node import predecessors
+    from hpctrain.node.launch import predecessors
 
     def proc(pid: int, cmd: str, **env: str) -> None:
         d = tmp_path / str(pid)
@@ -340,7 +340,7 @@ def test_a_rank_of_the_ended_step_that_lingers_is_killed_before_the_new_one_star
     import subprocess
     import time
 
-    from hpctrain.node import predecessors
+    from hpctrain.node.launch import predecessors
 
     env = {"PATH": "/usr/bin:/bin", "HPCTRAIN_RUN_DIR": str(tmp_path), "HPCTRAIN_ATTEMPT": "0",
            "HPCTRAIN_INJOB_RESTART": "0"}

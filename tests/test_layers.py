@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import os
 import re
 import shutil
@@ -40,22 +39,3 @@ def test_cli_path_imports_no_heavy_module() -> None:
     heavy = sorted(m for m in loaded if m.split(".")[0] in HEAVY)
     assert heavy == [], f"the CLI path imports {heavy}: import them inside the function that needs them"
 
-
-def _names(path: Path) -> set[str]:
-    """Every name a module uses: imported, referenced, or read as an attribute (comments do not count)."""
-    out: set[str] = set()
-    for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(n, ast.alias):
-            out.add(n.name.rsplit(".", 1)[-1])
-        elif isinstance(n, ast.Name):
-            out.add(n.id)
-        elif isinstance(n, ast.Attribute):
-            out.add(n.attr)
-    return out
-
-
-def test_node_never_plans_again() -> None:
-    """The node reads the plan written at submit (it may import the typed Plan), never calls make_plan."""
-    node = ROOT / "toolkit" / "hpctrain" / "node"
-    naming = {p.name for p in sorted(node.rglob("*.py")) if "make_plan" in _names(p)}
-    assert naming == set(), f"node modules that plan again: {sorted(naming)}"

@@ -1,4 +1,4 @@
-"""LoRA through PEFT (hpctrain.node.lora): training on 2 CPU ranks under ZeRO-2 and ZeRO-3, adapter-only
+"""LoRA through PEFT (hpctrain.node.model.lora): training on 2 CPU ranks under ZeRO-2 and ZeRO-3, adapter-only
 checkpoints, resume at the same and at another world size, the export (adapter + merged), the planner's
 memory model and the submit-time refusals.
 
@@ -50,7 +50,7 @@ def _batch_loss(model: Any, cursors: list[int]) -> float:
     """Mean loss of `model` over the synthetic micro-batches at `cursors` (the data every rank reads)."""
     import torch
 
-    from hpctrain.node.data import DataSource
+    from hpctrain.node.data.loader import DataSource
 
     src = DataSource(None, mode="padded", micro=2, seq_len=32, budget=64, seed=7, pad_id=256, vocab=320)
     with torch.no_grad():
@@ -180,7 +180,7 @@ def test_checkpoint_of_the_other_kind_is_refused(tmp_path: Path) -> None:
     """A full fine-tune's checkpoint cannot resume as LoRA, nor the reverse: one message naming the fix
     (Checkpointer.load checks it on every rank before DeepSpeed reads a file)."""
     pytest.importorskip("torch")
-    from hpctrain.node import checkpoint as ckpt
+    from hpctrain.node.checkpointing import checkpoint as ckpt
     from hpctrain.node.runconf import NodeInputError
 
     lora_point = ckpt.ResumePoint("step-4", tmp_path / "step-4", {"step": 4, "adapters": True})

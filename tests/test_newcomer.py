@@ -46,7 +46,7 @@ def test_start_up_slack_when_the_job_start_is_a_guess() -> None:
 def test_stop_flag_knows_the_time_left_and_whose_cancel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import time
 
-    from hpctrain.node.checkpointer import StopFlag
+    from hpctrain.node.checkpointing.checkpointer import StopFlag
     from hpctrain.runs.folder import RunFolder, json_text
 
     monkeypatch.setenv("SLURM_JOB_ID", "41")
@@ -68,7 +68,7 @@ def test_stop_flag_knows_the_time_left_and_whose_cancel(tmp_path: Path, monkeypa
 
 
 def _fake_squeue(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, out: str, rc: int = 0) -> Path:
-    """A stand-in `squeue` for hpctrain.slurm.commands.job_end_time's parsing (the real cluster's moved limit:
+    """A stand-in `squeue` for hpctrain.slurmcommands.job_end_time's parsing (the real cluster's moved limit:
     tests/test_fault_slurm.py); it logs its arguments."""
     import shlex
 
@@ -94,7 +94,7 @@ def test_a_moved_time_limit_is_asked_of_slurm(tmp_path: Path, monkeypatch: pytes
     import datetime
     import time
 
-    from hpctrain.node.checkpointer import StopFlag
+    from hpctrain.node.checkpointing.checkpointer import StopFlag
 
     end = "" if moved_to_s is None else datetime.datetime.fromtimestamp(time.time() + moved_to_s).strftime(
         "%Y-%m-%dT%H:%M:%S")
@@ -123,7 +123,7 @@ class _Metrics:
 
 def test_a_cancelled_rank_does_not_stop_for_requeue(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                      caplog: pytest.LogCaptureFixture) -> None:
-    from hpctrain.node.checkpointer import Checkpointer, SavePolicy, StopFlag
+    from hpctrain.node.checkpointing.checkpointer import Checkpointer, SavePolicy, StopFlag
     from hpctrain.runs.folder import RunFolder, json_text
 
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
@@ -156,8 +156,8 @@ def test_cancel_records_the_request_before_signalling(tmp_path: Path) -> None:
 
 def test_local_requeue_is_an_attempt_of_its_own(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """submitit's local executor restarts the tasks with the same environment: NodeJob counts the restarts."""
-    from hpctrain.node.entry import NodeJob
-    from hpctrain.node.metrics import attempt_number
+    from hpctrain.node.launch.entry import NodeJob
+    from hpctrain.node.monitor.metrics import attempt_number
 
     (tmp_path / "spec.toml").write_text("[launch]\nretries = 1\n")
     monkeypatch.setenv("SUBMITIT_LOCAL_JOB_ID", "9")
@@ -230,7 +230,7 @@ def _node_loss_run(env: dict[str, Any], retry: dict[str, Any] | None, state: str
 def test_node_loss_names_the_dead_host_once(env: dict[str, Any], state: str) -> None:  # noqa: F811
     from hpctrain.fault import supervisor as sup
     from hpctrain.fault.policy import Fit, Policy, decide
-    from hpctrain.slurm.commands import SacctRecord
+    from hpctrain.slurmcommands import SacctRecord
 
     folder = _node_loss_run(env, None, state)
     doc = json.loads(invoke("summary", "lost", "--json").stdout)
@@ -331,7 +331,7 @@ def test_pending_reason_in_list_and_status(env: dict[str, Any]) -> None:  # noqa
     doc = json.loads(_runs_cli("status", "lost", "--json").stdout)
     assert doc["attempts"][1]["pending_reason"] == "ReqNodeNotAvail, UnavailableNodes:node2"
     assert "PENDING (ReqNodeNotAvail" in _runs_cli("list").stdout
-    from hpctrain.slurm.commands import pending_reasons
+    from hpctrain.slurmcommands import pending_reasons
 
     assert pending_reasons(["90_1", "61", "62"]) == {"90_1": "Priority", "61": "ReqNodeNotAvail, UnavailableNodes:node2"}
 

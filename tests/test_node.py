@@ -11,11 +11,11 @@ import pytest
 np = pytest.importorskip("numpy")
 torch = pytest.importorskip("torch")
 
-from hpctrain.node import checkpoint as ckpt
 from hpctrain.node import dist
-from hpctrain.node.data import IGNORE, DataSource, iter_epoch, tokenize_docs
+from hpctrain.node.checkpointing import checkpoint as ckpt
+from hpctrain.node.data.loader import IGNORE, DataSource, iter_epoch, tokenize_docs
+from hpctrain.node.data.tokenize import ByteTokenizer
 from hpctrain.node.runconf import NodeInputError
-from hpctrain.node.tokenize import ByteTokenizer
 from hpctrain.nodelist import rendezvous_port
 from runkit import make_run, spec_only
 
@@ -255,7 +255,7 @@ def test_entry_is_torch_free() -> None:
     import subprocess
     import sys
 
-    code = "import sys, hpctrain.node.entry; print([m for m in ('torch','deepspeed','transformers') if m in sys.modules])"
+    code = "import sys, hpctrain.node.launch.entry; print([m for m in ('torch','deepspeed','transformers') if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -287,7 +287,7 @@ def test_fused_adamw_steps_follow_their_parameters() -> None:
 
     import torch
 
-    from hpctrain.node.checkpointer import align_optimizer_steps
+    from hpctrain.node.checkpointing.checkpointer import align_optimizer_steps
 
     p = torch.nn.Parameter(torch.zeros(4))
     opt = torch.optim.AdamW([p], fused=True)

@@ -18,9 +18,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hpctrain.node import checkpoint as ckpt
-from hpctrain.node.checkpointer import Checkpointer, Progress, SavePolicy, StopFlag, StopRequested
-from hpctrain.node.metrics import MetricsWriter
+from hpctrain.node.checkpointing import checkpoint as ckpt
+from hpctrain.node.checkpointing.checkpointer import (
+    Checkpointer,
+    Progress,
+    SavePolicy,
+    StopFlag,
+    StopRequested,
+)
+from hpctrain.node.monitor.metrics import MetricsWriter
 from hpctrain.node.runconf import NodeInputError
 
 LAYOUT = {"world_size": 1, "dp": 1, "pp": 1, "tp": 1, "zero": 0, "precision": "fp32"}

@@ -16,8 +16,8 @@ import pytest
 pytest.importorskip("deepspeed")
 torch = pytest.importorskip("torch")
 
-from hpctrain.node import checkpoint as ckpt
-from hpctrain.node import ckpt_async
+from hpctrain.node.checkpointing import checkpoint as ckpt
+from hpctrain.node.checkpointing import ckpt_async
 from runkit import events, losses_by_step, make_run, metrics, torchrun
 
 
@@ -100,7 +100,7 @@ def test_no_snapshot_buffers_without_a_scheduled_save(monkeypatch: pytest.Monkey
     """A run that saves only on a signal neither writes in the background nor reserves the snapshot's host
     memory (at 3B with optimizer offload that was ~45 GB of pinned memory beside CPU Adam's); one that saves
     by steps reserves the rank's whole state."""
-    from hpctrain.node.checkpointer import Checkpointer, StopFlag
+    from hpctrain.node.checkpointing.checkpointer import Checkpointer, StopFlag
     from hpctrain.spec.model import from_toml_text
     from runkit import spec_toml, tiny_tables
 

@@ -9,8 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hpctrain.node import checkpoint as ckpt
-from hpctrain.node import ckpt_async, ckpt_write
+from hpctrain.node.checkpointing import checkpoint as ckpt
+from hpctrain.node.checkpointing import ckpt_async, ckpt_write
 
 
 def _state() -> dict[str, object]:

@@ -1,12 +1,12 @@
-"""What a rank chooses by itself: the attention kernel ([model] attention, hpctrain.node.attention), the GPU
-allocator default, where a fresh model is built, and the imports of its start-up (hpctrain.node.imports)."""
+"""What a rank chooses by itself: the attention kernel ([model] attention, hpctrain.node.model.attention), the GPU
+allocator default, where a fresh model is built, and the imports of its start-up (hpctrain.node.launch.imports)."""
 
 from __future__ import annotations
 
 import pytest
 
-from hpctrain.node import attention
 from hpctrain.node.dist import DistEnv, prepare_process_env
+from hpctrain.node.model import attention
 
 
 def test_auto_keeps_transformers_default_and_moves_only_a_measured_backend(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -61,7 +61,7 @@ def test_the_model_is_built_with_the_chosen_implementation() -> None:
     pytest.importorskip("transformers")
     from types import SimpleNamespace
 
-    from hpctrain.node.model import build_model, hf_config
+    from hpctrain.node.model.build import build_model, hf_config
 
     spec = SimpleNamespace(path="", config="llama-tiny", overrides={}, freeze=())
     cfg = hf_config(spec)
@@ -93,7 +93,7 @@ def test_an_implementation_transformers_refuses_is_a_usage_error() -> None:
     import importlib.util
     from types import SimpleNamespace
 
-    from hpctrain.node.model import build_model, hf_config
+    from hpctrain.node.model.build import build_model, hf_config
     from hpctrain.node.runconf import NodeInputError
 
     if importlib.util.find_spec("flash_attn") is not None:
@@ -109,7 +109,7 @@ def test_a_fresh_model_without_zero3_is_built_on_the_ranks_device() -> None:
     pytest.importorskip("transformers")
     from types import SimpleNamespace
 
-    from hpctrain.node.model import build_model, hf_config
+    from hpctrain.node.model.build import build_model, hf_config
 
     spec = SimpleNamespace(path="", config="llama-tiny", overrides={}, freeze=())
     model = build_model(spec, hf_config(spec), "fp32", {}, zero3=False, device="meta")
@@ -118,14 +118,14 @@ def test_a_fresh_model_without_zero3_is_built_on_the_ranks_device() -> None:
 
 
 def test_deepspeed_is_imported_without_mlflow_on_a_rank() -> None:
-    """hpctrain.node.imports: DeepSpeed's autotuner does not load mlflow on a rank (~1 s of every start),
+    """hpctrain.node.launch.imports: DeepSpeed's autotuner does not load mlflow on a rank (~1 s of every start),
     and mlflow itself still imports afterwards (the node's MLflow tracker)."""
     pytest.importorskip("deepspeed")
     pytest.importorskip("mlflow")
     import subprocess
     import sys
 
-    code = ("import sys; import hpctrain.node.main; import deepspeed; import deepspeed.autotuning.autotuner as a; "
+    code = ("import sys; import hpctrain.node.launch.main; import deepspeed; import deepspeed.autotuning.autotuner as a; "
             "assert 'mlflow' not in sys.modules and a.has_mlflow is False; import mlflow; print('ok', mlflow.__name__)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0 and "ok mlflow" in proc.stdout, proc.stderr[-2000:]

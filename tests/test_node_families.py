@@ -72,7 +72,7 @@ def zero3(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) ->
 
 def _zero0(folder: Path, precision: str) -> Any:
     """What ZeRO 0, 1 and 2 run: build_model's from_pretrained (no process group needed)."""
-    from hpctrain.node.model import build_model, hf_config
+    from hpctrain.node.model.build import build_model, hf_config
 
     spec = SimpleNamespace(path=str(folder), config="", overrides={}, freeze=())
     return build_model(spec, hf_config(spec), precision, {}, zero3=False)
@@ -108,7 +108,7 @@ def test_zero0_loads_exactly_and_zero3_buffers_agree(zero3: dict[str, Any], fold
 
 
 def test_the_sharded_folder_is_read_through_its_index(folders: dict[str, Path]) -> None:
-    from hpctrain.node.model import weight_files
+    from hpctrain.node.model.build import weight_files
 
     files = weight_files(str(folders["mistral"]))
     assert len(files) > 2 and (folders["mistral"] / "model.safetensors.index.json").is_file()
@@ -133,7 +133,7 @@ def test_a_fresh_zero3_model_from_a_pad_token_config_is_initialised(zero3: dict[
 def test_index_naming_an_absent_shard_is_a_clear_error(folders: dict[str, Path], tmp_path: Path) -> None:
     import shutil
 
-    from hpctrain.node.model import weight_files
+    from hpctrain.node.model.build import weight_files
     from hpctrain.node.runconf import NodeInputError
 
     copy = shutil.copytree(folders["mistral"], tmp_path / "mistral")

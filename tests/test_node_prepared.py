@@ -15,10 +15,10 @@ pytest.importorskip("tokenizers")
 from datakit import build_tokenizer, stdlib_texts, write_prepared
 from hpctrain.data import format as fmt
 from hpctrain.errors import HpcUsageError
-from hpctrain.node.data import DataSource, build_eval_source, build_source, iter_epoch, tokenize_docs
-from hpctrain.node.epochplan import EpochPlan, plan_epoch
+from hpctrain.node.data.epochplan import EpochPlan, plan_epoch
+from hpctrain.node.data.loader import DataSource, build_eval_source, build_source, iter_epoch, tokenize_docs
+from hpctrain.node.data.tokenize import ByteTokenizer, load_tokenizer
 from hpctrain.node.runconf import NodeInputError, read_spec
-from hpctrain.node.tokenize import ByteTokenizer, load_tokenizer
 from hpctrain.runs.folder import RunFolder
 from runkit import make_run
 
@@ -82,10 +82,10 @@ def test_resume_at_a_new_world_size_reads_the_same_stream(corpus: tuple[Path, Pa
 
 
 def test_lean_reader_reads_what_the_format_reader_reads(corpus: tuple[Path, Path, list[str]], tmp_path: Path) -> None:
-    """node/prepared.LeanSplit (memory-mapped offsets, int32 lengths) against data/format.PreparedSplit."""
+    """node/data/prepared.LeanSplit (memory-mapped offsets, int32 lengths) against data/format.PreparedSplit."""
     import shutil
 
-    from hpctrain.node.prepared import LeanSplit
+    from hpctrain.node.data.prepared import LeanSplit
 
     prep = corpus[0]
     m = fmt.read_manifest(prep)

@@ -71,7 +71,7 @@ def test_metrics_heartbeat_and_logs(zero3_runs: dict[str, Path]) -> None:
 def test_exported_model_loads_and_reproduces_loss(zero3_runs: dict[str, Path]) -> None:
     from transformers import AutoModelForCausalLM
 
-    from hpctrain.node.data import DataSource
+    from hpctrain.node.data.loader import DataSource
 
     run = zero3_runs["full"]
     final = [e for e in events(run) if e["event"] == "finished"][-1]
@@ -274,7 +274,7 @@ def test_auto_choices_come_from_the_plan(tmp_path: Path) -> None:
     # ds_config.json say (it never plans again).
     run = make_run(tmp_path / "run", train={"steps": 2, "micro_batch": 0, "grad_accum": 0, "global_batch": 8,
                                             "activation_checkpointing": "auto"}, parallel={"zero": "auto"})
-    from hpctrain.plan.planner import Plan
+    from hpctrain.plan.model import Plan
 
     plan = Plan.from_json((run / "plan.json").read_text())
     _ok(torchrun(run, 2))

@@ -1,4 +1,4 @@
-"""hpctrain.node.zero_offload on the CPU: when the ZeRO-3 offload step fix applies, and that its "scale is
+"""hpctrain.node.model.zero_offload on the CPU: when the ZeRO-3 offload step fix applies, and that its "scale is
 exactly 1.0" test is DeepSpeed's own arithmetic (the copy itself needs a GPU: bench/gpu/offload_parts.py)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hpctrain.node import zero_offload as Z
+from hpctrain.node.model import zero_offload as Z
 
 
 def deepspeed_scale(loss_scale: float, clip_grad: float, total_norm: Any) -> float:

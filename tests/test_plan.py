@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from hpctrain.errors import HpcUsageError
+from hpctrain.plan.model import Plan
 from hpctrain.plan.planner import (
-    Plan,
     batch_sizes,
     load_model_config,
     make_plan,

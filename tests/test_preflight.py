@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.node.preflight import (
+from hpctrain.node.launch.preflight import (
     Layout,
     PreflightError,
     expand_tasks_per_node,
@@ -79,7 +79,7 @@ def test_rank0_missing_every_rank_fails_in_time() -> None:
 def test_subprocesses_one_missing_exit_nonzero() -> None:
     """Real processes (like srun tasks): every one exits non-zero within the timeout, naming rank 2."""
     port, world = _free_port(), 3
-    code = ("import sys; from hpctrain.node.preflight import run_from_env, PreflightError\n"
+    code = ("import sys; from hpctrain.node.launch.preflight import run_from_env, PreflightError\n"
             "try:\n    run_from_env(3)\nexcept PreflightError as e:\n    print(e); sys.exit(3)\n")
     t0 = time.monotonic()
     procs = [subprocess.Popen([sys.executable, "-c", code], env={**os.environ, **_env(r, world, port, "node[1-2]", "2,1")},
@@ -126,16 +126,16 @@ def test_deepspeed_launcher_layout_splits_nodelist_evenly() -> None:
 
 
 def test_node_without_the_preflight_module_fails_loudly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A broken install (hpctrain.node.preflight missing) stops the node with an error naming the module;
+    """A broken install (hpctrain.node.launch.preflight missing) stops the node with an error naming the module;
     it used to log "skipped" and train without the rendezvous."""
-    import hpctrain.node
+    import hpctrain.node.launch
 
     for name in ("main", "preflight"):
-        monkeypatch.delitem(sys.modules, f"hpctrain.node.{name}", raising=False)
-        monkeypatch.delattr(hpctrain.node, name, raising=False)
-    monkeypatch.setitem(sys.modules, "hpctrain.node.preflight", None)  # what an import of it then raises
-    with pytest.raises(ImportError, match=r"hpctrain\.node\.preflight"):
-        from hpctrain.node.main import run as node_run
+        monkeypatch.delitem(sys.modules, f"hpctrain.node.launch.{name}", raising=False)
+        monkeypatch.delattr(hpctrain.node.launch, name, raising=False)
+    monkeypatch.setitem(sys.modules, "hpctrain.node.launch.preflight", None)  # what an import of it then raises
+    with pytest.raises(ImportError, match=r"hpctrain\.node\.launch\.preflight"):
+        from hpctrain.node.launch.main import run as node_run
 
         node_run(str(tmp_path), "preflight")
 

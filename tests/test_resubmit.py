@@ -13,7 +13,7 @@ import pytest
 from hpctrain.fault import supervisor as supervise
 from hpctrain.fault.policy import MAX_RETRIES_CAP, AttemptRecord, Fit, Policy, decide
 from hpctrain.node import faultinject
-from hpctrain.node.heartbeat import RankBeat
+from hpctrain.node.monitor.heartbeat import RankBeat
 from hpctrain.runs.beats import read_failures
 
 
@@ -252,8 +252,8 @@ def test_watchdog_hands_a_lost_peer_to_on_peer_lost_before_the_cancel(tmp_path: 
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The watchdog does not import the supervisor: `python -m hpctrain.fault.supervisor watch` passes
     take_over in, and the watchdog calls it with (run_dir, job) before it cancels the job."""
+    from hpctrain import slurmcommands as _slurm
     from hpctrain.fault import watchdog
-    from hpctrain.slurm import commands as _slurm
 
     order: list[object] = []
     monkeypatch.setattr(_slurm, "queue_state", lambda job: "RUNNING")
@@ -305,7 +305,7 @@ def test_peer_lost_verdict_is_a_node_failure_for_supervisor_and_summary(tmp_path
         {"event": "peer_lost", "job_id": "7", "last_step": 20, "silent_ranks": [1], "silent_hosts": ["node2"],
          "message": "rank 0 on node1 lost its peer on node2 (...): node or network lost"}) + "\n")
     monkeypatch.setenv("HPCTRAIN_STATE_DIR", str(tmp_path / "state"))
-    from hpctrain.slurm.commands import SacctRecord
+    from hpctrain.slurmcommands import SacctRecord
 
     hist, _ = supervise.history(tmp_path, "7", SacctRecord("7", "CANCELLED"))
     assert [(h.state, h.failure_class, h.implicated) for h in hist] == [("CANCELLED", "node_fail", ("node2",))]
@@ -333,7 +333,7 @@ def test_a_straggler_verdict_is_a_straggler_for_the_supervisor_and_its_host_is_e
         {"event": "straggler", "job_id": "8", "last_step": 20, "silent_ranks": [1], "silent_hosts": ["node2"],
          "message": "node2 was the slowest rank in 5 windows in a row"}) + "\n")
     monkeypatch.setenv("HPCTRAIN_STATE_DIR", str(tmp_path / "state"))
-    from hpctrain.slurm.commands import SacctRecord
+    from hpctrain.slurmcommands import SacctRecord
 
     hist, _ = supervise.history(tmp_path, "8", SacctRecord("8", "CANCELLED"))
     assert [(h.failure_class, h.implicated) for h in hist] == [("straggler", ("node2",))]

@@ -90,8 +90,9 @@ def _config_given_to_deepspeed(run: Path, world: int, monkeypatch: pytest.Monkey
     that deepspeed.initialize received)."""
     import deepspeed
 
-    from hpctrain.node import lora, pipeline, train
-    from hpctrain.node import model as node_model
+    from hpctrain.node import train
+    from hpctrain.node.model import build as node_model
+    from hpctrain.node.model import lora, pipeline
 
     seen: dict[str, Any] = {}
 

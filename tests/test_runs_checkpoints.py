@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hpctrain.collect.metrics import complete_checkpoints
 from hpctrain.collect.progress import read_progress
 from hpctrain.fault.supervisor import latest_checkpoint
-from hpctrain.node.checkpoint import find_resume
+from hpctrain.node.checkpointing.checkpoint import find_resume
 from hpctrain.node.runconf import NodeInputError
 from hpctrain.runs import checkpoints as rc
 from hpctrain.runs.folder import RunFolder

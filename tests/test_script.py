@@ -273,7 +273,7 @@ def test_usr2_stops_the_program_after_its_checkpoint(tmp_path: Path) -> None:
 
 
 def test_failure_tail_finds_the_last_exception() -> None:
-    from hpctrain.node.script import failure
+    from hpctrain.node.launch.script import failure
 
     tail = ["noise", "Traceback (most recent call last):", '  File "t.py", line 3, in <module>',
             "[rank1]: RuntimeError: Connection closed by peer [10.0.0.2]:123", "more noise"]
@@ -285,7 +285,7 @@ def test_failure_tail_finds_the_last_exception() -> None:
 
 def test_under_torchrun_the_failure_is_the_scripts_exception_not_the_launchers() -> None:
     """torchrun prints its own ChildFailedError after the rank's traceback: the rank's ValueError is the cause."""
-    from hpctrain.node.script import failure
+    from hpctrain.node.launch.script import failure
 
     tail = ["[rank1]: Traceback (most recent call last):", '[rank1]:   File "train.py", line 9, in <module>',
             '[rank1]:     raise ValueError("bad batch")', "[rank1]: ValueError: bad batch",

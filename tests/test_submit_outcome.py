@@ -12,8 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 import test_dispatch as _td
+from hpctrain import slurmcommands as _slurm
 from hpctrain.runs.registry import SUBMIT_FAILED, SUBMIT_UNKNOWN, Registry
-from hpctrain.slurm import commands as _slurm
 
 # The fake cluster of test_dispatch: sbatch/sinfo/sacct on PATH, a private state dir, a stand-in render.
 fake_slurm, stand_in_render = _td.fake_slurm, _td.stand_in_render

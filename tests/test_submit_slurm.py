@@ -114,8 +114,8 @@ def _wait_final(run_id: str, deadline_s: float = 180, queue_cap_s: float = 900) 
 
 
 def test_test_only_accepts_rendered_scripts(cluster: Any, env: dict[str, Path]) -> None:
+    from hpctrain import slurmcommands as _slurm
     from hpctrain.render import sbatch as render
-    from hpctrain.slurm import commands as _slurm
 
     for flags in ({"resources.nodes": 1, "resources.tasks_per_node": 2}, {"resources.nodes": 4}):
         sp, pl = _spec_plan(**flags)
@@ -330,7 +330,7 @@ def test_preflight_names_the_node_that_did_not_join(cluster: Any) -> None:
     within the timeout, naming rank 2 and node3 -- instead of hanging in a collective."""
     from hpctrain.nodelist import rendezvous_port_shell
 
-    code = ("import sys\nfrom hpctrain.node.preflight import run_from_env, PreflightError\n"
+    code = ("import sys\nfrom hpctrain.node.launch.preflight import run_from_env, PreflightError\n"
             "try:\n    run_from_env(8)\nexcept PreflightError as e:\n    print('PREFLIGHT', e)\n    sys.exit(4)\n")
     task = ('if [ "$SLURM_PROCID" = 2 ]; then exit 0; fi; '
             f'export MASTER_PORT={rendezvous_port_shell()}; exec "$0" -c "$1"')

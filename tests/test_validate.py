@@ -19,10 +19,10 @@ import pytest
 from click.testing import CliRunner, Result
 
 from hpctrain import secret
+from hpctrain import slurmcommands as _slurm
 from hpctrain.cli.main import cli
 from hpctrain.errors import HpcUsageError
 from hpctrain.nodelist import MAX_HOSTS, expand
-from hpctrain.slurm import commands as _slurm
 from hpctrain.spec import model as S
 from hpctrain.spec import rules
 from hpctrain.spec.site import MAX_TOML_BYTES

@@ -1,7 +1,7 @@
-"""Stack dumps (runs/stacks, node/stacks, collect/stacks), the watchdog's dump before its cancel, stragglers
+"""Stack dumps (runs/stacks, node/monitor/stacks, collect/stacks), the watchdog's dump before its cancel, stragglers
 from the heartbeats' compute times, the progress `status --watch` shows, and its loop ending with the job.
 
-The stack tests run real processes that register faulthandler exactly as a rank does (node.stacks.install)
+The stack tests run real processes that register faulthandler exactly as a rank does (node.monitor.stacks.install)
 and signal them as the local executor's ranks are signalled (by pid from their beats); the cluster test
 (test_watch_slurm.py) does it through `scancel -s URG` on a 2-node job.
 """
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RANK_SCRIPT = textwrap.dedent("""
     import json, os, sys, threading, time
     from pathlib import Path
-    from hpctrain.node import stacks
+    from hpctrain.node.monitor import stacks
     from hpctrain.runs import beats
     run, rank, where = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     stacks.install(run / "stacks", rank, 0, "77")
@@ -99,8 +99,8 @@ def test_stacks_of_live_ranks_are_grouped_and_a_silent_rank_is_named(
 
 def test_the_watchdog_dumps_every_rank_before_it_cancels(ranks: tuple[Path, list[subprocess.Popen[str]]],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpctrain import slurmcommands as commands
     from hpctrain.fault.watchdog import Watchdog
-    from hpctrain.slurm import commands
 
     run, _ = ranks
     calls: list[str] = []
@@ -161,7 +161,7 @@ def test_stragglers_need_a_persistent_gap() -> None:
 
 
 def test_rank_beat_measures_compute_until_the_collective(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from hpctrain.node import heartbeat
+    from hpctrain.node.monitor import heartbeat
 
     clock = iter([10.0, 10.0, 10.5, 11.0, 11.25, 12.0])
     monkeypatch.setattr(heartbeat.time, "monotonic", lambda: next(clock))

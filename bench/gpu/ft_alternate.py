@@ -48,7 +48,7 @@ def process_start() -> float:
 
 
 class BuiltLine(logging.Handler):
-    """Catches the node's "model built in X s; loaded ... in Y s" line (node/model.py) for the start-up split."""
+    """Catches the node's "model built in X s; loaded ... in Y s" line (node/model/build.py) for the start-up split."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -91,7 +91,8 @@ def main() -> None:
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    from hpctrain.node import dist, imports
+    from hpctrain.node import dist
+    from hpctrain.node.launch import imports
 
     os.environ.setdefault("MASTER_PORT", str(dist.free_port()))
     imports.install()
@@ -101,7 +102,7 @@ def main() -> None:
     import torch
 
     from hpctrain.node import train
-    from hpctrain.node.data import DataSource
+    from hpctrain.node.data.loader import DataSource
 
     mark("imports")
     d = dist.detect()

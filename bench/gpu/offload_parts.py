@@ -5,7 +5,7 @@
    fp32, in sub-groups of 1e9 like ZeRO-3, with this process's threads; the copies at their pinned pace
    (fp32 gradients GPU -> host, bf16 parameters host -> GPU). Beside them, the two pieces of DeepSpeed's
    ZeRO-3 step that are neither (found in stage3.py): the blocking fp32 -> bf16 copy-back from pageable
-   memory, and the multiply of every CPU gradient by the combined scale; and hpctrain.node.zero_offload's
+   memory, and the multiply of every CPU gradient by the combined scale; and hpctrain.node.model.zero_offload's
    copy-backs (the pinned, chunked one; the default one, cast on the GPU from the page-locked master).
 2. `--breakdown V` (after the runs): the plain loop (bench/gpu/plain_ds.py --breakdown) once per variant, timing forward,
    backward, step and the step's pieces between synchronisations (not a baseline).
@@ -117,8 +117,8 @@ def _copy_parts(n: int) -> dict[str, Any]:
     the CPU multiply of every gradient (unscale_and_clip_grads)."""
     import torch
 
-    from hpctrain.node.pinned import pin_in_place
-    from hpctrain.node.zero_offload import DeviceCast, PinnedStager
+    from hpctrain.node.model.pinned import pin_in_place
+    from hpctrain.node.model.zero_offload import DeviceCast, PinnedStager
 
     sync = torch.cuda.synchronize
     gpu32 = torch.empty(n, dtype=torch.float32, device="cuda")

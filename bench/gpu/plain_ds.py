@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true",
                     help="time forward, backward, step and the ZeRO-3 step's pieces (synchronising: not a baseline)")
     ap.add_argument("--zero3-offload-fix", action="store_true",
-                    help="install hpctrain.node.zero_offload on the engine (an A/B of the fix, not the baseline)")
+                    help="install hpctrain.node.model.zero_offload on the engine (an A/B of the fix, not the baseline)")
     ap.add_argument("--torch-adam", action="store_true",
                     help="torch's fused AdamW instead of FusedAdam (same speed, no JIT build; not with offload)")
     ap.add_argument("--sdpa-first", default="", choices=["", "cudnn", "flash", "efficient"],
@@ -98,7 +98,7 @@ def main() -> None:
     n_params = sum(p.numel() for p in model.parameters())
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     if args.zero3_offload_fix:
-        from hpctrain.node.zero_offload import install
+        from hpctrain.node.model.zero_offload import install
 
         print("zero_offload:", install(engine.optimizer), flush=True)
     pieces: dict[str, list[float]] = {}

@@ -3,7 +3,7 @@ bf16, seq 4096): forward+backward time, TFLOPS and the largest difference from t
 
 transformers' "sdpa" attention calls torch's SDPA with enable_gqa=True when there is no mask (the grouped key
 and value heads are not repeated); with a mask it repeats them. Both calls are timed. The node's
-`[model] attention = "auto"` orders the backends by what this probe measures (hpctrain.node.attention).
+`[model] attention = "auto"` orders the backends by what this probe measures (hpctrain.node.model.attention).
 
     source bench/gpu/setup.sh
     python bench/gpu/sdpa_probe.py --out $OUT

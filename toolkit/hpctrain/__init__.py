@@ -23,11 +23,11 @@ if TYPE_CHECKING:  # what mypy and editors see; at run time __getattr__ below lo
     from hpctrain.api import plan as plan  # at run time the callable subpackage (_StageAndFunction)
     from hpctrain.api import runs as runs  # type: ignore[no-redef]
     from hpctrain.api import submit as submit
-    from hpctrain.plan.planner import Plan as Plan
+    from hpctrain.plan.model import Plan as Plan
 
 __all__ = ["Plan", "Run", "Status", "__version__", "plan", "runs", "submit"]
 
-_LAZY = {"Run": "hpctrain.api", "Status": "hpctrain.api", "submit": "hpctrain.api", "Plan": "hpctrain.plan.planner"}  # name -> module
+_LAZY = {"Run": "hpctrain.api", "Status": "hpctrain.api", "submit": "hpctrain.api", "Plan": "hpctrain.plan.model"}  # name -> module
 
 
 class _StageAndFunction(types.ModuleType):

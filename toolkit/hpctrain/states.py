@@ -191,7 +191,7 @@ def class_of_state(state: str | None) -> FailureClass | None:
 
 
 class ExitCode(IntEnum):
-    """The node entrypoint's exit code, the same on every rank of a failed run (hpctrain.node.main)."""
+    """The node entrypoint's exit code, the same on every rank of a failed run (hpctrain.node.launch.main)."""
 
     OK = 0
     ERROR = 1  # anything else: the traceback is in logs/attempt-K.rank-R.log
@@ -254,15 +254,15 @@ def stop_class(signum: int, seconds_left: float | None, window_s: float, cancell
 
 
 # The in-job driver's restart number k of an srun step (0 or unset: the job's first step), in every rank's
-# environment: hpctrain.fault.injob sets it, hpctrain.node.predecessors reads it.
+# environment: hpctrain.fault.injob sets it, hpctrain.node.launch.predecessors reads it.
 INJOB_RESTART_ENV = "HPCTRAIN_INJOB_RESTART"
 # The driver's health step: HPCTRAIN_NODE_MODE=health makes a rank's entry (submitit's callable, or python -m
-# hpctrain.node) run hpctrain.node.health instead of training, writing its report into HPCTRAIN_HEALTH_DIR.
+# hpctrain.node) run hpctrain.node.launch.health instead of training, writing its report into HPCTRAIN_HEALTH_DIR.
 NODE_MODE_ENV, HEALTH_DIR_ENV = "HPCTRAIN_NODE_MODE", "HPCTRAIN_HEALTH_DIR"
 # The driver's second health step, on borderline nodes only: HPCTRAIN_HEALTH_ROUND=2 makes the check measure
 # the node's compute again (no network test) into HPCTRAIN_HEALTH_DIR; the driver judges both rounds' samples.
 HEALTH_ROUND_ENV = "HPCTRAIN_HEALTH_ROUND"
-# Tests' fault injection into the health check (hpctrain.node.health's docstring lists the entries; the
+# Tests' fault injection into the health check (hpctrain.node.launch.health's docstring lists the entries; the
 # driver reads "borderline:host=H", the node the rest).
 HEALTH_INJECT_ENV = "HPCTRAIN_HEALTH_INJECT"
 

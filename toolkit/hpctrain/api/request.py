@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hpctrain.plan.planner import Plan
+    from hpctrain.plan.model import Plan
     from hpctrain.spec.model import Spec
 
 # A run file's path, a resolved Spec (e.g. read from a run folder), a mapping shaped like a run file

@@ -232,7 +232,7 @@ class Run:
         if live:  # first: the ranks that get SIGTERM stop as cancelled, and the supervisor calls it a user cancel
             request_cancel(rec.folder, [a.job_id for a in live])
         if rec.executor == "slurm" and live:
-            from hpctrain.slurm import commands
+            from hpctrain import slurmcommands as commands
 
             commands.scancel([a.job_id for a in live])  # raises (nothing recorded) if slurmctld is down
         for a in live if rec.executor != "slurm" else []:
@@ -294,7 +294,7 @@ def pending_reasons(records: list[reglib.Run]) -> dict[str, str]:
     if not ids:
         return {}
     try:
-        from hpctrain.slurm import commands
+        from hpctrain import slurmcommands as commands
 
         return commands.pending_reasons(ids)
     except Exception:  # noqa: BLE001 - squeue down: the state alone still says PENDING
@@ -333,8 +333,8 @@ def _fill_failures(reg: reglib.Registry, rec: reglib.Run) -> dict[int, str]:
 def supervisor_deciding(rec: reglib.Run, job: str) -> str:
     """The supervisor job that watches `job` (attempts.jsonl note), while SLURM still lists it as not
     finished: its retry, if any, is about to become the run's next attempt."""
+    from hpctrain import slurmcommands as commands
     from hpctrain.runs.journal import supervisors_of
-    from hpctrain.slurm import commands
 
     sups = supervisors_of(rec.folder, job)
     if not sups or rec.executor != "slurm":

@@ -89,10 +89,10 @@ def _submit(argv: list[str], inputs: list[str], out: str | None, workers: int, p
     Every argument is shell-quoted into the script; sbatch's own options go as argv (no shell). The job's log
     is OUT/prepare-JOBID.out (without --out: <cache>/.jobs/, and the log names the folder).
     """
+    from hpctrain import slurmcommands as commands
     from hpctrain.data.cache import cache_root
     from hpctrain.render.sbatch import check_job_path, slurm_filename
     from hpctrain.runs.folder import write_private
-    from hpctrain.slurm import commands
 
     folder = Path(out).absolute() if out else cache_root() / ".jobs"
     check_job_path("--out", folder)
@@ -124,7 +124,7 @@ def _submit(argv: list[str], inputs: list[str], out: str | None, workers: int, p
 
 def _node_cpus(partition: str) -> int:
     """CPUs of one node of the partition (sinfo), 1 if unknown."""
-    from hpctrain.slurm import commands
+    from hpctrain import slurmcommands as commands
 
     try:
         info = commands.partition_info(partition, tries=1)

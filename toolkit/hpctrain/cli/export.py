@@ -36,7 +36,7 @@ def export_cmd(run: str, out: str | None, tag: str | None) -> None:
     if missing:  # the base install: hpctrain.node imports these only inside the functions that use them
         raise _needs_node_extra(missing)
     try:
-        from hpctrain.node.export import export_hf
+        from hpctrain.node.checkpointing.export import export_hf
         from hpctrain.node.runconf import NodeInputError
 
         folder = export_hf(run_dir, out, tag)

@@ -21,7 +21,7 @@ from hpctrain.cli.options import hatch_options
 from hpctrain.spec.flags import FLAGS
 
 if TYPE_CHECKING:
-    from hpctrain.plan.planner import Plan
+    from hpctrain.plan.model import Plan
     from hpctrain.slurm.submission import Submission
     from hpctrain.spec.model import Spec
 

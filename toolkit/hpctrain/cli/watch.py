@@ -96,9 +96,9 @@ def _eta(eta_s: float | None, step_s: float | None) -> str:
 
 
 def snapshot(reg: Registry, run_id: str) -> Snapshot:
+    from hpctrain import slurmcommands as commands
     from hpctrain.api.runs import supervisor_deciding
     from hpctrain.collect.progress import read_progress
-    from hpctrain.slurm import commands
     from hpctrain.slurm.refresh import refresh
     from hpctrain.states import is_final
 

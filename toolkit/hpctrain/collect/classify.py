@@ -65,7 +65,7 @@ _TB_HEAD = "Traceback (most recent call last):"
 # The line that ends a traceback: `pkg.module.Name: message` or a bare `Name`, not indented.
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Failed|Failure|Requested|"
                        r"Timeout|Warning|Fault|Abort)|[A-Za-z_][\w.]*\.[A-Z]\w*)(?::\s?(.*))?$")
-# The one line the node prints on stderr when a rank fails (node/main.py): read only where no event says it
+# The one line the node prints on stderr when a rank fails (node/launch/main.py): read only where no event says it
 # (run folders from before events.jsonl, or a rank that could not write its event).
 _NODE_FAILED = re.compile(r"hpctrain: rank (\d+) failed: ([\w.]+): (.*?)(?: \(traceback in .*\))?$")
 # The node checkpointed on SLURM's pre-timeout signal (USR2) or a preemption (TERM) and exited 3.

@@ -1,6 +1,6 @@
 """Per-rank logs of a run across its attempts: find them, tag them, merge them by time, tail them.
 
-Line timestamps the node writes (node/metrics.py `setup_logging`): `2026-11-29T16:53:03 rank0 INFO ...`.
+Line timestamps the node writes (node/monitor/metrics.py `setup_logging`): `2026-11-29T16:53:03 rank0 INFO ...`.
 Also understood: `[2026-11-29 16:53:03,123]` (DeepSpeed, torch) and submitit's
 `submitit INFO (2026-11-29 16:52:58,133) - ...`. A line without a timestamp (a traceback frame, a
 print) keeps the time of the line before it, so multi-line messages stay together; a file without any

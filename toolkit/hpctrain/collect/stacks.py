@@ -42,7 +42,7 @@ class StackReport:
 
 def slurm_sender(job: str) -> Callable[[], None]:
     def send() -> None:
-        from hpctrain.slurm import commands
+        from hpctrain import slurmcommands as commands
 
         commands.signal_steps(job, rs.STACK_SIGNAL_NAME)
 

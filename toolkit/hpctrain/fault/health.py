@@ -1,4 +1,4 @@
-"""Judging the health check: which nodes of the job may train, from every node's report (hpctrain.node.health).
+"""Judging the health check: which nodes of the job may train, from every node's report (hpctrain.node.launch.health).
 
 Pure functions, login side (the in-job driver runs them in the batch script). A node fails when:
 * it wrote no complete report (its task never started, crashed or was still running at the step's time limit);
@@ -127,7 +127,7 @@ def expected_tflops(name: str) -> float | None:
 
 
 def spread(samples: list[float]) -> float:
-    """(best - median) / best of a node's windows, 0 for one (hpctrain.node.health reports the same figure; the
+    """(best - median) / best of a node's windows, 0 for one (hpctrain.node.launch.health reports the same figure; the
     judge computes it again from the samples, so that a merged re-measurement counts)."""
     if len(samples) < 2 or max(samples) <= 0:
         return 0.0

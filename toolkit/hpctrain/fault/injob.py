@@ -58,7 +58,7 @@ RESTART = events_mod.RESTART  # the events.jsonl kind of one in-job restart
 HEALTH = events_mod.HEALTH  # the events.jsonl kind of one health check (hpctrain.fault.health's verdict)
 # After the step's scancel, how long srun may take to go before it is killed. srun waits for every node's answer,
 # the dead one's too, and a step stopped by scancel needs nothing more from it: the ranks on the live nodes are
-# SLURM's to end, and the next step's ranks wait for them to be gone on their own node (hpctrain.node.main).
+# SLURM's to end, and the next step's ranks wait for them to be gone on their own node (hpctrain.node.launch.main).
 STOP_GRACE_S = 0.2
 PORT_STRIDE = 2  # each restart's rendezvous ports: MASTER_PORT + 2k (+1 the pre-flight's), none a dying rank holds
 WATCH_POLL_S = min(0.5, PEER_POLL_S)  # the driver's loop: a step's exit or its ranks' failure files, twice a second
@@ -215,7 +215,7 @@ class Driver:
 
     # -- the health check ----------------------------------------------------------------------------
     def _health_check(self, attempt: int, restarts: str) -> tuple[list[str], frozenset[str]] | int:
-        """Every node of the job runs hpctrain.node.health in one srun step (one task per node, the training's
+        """Every node of the job runs hpctrain.node.launch.health in one srun step (one task per node, the training's
         launch line: its container too); a borderline node is measured again in a second step of its own; the
         nodes that pass train, a failed one's place taken by a spare. Returns the training hosts and the failed
         ones, or the exit status when too few passed (the job ends, and the supervisor resubmits with the failed
@@ -273,7 +273,7 @@ class Driver:
 
     def _health_step(self, hosts: list[str], env: dict[str, str]) -> str:
         """One health srun step over `hosts`, one task each, waited for (fault.health_timeout_s at most): its id."""
-        from hpctrain.slurm import commands as _slurm
+        from hpctrain import slurmcommands as _slurm
 
         before = set(_safe_steps(self.job))
         # One node's task that dies must not take the others' reports with it (--kill-on-bad-exit would).
@@ -298,8 +298,8 @@ class Driver:
             driver={"host": self.job_hosts[0], **driver} if driver else None).to_event())
 
     def _launch(self, hosts: list[str], attempt: int, restarts: str, used: int) -> tuple[Any, str]:
+        from hpctrain import slurmcommands as _slurm
         from hpctrain.render.sbatch import render_hostfile
-        from hpctrain.slurm import commands as _slurm
 
         folder = runs_mod.RunFolder(self.run_dir)
         _archive_rank_files(folder, self.job, attempt)
@@ -391,7 +391,7 @@ class Driver:
         srun waits for the dead node's answer, so it is stopped after STOP_GRACE_S. A plain scancel of the step is
         handled by slurmctld in the background: `scancel --signal=KILL` of a step waits for every node's reply,
         the dead one's too (measured: 24 s), and SIGTERM to srun forwards to the ranks it can still reach."""
-        from hpctrain.slurm import commands as _slurm
+        from hpctrain import slurmcommands as _slurm
 
         if not step.endswith(".?"):
             try:
@@ -445,8 +445,8 @@ class Driver:
               flush=True)
         if verdict.watchdog is None:
             return rc if rc > 0 else int(ExitCode.ERROR)
+        from hpctrain import slurmcommands as _slurm
         from hpctrain.fault.supervisor import take_over
-        from hpctrain.slurm import commands as _slurm
 
         rec = verdict.watchdog.replace(silent_hosts=sorted(set(verdict.watchdog.silent_hosts) | set(bad)), in_job=why)
         journal.write_verdict(self.run_dir, rec)
@@ -569,7 +569,7 @@ def _slurmd_answers(host: str, port: int, timeout_s: float = SLURMD_PROBE_S) -> 
 
 
 def _slurmd_port_of_config() -> int:
-    from hpctrain.slurm import commands as _slurm
+    from hpctrain import slurmcommands as _slurm
 
     try:
         return _slurm.slurmd_port()
@@ -578,7 +578,7 @@ def _slurmd_port_of_config() -> int:
 
 
 def _safe_steps(job: str) -> list[str]:
-    from hpctrain.slurm import commands as _slurm
+    from hpctrain import slurmcommands as _slurm
 
     try:
         return _slurm.step_ids(job)

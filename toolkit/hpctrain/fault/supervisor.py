@@ -19,12 +19,12 @@ How a run recovers (no daemon on the login node):
   (SlurmdTimeout) or the hang watchdog. Likewise hangs, crashes, NCCL/gloo errors, time limits after
   submitit's requeue budget: the supervisor excludes the implicated host.
 * Hang watchdog: ``python -m hpctrain.fault.supervisor watch`` runs in the background of the batch script
-  (outside the ranks, so a hung Python cannot stop it). Every rank runs a thread (hpctrain.node.heartbeat) writing
+  (outside the ranks, so a hung Python cannot stop it). Every rank runs a thread (hpctrain.node.monitor.heartbeat) writing
   ``metrics/ranks/rank-R.json`` (step reached, phase, time). When no rank's step advances for
   ``launch.hang_timeout_s``, the watchdog appends the silent ranks (behind the others, or not beating)
   to ``metrics/watchdog.jsonl`` and cancels the job; the supervisor reads that as a hang.
 
-Stdlib only at module level (the CLI imports it); SLURM commands go through hpctrain.slurm.commands.
+Stdlib only at module level (the CLI imports it); SLURM commands go through hpctrain.slurmcommands.
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def _name(text: str) -> str:
 
 def arm(run_dir: Path, job_id: str, spec: Spec) -> str:
     """Submit the supervisor job for `job_id`; returns its job id."""
-    from hpctrain.slurm import commands as _slurm
+    from hpctrain import slurmcommands as _slurm
 
     run_dir = Path(run_dir).absolute()
     path = runs_mod.RunFolder(run_dir).submitit_dir / f"supervise-{job_id}.sh"
@@ -191,7 +191,7 @@ def _scrub_slurm_env() -> None:
 
 def wait_final(job_id: str, timeout_s: float = 120.0) -> Any:
     """sacct's record of the job once final (afterany fired, but slurmdbd may lag a moment)."""
-    from hpctrain.slurm import commands as _slurm
+    from hpctrain import slurmcommands as _slurm
 
     deadline = time.monotonic() + timeout_s
     rec = None
@@ -320,7 +320,7 @@ def down_hosts(nodelist: str) -> list[str]:
     """Hosts of `nodelist` that SLURM now reports down, drained or not responding."""
     if not nodelist:
         return []
-    from hpctrain.slurm import commands as _slurm
+    from hpctrain import slurmcommands as _slurm
 
     try:
         states = _slurm.node_states(nodelist)
@@ -337,7 +337,7 @@ def supervise(run_dir: Path, job_id: str, ending: str | None = None) -> dict[str
     (a peer lost: see `take_over`). Then nothing waits for sacct's final record."""
     import fcntl
 
-    from hpctrain.slurm import commands as _slurm
+    from hpctrain import slurmcommands as _slurm
     from hpctrain.spec.model import read_resolved
 
     run_dir = Path(run_dir).absolute()
@@ -399,7 +399,7 @@ def take_over(run_dir: Path, job_id: str) -> dict[str, Any] | None:
 
 
 def fit_of(spec: Spec) -> policy_mod.Fit:
-    from hpctrain.slurm import commands as _slurm
+    from hpctrain import slurmcommands as _slurm
 
     try:
         info = _slurm.partition_info(spec.resources.partition, tries=2)

@@ -1,6 +1,6 @@
 """The hang watchdog: the batch script's background loop over what the ranks write.
 
-* The ranks (hpctrain.node.heartbeat.RankBeat) beat into metrics/ranks/rank-R.json (format: hpctrain.runs.beats).
+* The ranks (hpctrain.node.monitor.heartbeat.RankBeat) beat into metrics/ranks/rank-R.json (format: hpctrain.runs.beats).
 * `Watchdog`: `python -m hpctrain.fault.supervisor watch ...`: no step for launch.hang_timeout_s -> the silent
   ranks go to metrics/watchdog.jsonl and the job is cancelled; the supervisor (hpctrain.fault.supervisor)
   then retries the run without the silent host.
@@ -191,7 +191,7 @@ class Watchdog:
         """Still RUNNING for SLURM: a person's scancel or the time limit shows at once (CANCELLED/TIMEOUT,
         COMPLETING), while a job that lost a node stays RUNNING until NODE_FAIL."""
         try:
-            from hpctrain.slurm import commands as _slurm
+            from hpctrain import slurmcommands as _slurm
 
             return _slurm.queue_state(self.job) == JobState.RUNNING
         except Exception:  # noqa: BLE001 - slurmctld not answering: act on the ranks' evidence
@@ -260,7 +260,7 @@ class Watchdog:
             if cancel and rec.event == journal.PEER_LOST:
                 self._decide_now()
             if cancel:
-                from hpctrain.slurm import commands as _slurm
+                from hpctrain import slurmcommands as _slurm
 
                 self.dump_stacks(rec)
                 _slurm.scancel([self.job])

@@ -3,7 +3,7 @@
 With `--launcher deepspeed` (one task per node), this process starts DeepSpeed's runner without ssh on
 its own node, which starts one `python -m hpctrain.node RUN_DIR` per slot with RANK/LOCAL_RANK/... set.
 HPCTRAIN_NODE_MODE=health (the in-job driver's health step, one task per node, the same launch line as the
-training's) runs this node's health check instead (hpctrain.node.health), whatever the launcher.
+training's) runs this node's health check instead (hpctrain.node.launch.health), whatever the launcher.
 """
 
 from __future__ import annotations
@@ -47,14 +47,14 @@ def main(argv: list[str] | None = None) -> int:
     from hpctrain.states import NODE_MODE_ENV
 
     if os.environ.get(NODE_MODE_ENV) == "health" or args.mode == "health":
-        from hpctrain.node import health
+        from hpctrain.node.launch import health
 
         return health.run(args.run_dir)
     if args.launcher == "deepspeed" and "HPCTRAIN_DS_CHILD" not in os.environ:
         cmd = deepspeed_command(args.run_dir, args.mode, dict(os.environ))
         os.environ["HPCTRAIN_DS_CHILD"] = "1"  # the children are ranks, not runners
         os.execvpe(cmd[0], cmd, os.environ)
-    from hpctrain.node.main import run
+    from hpctrain.node.launch.main import run
 
     return run(args.run_dir, args.mode)
 

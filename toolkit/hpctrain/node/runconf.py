@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.errors import HpcUsageError
-from hpctrain.plan.planner import Plan
+from hpctrain.plan.model import Plan
 from hpctrain.runs.folder import RunFolder, json_text, write_private
 from hpctrain.spec.model import Spec, read_resolved
 

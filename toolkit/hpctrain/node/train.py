@@ -1,5 +1,5 @@
 """The training loop every rank runs: checks, DeepSpeed engine, steps, metrics, export; checkpoints and resume
-through node/checkpointer.py."""
+through node/checkpointing/checkpointer.py."""
 
 from __future__ import annotations
 
@@ -11,11 +11,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpctrain.node import attention, phases
-from hpctrain.node import checkpoint as ckpt
-from hpctrain.node.checkpointer import Checkpointer, Progress, StopFlag, StopRequested
+from hpctrain.node import phases
+from hpctrain.node.checkpointing import checkpoint as ckpt
+from hpctrain.node.checkpointing.checkpointer import Checkpointer, Progress, StopFlag, StopRequested
 from hpctrain.node.dist import DistEnv, comm_device
-from hpctrain.node.metrics import MetricsWriter, attempt_number, host_mem_gb, host_peak_gb, log, step_line
+from hpctrain.node.model import attention
+from hpctrain.node.monitor.metrics import (
+    MetricsWriter,
+    attempt_number,
+    host_mem_gb,
+    host_peak_gb,
+    log,
+    step_line,
+)
 from hpctrain.node.runconf import (
     NodeInputError,
     effective_ds_config,
@@ -48,16 +56,16 @@ class Prepared:
     universal: bool
     checkpointing: bool = False  # activation checkpointing: the spec's value, or the plan's for "auto"
     eval_source: Any = None  # the prepared folder's validation split when [train] eval_every > 0
-    cpu_adam: Any = None  # the thread building DeepSpeedCPUAdam beside the data and model (node/zero_offload)
+    cpu_adam: Any = None  # the thread building DeepSpeedCPUAdam beside the data and model (node/model/zero_offload.py)
 
 
 # -------------------------------------------------------------------------------------------- prepare
 def prepare(run_dir: Path, d: DistEnv) -> Prepared:
     """Read and check every input; raises NodeInputError naming the file and the fix."""
-    from hpctrain.node.data import build_eval_source, build_source
-    from hpctrain.node.model import check_model_inputs, hf_config
-    from hpctrain.node.tokenize import load_tokenizer
-    from hpctrain.node.tracking import check_available
+    from hpctrain.node.data.loader import build_eval_source, build_source
+    from hpctrain.node.data.tokenize import load_tokenizer
+    from hpctrain.node.model.build import check_model_inputs, hf_config
+    from hpctrain.node.monitor.tracking import check_available
 
     paths = RunFolder(run_dir)
     spec = read_spec(paths)
@@ -77,7 +85,7 @@ def prepare(run_dir: Path, d: DistEnv) -> Prepared:
     universal = bool(resume) and ckpt.needs_universal(resume.meta, dp, pp, tp)  # type: ignore[union-attr]
     cfg = allocation_ds_config(paths, rendered, d, dp=dp, universal=universal, use_gpu=use_gpu)
     zero = int(cfg["zero_optimization"]["stage"])
-    from hpctrain.node.zero_offload import prebuild_cpu_adam
+    from hpctrain.node.model.zero_offload import prebuild_cpu_adam
 
     cpu_adam = prebuild_cpu_adam(cfg, use_gpu)  # its JIT compile overlaps the tokenizer, data and model build
     micro, gas = int(cfg["train_micro_batch_size_per_gpu"]), int(cfg["gradient_accumulation_steps"])
@@ -143,9 +151,9 @@ def build_engine(p: Prepared) -> tuple[Any, int]:
     import deepspeed
     import torch
 
-    from hpctrain.node.model import apply_freeze, build_model, param_count
-    from hpctrain.node.tracking import prepare_env
-    from hpctrain.node.zero_offload import join_cpu_adam
+    from hpctrain.node.model.build import apply_freeze, build_model, param_count
+    from hpctrain.node.model.zero_offload import join_cpu_adam
+    from hpctrain.node.monitor.tracking import prepare_env
     from hpctrain.spec import presets
 
     spec = p.spec
@@ -157,7 +165,7 @@ def build_engine(p: Prepared) -> tuple[Any, int]:
     log.info("attention: %s%s (%s)", attn.hf or "transformers' default", f", SDPA backend {attn.first} first"
              if attn.first and not kept else "", kept or attn.why)
     if spec.parallel.pp > 1:
-        from hpctrain.node.pipeline import build_pipeline, load_pretrained_into
+        from hpctrain.node.model.pipeline import build_pipeline, load_pretrained_into
 
         model = build_pipeline(p.hf_cfg, spec.parallel.pp, p.checkpointing)
         if spec.model.path:
@@ -165,7 +173,7 @@ def build_engine(p: Prepared) -> tuple[Any, int]:
         n_params = presets.llama_param_count(p.hf_cfg.to_dict())
     else:
         if spec.lora.quantize == "4bit":  # QLoRA: NF4 base weights through bitsandbytes (GPU ranks)
-            from hpctrain.node.lora import load_quantized
+            from hpctrain.node.model.lora import load_quantized
 
             model = load_quantized(spec.model, p.hf_cfg, spec.train.precision, attn.hf)
         else:
@@ -176,8 +184,8 @@ def build_engine(p: Prepared) -> tuple[Any, int]:
             enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
             enable()
         n_params = param_count(model)
-    if spec.lora.r:  # adapters on the frozen model, before DeepSpeed builds its optimizer (node/lora.py)
-        from hpctrain.node.lora import wrap
+    if spec.lora.r:  # adapters on the frozen model, before DeepSpeed builds its optimizer (node/model/lora.py)
+        from hpctrain.node.model.lora import wrap
 
         model = wrap(model, spec, checkpointing=p.checkpointing)
     frozen = apply_freeze(model, spec.model.freeze)
@@ -195,7 +203,7 @@ def build_engine(p: Prepared) -> tuple[Any, int]:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=p.ds_config,
                                            lr_scheduler=sched)
     if p.use_gpu and p.zero == 3 and "offload_optimizer" in p.ds_config["zero_optimization"]:
-        from hpctrain.node.zero_offload import install
+        from hpctrain.node.model.zero_offload import install
 
         log.info("ZeRO-3 optimizer offload step fix: %s", install(getattr(engine, "optimizer", None)))
     return engine, n_params
@@ -212,7 +220,7 @@ class LoopState:
     tokens_seen: float
     per_step: int  # micro-batches one optimizer step consumes over all data-parallel ranks (gas x dp)
     last_saved: int = -1  # the step of the attempt's last checkpoint (finish() exports only that one)
-    tracker: Any = None  # node.tracking.Tracker: hpctrain's figures through DeepSpeed's monitor (rank 0)
+    tracker: Any = None  # node.monitor.tracking.Tracker: hpctrain's figures through DeepSpeed's monitor (rank 0)
 
     @property
     def cursor(self) -> int:
@@ -245,11 +253,11 @@ class StepOut:
 def run_training(p: Prepared, stop: StopFlag) -> tuple[Any, LoopState]:
     """Train to spec.train.steps (or until `stop`, installed by the entry before the engine build, says a
     signal came); returns the engine and the final loop state."""
-    from hpctrain.node.heartbeat import RankBeat
+    from hpctrain.node.monitor.heartbeat import RankBeat
 
     # Per-rank beats for the hang watchdog (hpctrain.fault.supervisor): they name the rank that stops advancing.
     hang_s = float(getattr(p.spec.launch, "hang_timeout_s", 300) or 300)
-    from hpctrain.node.gpustats import GpuStats
+    from hpctrain.node.monitor.gpustats import GpuStats
 
     gpu = GpuStats(p.d.local_rank) if p.use_gpu else None  # utilization, memory, temperature in the beats
     beat = RankBeat(p.paths.metrics_dir, p.d.rank, interval_s=min(10.0, max(1.0, hang_s / 5)), gpu=gpu).start()
@@ -266,8 +274,8 @@ def run_training(p: Prepared, stop: StopFlag) -> tuple[Any, LoopState]:
 
 def _train(p: Prepared, stop: StopFlag, beat: Any) -> tuple[Any, LoopState]:
     """Engine, resume, then the loop: step, metrics, checkpoint when due, stop on the signal."""
-    from hpctrain.node.model import flops_per_token
-    from hpctrain.node.tracking import Tracker
+    from hpctrain.node.model.build import flops_per_token
+    from hpctrain.node.monitor.tracking import Tracker
 
     engine, n_params = build_engine(p)
     phases.mark("engine")  # deepspeed's import, the model, deepspeed.initialize
@@ -324,7 +332,7 @@ def evaluate(p: Prepared, engine: Any, role: RankRole) -> dict[str, Any]:
     import torch
     import torch.distributed as tdist
 
-    from hpctrain.node.data import IGNORE
+    from hpctrain.node.data.loader import IGNORE
 
     src, t0 = p.eval_source, time.time()
     n = src.batches_per_epoch()
@@ -485,7 +493,7 @@ def finish(p: Prepared, engine: Any, st: LoopState) -> None:
     record = {"event": "finished", "step": st.step, "eval_loss": eval_loss, "eval_batch": cursor,
               "tokens_seen": st.tokens_seen}
     if p.spec.checkpoint.export_hf and p.spec.parallel.tp > 1:
-        from hpctrain.node.export import write_hf
+        from hpctrain.node.checkpointing.export import write_hf
 
         t0 = time.time()
         sd = engine._consolidated_16bit_state_dict()  # collective: gathers the AutoTP shards on rank 0
@@ -494,7 +502,7 @@ def finish(p: Prepared, engine: Any, st: LoopState) -> None:
             record.update(export=str(out), export_s=time.time() - t0)
             log.info("exported Hugging Face model to %s in %.1f s", out, record["export_s"])
     elif p.d.rank == 0 and p.spec.checkpoint.export_hf and st.last_saved == st.step:
-        from hpctrain.node.export import export_hf
+        from hpctrain.node.checkpointing.export import export_hf
 
         t0 = time.time()
         out = export_hf(p.paths.path, tag=f"step-{st.step}")

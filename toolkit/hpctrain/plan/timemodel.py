@@ -16,7 +16,7 @@ Pure arithmetic (no torch), like the memory model beside it (hpctrain.plan.memor
   micro-step's compute with recompute (recompute + backward), 2/3 without. So small micro-batches with many
   accumulation steps pay for the offload, large ones do not: 8B at 2 x 8 ran 1.4 s slower than at 4 x 4.
 - cpu_adam: DeepSpeedCPUAdam over the parameters of the CPU sub-groups (memory.cpu_share).
-- copy_back: the updated CPU master weights back to the GPU: hpctrain.node.zero_offload casts them on the GPU,
+- copy_back: the updated CPU master weights back to the GPU: hpctrain.node.model.zero_offload casts them on the GPU,
   asynchronously, behind the next sub-group's CPU Adam, so only the last sub-group's fp32 flight shows; plain
   DeepSpeed's own blocking copy from pageable memory (`pageable_copy_back`) costs all of it.
 - unscale: gradient clipping multiplies every CPU gradient (bf16: whenever the norm exceeds the clip).
@@ -93,7 +93,7 @@ class Work:
     offload: bool  # the optimizer (all or some sub-groups) on the CPU
     cpu_fraction: float  # of the optimizer state on the CPU (memory.cpu_share)
     zero3_offload: bool = True  # ZeRO-3's pinned gradient buffer (stage 1/2 copy per micro-step too: same cost)
-    pageable_copy_back: bool = False  # plain DeepSpeed's ZeRO-3 copy-back (no hpctrain.node.zero_offload)
+    pageable_copy_back: bool = False  # plain DeepSpeed's ZeRO-3 copy-back (no hpctrain.node.model.zero_offload)
     clipping: bool = True  # gradient clipping active (the norm above the clip: early training, random data)
 
 
@@ -175,5 +175,5 @@ def work_of(sh: Shape, e: Estimate, accum: int, offload_fix: bool = True) -> Wor
 
 
 def predict(sh: Shape, e: Estimate, accum: int, machine: Machine = H200) -> StepTime:
-    """Predicted step of the entrypoint (with hpctrain.node.zero_offload) for this estimate."""
+    """Predicted step of the entrypoint (with hpctrain.node.model.zero_offload) for this estimate."""
     return step_time(machine, work_of(sh, e, accum))

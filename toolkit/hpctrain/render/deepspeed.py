@@ -19,7 +19,7 @@ from hpctrain.spec.model import Spec
 from hpctrain.spec.rules import partial_offload_ok
 
 if TYPE_CHECKING:
-    from hpctrain.plan.planner import Plan
+    from hpctrain.plan.model import Plan
 
 # DeepSpeed prints a throughput line every N steps; hpctrain's own metrics replace it.
 STEPS_PER_PRINT = 10**9
@@ -82,9 +82,9 @@ def monitor_blocks(spec: Spec) -> dict[str, Any]:
     """DeepSpeed's monitor blocks for [tracking] backends (deepspeed.monitor: TensorBoard, W&B, CSV).
 
     output_path is relative: DeepSpeed joins it with job_name under the directory the rank runs in, and the
-    node runs every rank in its run folder (node.main), so the files land in RUN/metrics/tensorboard and
+    node runs every rank in its run folder (node.launch.main), so the files land in RUN/metrics/tensorboard and
     RUN/metrics/csv wherever the folder sits. W&B's run id, resume and folder are not fields of DeepSpeed's
-    block: the node sets them in the environment wandb.init reads (node.tracking.wandb_env). MLflow has no
+    block: the node sets them in the environment wandb.init reads (node.monitor.tracking.wandb_env). MLflow has no
     DeepSpeed monitor; the node's MlflowMonitor reads [tracking] from spec.toml, so it has no block here.
     """
     t = spec.tracking

@@ -15,7 +15,7 @@ from hpctrain.spec.model import Spec, to_toml
 from hpctrain.spec.rules import check_rendered
 
 if TYPE_CHECKING:
-    from hpctrain.plan.planner import Plan
+    from hpctrain.plan.model import Plan
 
 
 def run_files(spec: Spec, plan: Plan, script: str | None = None) -> dict[str, str]:

@@ -31,7 +31,7 @@ from hpctrain.spec.rules import secret_names
 if TYPE_CHECKING:
     import jinja2
 
-    from hpctrain.plan.planner import Plan
+    from hpctrain.plan.model import Plan
 
 NODE_MODULE = "hpctrain.node"
 PODMAN_PASSTHROUGH = containers.PODMAN_PASSTHROUGH

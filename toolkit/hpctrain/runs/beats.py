@@ -1,6 +1,6 @@
 """The per-rank heartbeat files under RUN_DIR/metrics/ranks/: their names, fields and readers.
 
-Every rank writes them (hpctrain.node.heartbeat.RankBeat); the hang watchdog, which the batch script runs
+Every rank writes them (hpctrain.node.monitor.heartbeat.RankBeat); the hang watchdog, which the batch script runs
 beside the ranks, reads them (hpctrain.fault.watchdog). Both sides import this module, so the format is
 defined once. Stdlib only.
 

@@ -148,7 +148,7 @@ class RunFolder:
         return self.metrics_dir / WATCHDOG_JSONL
 
     def health_dir(self, job: str, attempt: int) -> Path:
-        """One health step's reports (hpctrain.node.health writes HOST.json, hpctrain.fault.health judges)."""
+        """One health step's reports (hpctrain.node.launch.health writes HOST.json, hpctrain.fault.health judges)."""
         return self.metrics_dir / "health" / f"{job or 'local'}-{attempt}"
 
     @property

@@ -1,6 +1,6 @@
 """Stack dumps of the ranks: the signal, the files under RUN_DIR/stacks/, their parser and the grouping.
 
-Every rank registers `faulthandler` on STACK_SIGNAL at start (hpctrain.node.stacks) with its own file,
+Every rank registers `faulthandler` on STACK_SIGNAL at start (hpctrain.node.monitor.stacks) with its own file,
 stacks/attempt-K.rank-R.txt, that begins with one header line naming the rank, host, pid and job. A signal
 appends one dump of every thread. faulthandler writes it from C inside the signal handler, without the GIL,
 so a rank stuck in a collective or in a C loop holding the GIL still answers.

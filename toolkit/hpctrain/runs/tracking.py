@@ -1,6 +1,6 @@
 """What hpctrain tells a tracker: the names of the trackers, and the scalar figures of a metrics.jsonl record.
 
-One table for both writers: rank 0 during training (hpctrain.node.tracking, through DeepSpeed's monitor) and
+One table for both writers: rank 0 during training (hpctrain.node.monitor.tracking, through DeepSpeed's monitor) and
 `hpctrain sync` on the login node (hpctrain.collect.sync, replaying metrics.jsonl), so a figure has the same
 tag whichever wrote it, and a sync into the folder the node wrote fills in missing steps only.
 
@@ -22,7 +22,7 @@ import tomllib
 from hpctrain.runs.folder import RunFolder
 
 # The trackers a run may name in [tracking] backends / --track (DeepSpeed's monitor blocks, and MLflow,
-# which DeepSpeed 0.19.8 has no monitor for: hpctrain.node.tracking.MlflowMonitor).
+# which DeepSpeed 0.19.8 has no monitor for: hpctrain.node.monitor.tracking.MlflowMonitor).
 TRACKERS = ("tensorboard", "wandb", "csv", "mlflow")
 # The module each one needs, and the hpctrain extra that installs it.
 TRACKER_MODULE = {"tensorboard": "tensorboard", "wandb": "wandb", "csv": "", "mlflow": "mlflow"}

@@ -41,7 +41,7 @@ from hpctrain.spec.rules import secret_names
 from hpctrain.states import JobState
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hpctrain.plan.planner import Plan
+    from hpctrain.plan.model import Plan
     from hpctrain.spec.model import Spec
 
 SWEEPS_DIR = ".sweeps"
@@ -111,7 +111,7 @@ Settled = Callable[[list[Submitted]], object]
 
 def _transact(tx: Transaction, sbatch: Callable[[], list[Submitted]], on_settled: Settled | None) -> list[Submitted]:
     """intent -> sbatch -> settle, signals held throughout (hpctrain.slurm.transaction)."""
-    from hpctrain.slurm import commands as _slurm
+    from hpctrain import slurmcommands as _slurm
 
     with tx:
         tx.begin()
@@ -234,7 +234,7 @@ def _checked_script(dirs: list[Path], spec: Spec, plan: Plan, dependency: str,
     """Everything that can refuse a SLURM submission before it begins (srun on PATH, the partition's size, no
     secret in the script, `sbatch --test-only` for the escape hatches): (the script, whether it was rendered
     here because the caller gave none). Outside the transaction: a signal meanwhile acts as usual."""
-    from hpctrain.slurm import commands as _slurm
+    from hpctrain import slurmcommands as _slurm
 
     if not shutil.which("srun"):  # submitit's SlurmExecutor refuses to start without it (a bare RuntimeError)
         raise _slurm.SlurmUnavailable(
@@ -260,7 +260,7 @@ def _submitit_folder(dirs: list[Path]) -> Path:
 
 def _submit_slurm(dirs: list[Path], spec: Spec, mode: str, script: str, rendered_here: bool,
                   tx: Transaction) -> list[Submitted]:
-    from hpctrain.slurm import commands as _slurm
+    from hpctrain import slurmcommands as _slurm
 
     links = _make_sweep_links(dirs) if len(dirs) > 1 else None
     try:
@@ -307,7 +307,7 @@ def _mem_mb(text: str) -> int | None:
 def _check_fits(spec: Spec, plan: Plan) -> None:
     """Refuse shapes the partition can never run. sbatch *accepts* a job asking for more nodes
     than the partition has (it then pends forever, reason PartitionConfig), so ask sinfo first."""
-    from hpctrain.slurm import commands as _slurm
+    from hpctrain import slurmcommands as _slurm
 
     try:
         # One try: if slurmctld is down, sbatch would fail the same way, so say so now (~9 s)
@@ -354,7 +354,7 @@ def _explain_rejection(exc: Any, spec: Spec) -> HpcUsageError:
                  f"mem={r.mem or '-'} gpus_per_node={r.gpus_per_node}")
     if field == "resources.partition":
         try:
-            from hpctrain.slurm import commands as _slurm
+            from hpctrain import slurmcommands as _slurm
 
             fix = f"use one of the partitions `sinfo` lists: {', '.join(_slurm.partitions())} (--partition)"
         except Exception:  # noqa: BLE001,S110 - the partition list is a hint; a failure here must not hide the rejection
@@ -376,7 +376,7 @@ def _check_no_secrets(text: str, spec: Spec) -> None:
 # array of it; submitit's SlurmExecutor writes its own script, and its array path builds a plain
 # SlurmExecutor, so hpctrain does not subclass it. It uses the public pieces instead: the call is a
 # `submitit.helpers.DelayedSubmission`, `submitit.SlurmJob(folder, job_id).paths` names the files submitit
-# reads and writes, and sbatch runs through slurm/commands.py.
+# reads and writes, and sbatch runs through slurmcommands.py.
 MAX_TIMEOUT_REQUEUES = 3  # requeues submitit grants a checkpointable call after a time-out (SlurmExecutor's default)
 
 
@@ -393,7 +393,7 @@ def _submit_pickled(dirs: list[Path], spec: Spec, mode: str, folder: Path, scrip
     import submitit
     from submitit.helpers import DelayedSubmission
 
-    from hpctrain.node.entry import NodeJob
+    from hpctrain.node.launch.entry import NodeJob
 
     pickles: list[Path] = []
     try:
@@ -452,7 +452,7 @@ def _render_script(spec: Spec, plan: Plan, dirs: list[Path], folder: Path, depen
 def _sbatch(staging: Path, script: str, tx: Transaction) -> str:
     """Submit `script` through the one SLURM wrapper (the transaction's tag -> --comment); returns the job id sbatch
     printed. A signal held meanwhile stops the wait (sbatch finishes on its own: the tag finds its job)."""
-    from hpctrain.slurm import commands as _slurm
+    from hpctrain import slurmcommands as _slurm
 
     path = staging / f".submission_file_{uuid.uuid4().hex}.sh"
     runs_mod.write_private(path, script)
@@ -483,7 +483,7 @@ def _submit_local(dirs: list[Path], spec: Spec, plan: Plan, mode: str) -> list[S
                             "in-job driver does). Fix: pass --no-health-check, or use --executor slurm")
     import submitit
 
-    from hpctrain.node.entry import NodeJob
+    from hpctrain.node.launch.entry import NodeJob
 
     subs = []
     for d in dirs:

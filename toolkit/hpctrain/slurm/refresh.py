@@ -12,9 +12,9 @@ from typing import Any
 
 import click
 
+from hpctrain import slurmcommands as commands
 from hpctrain.runs.folder import RunFolder, append_attempt
 from hpctrain.runs.registry import Registry, Run
-from hpctrain.slurm import commands
 from hpctrain.slurm.dispatch import local_state
 from hpctrain.states import is_final
 

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import click
 
+from hpctrain import slurmcommands as commands
 from hpctrain.errors import HpcUsageError
-from hpctrain.slurm import commands
 
 EXTRA_KEY = "slurm.extra"
 

@@ -42,7 +42,7 @@ from hpctrain.slurm.dispatch import Submitted
 from hpctrain.slurm.uncertain import JobMayExist
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hpctrain.plan.planner import Plan
+    from hpctrain.plan.model import Plan
     from hpctrain.spec.model import Spec
 
 MODES = ("train", "preflight")
@@ -409,7 +409,7 @@ def _spares_that_fit(spec: Spec, exclude: tuple[str, ...]) -> int:
     res = spec.resources
     if not res.spare_nodes:
         return 0
-    from hpctrain.slurm import commands as _slurm
+    from hpctrain import slurmcommands as _slurm
 
     try:
         info = _slurm.partition_info(res.partition, tries=2)

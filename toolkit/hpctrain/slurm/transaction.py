@@ -9,7 +9,7 @@ The sequence, the same for a new run, a sweep and a resubmission (hpctrain.slurm
    run that `list`, `status` and `registry rebuild` see, and reconcile by asking SLURM for the tag
    (hpctrain.slurm.uncertain.reconcile): the job it finds, or SUBMIT_FAILED once SLURM has listed no such job
    for the grace period.
-2. **sbatch**, in a session of its own (hpctrain.slurm.commands.sbatch), so a Ctrl-C at the terminal does not kill
+2. **sbatch**, in a session of its own (hpctrain.slurmcommands.sbatch), so a Ctrl-C at the terminal does not kill
    it half-way through queueing the job.
 3. **settle**: the job id and PENDING into attempts.jsonl and the registry. A registry that fails here costs a
    warning, never the submission: the run is recorded (step 1) and its folder holds the job id.

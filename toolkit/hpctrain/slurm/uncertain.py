@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
+from hpctrain import slurmcommands as _slurm
 from hpctrain.runs import folder as runs_mod
-from hpctrain.slurm import commands as _slurm
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.runs.registry import Attempt, Registry, Run

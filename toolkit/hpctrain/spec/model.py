@@ -40,7 +40,7 @@ Launcher = Literal["srun", "torchrun", "deepspeed", "accelerate"]
 ExecutorName = Literal["slurm", "local", "auto"]
 Runtime = Literal["none", "apptainer", "pyxis", "podman", "charliecloud"]
 # "auto": transformers' "sdpa" with torch's SDPA backends in the order measured fastest on the rank's GPU
-# (hpctrain.node.attention); "sdpa-<backend>": that backend first; the rest are transformers' own names.
+# (hpctrain.node.model.attention); "sdpa-<backend>": that backend first; the rest are transformers' own names.
 Attention = Literal["auto", "sdpa", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "eager", "flash_attention_2",
                     "flash_attention_3", "flex_attention"]
 
@@ -101,7 +101,7 @@ class Fault:
     # straggler_ratio x the other ranks' median (heartbeats) for straggler_patience_s is replaced (0 = off).
     straggler_patience_s: int = 0
     straggler_ratio: float = 1.2
-    # Health check before training (SLURM jobs; hpctrain.node.health measures, hpctrain.fault.health judges):
+    # Health check before training (SLURM jobs; hpctrain.node.launch.health measures, hpctrain.fault.health judges):
     # every node of the job, spares too, runs a short test in an srun step of its own: GPUs (NVML errors and
     # throttling, a few seconds of bf16 matmul against the measured rate) or the CPU's matmul rate, and the
     # network (an all-reduce across the nodes, each node against its ring neighbours). A node that fails is
@@ -125,7 +125,7 @@ class Model:
     config: str = ""  # path to a config.json, or a built-in preset name such as "llama-tiny"
     overrides: dict[str, object] = field(default_factory=dict)  # config.json keys to override
     freeze: tuple[str, ...] = ()  # fnmatch patterns of parameter names to freeze
-    attention: Attention = "auto"  # the attention kernel (hpctrain.node.attention)
+    attention: Attention = "auto"  # the attention kernel (hpctrain.node.model.attention)
 
     def __post_init__(self) -> None:
         check(self)

@@ -509,7 +509,7 @@ def _rules_lora(lo: Lora) -> None:
 
 
 def _rules_lora_with(s: Spec) -> None:
-    """[lora] against the other sections: what PEFT + DeepSpeed + bitsandbytes can run (node/lora.py)."""
+    """[lora] against the other sections: what PEFT + DeepSpeed + bitsandbytes can run (node/model/lora.py)."""
     lo, p = s.lora, s.parallel
     if not lo.r:
         return

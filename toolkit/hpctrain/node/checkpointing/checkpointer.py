@@ -6,13 +6,13 @@ The loop asks two things at each step boundary, `maybe_save(progress, votes)` an
   checkpoints at all), never twice at one step;
 - the decision is the same on every rank without a collective of its own: each rank's votes (signal seen;
   minutes elapsed, on rank 0's clock only) ride on the step's one all_reduce (`votes()`);
-- the writer is asynchronous or not per `[checkpoint] async_save` (node/ckpt_async.py); a save on the
+- the writer is asynchronous or not per `[checkpoint] async_save` (node/checkpointing/ckpt_async.py); a save on the
   signal or at the last step returns once the checkpoint is complete, and `close()` drains a background
   write still pending at the end;
 - old checkpoints are pruned to `keep` as each new one completes (checkpoint.prune);
 - `load()` resumes from the point `checkpoint.find_resume` chose before the engine existed (the
   universal flag must be in the DeepSpeed config), through a universal checkpoint when the DP size changed.
-The files, their crash safety and the "complete checkpoint" rule live in node/checkpoint.py.
+The files, their crash safety and the "complete checkpoint" rule live in node/checkpointing/checkpoint.py.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpctrain.node import checkpoint as ckpt
+from hpctrain.node.checkpointing import checkpoint as ckpt
 from hpctrain.node.dist import OtherRankFailed, agree
-from hpctrain.node.metrics import MetricsWriter, log
+from hpctrain.node.monitor.metrics import MetricsWriter, log
 from hpctrain.node.runconf import NodeInputError
 from hpctrain.spec.model import Spec
 
@@ -95,7 +95,7 @@ class StopFlag:
             job = os.environ.get("SLURM_JOB_ID", "")
             end: float | None = None
             if job:
-                from hpctrain.slurm.commands import job_end_time
+                from hpctrain.slurmcommands import job_end_time
 
                 end = job_end_time(job)
             self._live_end = (end,)
@@ -148,7 +148,7 @@ class Progress:
     """Where training stands at a step boundary: what a checkpoint records and a resume restores."""
 
     step: int  # optimizer steps done
-    cursor: int  # global index of the next micro-batch (node/data.py: batches are a function of it)
+    cursor: int  # global index of the next micro-batch (node/data/loader.py: batches are a function of it)
     tokens_seen: float
 
 
@@ -192,14 +192,14 @@ class Checkpointer:
     def for_run(cls, engine: Any, spec: Spec, ckpt_dir: Path, stop: StopFlag, *, rank: int, world: int, dp: int,
                 zero: int, use_gpu: bool, n_params: int, beat: Any = None) -> Checkpointer:
         """The run's policy, with hpctrain's writer installed as the engine's checkpoint engine."""
-        from hpctrain.node import ckpt_async
+        from hpctrain.node.checkpointing import ckpt_async
 
         c = spec.checkpoint
         # A checkpoint at the end unless the run asked for none at all (benchmarks: 15-50 GB saved).
         final = c.every_steps > 0 or c.every_minutes > 0 or c.export_hf
         policy = SavePolicy(c.every_steps, c.every_minutes, spec.train.steps, final)
         if spec.lora.r:  # a LoRA checkpoint holds the adapters and their optimizer state only
-            from hpctrain.node.lora import adapter_checkpoints, trainable_counts
+            from hpctrain.node.model.lora import adapter_checkpoints, trainable_counts
 
             adapter_checkpoints(engine)
             n_params = trainable_counts(engine.module)[0]
@@ -279,7 +279,7 @@ class Checkpointer:
 
     def requeue(self, step: int, metrics: MetricsWriter) -> StopRequested:
         """After the save on the signal: record the stop, hand the job back to SLURM (rank 0), and return
-        the exception that ends this rank (node/main.py exits 3 for it)."""
+        the exception that ends this rank (node/launch/main.py exits 3 for it)."""
         metrics.heartbeat(step, "stopped-on-signal")
         metrics.event({"event": "stopped-on-signal", "step": step, "signal": self.stop.signum})
         from hpctrain.states import FailureClass

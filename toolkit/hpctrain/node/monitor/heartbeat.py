@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpctrain.node.gpustats import GpuStats
-from hpctrain.node.metrics import attempt_number
+from hpctrain.node.monitor.gpustats import GpuStats
+from hpctrain.node.monitor.metrics import attempt_number
 from hpctrain.runs import beats
 
 

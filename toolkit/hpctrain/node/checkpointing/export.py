@@ -3,7 +3,7 @@
 Reads the checkpoint files alone (no process group, one process): ZeRO 1-3 through DeepSpeed's
 zero_to_fp32 (fp32 master weights), ZeRO-0 from the model-states file, pipeline runs from the
 per-layer files. The folder is written aside and renamed, so a half-written export is never seen.
-A LoRA run's export is the merged model with the adapters alone in its `adapter/` folder (node/lora.py).
+A LoRA run's export is the merged model with the adapters alone in its `adapter/` folder (node/model/lora.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpctrain.node import checkpoint as ckpt
+from hpctrain.node.checkpointing import checkpoint as ckpt
 from hpctrain.node.runconf import NodeInputError, read_spec
 from hpctrain.runs.folder import RunFolder
 
@@ -24,7 +24,7 @@ from hpctrain.runs.folder import RunFolder
 def export_hf(run_dir: str | Path, out: str | Path | None = None, tag: str | None = None) -> Path:
     """Write RUN/hf (or `out`) from checkpoint `tag` (default: the latest complete one); returns the folder."""
     os.environ.setdefault("TQDM_DISABLE", "1")  # zero_to_fp32 and transformers draw progress bars on stderr
-    from hpctrain.node.model import hf_config
+    from hpctrain.node.model.build import hf_config
 
     paths = RunFolder(run_dir)
     spec = read_spec(paths)
@@ -36,7 +36,7 @@ def export_hf(run_dir: str | Path, out: str | Path | None = None, tag: str | Non
     if not point.meta.get("adapters"):
         return write_hf(paths, spec, cfg, sd, point.tag, point.step, out)
     # LoRA: sd holds the adapters; merged into the base of [model] path, and saved alone in hf/adapter/
-    from hpctrain.node.lora import ADAPTER_DIR, merge
+    from hpctrain.node.model.lora import ADAPTER_DIR, merge
 
     final = Path(out) if out else paths.export_dir
     staged = final.with_name(f".tmp-{final.name}-{ADAPTER_DIR}")
@@ -95,7 +95,7 @@ def consolidated_state_dict(ckpt_dir: Path, point: ckpt.ResumePoint, cfg: Any) -
         raise NodeInputError(f"{point.path}: a tensor-parallel (tp={point.meta['tp']}) checkpoint is exported at the "
                              "end of training only (the node gathers the shards); offline merging is not implemented.")
     if int(point.meta.get("pp", 1)) > 1:
-        from hpctrain.node.pipeline import hf_name
+        from hpctrain.node.model.pipeline import hf_name
 
         sd: dict[str, Any] = {}
         for f in sorted(point.path.glob("layer_*-model_states.pt")):
@@ -112,7 +112,7 @@ def consolidated_state_dict(ckpt_dir: Path, point: ckpt.ResumePoint, cfg: Any) -
 
 
 def _save_tokenizer(spec: Any, out: Path) -> None:
-    from hpctrain.node.tokenize import ByteTokenizer, copy_tokenizer_files
+    from hpctrain.node.data.tokenize import ByteTokenizer, copy_tokenizer_files
 
     if spec.data.tokenizer in ("", "byte"):
         ByteTokenizer().save(out)

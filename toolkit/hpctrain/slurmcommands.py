@@ -1,9 +1,13 @@
-"""The one wrapper around SLURM's commands (sacct, scancel, sinfo, sbatch) that hpctrain runs itself.
+"""The one wrapper around SLURM's commands (sacct, squeue, scontrol, scancel, sinfo, sbatch) hpctrain runs.
 
 submitit owns the pickled call and its own polling; everything else that shells out to SLURM goes
 through `_run` here, so that every call gets the same treatment: argv lists (never a shell), a
 timeout, bounded retries with exponential backoff while slurmctld/slurmdbd do not answer, and then
 one clear `SlurmUnavailable` that names the command and what to check.
+
+Below both sides (layers contract in pyproject.toml): the login side submits and polls through it, and a rank
+asks its job's live end and makes its job requeueable through it (hpctrain.node.checkpointing.checkpointer,
+hpctrain.node.launch.entry).
 """
 
 from __future__ import annotations

@@ -24,11 +24,11 @@ class NodeJob:
 
         from hpctrain.states import NODE_MODE_ENV
 
-        if os.environ.get(NODE_MODE_ENV) == "health":  # the in-job driver's health step (hpctrain.node.health)
-            from hpctrain.node import health
+        if os.environ.get(NODE_MODE_ENV) == "health":  # the in-job driver's health step (hpctrain.node.launch.health)
+            from hpctrain.node.launch import health
 
             return health.run(self.run_dir)
-        from hpctrain.node.main import run  # heavy imports happen on the node only
+        from hpctrain.node.launch.main import run  # heavy imports happen on the node only
 
         if self.restarts and "SUBMITIT_LOCAL_JOB_ID" in os.environ:
             os.environ["HPCTRAIN_LOCAL_RESTARTS"] = str(self.restarts)
@@ -67,7 +67,7 @@ def _allow_requeue(job_id: str) -> None:
     if not job_id:
         return
     try:
-        from hpctrain.slurm import commands as _slurm
+        from hpctrain import slurmcommands as _slurm
 
         _slurm.allow_requeue(job_id)
     except Exception:  # noqa: BLE001,S110 - never let the requeue path fail on this

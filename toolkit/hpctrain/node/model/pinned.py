@@ -1,6 +1,6 @@
 """Page-locking host memory that already exists (cudaHostRegister): asynchronous copies to and from it then run
-at the pinned rate, without a second buffer. Used by the ZeRO-3 offload copy-back (node/zero_offload.py) and the
-asynchronous checkpoint's host buffers (node/ckpt_async.py). Only the node imports this module."""
+at the pinned rate, without a second buffer. Used by the ZeRO-3 offload copy-back (node/model/zero_offload.py) and the
+asynchronous checkpoint's host buffers (node/checkpointing/ckpt_async.py). Only the node imports this module."""
 
 from __future__ import annotations
 

@@ -102,7 +102,7 @@ def hf_config(model_spec: Any) -> Any:
 def build_model(model_spec: Any, cfg: Any, precision: str, ds_config: dict[str, Any], zero3: bool,
                 attn: str = "", device: str = "cpu") -> Any:
     """from_pretrained or from_config, partitioned at construction for ZeRO-3 (no rank holds it whole).
-    `attn`: transformers' attn_implementation ("": transformers' default; hpctrain.node.attention).
+    `attn`: transformers' attn_implementation ("": transformers' default; hpctrain.node.model.attention).
     `device`: where a fresh model is built without ZeRO-3 ("cuda" on GPU ranks: the current device)."""
     from transformers import AutoModelForCausalLM
 

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from hpctrain.node.pinned import pin_in_place
+from hpctrain.node.model.pinned import pin_in_place
 
 log = logging.getLogger("hpctrain.node")
 

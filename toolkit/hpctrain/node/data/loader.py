@@ -30,9 +30,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from hpctrain.node.epochplan import EpochPlan, plan_epoch
+from hpctrain.node.data.epochplan import EpochPlan, plan_epoch
+from hpctrain.node.data.tokenize import Tokenizer
 from hpctrain.node.runconf import NodeInputError
-from hpctrain.node.tokenize import Tokenizer
 
 IGNORE = -100
 
@@ -202,7 +202,7 @@ def sft_docs(d: Any, tok: Tokenizer) -> tuple[list[np.ndarray], dict[str, Any]]:
 
 # ---------------------------------------------------------------------------------------------- batches
 class Corpus(Protocol):
-    """Pieces by index: an in-RAM list of token arrays, or a memory-mapped prepared folder (node/prepared.py)."""
+    """Pieces by index: an in-RAM list of token arrays, or a memory-mapped prepared folder (node/data/prepared.py)."""
 
     def __len__(self) -> int: ...
 
@@ -334,9 +334,9 @@ def batching_mode(d: Any, force_padded: bool) -> str:
 
 
 def build_source(spec: Any, tok: Tokenizer, micro: int, vocab: int, force_padded: bool = False) -> DataSource:
-    """The DataSource a spec asks for: synthetic, a prepared folder (memory-mapped, node/prepared.py), or raw
+    """The DataSource a spec asks for: synthetic, a prepared folder (memory-mapped, node/data/prepared.py), or raw
     text that every rank reads and tokenizes in RAM (small data only: [data] max_raw_bytes)."""
-    from hpctrain.node import prepared
+    from hpctrain.node.data import prepared
 
     d = spec.data
     budget = d.tokens_per_batch or micro * d.seq_len
@@ -367,7 +367,7 @@ def build_source(spec: Any, tok: Tokenizer, micro: int, vocab: int, force_padded
 
 def build_eval_source(spec: Any, micro: int, vocab: int, force_padded: bool = False) -> DataSource | None:
     """The validation split of a prepared folder, batched like training; None when eval is off."""
-    from hpctrain.node import prepared
+    from hpctrain.node.data import prepared
 
     d, t = spec.data, spec.train
     if t.eval_every <= 0:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hpctrain.node.data import IGNORE
+from hpctrain.node.data.loader import IGNORE
 
 
 class EmbedPipe(nn.Module):

@@ -18,11 +18,12 @@ import traceback
 from pathlib import Path
 from typing import TypeVar
 
-from hpctrain.node import dist, imports, phases, predecessors, preflight, script
-from hpctrain.node import stacks as node_stacks
-from hpctrain.node.checkpointer import StopFlag, StopRequested
+from hpctrain.node import dist, phases
+from hpctrain.node.checkpointing.checkpointer import StopFlag, StopRequested
 from hpctrain.node.dist import OtherRankFailed
-from hpctrain.node.metrics import attempt_number, log, setup_logging
+from hpctrain.node.launch import imports, predecessors, preflight, script
+from hpctrain.node.monitor import stacks as node_stacks
+from hpctrain.node.monitor.metrics import attempt_number, log, setup_logging
 from hpctrain.node.runconf import NodeInputError, read_spec
 from hpctrain.runs import events, repro
 from hpctrain.runs.checkpoints import complete_steps
@@ -111,7 +112,7 @@ def run(run_dir: str, mode: str = "train") -> int:
     return ExitCode.OK
 
 
-# Before anything imports deepspeed on this rank: ~1 s less start-up (hpctrain.node.imports).
+# Before anything imports deepspeed on this rank: ~1 s less start-up (hpctrain.node.launch.imports).
 imports.install()
 
 _Stop = TypeVar("_Stop", bound=StopFlag)
@@ -298,7 +299,7 @@ def _report(rank: int, loud: str, quiet: str) -> None:
 
 
 def _preflight(timeout_s: int) -> None:
-    """The torch-free TCP rendezvous of every rank (hpctrain.node.preflight), before any collective can hang.
+    """The torch-free TCP rendezvous of every rank (hpctrain.node.launch.preflight), before any collective can hang.
 
     Imported at the top of this module: an install without it is broken, and the node must say so
     (ModuleNotFoundError names the module) instead of training without the check."""

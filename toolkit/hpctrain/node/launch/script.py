@@ -1,6 +1,6 @@
 """The user's own program (`submit --script/--module`), started by the node entry in place of the trainer.
 
-node/main.py runs the same path for it as for the trainer: run-folder checks, the pre-flight rendezvous, the
+node/launch/main.py runs the same path for it as for the trainer: run-folder checks, the pre-flight rendezvous, the
 start/stop/failure events, the exit codes; this module starts the program and tells how it ended:
 
 * srun: this process is one rank; the program runs as its child with RANK, WORLD_SIZE, LOCAL_RANK,
@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpctrain.node.checkpointer import StopFlag
+from hpctrain.node.checkpointing.checkpointer import StopFlag
 from hpctrain.node.dist import DistEnv
-from hpctrain.node.metrics import attempt_number, log
+from hpctrain.node.monitor.metrics import attempt_number, log
 from hpctrain.runs.folder import RunFolder
 from hpctrain.spec import launch as user_launch
 from hpctrain.spec.model import Spec
@@ -218,7 +218,7 @@ _LAUNCHER_EXC = re.compile(r"(?:^|\.)(?:ChildFailedError|CalledProcessError)\b")
 
 
 def failure(code: int, tail: list[str]) -> ScriptFailed:
-    """The program's non-zero exit as the exception node/main.py reports: its last exception line, and the
+    """The program's non-zero exit as the exception node/launch/main.py reports: its last exception line, and the
     traceback that ends in it; under a launcher (torchrun, accelerate) the rank's exception before the
     launcher's own ChildFailedError / CalledProcessError, which only says that a rank failed."""
     found: list[tuple[str, int]] = []

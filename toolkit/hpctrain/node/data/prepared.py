@@ -6,7 +6,7 @@ not grow with the corpus (bench/loader_bench.py). Documents longer than seq_len 
 as the in-RAM path's tokenize_docs cuts them, through a (document, offset, length) index instead of copies.
 
 A folder of an SFT format (data/sft.py) carries a loss mask per shard (.mask, memory-mapped like the tokens):
-its pieces come out as signed ids, a token the loss does not cover as -(id + 1) (node/data.py decodes them).
+its pieces come out as signed ids, a token the loss does not cover as -(id + 1) (node/data/loader.py decodes them).
 Its examples were cut at prepare's --seq-len, so a run with a shorter seq_len is refused rather than cutting
 responses away from their prompts.
 """

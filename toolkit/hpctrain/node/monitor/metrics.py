@@ -19,7 +19,7 @@ log = logging.getLogger("hpctrain.node")
 def attempt_number(env: dict[str, str] | None = None) -> int:
     """K in logs/attempt-K.rank-R.log: HPCTRAIN_ATTEMPT (the attempt a resubmission starts at, set by
     hpctrain.fault.supervisor) plus SLURM's restart count (each requeue of that job is one more), or on the
-    local executor the restarts hpctrain.node.entry.NodeJob counts."""
+    local executor the restarts hpctrain.node.launch.entry.NodeJob counts."""
     env = dict(os.environ) if env is None else env
     keys = ("HPCTRAIN_ATTEMPT", "SLURM_RESTART_COUNT", "HPCTRAIN_LOCAL_RESTARTS")
     return sum(int(env[k]) for k in keys if env.get(k, "").isdigit())

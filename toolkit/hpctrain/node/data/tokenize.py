@@ -37,7 +37,7 @@ class ByteTokenizer:
 
     def save(self, out_dir: Path) -> None:
         info = {"type": "byte", "vocab_size": self.vocab_size, "pad_id": self.pad_id, "bos_id": self.bos_id,
-                "eos_id": self.eos_id, "note": "ids 0-255 are UTF-8 bytes (hpctrain.node.tokenize.ByteTokenizer)"}
+                "eos_id": self.eos_id, "note": "ids 0-255 are UTF-8 bytes (hpctrain.node.data.tokenize.ByteTokenizer)"}
         (out_dir / "tokenizer_info.json").write_text(json.dumps(info, indent=2) + "\n")
 
 

@@ -8,9 +8,9 @@
 - `load_quantized` is QLoRA's load: from_pretrained with bitsandbytes NF4 weights (bf16 compute), then
   PEFT's prepare_model_for_kbit_training. GPU ranks only, ZeRO 0-2 without offload (spec/rules.py refuses
   the rest at submit).
-- `merge` gives the export (node/export.py) the adapters (PEFT save_pretrained) and the merged base.
+- `merge` gives the export (node/checkpointing/export.py) the adapters (PEFT save_pretrained) and the merged base.
 
-Checkpoints of a LoRA run hold the adapters and their optimizer state only (node/checkpoint.py saves with
+Checkpoints of a LoRA run hold the adapters and their optimizer state only (node/checkpointing/checkpoint.py saves with
 `exclude_frozen_parameters`): the base is read again from [model] path at every start.
 """
 
@@ -21,7 +21,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from hpctrain.node.metrics import log
+from hpctrain.node.monitor.metrics import log
 from hpctrain.node.runconf import NodeInputError
 
 ADAPTER_DIR = "adapter"  # the export's adapter folder, inside the merged folder
@@ -121,7 +121,7 @@ def load_quantized(model_spec: Any, cfg: Any, precision: str, attn: str = "") ->
 
 # --------------------------------------------------------------------------------------------- export
 def merge(spec: Any, cfg: Any, sd: dict[str, Any], where: Path, adapter_out: Path) -> dict[str, Any]:
-    """The export of a LoRA checkpoint (node/export.py writes it): saves the adapters alone into
+    """The export of a LoRA checkpoint (node/checkpointing/export.py writes it): saves the adapters alone into
     `adapter_out` (adapter_config.json + adapter_model.safetensors) and returns the base's state dict with
     them merged in. `sd`: the checkpoint's trainable parameters under the training module's names. The base
     is read again from [model] path in fp32 (a QLoRA run's adapters merge into the unquantized base)."""

@@ -10,8 +10,8 @@ Layout under RUN/checkpoints/:
 Only folders with a marker count, and a resume starts from `latest` when whole, else the newest whole one (the
 rule is hpctrain.runs.checkpoints, shared with hpctrain.runtime, the collector and the supervisor); a crash
 mid-save leaves a .tmp-* folder that is ignored and removed.
-When to save, and the resume itself, are node/checkpointer.py's.
-Every file is fsynced before the marker is written. Async saves (node/ckpt_async.py) keep all of this:
+When to save, and the resume itself, are node/checkpointing/checkpointer.py's.
+Every file is fsynced before the marker is written. Async saves (node/checkpointing/ckpt_async.py) keep all of this:
 only the moment the marker appears moves, from inside save() to rank 0's writer thread.
 """
 
@@ -259,8 +259,8 @@ class _Sink:
 
 def write_file(state: Any, path: Path) -> int:
     """torch.save's file (zip format, as DeepSpeed writes and loads it), fsynced; returns its size.
-    Tensor bytes are written by parallel threads (node/ckpt_write.py); one thread when that declines."""
-    from hpctrain.node.ckpt_write import write_parallel
+    Tensor bytes are written by parallel threads (node/checkpointing/ckpt_write.py); one thread when that declines."""
+    from hpctrain.node.checkpointing.ckpt_write import write_parallel
 
     size = write_parallel(state, path)
     return size if size is not None else write_serial(state, path)

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
-from hpctrain.node.checkpoint import fsync_path, write_file
-from hpctrain.node.pinned import pin_in_place
+from hpctrain.node.checkpointing.checkpoint import fsync_path, write_file
+from hpctrain.node.model.pinned import pin_in_place
 
 DONE_DIR = ".done"
 CHUNK = 64 << 20  # smallest host buffer allocated at once

@@ -1,0 +1,1 @@
+"""What a rank reports while it trains: logs and metrics, heartbeats, GPU stats, stack dumps, trackers."""
