@@ -15,8 +15,11 @@ Helper fixtures:
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -106,6 +109,35 @@ def sacct_state(job_id: str | int) -> str:
     proc = run_cmd(["sacct", "-X", "-n", "-P", "-j", str(job_id), "-o", "State"], timeout=30, check=False)
     lines = [ln.strip() for ln in proc.stdout.splitlines() if ln.strip()]
     return lines[-1].split()[0] if lines else ""
+
+
+def assert_agrees_with_sacct(rows: list[dict[str, Any]]) -> None:
+    """A run's summary rows (`hpctrain summary --json`'s attempts, all ended) against SLURM's accounting: per job
+    id, one row per run of the job that `sacct -D` lists (a requeue is one more; an in-job restart shares its
+    job's run, so it is not), each with sacct's state and node count. The last run of each job (and its in-job
+    restarts, summed) also has sacct's hosts and elapsed seconds. An earlier run of a requeued job is read from its
+    ranks' events, as hpctrain reads sacct without -D: its hosts are the last run's and its time the ranks' span
+    (known, not yet fixed), so it is held only to lie within what SLURM accounted for it."""
+    by_job: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_job.setdefault(str(row["job_id"]), []).append(row)
+    for job, mine in by_job.items():
+        out = run_cmd(["sacct", "-X", "-D", "-n", "-P", "-j", job, "-o", "State,ElapsedRaw,NNodes,NodeList,Start"],
+                      timeout=30).stdout
+        runs = [ln.split("|") for ln in out.splitlines() if ln.strip()]
+        heads = [i for i, r in enumerate(mine) if r.get("how") != "in_job"]
+        assert len(heads) == len(runs), (job, [(r["attempt"], r["state"], r.get("how")) for r in mine], runs)
+        for n, (i, (state, elapsed, nnodes, nodelist, start)) in enumerate(zip(heads, runs, strict=True)):
+            span = mine[i:heads[n + 1] if n + 1 < len(heads) else len(mine)]  # the run and its in-job restarts
+            assert span[-1]["state"] == state.split()[0], (job, span[-1], state)  # the run's last row ends it
+            assert all(r["allocated_nodes"] == int(nnodes) for r in span), (job, span, nnodes)
+            got = sum(float(r["elapsed_s"]) for r in span)
+            if n < len(heads) - 1:  # SLURM clears the start of some requeued runs (Start "None", ElapsedRaw 0)
+                assert start in ("None", "Unknown") or got <= int(elapsed) + 2, (job, got, elapsed)
+                continue
+            hosts = set(run_cmd(["scontrol", "show", "hostnames", nodelist], timeout=30).stdout.split())
+            assert all(set(r["hosts"]) <= hosts for r in span), (job, [r["hosts"] for r in span], nodelist)
+            assert abs(got - int(elapsed)) <= 2, (job, [r["elapsed_s"] for r in span], elapsed)
 
 
 def wait_job_state(
@@ -262,19 +294,98 @@ def slurm_cluster(request: pytest.FixtureRequest,
             print(f"warning: `slurm.sh down` failed (rc {down.returncode}):\n{down.stdout}{down.stderr}")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests marked ``slurm`` use the cluster fixture without naming it.
+# pytest-xdist (`make test` runs `-n N --dist loadgroup`). The scheduling unit is a group: every test that
+# touches the cluster or the container image is in one group, run one after the other by one worker as in a
+# serial run (some kill nodes or need all four; the image build is that process's child, IMAGE_BUILD); every
+# other test is grouped by its file, so a module-scoped fixture (a training run several tests read) is built
+# once, by one worker. The other workers' CPU-bound tests then overlap the cluster's waits (signals, time
+# limits, requeues). xdist 3.8's own loadgroup cannot see groups under pytest >= 9.2 (it rewrites a nodeid
+# attribute pytest no longer reads: pytest-dev/pytest-xdist#1386), so the workers write the groups to a file
+# and the controller's scheduler below reads them.
+CLUSTER_GROUP = "cluster"
+GROUPS_ENV = "HPCTRAIN_TEST_GROUPS"  # the groups file: set by the controller, inherited by its workers
 
-    Added to the item's fixture closure (not requested from an autouse fixture) so that, being
+
+def _uses_cluster(item: pytest.Item) -> bool:
+    names = getattr(item, "fixturenames", ())
+    return any(item.get_closest_marker(m) for m in ("slurm", "container")) or "slurm_cluster" in names
+
+
+def _group(item: pytest.Item) -> str:
+    mark = item.get_closest_marker("xdist_group")
+    if mark is not None:
+        return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+    return CLUSTER_GROUP if _uses_cluster(item) else item.path.name
+
+
+def _schedule_rank(item: pytest.Item) -> int:
+    """Longest first (the workers take groups in collection order): the cluster, files that train, the rest."""
+    if _group(item) == CLUSTER_GROUP:
+        return 0
+    return 1 if item.get_closest_marker("deepspeed") else 2
+
+
+GROUPS_DIR = pytest.StashKey[Path]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        config.stash[GROUPS_DIR] = Path(tempfile.mkdtemp(prefix="hpctrain-xdist-"))
+        os.environ[GROUPS_ENV] = str(config.stash[GROUPS_DIR] / "groups.json")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if GROUPS_DIR in config.stash:  # the controller that made it (a pytest run by a test inherits the variable)
+        shutil.rmtree(config.stash[GROUPS_DIR], ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``slurm`` use the cluster fixture without naming it; an xdist worker writes the groups.
+
+    The fixture is added to the item's fixture closure (not requested from an autouse fixture) so that, being
     session-scoped, it is set up before any module- or class-scoped fixture of the test that may already
     talk to the cluster.
     """
     for item in items:
         names = getattr(item, "fixturenames", None)
-        if item.get_closest_marker("slurm") is None or names is None:
-            continue
-        if "slurm_cluster" not in names:
+        if item.get_closest_marker("slurm") is not None and names is not None and "slurm_cluster" not in names:
             names.insert(0, "slurm_cluster")
+    groups_file = os.environ.get(GROUPS_ENV)
+    if hasattr(config, "workerinput") and groups_file:
+        items.sort(key=_schedule_rank)  # stable: a file's tests stay together and in order
+        # every worker collects the same tests and writes the same file; os.replace keeps each write whole
+        tmp = Path(f"{groups_file}.{os.getpid()}")
+        tmp.write_text(json.dumps({item.nodeid: _group(item) for item in items}))
+        os.replace(tmp, groups_file)
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: absent without it
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`-n N [--dist loadgroup]`: xdist's scope scheduler with this file's groups, taken in collection order, and no
+    other work queued behind the cluster group (it is the longest: what waits behind it ends the run last)."""
+    if config.getoption("dist") not in ("load", "loadgroup"):  # load: what a bare `-n N` means
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False  # keep _schedule_rank's order, not xdist's largest-count-first
+
+    class GroupScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:
+                path = Path(os.environ[GROUPS_ENV])
+                if not path.is_file():
+                    raise RuntimeError(f"no test groups in {path}: the workers' collection did not write them")
+                self.groups = json.loads(path.read_text())
+            return self.groups[nodeid]
+
+        def _reschedule(self, node: Any) -> None:
+            if any(not done for done in self.assigned_work.get(node, {}).get(CLUSTER_GROUP, {}).values()):
+                return
+            super()._reschedule(node)
+
+    return GroupScheduling(config, log)
 
 
 @pytest.fixture(name="run_cmd")

@@ -386,6 +386,9 @@ def in_job_restart_run(env: dict[str, Any]) -> Path:
     peer = "RuntimeError: [pair.cc:553] Connection closed by peer [node2]:30955"
     logs = {f"logs/attempt-{k}.rank-{r}.log": rank_log(r, [(t, f"hpctrain node: rank {r}/4")])
             for k, t in ((0, 1), (1, 40)) for r in (0, 2)}
+    # rank 0 (node1) blames its healthy ring neighbour on node1 itself: a consequence of node2's loss
+    logs["logs/attempt-0.rank-0.log"] += rank_log(0, [(29, "ERROR training failed:")]) + \
+        "RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.1]:30955\n"
     logs["submitit/60_0_log.err"] = f"[W{time.strftime('%m%d %H:%M:%S', time.localtime(T0 + 29))}.1 x.cpp:1] y\n{peer}\n"
     folder = make_run(env, "spare", [{"attempt": 0, "job_id": "60", "state": "RUNNING", "nodes": "node[1,3]",
                                       "started": T0 + 35}], logs=logs,
@@ -435,7 +438,14 @@ def test_an_in_job_restart_is_one_more_attempt_in_summary_and_logs(env: dict[str
 
     on3 = invoke("logs", "spare", "--host", "node3").stdout.splitlines()
     assert on3 and all(ln.startswith(("a1 r2 node3", "a1 r3 node3")) for ln in on3), on3
-    assert "a0 r2 node2" in invoke("logs", "spare", "--attempt", "0").stdout
+    a0_log = invoke("logs", "spare", "--attempt", "0").stdout.splitlines()
+    assert any(ln.startswith("a0 r2 node2") for ln in a0_log)
+    # the journal says which node was lost, before the survivor's peer error, which it marks as a consequence
+    said = next(i for i, ln in enumerate(a0_log) if ln.startswith("a0 -- journal | node2 lost at "))
+    assert "(in-job restart 1: node3 took node2's place)" in a0_log[said]
+    blamed = next(i for i, ln in enumerate(a0_log) if "Connection closed by peer [10.0.0.1]" in ln)
+    assert said < blamed and a0_log[blamed].endswith("<- a consequence of node2's loss"), a0_log
+    assert sum("<- a consequence" in ln for ln in a0_log) == 1 and sum("journal" in ln for ln in a0_log) == 1
 
 
 def test_why_a_retry_waits_is_in_the_table_not_only_the_json(env: dict[str, Any]) -> None:

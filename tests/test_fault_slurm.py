@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from conftest import SLURM_SH, run_cmd
+from conftest import SLURM_SH, assert_agrees_with_sacct, run_cmd
 from conftest import wait_until as _wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.deepspeed]
@@ -61,6 +61,17 @@ class Campaign:
         run = Path(json.loads(proc.stdout)[0]["run_dir"])
         self.runs[name] = run
         return run
+
+    def cli(self, *args: str) -> str:
+        """`hpctrain ARGS` against this campaign's registry: its stdout."""
+        proc = subprocess.run([sys.executable, "-m", "hpctrain", *args], capture_output=True, text=True, timeout=120,
+                              check=False, env=self.env, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    def attempts(self, run: Path) -> list[dict[str, Any]]:
+        """`hpctrain summary RUN --json`'s attempt rows, read now (sacct asked again)."""
+        return list(json.loads(self.cli("summary", str(run), "--json"))["runs"][0]["attempts"])
 
     def job_ids(self) -> list[str]:
         ids = []
@@ -332,6 +343,7 @@ def test_time_limit_checkpoints_on_signal_requeues_and_finishes(campaign: Campai
     job = first_job(run)
     hist = run_cmd(["sacct", "-X", "-D", "-n", "-P", "-j", job, "-o", "State"], timeout=30).stdout.split()
     assert "REQUEUED" in hist and hist[-1] == "COMPLETED", hist  # one job, requeued by itself
+    assert_agrees_with_sacct(campaign.attempts(run))  # the requeue is one more row, as sacct -D counts it
     assert lost_steps(run) == [0] * len(lost_steps(run))  # checkpointed at the step it stopped
     assert_matches_reference(run, ref2, TIMELIMIT_STEPS, upto=REF_STEPS)
 
@@ -378,3 +390,11 @@ def test_node_failure_is_retried_at_once_without_the_dead_node(campaign: Campaig
     rows = json.loads((run / "summary.json").read_text())["attempts"]
     assert rows[0]["failure_class"] == "node_fail" and rows[0]["failure"]["host"] == "node3", rows[0]
     assert "node3" in rows[-1]["excluded"] and rows[-1]["job_id"] != job
+    assert_agrees_with_sacct(campaign.attempts(run))  # two jobs: ids, states, node counts, hosts, elapsed
+    # logs: the journal says node3 was lost, and the survivors' peer errors (naming whichever peer they talked
+    # to) are marked as its consequences, none on node3 itself
+    view = campaign.cli("logs", str(run), "--attempt", "0").splitlines()
+    said = [i for i, ln in enumerate(view) if ln.startswith("a0 -- journal | node3 lost at ")]
+    marked = [i for i, ln in enumerate(view) if ln.endswith("<- a consequence of node3's loss")]
+    assert len(said) == 1 and marked and said[0] < marked[0], [view[i] for i in said + marked]
+    assert not any(" node3 | " in view[i] for i in marked), [view[i] for i in marked]

@@ -58,9 +58,12 @@ def _one_run(ref: str) -> tuple[RunInput, Registry]:
 def logs(run: str, attempt: int | None, rank: int | None, host: str | None, pattern: str | None,
          follow: bool) -> None:
     """Print RUN's per-rank logs across attempts, merged by time; each line is tagged
-    `a<attempt> r<rank> <host>`. Attempts without rank logs show submitit's task logs instead."""
+    `a<attempt> r<rank> <host>`. Attempts without rank logs show submitit's task logs instead. Where the run's
+    journal records a lost node, a `journal` line says which, and the surviving ranks' peer errors after it are
+    marked as its consequences."""
     from hpctrain.api.runs import log_sources
     from hpctrain.collect import logs as cl
+    from hpctrain.collect.losses import LossNotes
     from hpctrain.errors import HpcUsageError
 
     grep = None
@@ -81,11 +84,11 @@ def logs(run: str, attempt: int | None, rank: int | None, host: str | None, patt
         files = list_files()
         if not files:
             click.echo(f"no logs yet in {inp.folder / 'logs'} (the job may still be pending)", err=True)
-        for line in cl.merged_lines(files, host_of, flt):
+        for line in cl.merged_lines(files, host_of, flt, LossNotes.of_run(inp.folder)):
             emit(line)
         return
     try:
-        cl.follow(list_files, host_of, flt, _finished_check(inp, reg), emit)
+        cl.follow(list_files, host_of, flt, _finished_check(inp, reg), emit, notes=LossNotes.of_run(inp.folder))
     except KeyboardInterrupt:
         click.echo("", err=True)
 

@@ -48,6 +48,13 @@ _COMM = re.compile(r"Watchdog caught collective operation timeout|Connection clo
                    r"Timed out waiting \d+ ?ms|gloo.*timed? ?out|NCCL (?:error|WARN).*(?:timeout|timed out)|"
                    r"ProcessGroupNCCL.*[Tt]imeout|DistBackendError|Connection reset by peer|"
                    r"ncclRemoteError|ncclSystemError|Socket Timeout|collective operation timeout")
+
+
+def peer_error(text: str) -> bool:
+    """A line that reports a lost peer or a failed collective (what a surviving rank prints when a node dies)."""
+    return bool(PEER_LOST.search(text) or _COMM.search(text))
+
+
 _CONTAINER = re.compile(
     r"^(?:.*\b)?(?:podman|apptainer|singularity|ch-run|enroot|pyxis|conmon|crun|runc)\b.*"
     r"(?:error|ERROR|FATAL|fatal|failed|not found|denied)|"

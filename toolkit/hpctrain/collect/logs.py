@@ -18,11 +18,13 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Protocol
 
 _TS = re.compile(r"^(?:submitit \w+ \(|\[)?(\d{4}-\d\d-\d\d)[T ](\d\d:\d\d:\d\d)(?:[.,](\d{1,6}))?")
 _RANK_LOG = re.compile(r"attempt-(\d+)\.rank-(\d+)\.log")
 _SUBMITIT_LOG = re.compile(r"(\d+(?:_\d+)?)_(\d+)_log\.(out|err)")
 _INF = float("inf")
+JOURNAL = "journal"  # the host of a line that is the run's journal speaking, not a rank (hpctrain.collect.losses)
 _CTRL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
 
@@ -47,10 +49,13 @@ class Line:
     rank: int | None
     host: str
     text: str
+    note: str = ""  # hpctrain's word on the line (a surviving rank's peer error after a node loss)
 
     def tagged(self) -> str:
+        if self.host == JOURNAL and self.rank is None:  # a line of the run's journal, not of a rank's log
+            return f"a{self.attempt} -- {JOURNAL} | {self.text}"
         rank = "?" if self.rank is None else str(self.rank)
-        return f"a{self.attempt} r{rank} {self.host or '?'} | {self.text}"
+        return f"a{self.attempt} r{rank} {self.host or '?'} | {self.text}" + (f"  <- {self.note}" if self.note else "")
 
 
 def parse_time(line: str) -> float | None:
@@ -203,22 +208,42 @@ class LogFilter:
         return self.grep is None or bool(self.grep.search(line.text))
 
 
-def merged_lines(files: list[LogFile], hosts: Callable[[LogFile], str], flt: LogFilter) -> Iterator[Line]:
-    """All lines of the chosen files, merged by time, filtered."""
+class Notes(Protocol):
+    """hpctrain's word among the log lines (hpctrain.collect.losses.LossNotes: the journal's node losses)."""
+
+    def lines(self, ln: Line) -> list[Line]:
+        """`ln` (noted or not) after the lines due before it."""
+        ...
+
+    def rest(self) -> list[Line]:
+        """What is still due after the last line."""
+        ...
+
+    def refresh(self) -> None:
+        """Read the journal again (a followed run goes on)."""
+        ...
+
+
+def merged_lines(files: list[LogFile], hosts: Callable[[LogFile], str], flt: LogFilter,
+                 notes: Notes | None = None) -> Iterator[Line]:
+    """All lines of the chosen files, merged by time, filtered; with hpctrain's `notes` among them."""
     streams = []
     for f in files:
         host = hosts(f)
         if flt.file_ok(f, host):
             streams.append(timed_lines(read_text(f.path), f.attempt, f.rank, host))
-    return (ln for ln in merge(streams) if flt.line_ok(ln))
+    for ln in merge(streams):
+        yield from (x for x in (notes.lines(ln) if notes is not None else [ln]) if flt.line_ok(x))
+    yield from (x for x in (notes.rest() if notes is not None else []) if flt.line_ok(x))
 
 
 def follow(list_files: Callable[[], list[LogFile]], hosts: Callable[[LogFile], str], flt: LogFilter,
            finished: Callable[[], bool], emit: Callable[[Line], None], *, poll_s: float = 1.0,
-           idle_checks: int = 2, max_s: float | None = None) -> None:
+           idle_checks: int = 2, max_s: float | None = None, notes: Notes | None = None) -> None:
     """Print what is there, then new lines as ranks write them, until the job has finished and the
     files stayed quiet for `idle_checks` polls (or Ctrl-C, which the caller turns into a clean exit).
-    New files (a requeued attempt, a late rank) are picked up on every poll."""
+    New files (a requeued attempt, a late rank) are picked up on every poll; `notes` as in merged_lines, read
+    again on every poll that has lines."""
     offsets: dict[Path, int] = {}
     partial: dict[Path, str] = {}
     last_time: dict[Path, float] = {}
@@ -244,9 +269,12 @@ def follow(list_files: Callable[[], list[LogFile]], hosts: Callable[[LogFile], s
                 last_time[f.path] = lines[-1].time
             batch.append(lines)
         printed = False
+        if batch and notes is not None:
+            notes.refresh()
         for ln in merge(batch):
-            if flt.line_ok(ln):
-                emit(ln)
+            for x in notes.lines(ln) if notes is not None else [ln]:
+                if flt.line_ok(x):
+                    emit(x)
             printed = True
         if printed:
             quiet = 0

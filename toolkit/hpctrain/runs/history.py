@@ -132,6 +132,7 @@ def expand(base: list[dict[str, Any]], folder: Path, *, events: list[run_events.
         k_next = int(groups[i + 1][0]["attempt"]) if i + 1 < len(groups) else 1 << 30
         mine = {k for k in logs | in_job.get(jid, set()) if k0 < k < k_next}
         nums = sorted({int(e["attempt"]) for e in entries} | mine)
+        requeues = {k for k in nums if k != k0 and k not in in_job.get(jid, set())}
         job = dict(entries[0])
         for e in entries[1:]:  # later notes on the same job (a supervisor's record) fill in
             job.update({key: v for key, v in e.items() if v not in (None, "")})
@@ -151,7 +152,7 @@ def expand(base: list[dict[str, Any]], folder: Path, *, events: list[run_events.
                 row["started"] = _span(evs, jid, k, span)[0]
             out.append(row)
         # sacct's start of a job SLURM resized (a node lost under --no-kill) is the resize time
-        _first_run_start(out, evs, jid, k0)
+        _first_run_start(out, evs, jid, k0, job if not any(int(k) in requeues for k in nums) else None)
     out = _with_in_job_restarts(out, evs)
     return _with_rank_hosts(out, evs)
 
@@ -167,13 +168,17 @@ def _allocation(nodelist: str, jid: str, evs: list[run_events.Event]) -> list[st
     return list(out)
 
 
-def _first_run_start(rows: list[dict[str, Any]], evs: list[run_events.Event], jid: str, k0: int) -> None:
-    """The job's first run started no later than its first event (sacct's start moves when SLURM resizes it)."""
+def _first_run_start(rows: list[dict[str, Any]], evs: list[run_events.Event], jid: str, k0: int,
+                     job: dict[str, Any] | None) -> None:
+    """The job's first run started no later than its first event (sacct's start moves when SLURM resizes it), nor
+    than SLURM's start of the job when it ran once (`job`; its in-job restarts aside): the time before the first
+    rank's start (the batch script, the health check) is the allocation's too, and costs as much."""
     first = min((e.time for e in evs if e.job_id == jid and e.attempt == k0), default=None)
+    allocated = _float(job.get("started")) if job is not None else None
     for row in rows:
-        if str(row.get("job_id")) == jid and int(row["attempt"]) == k0 and first is not None:
-            s = _float(row.get("started"))
-            row["started"] = first if s is None or s > first else s
+        if str(row.get("job_id")) == jid and int(row["attempt"]) == k0:
+            known = [t for t in (_float(row.get("started")), first, allocated) if t is not None]
+            row["started"] = min(known) if known else None
 
 
 def _span(evs: list[run_events.Event], jid: str, k: int, span: Span | None) -> tuple[float | None, float | None]:
