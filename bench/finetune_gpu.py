@@ -21,6 +21,15 @@ jsonl files):
     # engine per process, windows of steps alternating variants that differ only in data or attention kernel.
     source bench/gpu/setup.sh && python bench/finetune_gpu.py --cold --alternate \
         lora:packed,full:synthetic+packed-sdpa+packed-flex --alt-cap-s 130 --rounds 3 --steps 2 --budget-s 570 --out $OUT
+    # The second session's calls (BENCHMARKS.md): window modifiers ".fused" (bench/gpu/lora_fused.py) and ".nodrop"
+    # (LoRA dropout off) on one LoRA engine; --profile (cProfile of the engine phase, torch.profiler of one step);
+    # --fast-init (bench/gpu/fast_init.py: deepspeed.initialize without the pinned copies and the host round trip);
+    # --padded-mb (the padded loop at a micro-batch it fits, the same global batch).
+    source bench/gpu/setup.sh && python bench/finetune_gpu.py --alternate \
+        full-auto:packed,lora-auto:packed+packed.fused+packed.fused.nodrop --profile both --alt-cap-s 240 --rounds 3 \
+        --steps 2 --budget-s 545 --out $OUT
+    source bench/gpu/setup.sh && python bench/finetune_gpu.py --fast-init --profile lora --alternate \
+        full-auto:synthetic,lora-auto:packed --alt-cap-s 170 --rounds 2 --steps 2 --budget-s 550 --out $OUT
 
 What it does. First it makes its inputs on the machine (bench/gpu/ft_assets.py, kept across calls under
 --assets while the machine stays warm): a Llama-3.1-8B-shaped local folder with random bf16 weights written shard
@@ -99,6 +108,9 @@ VARIANTS: dict[str, Variant] = {
     "lora": Variant(lora_r=16),
     "full": Variant(),
     "padded-ds": Variant(kind="padded"),
+    # [model] attention = "auto" (packed rows on a GPU rank: FlexAttention), the run file a user writes.
+    "full-auto": Variant(attention="auto"),
+    "lora-auto": Variant(attention="auto", lora_r=16),
 }
 
 
@@ -132,6 +144,9 @@ class Setup:
     fixed: bool
     fmt: str  # "chat" or "alpaca"
     rounds: int = 3  # --alternate: windows of each variant
+    profile: str = ""  # --profile: "both" (cProfile of the engine phase, torch.profiler of one step) or "step"
+    fast_init: bool = False  # --fast-init: bench/gpu/fast_init.py in the --alternate processes
+    padded_mb: int = 0  # the padded loop's micro-batch (accumulation from the global batch); 0: hpctrain's plan
 
 
 def hp_tables(s: Setup, name: str, v: Variant) -> dict[str, Any]:
@@ -361,6 +376,8 @@ def run_padded(s: Setup, tag: str, timeout: float) -> dict[str, Any]:
 
     env = env_for(s, s.work / "runs")
     ch = planned(s, env)
+    if s.padded_mb:  # hpctrain's plan ran out of GPU memory in the padded loop (2026-12-03): the same global batch
+        ch = {**ch, "mb": s.padded_mb, "accum": max(1, s.global_batch // s.padded_mb)}
     log = s.work / "logs" / f"{tag}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port()),
@@ -422,6 +439,12 @@ def run_alternate(s: Setup, spec: str, tag: str, timeout: float) -> dict[str, An
     cmd = [sys.executable, str(BENCH / "gpu" / "ft_alternate.py"), "--run-dir", str(dry), "--variants",
            wins.replace("+", ","), "--rounds", str(s.rounds), "--steps", str(s.steps), "--warmup", str(s.warmup),
            "--budget-s", str(max(30.0, timeout - 15)), "--out", str(res)]
+    if s.fast_init:
+        cmd += ["--fast-init"]
+    if s.profile == "both":
+        cmd += ["--profile-engine", str(s.work / "logs" / f"{tag}.engine-profile.txt")]
+    if s.profile and (s.profile != "lora" or VARIANTS[name].lora_r):
+        cmd += ["--profile-step", str(s.work / "logs" / f"{tag}.step-profile.txt")]
     try:
         with log.open("w") as fh:
             p = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout, check=False, env=env,
@@ -646,7 +669,7 @@ def prebuild_cpu_adam() -> subprocess.Popen[bytes] | None:
 
 
 def pack_logs(work: Path, out: Path) -> None:
-    keep = (".log", ".jsonl", ".json", ".toml", ".out", ".err")
+    keep = (".log", ".jsonl", ".json", ".toml", ".out", ".err", ".txt")
     with tarfile.open(out / "logs.tar.gz", "w:gz") as tar:
         for p in sorted(work.rglob("*")):
             if (p.is_file() and p.suffix in keep and "state" not in p.parts and p.stat().st_size < 20 << 20
@@ -685,6 +708,13 @@ def main() -> None:
     ap.add_argument("--examples", type=int, default=0, help="SFT examples made (default 6000; --cpu 300)")
     ap.add_argument("--budget-s", type=float, default=0,
                     help="start no run expected to end past this (default 540; --cpu 1200)")
+    ap.add_argument("--profile", default="", choices=["", "both", "step", "lora"], help="--alternate processes: "
+                    "cProfile of the engine phase (both) and torch.profiler of one step of the first window variant "
+                    "(both, step; lora: the LoRA processes' only); texts in logs.tar.gz")
+    ap.add_argument("--fast-init", action="store_true", help="--alternate processes: bench/gpu/fast_init.py's "
+                    "deepspeed.initialize (ZeRO-3 offload: pinned in place, defragment on the GPU)")
+    ap.add_argument("--padded-mb", type=int, default=0, help="the padded loop's micro-batch (default: hpctrain's "
+                    "plan's); accumulation = global batch / it")
     ap.add_argument("--cpu", action="store_true", help="tiny llama on CPU ranks (DS_ACCELERATOR=cpu): a smoke test")
     ap.add_argument("--assets", default="/tmp/ft-assets", help="model, tokenizer and data (kept across calls)")
     ap.add_argument("--work", default="/tmp/ft-suite-work")
@@ -706,7 +736,8 @@ def main() -> None:
     assets_dir = Path(a.assets + ("-cpu" if a.cpu and a.assets == "/tmp/ft-assets" else ""))
     s = Setup(cpu=a.cpu, assets=assets_dir, work=Path(a.work), seq=a.seq or (256 if a.cpu else 4096),
               global_batch=a.global_batch or (4 if a.cpu else 16), steps=a.steps, warmup=a.warmup, fixed=a.fixed,
-              fmt=a.format, rounds=a.rounds or 3)
+              fmt=a.format, rounds=a.rounds or 3, profile=a.profile, padded_mb=a.padded_mb,
+              fast_init=a.fast_init)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     for sub in ("runs", "logs", "runfiles", "state"):  # this call's runs only (the assets stay)

@@ -80,6 +80,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps before a variant's first window")
     ap.add_argument("--budget-s", type=float, default=0, help="start no window past this many s of process time")
     ap.add_argument("--out", required=True, help="result JSON")
+    ap.add_argument("--profile-engine", default="", help="cProfile the engine phase (train.build_engine); text here")
+    ap.add_argument("--fast-init", action="store_true", help="bench/gpu/fast_init.py's deepspeed.initialize")
+    ap.add_argument("--profile-step", default="", help="torch.profiler over one step of the first variant at the "
+                    "end (its kernels by GPU time); text here")
     a = ap.parse_args()
     t_start = process_start()
     marks: dict[str, float] = {}
@@ -114,8 +118,21 @@ def main() -> None:
     mark("prepare")
     dist.init_process_group(d, prep.use_gpu, timeout_min=10)
     mark("process_group")
-    engine, n_params = train.build_engine(prep)
-    mark("engine")
+    if a.fast_init:  # bench/gpu/fast_init.py: deepspeed.initialize's pinning and defragment, prototype
+        sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+        import fast_init
+
+        fast_init.install()
+    if a.profile_engine:  # where the engine phase's time goes (deepspeed.initialize above all), by function
+        import cProfile
+
+        prof = cProfile.Profile()
+        engine, n_params = prof.runcall(train.build_engine, prep)
+        mark("engine")
+        write_pstats(prof, Path(a.profile_engine))
+    else:
+        engine, n_params = train.build_engine(prep)
+        mark("engine")
     cuda = prep.use_gpu and torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     run_attn = set_attention(engine, str(engine.module.config._attn_implementation))
@@ -125,9 +142,9 @@ def main() -> None:
     sources = {"synthetic": (synthetic, run_attn), "packed-sdpa": (prep.source, "sdpa"),
                "packed-flex": (prep.source, "flex_attention"), "packed": (prep.source, run_attn)}
     names = [v for v in a.variants.split(",") if v]
-    bad = [v for v in names if v not in sources]
+    bad = [v for v in names if strip_mods(v) not in sources]
     if bad:
-        raise SystemExit(f"--variants {bad}: use {', '.join(sources)}")
+        raise SystemExit(f"--variants {bad}: use {', '.join(sources)}, each optionally with {', '.join(MODS)}")
     cursor = 0
     warm: set[str] = set()
     steps: list[dict[str, Any]] = []
@@ -144,8 +161,8 @@ def main() -> None:
                 skipped.append(f"{v} round {rnd}")
                 print(f"budget: window {v} round {rnd} not run", flush=True)
                 continue
-            src, impl = sources[v]
-            got = set_attention(engine, impl)
+            src, impl = sources[strip_mods(v)]
+            got = set_attention(engine, impl) + set_mods(engine, v)
             warm.add(v)
             for i in range(n_warm + a.steps):
                 batches = [src.batch(cursor + m) for m in range(prep.gas)]
@@ -165,9 +182,79 @@ def main() -> None:
                 steps.append(row)
                 print(json.dumps(row), flush=True)
             write_result(a, marks, t_start, first_step_end, caught, steps, skipped, prep, n_params, names)
+    if a.profile_step and (not a.budget_s or time.time() - t_start + 3 * last_dt + 30 < a.budget_s):
+        profile_step(engine, prep, sources, names[0], cursor, Path(a.profile_step), train)
     out = write_result(a, marks, t_start, first_step_end, caught, steps, skipped, prep, n_params, names)
     print("RESULT " + json.dumps({k: out[k] for k in ("startup", "summary", "micro", "gas", "zero", "lora_r")}),
           flush=True)
+
+
+# Window modifiers, appended to a source name ("packed-flex.fused.nodrop"): LoRA's forward fused
+# (bench/gpu/lora_fused.py) and its dropout switched off, in place, on the same engine.
+MODS = (".fused", ".nodrop")
+
+
+def strip_mods(v: str) -> str:
+    for m in MODS:
+        v = v.replace(m, "")
+    return v
+
+
+def set_mods(engine: Any, v: str) -> str:
+    """Apply the window's modifiers (and undo those it lacks); '' when the run has no LoRA."""
+    sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+    import lora_fused
+
+    model = engine.module
+    if "+fused" in v:
+        lora_fused.install(model)
+    else:
+        lora_fused.uninstall(model)
+    lora_fused.set_dropout(model, off="+nodrop" in v)
+    return "".join(m for m in MODS if m in v)
+
+
+def fast_init_times() -> dict[str, float]:
+    mod = sys.modules.get("fast_init")
+    return {k: round(v, 2) for k, v in getattr(mod, "TIMES", {}).items()}
+
+
+def write_pstats(prof: Any, path: Path) -> None:
+    import io
+    import pstats
+
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    st.sort_stats("cumulative").print_stats(70)
+    st.sort_stats("tottime").print_stats(40)
+    path.write_text(buf.getvalue())
+
+
+def profile_step(engine: Any, prep: Any, sources: dict[str, Any], v: str, cursor: int, path: Path,
+                 train: Any) -> None:
+    """One optimizer step of variant v under torch.profiler: its kernels and ops by GPU time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    src, impl = sources[strip_mods(v)]
+    set_attention(engine, impl)
+    set_mods(engine, v)
+    batches = [src.batch(cursor + m) for m in range(prep.gas)]
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        train._train_step(engine, batches, False)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    ka = prof.key_averages()
+    text = []
+    for key in ("self_cuda_time_total", "self_device_time_total", "cuda_time_total", "self_cpu_time_total"):
+        try:
+            text.append(f"sorted by {key}\n" + ka.table(sort_by=key, row_limit=60, max_name_column_width=70))
+            break
+        except (AttributeError, KeyError, ValueError):
+            continue
+    path.write_text(f"variant {v}\n" + "\n".join(text))
+    print(f"profile of one {v} step written to {path}", flush=True)
 
 
 def write_result(a: argparse.Namespace, marks: dict[str, float], t_start: float, first_step_end: float,
@@ -186,6 +273,7 @@ def write_result(a: argparse.Namespace, marks: dict[str, float], t_start: float,
     out = {"run_dir": str(Path(a.run_dir).absolute()), "variants": names, "rounds": a.rounds, "steps": a.steps, "n_params": n_params,
            "micro": prep.micro, "gas": prep.gas, "zero": prep.zero, "checkpointing": prep.checkpointing,
            "lora_r": prep.spec.lora.r, "startup": {k: round(v, 2) for k, v in parts.items()},
+           "fast_init": fast_init_times(),
            "log": caught.lines, "summary": summarize(steps), "steps_rows": steps}
     out["skipped"] = skipped
     Path(a.out).write_text(json.dumps(out, indent=1))
