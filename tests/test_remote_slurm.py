@@ -2,25 +2,37 @@
 key-only auth) on a login node of the test cluster in its own network namespace (tests/cluster/login_sshd.sh),
 and the login node's hpctrain submits to the real SLURM cluster.
 
-One sshd for the module, one tiny run for the loop (submit, status --watch, logs, summary --plot fetched back,
-pull, list, cancel), then the failures: a missing remote hpctrain, a key the server refuses (BatchMode: no
-prompt), sshd killed in the middle of a submit (found again, never queued twice), a changed host key.
+One sshd for the module, one tiny run for the loop (submit, status --watch with and without a terminal, logs
+and logs --follow, summary --plot fetched back, stacks, sync, export, pull, list, cancel, resubmit), all but the
+first through the login node's hpctrain server (hpctrain.remote.serve) that the first started; the server
+restarted when it died or hpctrain changed; `hpctrain remote setup` installing hpctrain from uploaded wheels;
+then the failures: a missing remote hpctrain, a key the server refuses (BatchMode: no prompt), sshd killed in
+the middle of a submit (found again, never queued twice), a changed host key.
+
+Another namespace, veth and address for the login node (LOGIN_NS, LOGIN_VETH, LOGIN_IP of login_sshd.sh) let a
+second run of this module share the machine with the first.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from conftest import REPO, run_cmd, wait_until
+from hpctrain.remote import serve as serve_module
 
 pytestmark = pytest.mark.slurm
 SSHD_SH = REPO / "tests" / "cluster" / "login_sshd.sh"
@@ -106,10 +118,30 @@ def laptop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Laptop]:
         if ours:
             subprocess.run(["scancel", *ours], capture_output=True, timeout=30, check=False)
         for sock in (base / "cm").glob("*"):
-            if sock.is_socket():
+            if sock.is_socket() and "." not in sock.name:  # the control sockets, not the servers' forwards
                 subprocess.run(["ssh", "-o", f"ControlPath={sock}", "-O", "exit", "login"], capture_output=True,
                                timeout=10, check=False)
         run_cmd(["bash", SSHD_SH, "down", login], timeout=60, check=False)
+
+
+def _servers(remote_dir: Path) -> dict[int, list[str]]:
+    """The hpctrain servers of REMOTE_DIR (hpctrain.remote.serve): pid -> argv, without the children they
+    forked for commands still ending."""
+    folder = str(Path(serve_module.socket_for(str(remote_dir), "k" * 12)).parent)
+    found: dict[int, tuple[int, list[str]]] = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = [a.decode(errors="replace") for a in (proc / "cmdline").read_bytes().split(b"\0")]
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if "serve" in argv and "--socket" in argv and argv[argv.index("--socket") + 1].startswith(folder + "/"):
+            found[int(proc.name)] = (ppid, argv)
+    return {pid: argv for pid, (ppid, argv) in found.items() if ppid not in found}
+
+
+def _server_folder(remote_dir: Path) -> Path:
+    return Path(serve_module.socket_for(str(remote_dir), "k" * 12)).parent
 
 
 def _one_line_error(proc: subprocess.CompletedProcess[str], *words: str) -> None:
@@ -132,6 +164,28 @@ def test_whole_loop_from_the_laptop(laptop: Laptop) -> None:
     assert watch.returncode == 0 and "COMPLETED" in watch.stdout, watch.stdout + watch.stderr
     logs = laptop.hpctrain(*remote, "logs", rid)
     assert logs.returncode == 0 and "finished at step 4" in logs.stdout, logs.stdout[-2000:] + logs.stderr
+    # Every command since the submit went to the login node's hpctrain server: one, private, still warm.
+    (server,) = _servers(laptop.remote_dir)
+    sock = next(_server_folder(laptop.remote_dir).glob("*.sock"))
+    assert oct(sock.stat().st_mode & 0o777) == "0o600" and oct(sock.parent.stat().st_mode & 0o777) == "0o700"
+    follow = laptop.hpctrain(*remote, "logs", rid, "--follow")  # the job ended: it prints and stops
+    assert follow.returncode == 0 and "finished at step 4" in follow.stdout, follow.stderr
+    # status --watch on a terminal: the server gives the command a pseudo-terminal, so the live view draws.
+    shown = subprocess.run(["script", "-qec", shlex.join([HPCTRAIN, *remote, "status", rid, "--watch"]), "/dev/null"],
+                           cwd=laptop.project, env=laptop.env, capture_output=True, text=True, timeout=120,
+                           stdin=subprocess.DEVNULL, check=False)
+    assert shown.returncode == 0 and "COMPLETED" in shown.stdout, shown.stdout[-2000:] + shown.stderr
+    stacks = laptop.hpctrain(*remote, "stacks", rid)  # the login node's own refusal comes back as it is
+    assert stacks.returncode != 0 and "wait until it runs" in stacks.stderr, stacks.stderr
+    assert "connection" not in stacks.stderr
+    sync = laptop.hpctrain(*remote, "sync", rid, "--json")
+    assert sync.returncode == 0, sync.stderr
+    assert any((laptop.remote_dir / "runs" / rid / "metrics").rglob("events.out.tfevents*"))
+    export = laptop.hpctrain(*remote, "export", rid, "--out", "exported model", timeout=600)
+    assert export.returncode == 0, export.stderr[-2000:]
+    assert any(laptop.remote_dir.rglob("exported model/config.json")), export.stdout
+    plain = laptop.hpctrain(*remote, "list", env={"HPCTRAIN_REMOTE_NO_SERVER": "1"})  # the ssh-only way
+    assert plain.returncode == 0 and rid in plain.stdout, plain.stderr
     summ = laptop.hpctrain(*remote, "summary", rid, "--plot", "plots/loss curve.png")
     assert summ.returncode == 0 and rid in summ.stdout, summ.stderr
     assert (laptop.project / "plots" / "loss curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -154,8 +208,102 @@ def test_whole_loop_from_the_laptop(laptop: Laptop) -> None:
         doc = json.loads(laptop.hpctrain(*remote, "status", rid2, "--json").stdout)
         return doc["state"] == "CANCELLED"
     wait_until(cancelled, 120, f"{rid2} CANCELLED seen from the laptop", poll=2)
-    # Every command above rode on one shared connection: sshd accepted at most one login for all of them.
+    again = laptop.hpctrain(*remote, "resubmit", rid2, "--json")
+    assert again.returncode == 0, again.stderr
+    assert laptop.hpctrain(*remote, "cancel", rid2).returncode == 0
+    # Every command above rode on one shared connection: sshd accepted at most one login for all of them,
+    # and one server answered them all.
     assert laptop.accepted() - before <= 1
+    assert list(_servers(laptop.remote_dir)) == [server]
+
+
+def test_the_server_restarts_by_itself(laptop: Laptop) -> None:
+    """A server that died, or whose hpctrain changed on disk, is replaced by the next command unseen."""
+    site = str(laptop.site())
+    assert laptop.hpctrain("--remote", site, "list").returncode == 0
+    (first,) = _servers(laptop.remote_dir)
+    os.kill(first, 9)
+    wait_until(lambda: first not in _servers(laptop.remote_dir), 30, "the server to go", poll=0.1)
+    again = laptop.hpctrain("--remote", site, "list")
+    assert again.returncode == 0 and not again.stderr, again.stderr
+    (second,) = _servers(laptop.remote_dir)
+    # hpctrain changed under the server (a reinstall, an edit): the next command gets a fresh one.
+    source = Path(serve_module.__file__)
+    stamp = source.stat()
+    try:
+        os.utime(source, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 1_000_000_000))
+        changed = laptop.hpctrain("--remote", site, "list")
+    finally:
+        os.utime(source, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    assert changed.returncode == 0 and not changed.stderr, changed.stderr
+    wait_until(lambda: second not in _servers(laptop.remote_dir), 30, "the changed server to stop", poll=0.1)
+    assert len(_servers(laptop.remote_dir)) == 1
+
+
+def _wheelhouse(dest: Path) -> None:
+    """What `pip download hpctrain -d DEST` gives, without the network: hpctrain's wheel built from this
+    checkout, and each dependency's repacked from the files this venv installed (their RECORD)."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    run_cmd([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
+             "-w", dest, REPO], timeout=600)
+    todo, seen = list(metadata.requires("hpctrain") or []), set()
+    while todo:
+        req = Requirement(todo.pop())
+        if (req.marker and not req.marker.evaluate({"extra": ""})) or canonicalize_name(req.name) in seen:
+            continue
+        seen.add(canonicalize_name(req.name))
+        dist = metadata.distribution(req.name)
+        _repack(dist, dest)
+        todo += dist.requires or []
+
+
+def _repack(dist: Any, dest: Path) -> None:
+    tag = next(ln.split(":", 1)[1].strip() for ln in dist.read_text("WHEEL").splitlines() if ln.startswith("Tag:"))
+    name = re.sub(r"[-_.]+", "_", dist.metadata["Name"])
+    info = f"{name}-{dist.version}.dist-info"
+    record = []
+    with zipfile.ZipFile(dest / f"{name}-{dist.version}-{tag}.whl", "w") as zf:
+        for f in dist.files or []:
+            part = str(f)
+            if part.startswith("..") or "__pycache__" in part or Path(part).name in (
+                    "RECORD", "INSTALLER", "REQUESTED", "direct_url.json"):
+                continue  # scripts (pip makes them again), caches, and what pip wrote when it installed
+            arc = f"{info}/{Path(part).name}" if part.split("/")[0].endswith(".dist-info") else part
+            data = Path(dist.locate_file(f)).read_bytes()
+            zf.writestr(arc, data)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            record.append(f"{arc},sha256={digest},{len(data)}")
+        zf.writestr(f"{info}/RECORD", "\n".join([*record, f"{info}/RECORD,,"]) + "\n")
+
+
+def test_remote_setup_installs_hpctrain_there(laptop: Laptop) -> None:
+    """`hpctrain remote setup --wheel DIR`: a cluster without PyPI access gets this version of hpctrain in a
+    venv under remote_dir from uploaded wheels; the path it prints is a working [remote] hpctrain (its
+    server answers the next command); a missing Python is one line with the fix."""
+    wheels = laptop.project.parent / "wheels"
+    wheels.mkdir(exist_ok=True)
+    _wheelhouse(wheels)
+    where = laptop.login.parent / "setup 'dir'"
+    site = laptop.site("fresh", remote_dir=str(where), hpctrain="~/no/hpctrain")
+    python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))  # the login node's Python
+    _one_line_error(laptop.hpctrain("remote", "setup", "--site", str(site), "--python", "/no/python3"),
+                    "no '/no/python3'", "--python")
+    done = laptop.hpctrain("remote", "setup", "--site", str(site), "--wheel", str(wheels), "--python", python,
+                           timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = done.stdout.strip().splitlines()[-1]
+    assert line.startswith("in the site profile set: [remote] hpctrain = "), done.stdout
+    command = json.loads(line.split(" = ", 1)[1])
+    assert shlex.split(command) == [str(where / "venv" / "bin" / "hpctrain")]
+    used = laptop.site("fresh", remote_dir=str(where), hpctrain=command)
+    listed = laptop.hpctrain("--remote", str(used), "list")
+    assert listed.returncode == 0, listed.stderr
+    (argv,) = _servers(where).values()  # its server runs the venv's hpctrain
+    assert argv[:2] == [str(where / "venv" / "bin" / "python"), str(where / "venv" / "bin" / "hpctrain")], argv
 
 
 def test_what_travels_with_a_script(laptop: Laptop) -> None:
