@@ -2,7 +2,8 @@
 
 A 3-node run with one spare: a 4-node job, the whole cluster. Kill its third training node: the in-job driver
 (hpctrain.fault.injob) sees the survivors' gloo errors, ends the step and starts a new one on the survivors and
-the spare from the latest complete checkpoint, in the same job (sacct: one job, steps .0 and .1). Kill the
+the spare from the latest complete checkpoint, in the same job (sacct: one job; step .0 the zygotes of the warm
+ranks, one per node, spare included; training steps .1 and .2, the restart's ranks forked warm). Kill the
 spare that replaced it: no spare is left, so the run falls back to the supervisor's resubmission, which
 excludes a dead host (as many as still leave room for the job's 3 nodes). Each node is restored right after its
 kill (other people's jobs share the cluster). The data and the learning rate are pure functions of the step, so
@@ -104,7 +105,7 @@ def test_a_spare_replaces_a_dead_node_in_the_same_job_then_the_queue_takes_over(
     assert len(hosts) == 3
     first = kill_and_restore(hosts[2], job, lambda: restarts(run), "the in-job restart")[0]
     assert first["replaced"] == {hosts[2]: first["hosts"][2]} and first["hosts"][:2] == hosts[:2]
-    assert first["class"] == "node_fail" and first["step_id"] == f"{job}.0" and first["next_step_id"] == f"{job}.1"
+    assert first["class"] == "node_fail" and first["step_id"] == f"{job}.1" and first["next_step_id"] == f"{job}.2"
     spare = first["hosts"][2]
 
     # Kill 2: the spare, once the new step trains: no spare left -> the supervisor resubmits without both.
@@ -114,8 +115,8 @@ def test_a_spare_replaces_a_dead_node_in_the_same_job_then_the_queue_takes_over(
     # While the replacement trains, every report counts it as attempt 1 of its own, without its predecessor's
     # failure (summary showed "node_fail, rank 0 on node3" on it), and status names the node its spare replaced.
     live = summary_of(run, env)["attempts"]
-    assert [(a["attempt"], a.get("step_id"), a["how"]) for a in live] == [(0, f"{job}.0", "submitted"),
-                                                                          (1, f"{job}.1", "in_job")], live
+    assert [(a["attempt"], a.get("step_id"), a["how"]) for a in live] == [(0, f"{job}.1", "submitted"),
+                                                                          (1, f"{job}.2", "in_job")], live
     assert live[1]["state"] == "RUNNING" and live[1]["failure_class"] is None, (live[1], summary_of(run, env)["warnings"])
     assert live[0]["failure_class"] == "node_fail" and live[0]["failure"]["host"] == hosts[2], live[0]
     st = hpctrain(env, "status", run.name, "--json")
@@ -123,7 +124,7 @@ def test_a_spare_replaces_a_dead_node_in_the_same_job_then_the_queue_takes_over(
     assert st["history"][1]["replaced"] == {hosts[2]: spare}
     assert "replaced by the spare" in hpctrain(env, "status", run.name, text=True)
     watched = hpctrain(env, "status", run.name, "--watch", "--interval", "0.5", text=True, timeout=20, check=False)
-    assert f"job step {job}.1 (attempt 1)" in watched and f"{hosts[2]} replaced by the spare {spare}" in watched
+    assert f"job step {job}.2 (attempt 1)" in watched and f"{hosts[2]} replaced by the spare {spare}" in watched
     t_restart = first["launched"]
     decided = kill_and_restore(spare, job, lambda: [n for n in jsonl(run / "attempts.jsonl") if "decision" in n],
                                "the supervisor's decision")[0]
@@ -135,9 +136,11 @@ def test_a_spare_replaces_a_dead_node_in_the_same_job_then_the_queue_takes_over(
 
     # sacct: the first job ran two training steps, the second one on the survivor and the spare.
     rows = run_cmd(["sacct", "-n", "-P", "-j", job, "-o", "JobID,State,NodeList"], timeout=30).stdout.splitlines()
-    steps = {r.split("|")[0]: r.split("|")[2] for r in rows if r.split("|")[0] in (f"{job}.0", f"{job}.1")}
-    assert set(steps) == {f"{job}.0", f"{job}.1"}, rows
-    step1_hosts = run_cmd(["scontrol", "show", "hostnames", steps[f"{job}.1"]], timeout=30).stdout.split()
+    steps = {r.split("|")[0]: r.split("|")[2] for r in rows if r.split("|")[0] in (f"{job}.{i}" for i in range(3))}
+    assert set(steps) == {f"{job}.0", f"{job}.1", f"{job}.2"}, rows
+    zygotes = run_cmd(["scontrol", "show", "hostnames", steps[f"{job}.0"]], timeout=30).stdout.split()
+    assert set(zygotes) == {*hosts, spare}, rows  # a zygote on every node of the job, the spare's too
+    step1_hosts = run_cmd(["scontrol", "show", "hostnames", steps[f"{job}.2"]], timeout=30).stdout.split()
     assert hosts[2] not in step1_hosts and spare in step1_hosts, rows
 
     # Losses: every step once at least, each run of a step (redone ones too) with a fault-free run's loss.
@@ -152,9 +155,9 @@ def test_a_spare_replaces_a_dead_node_in_the_same_job_then_the_queue_takes_over(
     # summary: the in-job restart is an attempt of its own, with its step id and the node its spare replaced.
     atts = summary_of(run, env)["attempts"]
     a0 = atts[0]
-    assert a0["step_id"] == f"{job}.0" and a0["failure_class"] == "node_fail"
+    assert a0["step_id"] == f"{job}.1" and a0["failure_class"] == "node_fail"
     assert a0["in_job_restart"]["replaced"] == {hosts[2]: spare}
-    assert atts[1]["step_id"] == f"{job}.1" and atts[1]["job_id"] == job and atts[-1]["job_id"] == nxt
+    assert atts[1]["step_id"] == f"{job}.2" and atts[1]["job_id"] == job and atts[-1]["job_id"] == nxt
     # Lost work is what the next attempt trained again; the first job's cost counts all 4 nodes it held, as
     # SLURM's accounting does (the spare's share shown), not the 3 that trained.
     redone = min(int(r["step"]) for r in steps_seen(run) if r["time"] > t_restart)
@@ -173,6 +176,14 @@ def test_a_spare_replaces_a_dead_node_in_the_same_job_then_the_queue_takes_over(
     on_spare = hpctrain(env, "logs", run.name, "--host", spare, "--attempt", "1", text=True).splitlines()
     assert on_spare and all(ln.startswith(f"a1 r2 {spare}") for ln in on_spare), on_spare[:3]
 
+    # The restart was warm (issue 29 item 6): rank 0 of the new step was forked by its node's zygote, which had
+    # imported torch and DeepSpeed before the kill; the phase record says so, and when the fork came.
     from hpctrain.fault.injob import timeline
 
-    print("restart timeline (s from detection):", timeline(run))
+    tl = timeline(run)
+    print("restart timeline (s from detection):", tl)
+    forked = tl[0]["startup"]["zygote"]
+    assert forked["host"] == hosts[0] and forked["forked"] > first["detected"] > forked["ready"], forked
+    first_start = next(e for e in jsonl(run / "events.jsonl") if e.get("kind") == "train"
+                       and e.get("event") == "start")["startup"]
+    assert first_start["zygote"]["ready"] < first_start["zygote"]["forked"]  # the job's first step was forked too

@@ -256,6 +256,9 @@ def stop_class(signum: int, seconds_left: float | None, window_s: float, cancell
 # The in-job driver's restart number k of an srun step (0 or unset: the job's first step), in every rank's
 # environment: hpctrain.fault.injob sets it, hpctrain.node.launch.predecessors reads it.
 INJOB_RESTART_ENV = "HPCTRAIN_INJOB_RESTART"
+# "0" in the submitting environment turns warm ranks off (hpctrain.fault.warm): every srun step of the in-job
+# driver starts its ranks cold, importing torch and DeepSpeed, as before zygotes existed.
+WARM_RANKS_ENV = "HPCTRAIN_WARM_RANKS"
 # The driver's health step: HPCTRAIN_NODE_MODE=health makes a rank's entry (submitit's callable, or python -m
 # hpctrain.node) run hpctrain.node.launch.health instead of training, writing its report into HPCTRAIN_HEALTH_DIR.
 NODE_MODE_ENV, HEALTH_DIR_ENV = "HPCTRAIN_NODE_MODE", "HPCTRAIN_HEALTH_DIR"

@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from hpctrain.fault import warm as warm_mod
 from hpctrain.fault.watchdog import PEER_POLL_S, Watchdog, log_attempt
 from hpctrain.nodelist import expand
 from hpctrain.runs import beats as beats_mod
@@ -165,10 +166,13 @@ class Driver:
     health_matmul_ratio: float = 0.8
     health_net_ratio: float = 0.5
     health_min_busbw_gbps: float = 0.0
+    # Warm ranks (hpctrain.fault.warm): a zygote per node forks every step's ranks, so a restart skips the imports.
+    warm: bool = False
+    _zygotes: Any = dataclasses.field(default=None, init=False, repr=False)  # the zygotes' srun, when started
 
     def run(self) -> int:
         """Launch the first step, then judge each step's end: return its exit status, restart, or give up."""
-        hosts, bad, used = list(self.job_hosts[:self.nodes]), frozenset[str](), 0
+        hosts, bad = list(self.job_hosts[:self.nodes]), frozenset[str]()
         restarts = self.env.get("SLURM_RESTART_COUNT", "0") or "0"
         attempt = log_attempt(self.env)
         if self.health:
@@ -176,6 +180,16 @@ class Driver:
             if isinstance(checked, int):
                 return checked
             hosts, bad = checked
+        if self.warm and warm_mod.enabled(self.env):  # after the health check: its figures are not the imports'
+            self._start_zygotes([h for h in self.job_hosts if h not in bad])
+        try:
+            return self._steps(hosts, bad, attempt, restarts)
+        finally:
+            warm_mod.stop(self._zygotes, self.run_dir, self.job)
+
+    def _steps(self, hosts: list[str], bad: frozenset[str], attempt: int, restarts: str) -> int:
+        """The training steps of the job, from the first: the exit status the job ends with."""
+        used = 0
         proc, step = self._launch(hosts, attempt, restarts, 0)
         while True:
             spare_left = used < self.budget and any(h not in hosts and h not in bad for h in self.job_hosts)
@@ -310,8 +324,18 @@ class Driver:
         env = self._step_env(hosts[0], attempt, restarts, ports=used)
         env[INJOB_RESTART_ENV] = str(used)
         before = set(_safe_steps(self.job))
-        proc = _slurm.start_step(self.srun_argv(hosts), env=env)
+        argv = self.srun_argv(hosts)
+        proc = _slurm.start_step(warm_mod.client_argv(argv) if self._zygotes is not None else argv, env=env)
         return proc, self._step_id(proc, before)
+
+    def _start_zygotes(self, hosts: list[str]) -> None:
+        """The zygotes' step on `hosts` (every usable node, spares too), listed by squeue before the first training
+        step starts (so that step's id is told apart from theirs)."""
+        before = set(_safe_steps(self.job))
+        self._zygotes = warm_mod.start(self.launch, hosts, self.run_dir, dict(self.env))
+        if self._zygotes is not None:
+            step = self._step_id(self._zygotes, before)
+            print(f"hpctrain: warm ranks: zygotes in step {step} on {','.join(hosts)}", file=sys.stderr, flush=True)
 
     def _step_env(self, master: str, attempt: int, restarts: str, ports: int) -> dict[str, str]:
         """One step's environment: rank 0's host, the rendezvous ports MASTER_PORT + PORT_STRIDE x `ports`,
@@ -617,6 +641,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--health-matmul-ratio", type=float, default=0.8)
     p.add_argument("--health-net-ratio", type=float, default=0.5)
     p.add_argument("--health-min-busbw", type=float, default=0.0)
+    p.add_argument("--warm", action="store_true", help="fork the ranks from a zygote per node (hpctrain.fault.warm)")
     argv = sys.argv[1:] if argv is None else argv
     cut = argv.index("--") if "--" in argv else len(argv)
     a, launch = p.parse_args(argv[:cut]), argv[cut + 1:]
@@ -628,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
                   a.hang_timeout, a.world, straggler_patience_s=a.straggler_patience,
                   straggler_ratio=a.straggler_ratio, health=a.health, health_timeout_s=a.health_timeout,
                   health_matmul_ratio=a.health_matmul_ratio, health_net_ratio=a.health_net_ratio,
-                  health_min_busbw_gbps=a.health_min_busbw).run()
+                  health_min_busbw_gbps=a.health_min_busbw, warm=a.warm).run()
 
 
 if __name__ == "__main__":

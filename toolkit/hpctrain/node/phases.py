@@ -12,6 +12,7 @@ import os
 import time
 
 _MARKS: list[tuple[str, float]] = []
+_NOTES: dict[str, object] = {}
 
 
 def process_start() -> float:
@@ -30,13 +31,20 @@ def mark(name: str) -> None:
     _MARKS.append((name, time.time()))
 
 
-def report() -> dict[str, float]:
-    """{phase: seconds since the previous mark}, the first from the process start; plus `total_s`."""
-    out: dict[str, float] = {}
+def note(name: str, value: object) -> None:
+    """A fact of this start-up that is no duration, carried by report() under `name`: a rank forked by its node's
+    zygote (hpctrain.node.launch.zygote) notes which, when it was ready and when it forked (no imports here)."""
+    _NOTES[name] = value
+
+
+def report() -> dict[str, object]:
+    """{phase: seconds since the previous mark}, the first from the process start; plus `total_s` and the notes."""
+    out: dict[str, object] = {}
     prev = t0 = process_start()
     for name, t in _MARKS:
         out[f"{name}_s"] = round(max(0.0, t - prev), 3)
         prev = t
     out["total_s"] = round(max(0.0, prev - t0), 3)
     out["process_start"] = round(t0, 3)
+    out.update(_NOTES)
     return out

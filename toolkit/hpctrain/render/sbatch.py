@@ -448,9 +448,12 @@ def _injob_line(spec: Spec, plan: Plan, command: str, python: str | None, launch
     # A user script beats only through hpctrain.runtime.report: the driver's hang check would take silence for
     # a hang, so it is off for scripts (lost peers and crashes still restart them).
     hang = 0 if own else spec.launch.hang_timeout_s
+    # Warm ranks (hpctrain.fault.warm) for the trainer on CPU ranks: a fork after the imports is safe there; a
+    # user's script starts its own interpreter anyway, and a GPU rank forked after CUDA's driver was touched is not.
+    warm = not own and not spec.resources.gpus_per_node and spec.launch.launcher != "deepspeed"
     return (f'{py} -m hpctrain.fault.injob "$HPCTRAIN_RUN_DIR" --nodes {plan.nodes} --tasks-per-node {per_node} '
             f"--restarts {plan.in_job_restarts} --world {plan.world_size} "
-            f"--hang-timeout {hang}"
+            f"--hang-timeout {hang}" + (" --warm" if warm else "")
             + (f" --straggler-patience {f.straggler_patience_s} --straggler-ratio {f.straggler_ratio:g}"
                if f.straggler_patience_s else "")
             + (f" --health --health-timeout {f.health_timeout_s} --health-matmul-ratio {f.health_matmul_ratio:g} "
