@@ -260,9 +260,20 @@ def test_usr2_stops_the_program_after_its_checkpoint(tmp_path: Path) -> None:
     while not (tmp_path / "probe.json.ready").exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
         time.sleep(0.1)
+    _stacks_are_the_programs(run, proc)
+    from hpctrain.collect.sync import tensorboard_last_steps
+
+    tb = run / "metrics" / "tensorboard"  # written while the program runs, from its report()s (no `hpctrain sync`)
+    while (tensorboard_last_steps(str(tb)).get("train/loss", 0) if tb.is_dir() else 0) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
+        time.sleep(0.2)
     proc.send_signal(signal.SIGUSR2)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 3, err
+    last = max(json.loads(x)["step"] for x in (run / "metrics" / "metrics.jsonl").read_text().splitlines())
+    written = tensorboard_last_steps(str(tb))
+    assert written["train/loss"] == written["run/attempt"] == last, (written, last)  # the last report too
+    assert [p.name.endswith(".hpctrain-script.attempt-0") for p in tb.iterdir()] == [True]
     stop = next(e for e in _events(run) if e["kind"] == "stop")
     # USR2 long before the job's time limit: a preemption, not the pre-timeout signal (states.stop_class)
     assert stop["class"] == "preempted" and stop["checkpointed"] is True and "checkpoint of step" in stop["message"]
@@ -270,6 +281,28 @@ def test_usr2_stops_the_program_after_its_checkpoint(tmp_path: Path) -> None:
     from hpctrain.runs.checkpoints import complete_steps
 
     assert complete_steps(run / "checkpoints") and (run / "metrics" / "metrics.jsonl").is_file()
+
+
+def _stacks_are_the_programs(run: Path, wrapper: subprocess.Popen[str]) -> None:
+    """SIGURG to every process, as `scancel -s URG` sends it to the step: the program's rank process dumps its own
+    frames into the rank's file (a pid of its own); the node entry, its wrapper, neither dumps nor dies of it."""
+    from hpctrain.collect.stacks import local_sender, request
+
+    beats = local_sender(run)
+
+    def send() -> None:
+        wrapper.send_signal(signal.SIGURG)
+        beats()
+
+    rep = request(run, send, [0], timeout_s=60)
+    assert rep.missing == [] and [d.rank for d in rep.dumps] == [0], rep.to_dict()
+    (dump,) = rep.dumps
+    assert dump.pid != wrapper.pid and dump.path.name == "attempt-0.rank-0.txt"
+    frames = [f for t in dump.threads for f in t.frames]
+    assert any("probe.py" in f for f in frames) and not any("hpctrain/node" in f for f in frames), frames
+    assert wrapper.poll() is None
+    head = (run / "stacks" / "attempt-0.rank-0.txt").read_text().splitlines()
+    assert sum(line.startswith("# hpctrain stacks ") for line in head) == 1  # the program's header only
 
 
 def test_failure_tail_finds_the_last_exception() -> None:

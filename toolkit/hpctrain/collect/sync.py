@@ -132,12 +132,15 @@ def sync(folder: RunFolder, spec: Spec, to: str) -> SyncResult:
 
 # ------------------------------------------------------------------------------------------------ TensorBoard
 def tensorboard_last_steps(logdir: str) -> dict[str, int]:
-    """The last step of every scalar tag in a TensorBoard log folder, read with TensorBoard's own reader."""
+    """The last step of every scalar tag in a TensorBoard log folder, read with TensorBoard's own reader. A tag
+    left with no value is not in it: a resumed attempt's restart mark purges every tag's later steps, and DeepSpeed's
+    own tags of a user's script (Train/Samples/*, counted in samples) can lose them all."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(logdir, size_guidance={"scalars": 0})
     acc.Reload()
-    return {tag: max(e.step for e in acc.Scalars(tag)) for tag in acc.Tags().get("scalars", [])}
+    return {tag: max(steps) for tag in acc.Tags().get("scalars", [])
+            if (steps := [e.step for e in acc.Scalars(tag)])}
 
 
 def _tensorboard(folder: RunFolder, spec: Spec, events: list[Scalar]) -> tuple[str, list[Scalar]]:

@@ -144,6 +144,43 @@ class MlflowMonitor:
         self.client.log_dict(self.run_id, config, "hpctrain_config.json")
 
 
+class TensorBoardWriter:
+    """DeepSpeed's Monitor interface (`write_events`) into TensorBoard event files, with tensorboard's own writer:
+    no torch (DeepSpeed's TensorBoardMonitor needs torch's SummaryWriter and an initialized process group, which
+    the node entry that wraps a user's script and the login node have not). One new events file in `logdir`,
+    flushed at every write: TensorBoard shows the steps as they come."""
+
+    def __init__(self, logdir: Path, suffix: str) -> None:
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        logdir.mkdir(parents=True, exist_ok=True)
+        self.logdir = logdir
+        self.writer = EventFileWriter(str(logdir), filename_suffix=suffix)
+
+    def write_events(self, event_list: list[Scalar], wall_time: float | None = None) -> None:
+        import time
+
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        now = time.time() if wall_time is None else wall_time
+        for tag, value, step in event_list:
+            self.writer.add_event(Event(wall_time=now, step=step,
+                                        summary=Summary(value=[Summary.Value(tag=tag, simple_value=value)])))
+        self.writer.flush()
+
+    def restart_at(self, step: int) -> None:
+        """A SessionLog START at `step`: TensorBoard's reader drops the values earlier files hold from that step
+        on (the steps a resumed attempt runs again), as torch's SummaryWriter(purge_step=...) makes it do."""
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+        self.writer.add_event(Event(step=step, session_log=SessionLog(status=SessionLog.START)))
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 def run_config(folder: RunFolder) -> dict[str, Any]:
     """The tracker run's config: the resolved spec, the plan and the DeepSpeed config, as the run folder has them."""
     return {"spec": tomllib.loads(folder.spec_toml.read_text(encoding="utf-8")),

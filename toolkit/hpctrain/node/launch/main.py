@@ -54,7 +54,6 @@ def run(run_dir: str, mode: str = "train") -> int:
     stop: StopFlag | None = None
     own = False  # the user's own program (submit --script) instead of the trainer
     where = _Where(d.rank, attempt_number(), d.job_id)
-    _stack_dumps(paths, where)
     if d.rank == 0:
         _event(paths.path, where, events.START, extra={"mode": mode, "world_size": d.world_size})
         _freeze(paths, where.attempt)
@@ -62,6 +61,8 @@ def run(run_dir: str, mode: str = "train") -> int:
         if mode not in ("train", "preflight"):
             raise NodeInputError(f"mode {mode!r}: use 'train' or 'preflight'.")
         spec = read_spec(paths)
+        if not user_script(spec):  # a user's program: its rank processes dump, not this wrapper (script.child_env)
+            _stack_dumps(paths, where)
         # Export MASTER_ADDR/PORT first: the preflight rendezvous listens on MASTER_PORT + 1.
         dist.prepare_process_env(d, use_gpu=spec.resources.gpus_per_node > 0,
                                  cpus_per_task=max(1, spec.resources.cpus_per_task))
@@ -75,7 +76,7 @@ def run(run_dir: str, mode: str = "train") -> int:
         if user_script(spec):
             own, stop = True, _stop_flag(script.ScriptStop, spec, paths)
             stop.install()  # before the program starts: a signal from now on stops it for requeue
-            _run_user_script(spec, paths, d, stop)
+            _run_user_script(spec, paths, d, stop, where.job_id)
             return ExitCode.OK
         from hpctrain.node import train
 
@@ -148,14 +149,15 @@ def _leave(before: str | None) -> None:
             pass
 
 
-def _run_user_script(spec: Spec, paths: RunFolder, d: dist.DistEnv, stop: script.ScriptStop) -> None:
+def _run_user_script(spec: Spec, paths: RunFolder, d: dist.DistEnv, stop: script.ScriptStop, job_id: str) -> None:
     """The user's program in place of the trainer: returns when it succeeded; raises StopRequested when it ended
     after the stop signal (exit 3: requeue, resume from its latest complete checkpoint), ScriptFailed else."""
     from hpctrain.node.runconf import read_plan
 
     plan = read_plan(paths)
     before = complete_steps(paths.checkpoints_dir)
-    code, tail = script.run_script(spec, paths, d, stop, ranks_per_node=plan.ranks_per_node, nodes=plan.nodes)
+    code, tail = script.run_script(spec, paths, d, stop, ranks_per_node=plan.ranks_per_node, nodes=plan.nodes,
+                                   job_id=job_id)
     if stop.signum:
         saved = complete_steps(paths.checkpoints_dir)
         new = bool(saved) and saved != before
@@ -181,7 +183,9 @@ class _Where:
 def _stack_dumps(paths: RunFolder, where: _Where) -> None:
     """Dump every thread's stack to stacks/attempt-K.rank-R.txt on SIGURG (hpctrain.runs.stacks says why
     that signal): `hpctrain stacks`, and the watchdog before it cancels a hung job. Installed before
-    anything can hang; a folder that cannot take the file costs a log line, never the run."""
+    anything can hang but the spec's read, which tells whether this process is a rank (the trainer) or the
+    wrapper of a user's program, whose own rank processes dump instead (script.child_env); a folder that cannot
+    take the file costs a log line, never the run."""
     try:
         path = node_stacks.install(paths.stacks_dir, where.rank, where.attempt, where.job_id)
     except (OSError, ValueError, RuntimeError) as err:

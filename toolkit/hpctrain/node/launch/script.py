@@ -19,6 +19,7 @@ start/stop/failure events, the exit codes; this module starts the program and te
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import re
@@ -34,11 +35,15 @@ from typing import Any
 from hpctrain.node.checkpointing.checkpointer import StopFlag
 from hpctrain.node.dist import DistEnv
 from hpctrain.node.monitor.metrics import attempt_number, log
+from hpctrain.node.monitor.tracking import ScriptTracker
 from hpctrain.runs.folder import RunFolder
 from hpctrain.spec import launch as user_launch
 from hpctrain.spec.model import Spec
 
 TAIL_LINES = 200
+# The program's rank processes register their stack dumps from here (its sitecustomize; the module says how).
+SITE_DIR = str(Path(__file__).resolve().parent / "site")
+STACKS_ENV = "HPCTRAIN_STACKS"  # {"dir", "attempt", "job"}: where a rank of the program writes its stack file
 STARTED_ENV = "HPCTRAIN_STARTED"  # when this run's node entry started (unix time)
 # The last line of a Python traceback: "ValueError: boom", "torch.OutOfMemoryError: CUDA out of memory".
 _EXC_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning)\b(?::.*)?)$")
@@ -118,12 +123,17 @@ def where(spec: Spec, d: DistEnv, paths: RunFolder, ranks_per_node: int, nodes: 
 
 
 def child_env(spec: Spec, d: DistEnv, paths: RunFolder, ranks_per_node: int, started: float,
-              base: dict[str, str] | None = None) -> dict[str, str]:
+              base: dict[str, str] | None = None, job_id: str = "") -> dict[str, str]:
     """The program's environment: this process's (prepare_process_env ran), plus the run folder and the
-    rendered DeepSpeed config; under a per-node launcher the rank variables are the launcher's to set."""
+    rendered DeepSpeed config; under a per-node launcher the rank variables are the launcher's to set. Its rank
+    processes dump their stacks on SIGURG (site/sitecustomize.py, first on PYTHONPATH, reads HPCTRAIN_STACKS)."""
     env = dict(os.environ if base is None else base)
     env.update(HPCTRAIN_RUN_DIR=str(paths.path), HPCTRAIN_DS_CONFIG=str(script_ds_config(paths)),
                MASTER_ADDR=d.master_addr, MASTER_PORT=str(d.master_port))
+    env[STACKS_ENV] = json.dumps({"dir": str(paths.stacks_dir), "attempt": attempt_number(env),
+                                  "job": job_id or d.job_id})
+    env.pop("HPCTRAIN_STACKS_PID", None)  # a rank below this entry is the one that dumps
+    env["PYTHONPATH"] = os.pathsep.join([SITE_DIR, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
     # A stop request older than this start is an earlier run's (hpctrain.runtime.should_stop ignores it).
     env[STARTED_ENV] = repr(started)
     if user_launch.per_node(spec.launch):
@@ -137,15 +147,19 @@ def child_env(spec: Spec, d: DistEnv, paths: RunFolder, ranks_per_node: int, sta
 
 
 def run_script(spec: Spec, paths: RunFolder, d: DistEnv, stop: ScriptStop, *, ranks_per_node: int,
-               nodes: int) -> tuple[int, list[str]]:
+               nodes: int, job_id: str = "") -> tuple[int, list[str]]:
     """Start the program, pass its stderr through, wait for it. Returns (exit code, stderr tail)."""
     argv = user_launch.script_command(spec.launch, where(spec, d, paths, ranks_per_node, nodes))
     log.info("starting the user's program: %s", user_launch.shell_line(argv))
     stop.request = str(paths.stop_request)  # {"job", "restart", "signal", "time"}
-    proc = subprocess.Popen(argv, env=child_env(spec, d, paths, ranks_per_node, stop.started), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(argv, env=child_env(spec, d, paths, ranks_per_node, stop.started, job_id=job_id),
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE,
                             preexec_fn=_ignore_usr2)  # noqa: PLW1509 - one signal disposition, nothing else
     stop.child = proc
+    # Rank 0's entry writes what the program report()s into its trackers as it comes (not only at `sync`).
+    tracker = ScriptTracker(paths, spec, attempt_number()).start() if d.rank == 0 and ScriptTracker.wanted(spec) \
+        else None
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     sink = RankLog(paths.logs_dir / f"attempt-{attempt_number()}.rank-{d.rank}.log", d.rank)
     pumps = [threading.Thread(target=_pump, args=(proc.stderr, sys.stderr, sink, "stderr", tail),
@@ -158,6 +172,8 @@ def run_script(spec: Spec, paths: RunFolder, d: DistEnv, stop: ScriptStop, *, ra
     for pump in pumps:
         pump.join(timeout=10)
     sink.close()
+    if tracker is not None:
+        tracker.close()
     log.info("the user's program exited with code %d%s", code, f" after signal {stop.signum}" if stop.signum else "")
     return code, list(tail)
 
@@ -185,10 +201,8 @@ class RankLog:
         if self.fd is None:
             return
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-        try:
+        with contextlib.suppress(OSError):
             os.write(self.fd, f"{stamp} rank{self.rank} {stream.upper()} {line}\n".encode("utf-8", "replace"))
-        except OSError:
-            pass
 
     def close(self) -> None:
         if self.fd is not None:

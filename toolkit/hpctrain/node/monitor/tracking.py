@@ -17,8 +17,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import threading
 from typing import Any
 
+from hpctrain.node.monitor.metrics import log
 from hpctrain.node.runconf import NodeInputError
 from hpctrain.runs.folder import RunFolder
 from hpctrain.runs.tracking import (
@@ -27,6 +29,7 @@ from hpctrain.runs.tracking import (
     TRACKER_MODULE,
     MlflowMonitor,
     Scalar,
+    TensorBoardWriter,
     run_config,
     step_events,
 )
@@ -136,3 +139,93 @@ class Tracker:
             import wandb
 
             wandb.finish()
+
+
+class ScriptTracker:
+    """A user's program's figures in its trackers while it runs: the node entry on rank 0 follows metrics.jsonl
+    (what hpctrain.runtime.report() appends) and writes each new record as the trainer's Tracker.step does: the
+    same tags and attempt (hpctrain.runs.tracking.step_events), a restart mark where a resumed attempt begins,
+    the run's config. TensorBoard through TensorBoardWriter (DeepSpeed's TensorBoardMonitor needs a process group
+    in this process), MLflow through MlflowMonitor, as the trainer. W&B and CSV: `hpctrain sync` (the W&B run
+    would be this wrapper's, beside the one the program may open itself). A tracker that fails costs a log line:
+    the program trains on, and `hpctrain sync` fills in what is missing (by step, per tag)."""
+
+    def __init__(self, paths: RunFolder, spec: Spec, attempt: int, poll_s: float = 1.0) -> None:
+        self.paths, self.spec, self.attempt, self.poll_s = paths, spec, attempt, poll_s
+        try:  # records already there are earlier attempts' (their trackers, or sync, wrote them)
+            self.offset = paths.metrics_jsonl.stat().st_size
+        except OSError:
+            self.offset = 0
+        self.monitors: list[Any] | None = None  # opened at the first record: a program that never reports opens none
+        self.steps = 0
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._follow, name="hpctrain-script-tracker", daemon=True)
+
+    @classmethod
+    def wanted(cls, spec: Spec) -> bool:
+        return any(b in spec.tracking.backends for b in ("tensorboard", "mlflow"))
+
+    def start(self) -> ScriptTracker:
+        self.thread.start()
+        return self
+
+    def close(self) -> None:
+        """After the program ended: what it reported last is written, the files closed."""
+        self.done.set()
+        self.thread.join(timeout=60)
+        for m in self.monitors or []:
+            if isinstance(m, TensorBoardWriter):
+                m.close()
+
+    def _follow(self) -> None:
+        while True:
+            last = self.done.is_set()
+            try:
+                self._drain()
+            except Exception as err:  # noqa: BLE001 - a tracker's failure must not stop the program (class doc)
+                log.warning("writing the program's metrics to its trackers stopped: %s (hpctrain sync fills them in)",
+                            err)
+                return
+            if last:
+                return
+            self.done.wait(self.poll_s)
+
+    def _drain(self) -> None:
+        """Every whole line appended since the last call (a line being written waits for the next)."""
+        try:
+            with open(self.paths.metrics_jsonl, "rb") as fh:
+                fh.seek(self.offset)
+                chunk = fh.read()
+        except FileNotFoundError:
+            return
+        whole = chunk[:chunk.rfind(b"\n") + 1]
+        self.offset += len(whole)
+        for line in whole.splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+                self._write(rec)
+
+    def _write(self, rec: dict[str, Any]) -> None:
+        if self.monitors is None:
+            self.monitors = self._open(first_step=int(rec["step"]))
+        events = step_events(rec, self.attempt)
+        for m in self.monitors:
+            m.write_events(events)
+        self.steps += 1
+
+    def _open(self, first_step: int) -> list[Any]:
+        out: list[Any] = []
+        if "tensorboard" in self.spec.tracking.backends:
+            tb = TensorBoardWriter(self.paths.tensorboard_dir, f".hpctrain-script.attempt-{self.attempt}")
+            if first_step > 1:  # a resumed attempt: the steps it runs again replace the earlier attempt's
+                tb.restart_at(first_step)
+            out.append(tb)
+        if "mlflow" in self.spec.tracking.backends:
+            t = self.spec.tracking
+            ml = MlflowMonitor(t.mlflow_uri, self.paths.mlflow_dir, t.project, self.paths.run_id)
+            ml.log_config(run_config(self.paths))
+            out.append(ml)
+        return out
