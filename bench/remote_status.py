@@ -53,8 +53,13 @@ def timed(fn: Callable[[], subprocess.CompletedProcess[str]]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--login-hpctrain", default=HPCTRAIN,
+                    help="The hpctrain of the login node (all three ways there), e.g. an installed, non-editable "
+                         "copy: the server restarts when the files of its hpctrain change, and an editable "
+                         "checkout that others edit changes all the time.")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="hpctrain-remote-bench-") as tmp:
+    login_hpctrain = args.login_hpctrain
+    with tempfile.TemporaryDirectory(prefix="hpctrain-remote-bench-", ignore_cleanup_errors=True) as tmp:
         base = Path(tmp)
         login, project, remote_dir = base / "login", base / "project", base / "remote"
         project.mkdir()
@@ -64,14 +69,14 @@ def main() -> None:
         state = remote_dir / "state"
         site = project / "lab.toml"
         site.write_text(f'partition = "debug"\n[remote]\nhost = "login"\nssh_config = "{login}/ssh_config"\n'
-                        f'remote_dir = "{remote_dir}"\nhpctrain = "{HPCTRAIN}"\n[remote.env]\n'
+                        f'remote_dir = "{remote_dir}"\nhpctrain = "{shlex.quote(login_hpctrain)}"\n[remote.env]\n'
                         f'HPCTRAIN_STATE_DIR = "{state}"\n')
         laptop_env = {k: v for k, v in os.environ.items() if not k.startswith("HPCTRAIN_")}
         laptop_env.update({"HPCTRAIN_SSH_CONTROL_DIR": str(base / "cm"), "HPCTRAIN_STATE_DIR": str(base / "lap")})
         login_env = {**laptop_env, "HPCTRAIN_STATE_DIR": str(state), "HPCTRAIN_RUNS_DIR": str(remote_dir / "runs")}
         ssh = ["ssh", "-F", str(login / "ssh_config"), "-o", "BatchMode=yes", "login"]
         plain_prefix = (f"cd {shlex.quote(str(project))} && HPCTRAIN_STATE_DIR={shlex.quote(str(state))} "
-                        f"HPCTRAIN_RUNS_DIR={shlex.quote(str(remote_dir / 'runs'))} {HPCTRAIN}")
+                        f"HPCTRAIN_RUNS_DIR={shlex.quote(str(remote_dir / 'runs'))} {shlex.quote(login_hpctrain)}")
 
         def laptop(*a: str, server: bool = True) -> subprocess.CompletedProcess[str]:
             env = laptop_env if server else {**laptop_env, "HPCTRAIN_REMOTE_NO_SERVER": "1"}
@@ -79,7 +84,7 @@ def main() -> None:
                                   timeout=300, check=False)
 
         def on_login(*a: str) -> subprocess.CompletedProcess[str]:
-            return subprocess.run(["nsenter", f"--net={LOGIN_NS}", HPCTRAIN, *a], cwd=project, env=login_env,
+            return subprocess.run(["nsenter", f"--net={LOGIN_NS}", login_hpctrain, *a], cwd=project, env=login_env,
                                   capture_output=True, text=True, timeout=300, check=False)
 
         def plain(*a: str) -> subprocess.CompletedProcess[str]:
