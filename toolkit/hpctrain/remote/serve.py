@@ -16,6 +16,7 @@ laptop starts a fresh one).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -85,10 +86,8 @@ def _listen(path: str) -> socket.socket | None:
         pass
     finally:
         probe.close()
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(path)
     os.chmod(path, 0o600)
@@ -125,6 +124,10 @@ def serve(path: str, idle_s: float, run_cli: RunCli) -> int:
                 conn, _ = listener.accept()
                 last = time.monotonic()
                 if _fingerprint() != fingerprint:
+                    # gone from the path first: the laptop starts the new server as soon as it reads this
+                    listener.close()
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
                     conn.sendall(wire.pack_json(wire.HELLO, {"restart": True, "version": __version__}))
                     conn.close()
                     return 0
@@ -145,11 +148,10 @@ def serve(path: str, idle_s: float, run_cli: RunCli) -> int:
             elif idle_s and not children and time.monotonic() - last > idle_s:
                 return 0
     finally:
-        listener.close()
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+        if listener.fileno() >= 0:  # not closed above for a changed hpctrain
+            listener.close()
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 def _reaped(children: set[int]) -> set[int]:
@@ -298,10 +300,8 @@ def _pump(conn: socket.socket, pid: int, reads: dict[int, bytes], stdin_w: int, 
     if status is None:
         _, status = os.waitpid(pid, 0)
     code = os.waitstatus_to_exitcode(status)
-    try:
+    with contextlib.suppress(OSError):
         conn.sendall(wire.pack(wire.EXIT, str(128 - code if code < 0 else code).encode()))
-    except OSError:
-        pass
     return 0
 
 
@@ -335,10 +335,8 @@ def _stop(pid: int) -> None:
             if os.waitpid(pid, os.WNOHANG)[0]:
                 return
             time.sleep(0.05)
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _detached(conn: socket.socket, req: dict[str, Any], run_cli: RunCli) -> int:
