@@ -66,8 +66,11 @@ cluster-status:
 cluster-wipe:
 	bash $(CLUSTER) wipe
 
+# pytest-xdist: one worker runs every SLURM/container test in turn (tests/conftest.py groups them) while the
+# others run the rest, file by file: the cluster's waits (signals, time limits, requeues) overlap CPU work.
+TEST_WORKERS ?= 2
 test: install install-system
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadgroup tests
 
 test-fast: install-base
 	$(PY) -m pytest -q -m "not slurm and not deepspeed and not container" tests

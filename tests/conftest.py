@@ -325,6 +325,7 @@ def _schedule_rank(item: pytest.Item) -> int:
     return 1 if item.get_closest_marker("deepspeed") else 2
 
 
+TERMINAL_ENV = "HPCTRAIN_TEST_TERMINAL"  # the controller's COLUMNS and LINES, for its workers
 GROUPS_DIR = pytest.StashKey[Path]()
 
 
@@ -332,6 +333,15 @@ def pytest_configure(config: pytest.Config) -> None:
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         config.stash[GROUPS_DIR] = Path(tempfile.mkdtemp(prefix="hpctrain-xdist-"))
         os.environ[GROUPS_ENV] = str(config.stash[GROUPS_DIR] / "groups.json")
+        os.environ[TERMINAL_ENV] = json.dumps({k: os.environ.get(k) for k in ("COLUMNS", "LINES")})
+    elif hasattr(config, "workerinput") and TERMINAL_ENV in os.environ:
+        # An xdist worker starts with COLUMNS=80 LINES=24: the CLI's tables would fit 80 columns there and
+        # wrap what a test reads (summary's culprit line), unlike in a serial run. The controller's values win.
+        for name, value in json.loads(os.environ[TERMINAL_ENV]).items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
