@@ -2,8 +2,8 @@
 
 A 3-node run with one spare: a 4-node job, the whole cluster. Kill its third training node: the in-job driver
 (hpctrain.fault.injob) sees the survivors' gloo errors, ends the step and starts a new one on the survivors and
-the spare from the latest complete checkpoint, in the same job (sacct: one job; step .0 the zygotes of the warm
-ranks, one per node, spare included; training steps .1 and .2, the restart's ranks forked warm). Kill the
+the spare from the latest complete checkpoint, in the same job (sacct: one job; steps .0-.3 the zygotes of the
+warm ranks, one step per node, spare included; training steps .4 and .5, the restart's ranks forked warm). Kill the
 spare that replaced it: no spare is left, so the run falls back to the supervisor's resubmission, which
 excludes a dead host (as many as still leave room for the job's 3 nodes). Each node is restored right after its
 kill (other people's jobs share the cluster). The data and the learning rate are pure functions of the step, so
@@ -60,6 +60,9 @@ def kill_and_restore(n: str, job: str, then: Callable[[], Any], what: str) -> An
         wait_until(lambda: not others_on(n, job), 300, f"{n} to run only job {job}", poll=0.5)
     except AssertionError:
         pytest.skip(f"{n} stayed shared with other jobs ({others_on(n, job)}): not killing it")
+    if not run_cmd(["squeue", "-h", "-j", job, "-o", "%T"], timeout=30).stdout.strip():
+        # Seen at load ~15 with CI beside it: the 80 steps were done while node3 still ran another job.
+        pytest.skip(f"job {job} ended while {n} ran other people's jobs: nothing left to kill it under")
     try:
         run_cmd(["bash", str(SLURM_SH), "kill-node", n.removeprefix("node")], timeout=60)
         return wait_until(then, 90, what, poll=0.5)
@@ -105,7 +108,7 @@ def test_a_spare_replaces_a_dead_node_in_the_same_job_then_the_queue_takes_over(
     assert len(hosts) == 3
     first = kill_and_restore(hosts[2], job, lambda: restarts(run), "the in-job restart")[0]
     assert first["replaced"] == {hosts[2]: first["hosts"][2]} and first["hosts"][:2] == hosts[:2]
-    assert first["class"] == "node_fail" and first["step_id"] == f"{job}.1" and first["next_step_id"] == f"{job}.2"
+    assert first["class"] == "node_fail" and first["step_id"] == f"{job}.4" and first["next_step_id"] == f"{job}.5"
     spare = first["hosts"][2]
 
     # Kill 2: the spare, once the new step trains: no spare left -> the supervisor resubmits without both.
@@ -115,8 +118,8 @@ def test_a_spare_replaces_a_dead_node_in_the_same_job_then_the_queue_takes_over(
     # While the replacement trains, every report counts it as attempt 1 of its own, without its predecessor's
     # failure (summary showed "node_fail, rank 0 on node3" on it), and status names the node its spare replaced.
     live = summary_of(run, env)["attempts"]
-    assert [(a["attempt"], a.get("step_id"), a["how"]) for a in live] == [(0, f"{job}.1", "submitted"),
-                                                                          (1, f"{job}.2", "in_job")], live
+    assert [(a["attempt"], a.get("step_id"), a["how"]) for a in live] == [(0, f"{job}.4", "submitted"),
+                                                                          (1, f"{job}.5", "in_job")], live
     assert live[1]["state"] == "RUNNING" and live[1]["failure_class"] is None, (live[1], summary_of(run, env)["warnings"])
     assert live[0]["failure_class"] == "node_fail" and live[0]["failure"]["host"] == hosts[2], live[0]
     st = hpctrain(env, "status", run.name, "--json")
@@ -124,7 +127,7 @@ def test_a_spare_replaces_a_dead_node_in_the_same_job_then_the_queue_takes_over(
     assert st["history"][1]["replaced"] == {hosts[2]: spare}
     assert "replaced by the spare" in hpctrain(env, "status", run.name, text=True)
     watched = hpctrain(env, "status", run.name, "--watch", "--interval", "0.5", text=True, timeout=20, check=False)
-    assert f"job step {job}.2 (attempt 1)" in watched and f"{hosts[2]} replaced by the spare {spare}" in watched
+    assert f"job step {job}.5 (attempt 1)" in watched and f"{hosts[2]} replaced by the spare {spare}" in watched
     t_restart = first["launched"]
     decided = kill_and_restore(spare, job, lambda: [n for n in jsonl(run / "attempts.jsonl") if "decision" in n],
                                "the supervisor's decision")[0]
@@ -136,11 +139,12 @@ def test_a_spare_replaces_a_dead_node_in_the_same_job_then_the_queue_takes_over(
 
     # sacct: the first job ran two training steps, the second one on the survivor and the spare.
     rows = run_cmd(["sacct", "-n", "-P", "-j", job, "-o", "JobID,State,NodeList"], timeout=30).stdout.splitlines()
-    steps = {r.split("|")[0]: r.split("|")[2] for r in rows if r.split("|")[0] in (f"{job}.{i}" for i in range(3))}
-    assert set(steps) == {f"{job}.0", f"{job}.1", f"{job}.2"}, rows
-    zygotes = run_cmd(["scontrol", "show", "hostnames", steps[f"{job}.0"]], timeout=30).stdout.split()
-    assert set(zygotes) == {*hosts, spare}, rows  # a zygote on every node of the job, the spare's too
-    step1_hosts = run_cmd(["scontrol", "show", "hostnames", steps[f"{job}.2"]], timeout=30).stdout.split()
+    steps = {r.split("|")[0]: r.split("|")[2] for r in rows if r.split("|")[0] in (f"{job}.{i}" for i in range(6))}
+    assert len(steps) == 6, rows
+    # a zygote step on every node of the job, the spare's too: one step per node (a step spanning the dead node is
+    # cancelled by SLURM once the node is down, with every rank forked in it)
+    assert {steps[f"{job}.{i}"] for i in range(4)} == {*hosts, spare}, rows
+    step1_hosts = run_cmd(["scontrol", "show", "hostnames", steps[f"{job}.5"]], timeout=30).stdout.split()
     assert hosts[2] not in step1_hosts and spare in step1_hosts, rows
 
     # Losses: every step once at least, each run of a step (redone ones too) with a fault-free run's loss.
@@ -155,9 +159,9 @@ def test_a_spare_replaces_a_dead_node_in_the_same_job_then_the_queue_takes_over(
     # summary: the in-job restart is an attempt of its own, with its step id and the node its spare replaced.
     atts = summary_of(run, env)["attempts"]
     a0 = atts[0]
-    assert a0["step_id"] == f"{job}.1" and a0["failure_class"] == "node_fail"
+    assert a0["step_id"] == f"{job}.4" and a0["failure_class"] == "node_fail"
     assert a0["in_job_restart"]["replaced"] == {hosts[2]: spare}
-    assert atts[1]["step_id"] == f"{job}.2" and atts[1]["job_id"] == job and atts[-1]["job_id"] == nxt
+    assert atts[1]["step_id"] == f"{job}.5" and atts[1]["job_id"] == job and atts[-1]["job_id"] == nxt
     # Lost work is what the next attempt trained again; the first job's cost counts all 4 nodes it held, as
     # SLURM's accounting does (the spare's share shown), not the 3 that trained.
     redone = min(int(r["step"]) for r in steps_seen(run) if r["time"] > t_restart)

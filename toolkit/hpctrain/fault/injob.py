@@ -168,7 +168,7 @@ class Driver:
     health_min_busbw_gbps: float = 0.0
     # Warm ranks (hpctrain.fault.warm): a zygote per node forks every step's ranks, so a restart skips the imports.
     warm: bool = False
-    _zygotes: Any = dataclasses.field(default=None, init=False, repr=False)  # the zygotes' srun, when started
+    _zygotes: list[Any] = dataclasses.field(default_factory=list, init=False, repr=False)  # their sruns, if started
 
     def run(self) -> int:
         """Launch the first step, then judge each step's end: return its exit status, restart, or give up."""
@@ -325,17 +325,24 @@ class Driver:
         env[INJOB_RESTART_ENV] = str(used)
         before = set(_safe_steps(self.job))
         argv = self.srun_argv(hosts)
-        proc = _slurm.start_step(warm_mod.client_argv(argv) if self._zygotes is not None else argv, env=env)
+        proc = _slurm.start_step(warm_mod.client_argv(argv) if self._zygotes else argv, env=env)
         return proc, self._step_id(proc, before)
 
     def _start_zygotes(self, hosts: list[str]) -> None:
-        """The zygotes' step on `hosts` (every usable node, spares too), listed by squeue before the first training
-        step starts (so that step's id is told apart from theirs)."""
+        """The zygotes' steps, one on each of `hosts` (every usable node, spares too), listed by squeue before the
+        first training step starts (so that step's id is told apart from theirs; bounded wait)."""
         before = set(_safe_steps(self.job))
         self._zygotes = warm_mod.start(self.launch, hosts, self.run_dir, dict(self.env))
-        if self._zygotes is not None:
-            step = self._step_id(self._zygotes, before)
-            print(f"hpctrain: warm ranks: zygotes in step {step} on {','.join(hosts)}", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + 15.0
+        new: list[str] = []
+        while self._zygotes and time.monotonic() < deadline:
+            new = [s for s in _safe_steps(self.job) if s not in before]
+            if len(new) >= len(self._zygotes):
+                break
+            time.sleep(0.2)
+        if self._zygotes:
+            print(f"hpctrain: warm ranks: zygotes in steps {','.join(new)} on {','.join(hosts)}", file=sys.stderr,
+                  flush=True)
 
     def _step_env(self, master: str, attempt: int, restarts: str, ports: int) -> dict[str, str]:
         """One step's environment: rank 0's host, the rendezvous ports MASTER_PORT + PORT_STRIDE x `ports`,

@@ -1,7 +1,7 @@
 """The in-job driver's side of warm ranks (hpctrain.node.launch.zygote): a zygote per node, started once.
 
-With warm ranks on (the trainer on CPU ranks through srun: `Driver.warm`), the driver starts one srun step of
-its own over every usable node of the job, spares included, before the first training step: one zygote per node
+With warm ranks on (the trainer on CPU ranks through srun: `Driver.warm`), the driver starts an srun step of
+its own on every usable node of the job, spares included, before the first training step: one zygote per node
 that imports torch, DeepSpeed, transformers and the trainer, then forks ranks on request. Every training step
 (the first, and each in-job restart) runs `python -m hpctrain.node.launch.zygote run submitit.core._submit ...`
 per task in place of `python -m submitit.core._submit ...`: a rank forked from its node's zygote when one answers,
@@ -17,6 +17,7 @@ before (the restart bench's baseline). Stdlib; no torch.
 from __future__ import annotations
 
 import subprocess
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -80,17 +81,19 @@ def zygote_argv(launch: Sequence[str], hosts: Sequence[str], run_dir: Path, job:
             f"--error={log}", *flags, "-m", ZYGOTE, "serve", str(stop_file(run_dir, job))]
 
 
-def start(launch: Sequence[str], hosts: Sequence[str], run_dir: Path, env: dict[str, str]) -> Any:
-    """Start the zygotes' step (returns at once: the first training step's ranks wait for the imports on their
-    node's socket). The srun process, or None when the line cannot be served warm."""
+def start(launch: Sequence[str], hosts: Sequence[str], run_dir: Path, env: dict[str, str]) -> list[Any]:
+    """Start one zygote step per host (returns at once: the first training step's ranks wait for the imports on
+    their node's socket): their srun processes, none when the line cannot be served warm. One step per node, not
+    one over all: when a lost node is declared down, SLURM cancels every step that spans it, and the survivors'
+    forked ranks would go with a shared step (seen: the restart's ranks killed 30 s after the kill)."""
     from hpctrain import slurmcommands as _slurm
 
-    argv = zygote_argv(launch, hosts, run_dir, env.get("SLURM_JOB_ID", ""))
-    if argv is None:
-        return None
+    argvs = [zygote_argv(launch, [h], run_dir, env.get("SLURM_JOB_ID", "")) for h in hosts]
+    if not argvs or argvs[0] is None:
+        return []
     (run_dir / "logs" / "zygote").mkdir(parents=True, exist_ok=True)
     stop_file(run_dir, env.get("SLURM_JOB_ID", "")).unlink(missing_ok=True)  # a requeued run of the job
-    return _slurm.start_step(argv, env=env)
+    return [_slurm.start_step(a, env=env) for a in argvs if a is not None]
 
 
 def stop_file(run_dir: Path, job: str) -> Path:
@@ -98,18 +101,21 @@ def stop_file(run_dir: Path, job: str) -> Path:
     return run_dir / "metrics" / f"zygote-{job}.stop"
 
 
-def stop(proc: Any, run_dir: Path, job: str) -> None:
-    """Ask the zygotes to end (the stop file) and wait for their step (bounded); kill its srun after that."""
-    if proc is None:
+def stop(procs: Sequence[Any], run_dir: Path, job: str) -> None:
+    """Ask the zygotes to end (the stop file) and wait for their steps (bounded); kill what is left after that."""
+    if not procs:
         return
     path = stop_file(run_dir, job)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("stop\n")
+    deadline = time.monotonic() + STOP_WAIT_S
     try:
-        proc.wait(timeout=STOP_WAIT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=5.0)
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5.0)
     finally:
         path.unlink(missing_ok=True)
 
