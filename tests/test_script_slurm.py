@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from conftest import assert_agrees_with_sacct
 from conftest import wait_until as _wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.deepspeed]
@@ -87,8 +88,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     out: dict[str, Any] = {"env": env}
     jobs: list[str] = []
     try:
-        for name, flags in [("ds", JOBS["ds"]), ("ds_ref", JOBS["ds"]), ("hf", JOBS["hf"]), ("hf_ref", JOBS["hf"]),
-                            ("raise", JOBS["raise"])]:
+        for name, flags in [("ds", JOBS["ds"]), ("ds_ref", slower(JOBS["ds"])), ("hf", JOBS["hf"]),
+                            ("hf_ref", slower(JOBS["hf"])), ("raise", JOBS["raise"])]:
             cut = flags.index("--")
             proc = hpctrain(env, "submit", "--job-name", name, *flags[:cut], *COMMON, *flags[cut:])
             assert proc.returncode == 0, proc.stderr
@@ -97,11 +98,59 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             out[name] = (str(sub["job_id"]), Path(sub["run_dir"]))
             if name in ("ds", "hf"):  # watched from now on: the run may start (and end) while a test waits
                 out[f"{name}_signal"] = _signaller(*out[name])
+            if name.endswith("_ref"):
+                out[f"{name}_stacks"] = _stacker(env, out[name][1])
         yield out
     finally:
         folders = [v[1] for k, v in out.items() if k in JOBS or k.endswith("_ref")]
         ids = jobs + [str(n["supervisor_job"]) for r in folders for n in notes(r) if n.get("supervisor_job")]
         subprocess.run(["scancel", *ids], capture_output=True, timeout=30, check=False)
+
+
+def slower(flags: list[str]) -> list[str]:
+    """The same run with 1.5 s per step (the losses do not depend on it): `hpctrain stacks` has time to ask."""
+    i = flags.index("--step-sleep")
+    return [*flags[:i + 1], "1.5", *flags[i + 2:]]
+
+
+def _stacker(env: dict[str, str], run: Path) -> threading.Thread:
+    """`hpctrain stacks RUN --json` once the run trained 2 steps (its JSON in the thread's `result`)."""
+    def ask() -> None:
+        wait_until(lambda: len(records(run)) >= 2, 900, f"{run.name}: 2 training steps", poll=0.5)
+        proc = hpctrain(env, "stacks", run.name, "--json", "--timeout", "60")
+        thread.result = (len(records(run)), proc.returncode, proc.stdout, proc.stderr)  # type: ignore[attr-defined]
+
+    thread = threading.Thread(target=ask, name=f"stacks-{run.name}", daemon=True)
+    thread.start()
+    return thread
+
+
+def _stacks_are_the_scripts(runs: dict[str, Any], name: str, script: str) -> None:
+    """Under a per-node launcher (torchrun, DeepSpeed's), every rank's own process answered with the script's
+    frames, each in its own file with its own host: not the node entry that wraps the launcher (which dumped as
+    ranks 0-1 and called ranks 2-3 missing)."""
+    thread = runs[f"{name}_stacks"]
+    thread.join(timeout=900)
+    steps, code, out, err = thread.result
+    assert code == 0 and steps < STEPS, (steps, code, err)  # asked while the script trained
+    rep = json.loads(out)
+    assert rep["missing"] == [] and rep["dumped"] == [0, 1, 2, 3], rep
+    frames = [f for g in rep["groups"] for t in g["threads"] for f in t["frames"]]
+    assert any(script in f for f in frames) and not any("hpctrain/node/" in f for f in frames), frames
+    hosts = {h for g in rep["groups"] for h in g["hosts"]}
+    assert len(hosts) == 2, rep  # 2 nodes x 2 ranks
+
+
+def _trackers_written_live(run: Path) -> None:
+    """TensorBoard got every reported step while the script ran (no `hpctrain sync`): attempt 0's file holds the
+    steps before the signal, attempt 1's the rest."""
+    from hpctrain.collect.sync import tensorboard_last_steps
+
+    tb = run / "metrics" / "tensorboard"
+    assert tensorboard_last_steps(str(tb))["train/loss"] == STEPS
+    last = [tensorboard_last_steps(str(p)).get("train/loss", 0) for k in (0, 1)
+            for p in tb.iterdir() if p.name.endswith(f".hpctrain-script.attempt-{k}")]
+    assert len(last) == 2 and 3 <= last[0] < STEPS and last[1] == STEPS, last
 
 
 def _signaller(job: str, run: Path) -> threading.Thread:
@@ -143,9 +192,15 @@ def _signal_requeue_resume(runs: dict[str, Any], name: str) -> Path:
 
 
 def _summary(runs: dict[str, Any], run: Path) -> dict[str, Any]:
-    proc = hpctrain(runs["env"], "summary", str(run), "--json")
-    assert proc.returncode == 0, proc.stderr
-    return dict(json.loads(proc.stdout)["runs"][0])
+    """`hpctrain summary RUN --json` once every attempt row is final (seen once: a requeued run's last row still
+    PENDING right after sacct said COMPLETED)."""
+    def final() -> dict[str, Any] | None:
+        proc = hpctrain(runs["env"], "summary", str(run), "--json")
+        assert proc.returncode == 0, proc.stderr
+        doc = dict(json.loads(proc.stdout)["runs"][0])
+        return doc if all(a["state"] in FINAL | {"REQUEUED"} for a in doc["attempts"]) else None
+
+    return dict(wait_until(final, 120, f"{run.name}: every summary row final"))
 
 
 def test_deepspeed_loop_signal_requeue_resume_and_summary(runs: dict[str, Any]) -> None:
@@ -156,6 +211,9 @@ def test_deepspeed_loop_signal_requeue_resume_and_summary(runs: dict[str, Any]) 
     last = summary["attempts"][-1]
     assert last["last_step"] == STEPS and last["last_loss"] == pytest.approx(losses(run)[STEPS])
     assert summary["attempts"][0]["failure_class"] == "preempted"
+    assert_agrees_with_sacct(summary["attempts"])  # the requeue is one more row, as sacct -D counts it
+    _trackers_written_live(run)
+    _stacks_are_the_scripts(runs, "ds_ref", "ds_loop.py")
 
 
 def test_hf_trainer_zero2_signal_requeue_resume_and_summary(runs: dict[str, Any]) -> None:
@@ -165,6 +223,9 @@ def test_hf_trainer_zero2_signal_requeue_resume_and_summary(runs: dict[str, Any]
     assert any(p.name.startswith("checkpoint-") for p in (run / "checkpoints").iterdir())  # the Trainer's own saves
     summary = _summary(runs, run)
     assert summary["attempts"][-1]["last_step"] == STEPS and summary["attempts"][-1]["last_loss"] is not None
+    assert_agrees_with_sacct(summary["attempts"])
+    _trackers_written_live(run)
+    _stacks_are_the_scripts(runs, "hf_ref", "hf_trainer.py")
 
 
 def test_a_script_raising_on_rank_1_is_classified_and_not_retried(runs: dict[str, Any]) -> None:
@@ -178,3 +239,4 @@ def test_a_script_raising_on_rank_1_is_classified_and_not_retried(runs: dict[str
     row = summary["attempts"][0]
     assert row["failure_class"] == "python_exception" and row["failure"]["rank"] == 1
     assert "ValueError: example failure on rank 1" in row["failure"]["exception"]
+    assert_agrees_with_sacct(summary["attempts"])
