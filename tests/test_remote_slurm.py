@@ -375,7 +375,11 @@ def test_full_remote_disk_is_one_line(laptop: Laptop) -> None:
         proc = laptop.hpctrain("submit", "run.toml", "--site", str(site), "--set", f"data.source={corpus}")
         _one_line_error(proc, "disk is full", "free space")
     finally:
-        run_cmd(["umount", small], check=False)
+        # the server of that remote_dir lives in it (its cwd, its socket): stopped first, or umount is refused
+        for pid in _servers(small):
+            os.kill(pid, 15)
+        wait_until(lambda: not _servers(small), 30, "the small disk's server to stop", poll=0.1)
+        run_cmd(["umount", small])
 
 
 def test_sshd_killed_mid_submit_is_found_again(laptop: Laptop) -> None:
