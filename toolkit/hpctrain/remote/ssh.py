@@ -12,6 +12,8 @@ the cause and the fix. Environment:
                              else /tmp/hpctrain-ssh-UID (a socket path must stay under ~104 bytes)
   HPCTRAIN_ON_LOGIN          set by the laptop in the remote command: the login node's hpctrain runs the command
                              itself, whatever [remote] its site profile names
+  HPCTRAIN_REMOTE_NO_SERVER  set: no hpctrain server on the login node, every command over plain ssh
+                             (hpctrain.remote.client.NO_SERVER_ENV)
 """
 
 from __future__ import annotations
