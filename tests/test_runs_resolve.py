@@ -38,6 +38,12 @@ def test_every_kind_of_reference(reg: Registry, tmp_path: Path) -> None:
     (loose / "attempts.jsonl").write_text("")
     found = resolve_run(reg, str(loose))  # a run folder this registry never saw
     assert found.run is None and found.folder == loose.absolute()
+    # a registered run's folder, by its path: the registry's record (`hpctrain stacks RUN_DIR` refused it as unknown)
+    assert run_id(str(tmp_path / "runs" / "big-20261201-120000-cccc")) == "big-20261201-120000-cccc"
+    copy = tmp_path / "copy" / "big-20261201-120000-cccc"  # the same name elsewhere is another folder
+    copy.mkdir(parents=True)
+    (copy / "attempts.jsonl").write_text("")
+    assert run_id(str(copy)) is None
 
 
 def test_refusals_name_the_fix(reg: Registry, tmp_path: Path) -> None:

@@ -49,7 +49,7 @@ def resolve_run(reg: Registry, ref: str) -> RunRef:
         return _found(named)
     path = Path(ref).expanduser()
     if is_run_folder(path):
-        return RunRef(path.absolute(), None)
+        return _registered_folder(reg, path) or RunRef(path.absolute(), None)
     if miss.ambiguous:
         raise HpcUsageError(f"RUN = {ref!r}: matches several runs: {', '.join(miss.close)}. "
                             "Fix: give more of the run id") from None
@@ -67,6 +67,17 @@ def registered_run(reg: Registry, ref: str) -> Run:
                             f"Fix: name a run that `hpctrain list` shows (`hpctrain summary {found.folder}` reads "
                             "such a folder)")
     return found.run
+
+
+def _registered_folder(reg: Registry, path: Path) -> RunRef | None:
+    """The registry's record of a run folder given by its path (`hpctrain stacks RUN_DIR` refused a registered
+    folder as unknown): the run whose id is the folder's name, when its folder is this one."""
+    try:
+        run = reg.get_run(path.name)
+    except RunNotFound:
+        return None
+    same = run.run_id == path.name and Path(run.folder).resolve() == path.resolve()
+    return _found(run) if same else None
 
 
 def _found(run: Run) -> RunRef:
