@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Cold start of `hpctrain --help` against a bare `python -c pass`.
 
-DESIGN.md: the CLI path imports nothing heavy, so `hpctrain --help` must stay within a few tens of
+The CLI path imports nothing heavy (docs/architecture.md), so `hpctrain --help` must stay within a few tens of
 milliseconds of the interpreter's own start. Runs each command N times (interleaved, so both see
 the same machine load), prints min/median per command, their difference and ratio.
 

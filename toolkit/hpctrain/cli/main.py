@@ -94,7 +94,7 @@ def _shown(exc: click.ClickException) -> click.ClickException:
               "[remote] over your ssh (also HPCTRAIN_REMOTE; docs/remote.md).")
 def cli(remote: str | None) -> None:
     """Launch DeepSpeed training on SLURM clusters."""
-    # Everything hpctrain writes is private to the user (DESIGN.md: run folders are 0700/0600): the run
+    # Everything hpctrain writes is private to the user (run folders are 0700/0600): the run
     # folder's files, dry-run output, the registry; sbatch records this umask for the job (SLURM_UMASK),
     # so the job's logs are created 0600 too, and the batch script and the node entry set it again.
     os.umask(0o077)

@@ -61,7 +61,7 @@ _NAME_BAD = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
 def runs_dir_default() -> Path:
-    """$HPCTRAIN_RUNS_DIR, else ./runs (CONTRACT.md)."""
+    """$HPCTRAIN_RUNS_DIR, else ./runs."""
     return Path(os.environ.get("HPCTRAIN_RUNS_DIR") or "runs")
 
 

@@ -1,4 +1,4 @@
-"""One submission: prepare -> render once -> dispatch -> record (DESIGN.md: the object every submitter calls).
+"""One submission: prepare -> render once -> dispatch -> record (the object every submitter calls).
 
 `hpctrain submit` (a run or a sweep), `hpctrain resubmit`, the supervisor's retries and the Python API
 (`hpctrain.submit`) all go through `Submission`; none of them renders, creates run folders or records on its own.
