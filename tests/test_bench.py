@@ -93,7 +93,8 @@ def test_finetune_run_files_are_valid_specs(tmp_path: Path) -> None:
             continue
         spec = from_toml_text(tomli_w.dumps(F.hp_tables(s, "t", v)))
         assert spec.model.path.endswith("assets/model") and spec.train.global_batch == 16, name
-        assert spec.lora.r == (16 if name == "lora" else 0), name
+        # the run file carries the variant's LoRA rank (lora and lora-auto: 16; the full fine-tunes: off)
+        assert spec.lora.r == v.lora_r and spec.lora.r == (16 if name.startswith("lora") else 0), name
         if v.data == "sft":
             assert (spec.data.format, spec.data.pack, spec.data.messages_field) == ("chat", True, "messages"), name
         else:
