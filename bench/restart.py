@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from goodput import sh  # bench/ is on sys.path when run as `python bench/restart.py`
+
 REPO = Path(__file__).resolve().parents[1]
 SLURM_SH = REPO / "tests" / "cluster" / "slurm.sh"
 PARTS = (("first_error", "the survivors' first rank failure (before the detection)"),
@@ -34,14 +36,6 @@ PARTS = (("first_error", "the survivors' first rank failure (before the detectio
          ("resumed", "rank 0's training start (engine built, checkpoint loaded)"),
          ("first_step", "the first training step after the restart"))
 PHASES = ("entry_s", "preflight_s", "prepare_s", "process_group_s", "engine_s", "load_s")
-
-
-def sh(*argv: str, timeout: float = 60, check: bool = True) -> str:
-    proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, check=False,
-                          stdin=subprocess.DEVNULL)
-    if check and proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)}: rc {proc.returncode}: {proc.stderr.strip()}")
-    return proc.stdout
 
 
 def jsonl(path: Path) -> list[dict[str, Any]]:
