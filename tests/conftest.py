@@ -10,13 +10,15 @@ keeps a cluster this session started running after the session.
 Helper fixtures:
   run_cmd(args, timeout=60, check=True, ...)      subprocess.run with a deadline, no stdin, text output
   wait_until(cond, timeout, what, poll=1.0)        poll cond() until it is true, bounded
-  wait_job_state(job_id, states, timeout=60)       poll ``sacct -X -n -P -j ID -o State`` until a state
+  wait_job_state(job_id, states, timeout=60)       poll ``sacct -X -n -P -j ID -o State`` until a state;
+                                                   `timeout` excludes time queued (bounded apart)
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 import tempfile
@@ -140,28 +142,45 @@ def assert_agrees_with_sacct(rows: list[dict[str, Any]]) -> None:
             assert abs(got - int(elapsed)) <= 2, (job, [r["elapsed_s"] for r in span], elapsed)
 
 
+# sacct states of a job that is not running (yet, or again after a requeue): time spent in them is the queue's,
+# not the job's, and counts against a separate bound (the cluster is shared: another test's jobs may hold it).
+WAITING_STATES = frozenset({"", "PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"})
+PENDING_TIMEOUT_S = 1800.0
+
+
 def wait_job_state(
-    job_id: str | int, states: str | Iterable[str], timeout: float = 60, poll_s: float = 0.5
+    job_id: str | int, states: str | Iterable[str], timeout: float = 60, poll_s: float = 0.5,
+    pending_timeout: float = PENDING_TIMEOUT_S,
 ) -> str:
     """Poll sacct until the job is in one of ``states``; return that state.
 
-    Fails at once when the job reaches a different terminal state, and after ``timeout`` seconds with the
-    last state seen and ``scontrol show job`` output, so a stuck job says why.
+    ``timeout`` bounds the time the job spends out of the queue (running, completing); the time it waits in
+    the queue (sacct '' or PENDING, or REQUEUED) is bounded by ``pending_timeout`` instead, so a job held
+    behind other jobs of a shared cluster does not use up the bound meant for what it does. Fails at once when
+    the job reaches a different terminal state, and on either bound with the last state seen and
+    ``scontrol show job`` output, so a stuck job says why.
     """
     wanted = {states} if isinstance(states, str) else set(states)
-    deadline = time.monotonic() + timeout
-    seen = ""
+    spent = {True: 0.0, False: 0.0}  # seconds seen waiting in the queue (True) and out of it (False)
+    seen, last = "", time.monotonic()
     while True:
         seen = sacct_state(job_id)
+        now = time.monotonic()
+        waiting = seen in WAITING_STATES
+        spent[waiting] += now - last
+        last = now
         if seen in wanted:
             return seen
-        if seen in TERMINAL_STATES:
-            break
-        if time.monotonic() >= deadline:
+        if seen in TERMINAL_STATES or spent[True] >= pending_timeout or spent[False] >= timeout:
             break
         time.sleep(poll_s)
     detail = run_cmd(["scontrol", "show", "job", str(job_id)], timeout=15, check=False)
-    why = "ended" if seen in TERMINAL_STATES else f"still not there after {timeout}s"
+    if seen in TERMINAL_STATES:
+        why = "ended"
+    elif waiting:
+        why = f"still queued after {spent[True]:.0f}s in the queue (pending_timeout {pending_timeout:.0f}s)"
+    else:
+        why = f"still not there after {spent[False]:.0f}s out of the queue (timeout {timeout:.0f}s)"
     raise AssertionError(
         f"job {job_id}: wanted {sorted(wanted)}, {why}; last sacct state {seen or '(none)'}\n"
         f"{detail.stdout}{detail.stderr}"
@@ -396,6 +415,86 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             super()._reschedule(node)
 
     return GroupScheduling(config, log)
+
+
+# The time table printed at the end of every run (CI's log keeps it): per module, the wall seconds of its tests'
+# setup, call and teardown (what --durations adds up), the CPU seconds of the test process and the children it
+# waited for (a cluster job's CPU is slurmd's and not in it), and the worker that ran it. Under xdist the worker
+# with the largest sum is the critical path: the table says whether it is the cluster's chain or the rest.
+TIME_TABLE_MIN_S = 5.0
+
+
+@dataclass
+class _ModuleTime:
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    tests: int = 0
+    workers: set[str] = field(default_factory=set)
+    group: str = ""
+
+
+_MODULE_TIMES: dict[str, _ModuleTime] = {}
+_CPU_MARK: list[float] = [0.0]  # the process's CPU seconds when the current test phase began
+_SESSION_T0: list[float] = [time.monotonic()]
+
+
+def _cpu_s() -> float:
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _SESSION_T0[0] = time.monotonic()
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    _CPU_MARK[0] = _cpu_s()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Each phase's report carries its CPU seconds and the test's group: attributes of a report travel from an
+    xdist worker to the controller, which prints the table."""
+    report = yield
+    now = _cpu_s()
+    report.hpctrain_cpu_s, report.hpctrain_group = now - _CPU_MARK[0], _group(item)
+    _CPU_MARK[0] = now
+    return report
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    module = _MODULE_TIMES.setdefault(report.nodeid.split("::")[0], _ModuleTime())
+    module.wall_s += report.duration
+    module.cpu_s += float(getattr(report, "hpctrain_cpu_s", 0.0))
+    module.group = str(getattr(report, "hpctrain_group", ""))
+    module.tests += report.when == "call" or (report.when == "setup" and not report.passed)
+    node = getattr(report, "node", None)  # the xdist worker it came from (set on the controller)
+    module.workers.add(str(getattr(getattr(node, "gateway", None), "id", "main")))
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    if hasattr(config, "workerinput") or not _MODULE_TIMES:
+        return
+    tr = terminalreporter
+    tr.section("time per module (wall s: setup+call+teardown; cpu s: the test process and its children)")
+    rows = sorted(_MODULE_TIMES.items(), key=lambda kv: -kv[1].wall_s)
+    tr.write_line(f"{'wall':>8} {'cpu':>8} {'tests':>5}  {'worker':<14} module")
+    for name, m in rows:
+        if m.wall_s >= TIME_TABLE_MIN_S:
+            where = ",".join(sorted(m.workers)) + (" cluster" if m.group == CLUSTER_GROUP else "")
+            tr.write_line(f"{m.wall_s:8.1f} {m.cpu_s:8.1f} {m.tests:5d}  {where:<14} {name}")
+    per_worker: dict[str, float] = {}
+    for m in _MODULE_TIMES.values():
+        for w in m.workers:  # a module split over workers (rare: only a group of its own is) counts in each
+            per_worker[w] = per_worker.get(w, 0.0) + m.wall_s / len(m.workers)
+    cluster = sum(m.wall_s for m in _MODULE_TIMES.values() if m.group == CLUSTER_GROUP)
+    rest = sum(m.wall_s for m in _MODULE_TIMES.values() if m.group != CLUSTER_GROUP)
+    tr.write_line(
+        f"sums: cluster group {cluster:.0f} s, the rest {rest:.0f} s; per worker "
+        + ", ".join(f"{w} {t:.0f} s" for w, t in sorted(per_worker.items()))
+        + f"; session {time.monotonic() - _SESSION_T0[0]:.0f} s ({len(rows)} modules, the ones over"
+        f" {TIME_TABLE_MIN_S:.0f} s shown)"
+    )
 
 
 @pytest.fixture(name="run_cmd")

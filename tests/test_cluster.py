@@ -178,9 +178,14 @@ def test_sacct_completed_failed_cancelled(sbatch: Callable[..., str],
                                           wait_job_state: Callable[..., str]) -> None:
     ok = sbatch("-t", "1", wrap="true")
     bad = sbatch("-t", "1", wrap="exit 3")
-    long = sbatch("-t", "2", wrap="sleep 120")
+    long = sbatch("-t", "2", "--hold", wrap="sleep 120")
     assert wait_job_state(ok, "COMPLETED", timeout=180) == "COMPLETED"
     assert wait_job_state(bad, "FAILED", timeout=180) == "FAILED"
+    # Time in the queue is bounded apart from `timeout` (other jobs may hold a shared cluster): a held job is
+    # given up on once pending_timeout has passed, which is longer than the timeout that never started.
+    with pytest.raises(AssertionError, match=r"still queued after \d+s in the queue \(pending_timeout 4s\)"):
+        wait_job_state(long, "RUNNING", timeout=1, pending_timeout=4)
+    run_cmd(["scontrol", "release", long], timeout=30)
     wait_job_state(long, "RUNNING", timeout=180)
     run_cmd(["scancel", long], timeout=30)
     assert wait_job_state(long, "CANCELLED", timeout=60) == "CANCELLED"
