@@ -346,6 +346,32 @@ def test_requeued_job_gets_one_row_per_run(env: dict[str, Any]) -> None:
     assert Registry().get_run("requeued").attempts[0].failure_class is None
 
 
+def test_each_run_of_a_requeued_job_has_its_own_hosts_and_times(env: dict[str, Any]) -> None:
+    """SLURM ran job 78 on node1+node4, requeued it, and ran it again on node[2-3] (sacct -D: two records, as the
+    job-state refresh wrote them to attempts.jsonl): the first run keeps its own hosts, start, end and state in
+    summary and status, not the last run's."""
+    from hpctrain.cli import runs as cli_runs
+
+    logs = {f"logs/attempt-{k}.rank-0.log": rank_log(0, [(t, "hpctrain node: rank 0/2"), (t + 5, "step 1")])
+            for k, t in ((0, 3), (1, 60))}
+    last = {"attempt": 0, "job_id": "78", "state": "COMPLETED", "nodes": "node[2-3]", "started": T0 + 58,
+            "ended": T0 + 70, "exit_code": "0:0"}
+    folder = make_run(env, "own-hosts", [last], logs=logs)
+    runs = [{"state": "REQUEUED", "exit_code": "0:0", "nodelist": "node[1,4]", "start": T0 + 2, "end": T0 + 41},
+            {"state": "COMPLETED", "exit_code": "0:0", "nodelist": "node[2-3]", "start": T0 + 58, "end": T0 + 70}]
+    with (folder / "attempts.jsonl").open("a") as fh:
+        fh.write(json.dumps({"attempt": 0, "job_id": "78", "sacct_runs": runs}) + "\n")
+    rows = json.loads(invoke("summary", "own-hosts", "--json").stdout)["runs"][0]["attempts"]
+    got = [(r["attempt"], r["how"], r["state"], r["hosts"], r["start"], r["end"], r["allocated_nodes"]) for r in rows]
+    assert got == [(0, "submitted", "REQUEUED", ["node1", "node4"], T0 + 2, T0 + 41, 2),
+                   (1, "requeued", "COMPLETED", ["node2", "node3"], T0 + 58, T0 + 70, 2)]
+    group = click.Group()
+    cli_runs.register(group)
+    st = json.loads(CliRunner().invoke(group, ["status", "own-hosts", "--json"]).stdout)
+    assert [(h["attempt"], h["state"], h["hosts"], h["started"]) for h in st["history"]] == [
+        (0, "REQUEUED", ["node1", "node4"], T0 + 2), (1, "COMPLETED", ["node2", "node3"], T0 + 58)]
+
+
 def test_update_folder_summary_from_the_node(env: dict[str, Any]) -> None:
     folder = make_run(env, "onnode", [{"attempt": 0, "job_id": "5", "state": "PENDING", "nodes": "node1"}],
                       register=False, metrics=metrics(range(1, 4), 0))

@@ -84,6 +84,10 @@ def test_parse_sacct_keeps_states_distinct() -> None:
         "14_2": "PENDING", "14_3": "PENDING", "15": "TIMEOUT", "16": "PREEMPTED", "17": "REQUEUED",
         "18": "RUNNING", "19": "FAILED"}
     assert recs["13"].history == ("NODE_FAIL", "PENDING")  # -D keeps the requeued record
+    first = recs["13"].runs[0]  # ... whole: the requeued run's own hosts and times, not the latest run's
+    assert (first.state, first.nodelist, first.end - first.start) == ("NODE_FAIL", "node2", 30.0)
+    assert len(recs["13"].runs) == 2 and recs["11"].runs == (_slurm.SacctRun("COMPLETED", "0:0", "node[1-4]",
+                                                                             recs["11"].start, recs["11"].end),)
     assert recs["11"].nodelist == "node[1-4]" and recs["11"].end and recs["18"].end is None
     assert recs["13"].nodelist == "" and recs["19"].exit_code == "1:0"
 
@@ -570,3 +574,23 @@ def test_just_finished_job_is_read_again_until_settled(fake_slurm: Path, stand_i
         reg = Registry()
         refresh(reg, [reg.get_run(sub.run_id)])
     assert Registry().get_run(sub.run_id).latest.nodes == "node[1-4]"  # type: ignore[union-attr]
+
+
+def test_a_requeued_jobs_runs_are_recorded_for_the_history(fake_slurm: Path, stand_in_render: None,
+                                                          tmp_path: Path) -> None:
+    """sacct -D lists a requeued job's runs (node[1,4] requeued, then node[2-3]): the refresh writes them to
+    attempts.jsonl while the job runs again (once) and with its final state, for hpctrain.runs.history."""
+    from hpctrain.slurm import dispatch
+    from hpctrain.slurm.refresh import refresh
+
+    (d,) = _folders(tmp_path, 1)
+    (sub,) = dispatch.submit([d], _spec(), _plan(), "slurm")  # type: ignore[arg-type]
+    first = f"{sub.job_id}|REQUEUED|0:0|node[1,4]|2026-11-29T10:00:00|2026-11-29T10:00:40"
+    for last in ("RUNNING|0:0|node[2-3]|2026-11-29T10:01:00|Unknown", "RUNNING|0:0|node[2-3]|2026-11-29T10:01:00|"
+                 "Unknown", "COMPLETED|0:0|node[2-3]|2026-11-29T10:01:00|2026-11-29T10:02:00"):
+        _exe(fake_slurm / "sacct", f"#!/bin/sh\necho '{first}'\necho '{sub.job_id}|{last}'\n")
+        reg = Registry()
+        refresh(reg, [reg.get_run(sub.run_id)])
+    got = [r["sacct_runs"] for r in runs.RunFolder(d).read_attempts() if "sacct_runs" in r]
+    assert len(got) == 2 and [r["nodelist"] for r in got[0]] == ["node[1,4]", "node[2-3]"]  # running, then final
+    assert [r["state"] for r in got[-1]] == ["REQUEUED", "COMPLETED"] and got[-1][0]["end"] - got[-1][0]["start"] == 40

@@ -17,7 +17,7 @@ import re
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 import click
@@ -86,8 +86,20 @@ class SbatchRejected(click.UsageError):
 
 
 @dataclass(frozen=True)
+class SacctRun:
+    """One record of `sacct -D`: a run of a job (SLURM keeps one per requeue, and one per resize)."""
+
+    state: str
+    exit_code: str = ""
+    nodelist: str = ""
+    start: float | None = None  # None: SLURM cleared it (a run requeued before its batch script started)
+    end: float | None = None
+
+
+@dataclass(frozen=True)
 class SacctRecord:
-    """One job (or array task) as sacct reports its allocation; `history` has requeued records too."""
+    """One job (or array task) as sacct reports its allocation now (its latest run); `history` holds the states
+    of every run, oldest first, and `runs` the whole records (hosts and times of each requeued run)."""
 
     job_id: str
     state: str
@@ -96,6 +108,7 @@ class SacctRecord:
     start: float | None = None
     end: float | None = None
     history: tuple[str, ...] = field(default=())
+    runs: tuple[SacctRun, ...] = field(default=())
 
 
 def _retries() -> int:
@@ -213,15 +226,13 @@ def sacct_states(job_ids: Iterable[str]) -> dict[str, SacctRecord]:
     for j in ids:
         rec = records.get(j) or records.get(j.split("_", 1)[0])  # unsplit array: its state is every task's
         if rec is not None:
-            out[j] = rec if rec.job_id == j else SacctRecord(
-                job_id=j, state=rec.state, exit_code=rec.exit_code, nodelist=rec.nodelist, start=rec.start,
-                end=rec.end, history=rec.history)
+            out[j] = rec if rec.job_id == j else replace(rec, job_id=j)
     return out
 
 
 def parse_sacct(text: str) -> dict[str, SacctRecord]:
     """Parse `sacct -X -D --parsable2 --noheader -o JobID,State,ExitCode,NodeList,Start,End`."""
-    hist: dict[str, list[SacctRecord]] = {}
+    hist: dict[str, list[SacctRun]] = {}
     for line in text.splitlines():
         parts = line.split("|")
         if len(parts) < 2 or not parts[0]:
@@ -230,18 +241,18 @@ def parse_sacct(text: str) -> dict[str, SacctRecord]:
         jid, state, exit_code, nodes, start, end = parts[: len(_SACCT_FIELDS)]
         if "." in jid:  # a step (batch, extern, 0): -X should have hidden it already
             continue
-        rec = SacctRecord(job_id=jid, state=normalize_state(state), exit_code=exit_code,
-                          nodelist="" if nodes in ("None assigned", "(null)") else nodes,
-                          start=_parse_time(start), end=_parse_time(end))
+        run = SacctRun(state=normalize_state(state), exit_code=exit_code,
+                       nodelist="" if nodes in ("None assigned", "(null)") else nodes,
+                       start=_parse_time(start), end=_parse_time(end))
         for key in _expand_array_id(jid):
-            hist.setdefault(key, []).append(rec)
+            hist.setdefault(key, []).append(run)
     out: dict[str, SacctRecord] = {}
-    for key, recs in hist.items():
+    for key, runs in hist.items():
         # -D lists older records of a requeued job first; the last one is the job's current state.
-        last = recs[-1]
+        last = runs[-1]
         out[key] = SacctRecord(job_id=key, state=last.state, exit_code=last.exit_code,
                                nodelist=last.nodelist, start=last.start, end=last.end,
-                               history=tuple(r.state for r in recs))
+                               history=tuple(r.state for r in runs), runs=tuple(runs))
     return out
 
 

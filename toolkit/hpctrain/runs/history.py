@@ -14,8 +14,10 @@ attempt in each of them. Each row keeps its job's allocation (`allocated`: spare
 the hosts its ranks trained on (`nodes`), the node a spare replaced when it began (`replaced`), and its ranks'
 hosts (`rank_hosts`): what each rank's own events said, else SLURM's block distribution over `nodes`.
 
-Every earlier run of a job ends REQUEUED (sacct describes a job's latest run only); the job's last row keeps the
-job's state. Stdlib only: the login side and the collector import it.
+Each run of a requeued job is SLURM's own record of it (`sacct -D`: one per requeue, with its state, hosts, start and
+end), as the job-state refresh (hpctrain.slurm.refresh) wrote it to attempts.jsonl (`sacct_runs`); without one (a
+folder from before, sacct down) an earlier run ends REQUEUED with the job's hosts and its ranks' span. The job's last
+row keeps the job's state. Stdlib only: the login side and the collector import it.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ class AttemptView:
     @classmethod
     def of(cls, row: dict[str, Any], ranks_per_node: int = 1) -> AttemptView:
         hosts = tuple(hosts_of(str(row.get("nodes") or "")))
-        return cls(attempt=int(row["attempt"]), job_id=str(row.get("job_id") or ""), how=str(row.get("how") or SUBMITTED),
+        return cls(attempt=int(row["attempt"]), job_id=str(row.get("job_id") or ""),
+                   how=str(row.get("how") or SUBMITTED),
                    state=str(row.get("state") or JobState.UNKNOWN), step_id=str(row.get("step_id") or ""),
                    hosts=hosts, allocated=tuple(hosts_of(str(row.get("allocated") or ""))) or hosts,
                    replaced=dict(row.get("replaced") or {}),
@@ -118,7 +121,9 @@ def expand(base: list[dict[str, Any]], folder: Path, *, events: list[run_events.
         return []
     evs = run_events.read_events(folder) if events is None else events
     logs = log_attempts(folder) if logs is None else logs
-    in_job = _in_job_numbers(folder, evs)
+    recs = RunFolder(folder).read_attempts()
+    in_job = _in_job_numbers(recs, evs)
+    sacct_runs = _sacct_runs(recs)
     groups: list[list[dict[str, Any]]] = []  # consecutive entries of one job id
     for a in sorted(base, key=lambda a: int(a["attempt"])):
         if groups and str(groups[-1][0].get("job_id")) == str(a.get("job_id")):
@@ -151,21 +156,90 @@ def expand(base: list[dict[str, Any]], folder: Path, *, events: list[run_events.
             elif row.get("started") is None:  # the registry not refreshed yet
                 row["started"] = _span(evs, jid, k, span)[0]
             out.append(row)
+        if requeues and sacct_runs.get(jid):
+            _own_runs(out, sacct_runs[jid], jid, [k for k in nums if k not in in_job.get(jid, set())], evs)
         # sacct's start of a job SLURM resized (a node lost under --no-kill) is the resize time
         _first_run_start(out, evs, jid, k0, job if not any(int(k) in requeues for k in nums) else None)
     out = _with_in_job_restarts(out, evs)
     return _with_rank_hosts(out, evs)
 
 
-def _allocation(nodelist: str, jid: str, evs: list[run_events.Event]) -> list[str]:
+def _allocation(nodelist: str, jid: str, evs: list[run_events.Event], attempts: set[int] | None = None) -> list[str]:
     """Every node the job held, spares included: SLURM's node list (after SLURM resized the job under --no-kill,
     it lacks the node it dropped), and the nodes its in-job restarts name (the driver's allocation, else the
-    ended step's hosts and the next one's: the dead node and the spare that replaced it)."""
+    ended step's hosts and the next one's: the dead node and the spare that replaced it); `attempts`: only the
+    restarts that ended one of these (the rows of one run of a requeued job)."""
     out = dict.fromkeys(hosts_of(nodelist))
     for r in journal.restarts(evs):
-        if r.job_id == jid:
+        if r.job_id == jid and (attempts is None or r.attempt in attempts):
             out.update(dict.fromkeys((*r.job_hosts, *r.step_hosts, *r.hosts)))
     return list(out)
+
+
+def _sacct_runs(recs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """job id -> its runs as `sacct -D` listed them last (attempts.jsonl's `sacct_runs`, hpctrain.slurm.refresh),
+    oldest first. A RESIZING record is no run of its own: SLURM ends it when it shrinks the job (a node lost under
+    --no-kill) and the job goes on in the next record, which keeps the first one's start."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for rec in recs:
+        got = rec.get("sacct_runs")
+        if isinstance(got, list) and rec.get("job_id") is not None:
+            out[str(rec["job_id"])] = [r for r in got if isinstance(r, dict)]
+    for jid, runs in out.items():
+        folded: list[dict[str, Any]] = []
+        carry: float | None = None
+        for r in runs:
+            if str(r.get("state")) == JobState.RESIZING:
+                carry = carry if carry is not None else _float(r.get("start"))
+                continue
+            folded.append(dict(r, start=carry) if carry is not None else r)
+            carry = None
+        out[jid] = folded
+    return out
+
+
+def _own_runs(rows: list[dict[str, Any]], runs: list[dict[str, Any]], jid: str, heads: list[int],
+              evs: list[run_events.Event]) -> None:
+    """Each earlier run of a requeued job (its `heads`: the attempt that began each run, in-job restarts aside)
+    takes SLURM's record of that run: its state and exit code on its last row, its hosts, allocation, start and end
+    (a start SLURM cleared keeps the ranks' span). Runs match heads one to one when sacct lists as many; otherwise
+    (a run requeued before any rank logged) each head takes the run whose time holds its first event."""
+    mine = [r for r in rows if str(r.get("job_id") or "") == jid]
+    if len(runs) == len(heads):
+        pairs = list(zip(heads, runs, strict=True))
+    else:
+        pairs = [(k, r) for k in heads[:-1] for r in [_run_at(runs, _float(_row(mine, k).get("started")))] if r]
+    for k, run in pairs:
+        if k == heads[-1]:
+            continue  # the job's latest run: the registry's record of the job is sacct's latest already
+        nxt = min((h for h in heads if h > k), default=1 << 30)
+        span = [r for r in mine if k <= int(r["attempt"]) < nxt]
+        nodes = str(run.get("nodelist") or "")
+        start, end = _float(run.get("start")), _float(run.get("end"))
+        held = ",".join(_allocation(nodes, jid, evs, {int(x["attempt"]) for x in span}))
+        for r in span:
+            if nodes:
+                r.update(nodes=nodes, allocated=held)
+        if start is not None:
+            span[0]["started"] = start
+        if end is not None:
+            span[-1]["ended"] = end
+        span[-1].update(state=str(run.get("state") or JobState.REQUEUED), exit_code=run.get("exit_code") or None)
+
+
+def _run_at(runs: list[dict[str, Any]], t: float | None, slack: float = 5.0) -> dict[str, Any] | None:
+    """The run of `runs` (sacct's records of one job) whose start..end holds the time `t`."""
+    if t is None:
+        return None
+    for r in runs:
+        start, end = _float(r.get("start")), _float(r.get("end"))
+        if start is not None and start - slack <= t and (end is None or t <= end + slack):
+            return r
+    return None
+
+
+def _row(rows: list[dict[str, Any]], k: int) -> dict[str, Any]:
+    return next(r for r in rows if int(r["attempt"]) == k)
 
 
 def _first_run_start(rows: list[dict[str, Any]], evs: list[run_events.Event], jid: str, k0: int,
@@ -190,14 +264,14 @@ def _span(evs: list[run_events.Event], jid: str, k: int, span: Span | None) -> t
     return (min(times), max(times)) if times else (None, None)
 
 
-def _in_job_numbers(folder: Path, evs: list[run_events.Event]) -> dict[str, set[int]]:
-    """job id -> the attempt numbers its in-job restarts began (restart events, and attempts.jsonl's lines:
-    those are written before the new step's ranks log anything)."""
+def _in_job_numbers(recs: list[dict[str, Any]], evs: list[run_events.Event]) -> dict[str, set[int]]:
+    """job id -> the attempt numbers its in-job restarts began (restart events, and attempts.jsonl's lines
+    `recs`: those are written before the new step's ranks log anything)."""
     out: dict[str, set[int]] = {}
     for r in journal.restarts(evs):
         if r.next_attempt >= 0:
             out.setdefault(r.job_id, set()).add(r.next_attempt)
-    for rec in RunFolder(folder).read_attempts():
+    for rec in recs:
         if rec.get("in_job_restart_of") is not None and isinstance(rec.get("attempt"), int):
             out.setdefault(str(rec.get("job_id") or ""), set()).add(int(rec["attempt"]))
     return out

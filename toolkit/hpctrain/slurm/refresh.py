@@ -6,6 +6,7 @@ sacct call covers every unfinished SLURM attempt in view; settled final states s
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 import click
 
 from hpctrain import slurmcommands as commands
-from hpctrain.runs.folder import RunFolder, append_attempt
+from hpctrain.runs.folder import RunFolder, append_attempt, read_attempts
 from hpctrain.runs.registry import Registry, Run
 from hpctrain.slurm.dispatch import local_state
 from hpctrain.states import is_final
@@ -32,12 +33,15 @@ def refresh(reg: Registry, runs: list[Run]) -> list[str]:
         return []
     warnings: list[str] = []
     fresh: dict[str, dict[str, Any]] = {}
+    runs_of: dict[str, list[dict[str, Any]]] = {}  # a requeued job's runs, each with its own hosts and times
     slurm_ids = [a.job_id for r, a in pending if r.executor == "slurm"]
     if slurm_ids:
         try:
             for jid, rec in commands.sacct_states(slurm_ids).items():
                 fresh[jid] = {"state": rec.state, "nodes": rec.nodelist, "started": rec.start,
                               "ended": rec.end, "exit_code": rec.exit_code or None}
+                if len(rec.runs) > 1:
+                    runs_of[jid] = [dataclasses.asdict(r) for r in rec.runs]
         except click.ClickException as exc:
             warnings.append(f"states may be stale: {exc.format_message()}")
     updates = []
@@ -53,6 +57,8 @@ def refresh(reg: Registry, runs: list[Run]) -> list[str]:
         else:
             continue  # sacct does not know it yet (just submitted): keep what we have
         changed = {k: v for k, v in fields.items() if getattr(att, k) != v}
+        if att.job_id in runs_of and not is_final(str(fields.get("state", att.state))):
+            _record_runs(run, att, runs_of[att.job_id])  # known while the job runs again (status, logs)
         if not changed:
             continue
         updates.append((run.run_id, att.attempt, changed))
@@ -62,13 +68,26 @@ def refresh(reg: Registry, runs: list[Run]) -> list[str]:
         if att.final:
             line = {"attempt": att.attempt, "job_id": att.job_id, "state": att.state, "nodes": att.nodes,
                    "started": att.started, "ended": att.ended, "exit_code": att.exit_code,
-                   "failure_class": att.failure_class}
+                   "failure_class": att.failure_class,
+                   **({"sacct_runs": runs_of[att.job_id]} if att.job_id in runs_of else {})}
             try:
                 append_attempt(RunFolder(run.folder).attempts_jsonl, line)
             except OSError:
                 pass  # the run folder may be gone; the registry still has it
     reg.update_attempts(updates)
     return warnings
+
+
+def _record_runs(run: Run, att: Any, runs: list[dict[str, Any]]) -> None:
+    """The runs of a requeued job as sacct -D lists them (hpctrain.runs.history gives each its own hosts, start,
+    end and state), into attempts.jsonl once per change: only a job SLURM requeued reads the file here."""
+    path = RunFolder(run.folder).attempts_jsonl
+    try:
+        known = [r.get("sacct_runs") for r in read_attempts(path) if str(r.get("job_id")) == att.job_id]
+        if runs not in known:
+            append_attempt(path, {"attempt": att.attempt, "job_id": att.job_id, "sacct_runs": runs})
+    except OSError:
+        pass  # the run folder may be gone; the registry still has it
 
 
 # slurmdbd can report a just-finished job as COMPLETED before its record is whole (seen: a 4-node
