@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,26 @@ FAMILIES: dict[str, dict[str, Any]] = {
                "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "query_pre_attn_scalar": 16},
     "phi3": {"model_type": "phi3", "pad_token_id": 95, "bos_token_id": 1, "eos_token_id": 2,
              "tie_word_embeddings": False},  # fused qkv_proj and gate_up_proj
+    # GPT-2: Conv1D layers (weights stored [in, out]), learned positions, a tied head, LayerNorm biases
+    "gpt2": {"model_type": "gpt2", "tie_word_embeddings": True},
+    # GPT-NeoX (Pythia): partial rotary, parallel residual; its head is `embed_out` on disk, `lm_head` in the model
+    "gpt_neox": {"model_type": "gpt_neox", "rotary_pct": 0.25, "tie_word_embeddings": False},
+    "gemma": {"model_type": "gemma", "head_dim": 16, "pad_token_id": 0},  # scaled embedding, tied head
+    "gemma3_text": {"model_type": "gemma3_text", "head_dim": 16, "pad_token_id": 0, "sliding_window": 16,
+                    "query_pre_attn_scalar": 16, "final_logit_softcapping": 30.0},  # local/global layers, two RoPEs
+    "olmo2": {"model_type": "olmo2", "pad_token_id": 1, "tie_word_embeddings": False},  # q/k norms, post-norms
+    "phi": {"model_type": "phi", "partial_rotary_factor": 0.5, "tie_word_embeddings": False},  # phi-2: biases, dense
+    "starcoder2": {"model_type": "starcoder2", "use_bias": True, "sliding_window": 16},
+    "granite": {"model_type": "granite", "embedding_multiplier": 12.0, "logits_scaling": 8.0,
+                "residual_multiplier": 0.22, "attention_multiplier": 0.0078125, "tie_word_embeddings": True},
+    "falcon": {"model_type": "falcon", "new_decoder_architecture": True, "num_kv_heads": 2, "bias": False},
+    "stablelm": {"model_type": "stablelm", "partial_rotary_factor": 0.25, "use_qkv_bias": True,
+                 "tie_word_embeddings": False},
+    # MoE: one tensor per expert on disk, fused [experts, 2 x intermediate, hidden] in the model
+    "mixtral": {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2,
+                "tie_word_embeddings": False},
+    "qwen2_moe": {"model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 32, "decoder_sparse_step": 1, "tie_word_embeddings": False},
 }
 
 
@@ -82,12 +103,46 @@ def digest(t: Any) -> str:
 
 
 def file_digests(folder: Path, dtype: Any) -> dict[str, str]:
-    """The digest of every tensor the folder's safetensors hold, cast to `dtype` (the model's)."""
+    """The digest of every tensor the folder's safetensors hold, cast to `dtype` (the model's), under the model's
+    names (`model_names`)."""
     from safetensors.torch import load_file
 
-    out: dict[str, str] = {}
+    tensors: dict[str, Any] = {}
     for f in sorted(folder.glob("*.safetensors")):
-        out.update({k: digest(v.to(dtype)) for k, v in load_file(f).items()})
+        tensors.update(load_file(f))
+    return {k: digest(v.to(dtype)) for k, v in model_names(tensors).items()}
+
+
+_EXPERT = re.compile(r"^(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
+                     r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_GATE, _UP, _DOWN = ("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")
+
+
+def _pick(tensors: dict[str, Any], names: tuple[str, str]) -> Any:
+    return next(tensors[n] for n in names if n in tensors)
+
+
+def model_names(tensors: dict[str, Any]) -> dict[str, Any]:
+    """The stored tensors as transformers 5's modules hold them, written out by hand (not with transformers'
+    conversion list, which the loader uses): GPT-NeoX's `embed_out` is `lm_head`; Mixtral's `block_sparse_moe` is
+    `mlp`; the experts of a layer are stacked, gate and up concatenated: gate_up_proj [E, 2I, H], down_proj
+    [E, H, I]."""
+    import torch
+
+    out: dict[str, Any] = {}
+    experts: dict[str, dict[int, dict[str, Any]]] = {}
+    for key, t in tensors.items():
+        m = _EXPERT.match(key)
+        if m:
+            experts.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = t
+            continue
+        key = {"embed_out.weight": "lm_head.weight"}.get(key, key).replace(".block_sparse_moe.", ".mlp.")
+        out[key] = t
+    for layer, by_expert in experts.items():
+        order = [by_expert[e] for e in sorted(by_expert)]
+        out[f"{layer}.mlp.experts.gate_up_proj"] = torch.stack([torch.cat([_pick(d, _GATE), _pick(d, _UP)])
+                                                                for d in order])
+        out[f"{layer}.mlp.experts.down_proj"] = torch.stack([_pick(d, _DOWN) for d in order])
     return out
 
 

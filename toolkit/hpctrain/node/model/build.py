@@ -39,7 +39,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -272,14 +272,15 @@ def load_partitioned(model: Any, path: str) -> LoadStats:
     others keep the values construction computed (RoPE frequencies and the like, as from_pretrained does).
     """
     t0 = time.perf_counter()
-    stored = read_index(weight_files(path))
-    todo, missing = _plan_reads(model, stored)
+    direct, fused = _checkpoint_names(model, read_index(weight_files(path)))
+    stats = LoadStats()
+    converted = _load_converted(model, fused, stats)
+    todo, missing = _plan_reads(model, direct, converted)
     if missing:
         raise NodeInputError(f"[model] path = {path!r}: the weights lack {', '.join(missing[:5])}"
                              f"{' ...' if len(missing) > 5 else ''} ({len(missing)} of the model's parameters). "
                              "Fix: point [model] path at the complete folder, with the config.json it was saved "
                              "with.")
-    stats = LoadStats()
     todo.sort(key=lambda t: (str(t[1].file), t[1].offset))  # sequential reads, one file after another
     fds: dict[Path, int] = {}
     try:
@@ -295,8 +296,10 @@ def load_partitioned(model: Any, path: str) -> LoadStats:
     return stats
 
 
-def _plan_reads(model: Any, stored: dict[str, _Stored]) -> tuple[list[tuple[str, _Stored, Any]], list[str]]:
-    """(name, where, parameter or buffer) for everything to load, and the parameters the folder lacks."""
+def _plan_reads(model: Any, stored: dict[str, _Stored],
+                done: Collection[str] = ()) -> tuple[list[tuple[str, _Stored, Any]], list[str]]:
+    """(name, where, parameter or buffer) for everything to load, and the parameters the folder lacks
+    (`done`: parameters already filled by a conversion)."""
     names: dict[int, list[str]] = {}
     objs: dict[int, Any] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -305,6 +308,8 @@ def _plan_reads(model: Any, stored: dict[str, _Stored]) -> tuple[list[tuple[str,
     todo: list[tuple[str, _Stored, Any]] = []
     missing: list[str] = []
     for key, aliases in names.items():
+        if any(n in done for n in aliases):
+            continue
         found = next((n for n in aliases if n in stored), None)  # a tied head: whichever name was saved
         if found is None:
             missing.append(aliases[0])
@@ -316,6 +321,89 @@ def _plan_reads(model: Any, stored: dict[str, _Stored]) -> tuple[list[tuple[str,
             if buf is not None and buf_name not in module._non_persistent_buffers_set and full in stored:
                 todo.append((full, stored[full], buf))
     return todo, missing
+
+
+def _checkpoint_names(model: Any,
+                      stored: dict[str, _Stored]) -> tuple[dict[str, _Stored], dict[str, dict[str, _Stored]]]:
+    """The folder's tensors under the model's names: ({model name: tensor} read as stored, {first model name of a
+    fusion: {checkpoint name: tensor}} that transformers' conversions turn into model tensors).
+
+    transformers (5.x) keeps some families' weights on disk under other names than its modules use, and converts
+    them in from_pretrained (what ZeRO 0-2 load with): GPT-NeoX's `embed_out` is `lm_head`, a checkpoint without
+    the base model's prefix (GPT-2's own) gains it, legacy LayerNorm `gamma`/`beta` are `weight`/`bias`, and the
+    MoE families (Mixtral, Qwen2-MoE, Qwen3-MoE, ...) store one tensor per expert that the model holds fused
+    (`mlp.experts.gate_up_proj`, experts x 2 intermediate x hidden); save_pretrained writes them back so. The
+    same conversion list, transformers' own, decides the names here, so both loaders agree.
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (
+        WeightConverter,
+        WeightRenaming,
+        dot_natural_key,
+        rename_source_key,
+    )
+
+    mapping = get_model_conversion_mapping(model)
+    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+    converters = [t for t in mapping if isinstance(t, WeightConverter)]
+    names = dict.fromkeys([n for n, _ in model.named_parameters(remove_duplicate=False)]
+                          + [n for n, _ in model.named_buffers()], True)
+    direct: dict[str, _Stored] = {}
+    fused: dict[str, dict[str, _Stored]] = {}
+    for key in sorted(stored, key=dot_natural_key):  # transformers' order (a group rename activates on its first key)
+        new, pattern = rename_source_key(key, renamings, converters, base_model_prefix=model.base_model_prefix,
+                                         meta_state_dict=names)
+        if pattern is None:
+            direct.setdefault(new, stored[key])
+        else:
+            fused.setdefault(new, {})[key] = stored[key]
+    return direct, fused
+
+
+def _load_converted(model: Any, fused: dict[str, dict[str, _Stored]], stats: LoadStats) -> set[str]:
+    """Fill the parameters transformers' conversions make from several stored tensors (fused MoE experts), one
+    group at a time: every rank runs the conversion on meta tensors (the names and shapes it makes), the
+    parameters are gathered, rank 0 reads the group's tensors and converts them for real, and ZeRO-3 partitions
+    the result again. The peak is one group (one layer's experts of one projection), never the model."""
+    if not fused:
+        return set()
+    import deepspeed
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.integrations.deepspeed import _apply_weight_conversions_to_state_dict
+
+    mapping = get_model_conversion_mapping(model)
+    convert: Any = _apply_weight_conversions_to_state_dict  # transformers' own ZeRO-3 conversion (untyped)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    rank0 = torch.distributed.get_rank() == 0
+    done: set[str] = set()
+    for target in sorted(fused):
+        sources = fused[target]
+        meta = {k: torch.empty(s.shape, dtype=s.dtype, device="meta") for k, s in sources.items()}
+        made = {n: t for part in convert(model, meta, mapping) for n, t in part.items()}
+        for name, t in made.items():
+            want = tuple(getattr(params.get(name), "ds_shape", ()))
+            if name not in params or tuple(t.shape) != want:
+                raise NodeInputError(f"{next(iter(sources.values())).file}: {', '.join(sorted(sources)[:2])} ... "
+                                     f"convert to {name} of shape {list(t.shape)}, which the model "
+                                     f"{'lacks' if name not in params else f'expects as {list(want)}'}. "
+                                     "Fix: use the config.json saved with these weights.")
+        with deepspeed.zero.GatheredParameters([params[n] for n in made], modifier_rank=0), torch.no_grad():
+            if rank0:
+                real = {}
+                for k, s in sources.items():
+                    fd = os.open(s.file, os.O_RDONLY)
+                    try:
+                        real[k] = _pread(fd, s, 0, int(torch.Size(s.shape).numel())).view(s.shape)
+                    finally:
+                        os.close(fd)
+                    stats.bytes_read += real[k].numel() * real[k].element_size()
+                for part in convert(model, real, mapping):
+                    for name, t in part.items():
+                        params[name].copy_(t)
+                del real
+        stats.tensors += len(made)
+        done |= set(made)
+    return done
 
 
 def _load_one(fd: int, name: str, where: _Stored, target: Any) -> int:
@@ -366,10 +454,8 @@ def _import_model_code(cfg: Any) -> None:
     import torch._dynamo  # noqa: F401
     from transformers import AutoModelForCausalLM
 
-    try:
+    with contextlib.suppress(KeyError):  # unknown architecture: from_config raises a clear error itself
         AutoModelForCausalLM._model_mapping[type(cfg)]
-    except KeyError:
-        pass  # unknown architecture: from_config raises a clear error itself
 
 
 def reinit_weights(model: Any, zero3: bool) -> None:
