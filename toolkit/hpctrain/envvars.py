@@ -56,6 +56,9 @@ HPCTRAIN: dict[str, str] = {
     "HPCTRAIN_CPU_ADAM": "user: 1 = DeepSpeed's own CPU Adam on CPU ranks, in place of hpctrain's choice",
     "HPCTRAIN_DS_ADAM": "user: 1 = DeepSpeed's own Adam on GPU ranks, in place of hpctrain's choice",
     "HPCTRAIN_CPU_FP16": "tests: 1 = fp16 on CPU ranks that lack native fp16 (slow, for tests only)",
+    "HPCTRAIN_FAST_INIT": "user: 0 turns off the ZeRO-3 offload engine build's in-place pinning and GPU defragment",
+    "HPCTRAIN_COMPILE_CACHE": "user: torch.compile's cache folder on GPU ranks ('off': torch's default; default "
+                              "<runs dir>/.compile-cache/<host>)",
     "HPCTRAIN_ZERO3_OFFLOAD_FIX": "user: 0 turns off hpctrain's ZeRO-3 CPU-offload step fixes (A/B runs)",
     # Fault injection (tests and demos)
     "HPCTRAIN_FAULT_INJECT": "tests: faults at steps and checkpoints ('hang:rank=1,step=10;ckpt-crash:step=12')",
@@ -83,6 +86,8 @@ SET_FOR_RANKS: dict[str, str] = {
     "MLFLOW_ALLOW_FILE_STORE": "lets the MLflow monitor write to a local folder",
     "SUBMITIT_EXECUTOR": "slurm: tells submitit's runner in the batch script which executor it runs under",
     "PYTHONPATH": "a user's script: hpctrain's sitecustomize first (stack dumps, stop signal)",
+    "TORCHINDUCTOR_CACHE_DIR": "GPU ranks: the per-node compile cache (HPCTRAIN_COMPILE_CACHE), unless the user set it",
+    "TRITON_CACHE_DIR": "GPU ranks: Triton's kernels in that cache's triton/ folder, unless the user set it",
     "TORCH_CUDA_ARCH_LIST": "DeepSpeed's op builds: '9.0a' rewritten to '9.0' (its builder parses it with int())",
 }
 

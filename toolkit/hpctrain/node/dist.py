@@ -95,8 +95,9 @@ def free_port() -> int:
 
 
 def prepare_process_env(d: DistEnv, use_gpu: bool, env: MutableMapping[str, str] | None = None,
-                        cpus_per_task: int = 1) -> None:
-    """Everything that must be in os.environ before torch/deepspeed are imported or initialised."""
+                        cpus_per_task: int = 1, run_dir: str = "") -> None:
+    """Everything that must be in os.environ before torch/deepspeed are imported or initialised.
+    `run_dir`: the run folder, whose runs folder holds the per-node compile cache (`compile_cache_dir`)."""
     env = os.environ if env is None else env
     env.update(d.exports())
     env.setdefault("HF_HUB_OFFLINE", "1")  # compute nodes are offline: never reach for the hub
@@ -112,11 +113,33 @@ def prepare_process_env(d: DistEnv, use_gpu: bool, env: MutableMapping[str, str]
         # torch reads PYTORCH_ALLOC_CONF and, older, PYTORCH_CUDA_ALLOC_CONF: a user's setting of either wins.
         if not env.get("PYTORCH_ALLOC_CONF") and not env.get("PYTORCH_CUDA_ALLOC_CONF"):
             env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        cache = compile_cache_dir(env, run_dir)
+        if cache:
+            env.setdefault("TORCHINDUCTOR_CACHE_DIR", cache)
+            env.setdefault("TRITON_CACHE_DIR", os.path.join(cache, "triton"))
     else:
         env["DS_ACCELERATOR"] = "cpu"
         # One rank per allocated core: torch would otherwise start a thread per core in every rank
         # and oversubscribe the node (submitit's local executor sets no limit).
         env.setdefault("OMP_NUM_THREADS", env.get("SLURM_CPUS_PER_TASK") or str(cpus_per_task))
+
+
+def compile_cache_dir(env: Mapping[str, str], run_dir: str) -> str:
+    """Where torch.compile's caches (inductor's FX graphs and autotuning, Triton's kernels) live on this node:
+    HPCTRAIN_COMPILE_CACHE ("off": torch's defaults), else `<runs dir>/.compile-cache/<host>`.
+
+    Why: FlexAttention (attention = "auto" on packed rows) is compiled in the first step, and torch's default
+    cache is /tmp/torchinductor_<user>, which many sites empty per job (a private /tmp). One folder per host on
+    the runs' shared filesystem lets a later start on the same node reuse it; per host, so nodes never race on
+    one file (the keys hold torch's version and the GPU, so another image or GPU only adds entries)."""
+    asked = env.get("HPCTRAIN_COMPILE_CACHE", "")
+    if asked == "off":
+        return ""
+    if asked:
+        return asked
+    if not run_dir:
+        return ""
+    return os.path.join(os.path.dirname(os.path.abspath(run_dir)), ".compile-cache", socket.gethostname())
 
 
 def fix_cuda_arch_list(env: MutableMapping[str, str]) -> None:

@@ -57,6 +57,7 @@ class Prepared:
     checkpointing: bool = False  # activation checkpointing: the spec's value, or the plan's for "auto"
     eval_source: Any = None  # the prepared folder's validation split when [train] eval_every > 0
     cpu_adam: Any = None  # the thread building DeepSpeedCPUAdam beside the data and model (node/model/zero_offload.py)
+    kernels: str = "none"  # the plan's fused kernels: "liger" (node/model/kernels.py) or "none"
 
 
 # -------------------------------------------------------------------------------------------- prepare
@@ -97,7 +98,7 @@ def prepare(run_dir: Path, d: DistEnv) -> Prepared:
     eval_source = build_eval_source(spec, micro, int(hf_cfg.vocab_size), force_padded=pp > 1)
     source.prefetch(0)  # the epoch plan overlaps the engine build
     return Prepared(paths, spec, d, use_gpu, cfg, zero, dp, micro, gas, hf_cfg, tok, source, resume, universal,
-                    plan.activation_checkpointing, eval_source, cpu_adam)
+                    plan.activation_checkpointing, eval_source, cpu_adam, plan.kernels)
 
 
 def allocation_ds_config(paths: RunFolder, rendered: dict[str, Any], d: DistEnv, *, dp: int, universal: bool,
@@ -179,6 +180,10 @@ def build_engine(p: Prepared) -> tuple[Any, int]:
         else:
             model = build_model(spec.model, p.hf_cfg, spec.train.precision, p.ds_config, zero3=p.zero == 3,
                                 attn=attn.hf, device="cuda" if p.use_gpu else "cpu")
+        if p.kernels == "liger":  # before PEFT wraps the model (node/model/kernels.py)
+            from hpctrain.node.model import kernels
+
+            kernels.apply(model, kernels.fused_ce_allowed(p.zero, spec.parallel.pp))
         if p.checkpointing:
             # The library's default flavour (transformers renamed the method in 5.2x; both exist there).
             enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
@@ -200,13 +205,30 @@ def build_engine(p: Prepared) -> tuple[Any, int]:
     if p.cpu_adam is not None:
         log.info("CPU Adam prebuild: waited %.1f s for it after the model build", waited)
     prepare_env(p.paths, spec, p.d.rank)  # W&B's run id and folder, read by the wandb.init DeepSpeed calls
+    _fast_init(p)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=p.ds_config,
                                            lr_scheduler=sched)
     if p.use_gpu and p.zero == 3 and "offload_optimizer" in p.ds_config["zero_optimization"]:
         from hpctrain.node.model.zero_offload import install
 
         log.info("ZeRO-3 optimizer offload step fix: %s", install(getattr(engine, "optimizer", None)))
+        from hpctrain.node.model.fast_init import TIMES
+
+        if TIMES:
+            log.info("fast init: %s", ", ".join(f"{k} {v:.2f}" for k, v in TIMES.items()))
     return engine, n_params
+
+
+def _fast_init(p: Prepared) -> None:
+    """ZeRO-3 offload's engine build without its pinned copies and host round trip (node/model/fast_init.py)."""
+    from hpctrain.node.model import fast_init
+
+    why_not = fast_init.wanted(p.ds_config, p.use_gpu)
+    if why_not:
+        log.debug("fast init: %s", why_not)
+        return
+    fast_init.install()
+    log.info("fast init: ZeRO-3 defragments on the GPU and page-locks its host buffers in place")
 
 
 # -------------------------------------------------------------------------------------------- loop

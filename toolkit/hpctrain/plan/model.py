@@ -40,6 +40,7 @@ class Plan:
     predicted_step_s: float = 0.0  # hpctrain.plan.timemodel's step of the chosen option (0: no time model)
     # The fine-tuning defaults resolution applied ({key, value, reason}; hpctrain.spec.finetune), also in reasons
     defaults: list[dict[str, Any]] = field(default_factory=list)
+    kernels: str = "none"  # fused kernels the ranks apply: "liger" ([model] kernels on GPU ranks) or "none"
 
     def to_json(self) -> str:
         """Deterministic JSON (sorted keys) for plan.json and `hpctrain plan --json`."""

@@ -29,6 +29,7 @@ from hpctrain.plan.memory import (
     Shape,
     base_weight_bytes,
     estimate,
+    layer_activation_bytes,
     layer_params,
     lora_mask_elems,
     lora_param_count,
@@ -231,7 +232,30 @@ def _shape(spec: Spec, arch: dict[str, Any], params: int, dp: int) -> Shape:
                  lora_params=lora_param_count(arch, spec.lora.r, spec.lora.target_modules) if spec.lora.r else 0,
                  quant_4bit=spec.lora.quantize == "4bit",
                  lora_mask_elems=lora_mask_elems(arch, spec.lora.target_modules)
-                 if spec.lora.r and spec.lora.dropout > 0 else 0)
+                 if spec.lora.r and spec.lora.dropout > 0 else 0,
+                 liger=kernels_of(spec) == "liger" and arch["style"] != "gpt2",
+                 fused_ce=kernels_of(spec) == "liger" and arch["style"] != "gpt2" and p.pp == 1)
+
+
+def kernels_of(spec: Spec) -> str:
+    """The fused kernels the ranks apply: `[model] kernels`, on GPU ranks of one pipeline stage only."""
+    ok = spec.resources.gpus_per_node > 0 and spec.parallel.pp == 1
+    return spec.model.kernels if ok else "none"
+
+
+def kernels_reason(spec: Spec, sh: Shape) -> str:
+    """What `[model] kernels` does to this plan, for plan.reasons."""
+    if spec.model.kernels == "none":
+        return ""
+    if kernels_of(spec) == "none":
+        where = "a pipeline (pp > 1)" if spec.parallel.pp > 1 else "CPU ranks (Triton kernels need a GPU)"
+        return f"kernels = {spec.model.kernels} -> none: {where}"
+    tokens = sh.seq
+    per_layer = (layer_activation_bytes(sh.arch, tokens, sh.wb, sh.tp, liger=sh.liger)
+                 / layer_activation_bytes(sh.arch, tokens, sh.wb, sh.tp))
+    return (f"kernels = liger: fused RMSNorm, RoPE and SwiGLU keep {per_layer:.0%} of a layer's activations; "
+            "the fused linear cross-entropy keeps no logits (ZeRO 0-2; under ZeRO-3 the head's weight is "
+            "partitioned and transformers' loss stays)")
 
 
 def lora_reason(spec: Spec, sh: Shape) -> str:
@@ -447,6 +471,8 @@ def _make_plan(spec: Spec) -> Plan:
     kinds = zero_choices(spec.parallel, gpu=bool(r.gpus_per_node))  # an explicit choice first, then the rest
     if sh.lora_params:
         reasons.append(lora_reason(spec, sh))
+    if spec.model.kernels != "none":
+        reasons.append(kernels_reason(spec, sh))
     if sh.quant_4bit:  # 4-bit weights: neither partitioned (ZeRO-3) nor offloaded (spec.rules refuses both)
         kinds = [k for k in kinds if k[0] < 3 and k[1] == "none"]
     per_rank = glob // dp
@@ -469,7 +495,7 @@ def _make_plan(spec: Spec) -> Plan:
                 model=arch, options=[_option(e, t) for e, t in options], offload_ratio=chosen.offload_ratio,
                 predicted_step_s=round(predicted.total, 3) if predicted else 0.0,
                 activation_checkpointing=chosen.activation_checkpointing, spare_nodes=r.spare_nodes,
-                in_job_restarts=spec.fault.in_job_restarts or r.spare_nodes)
+                in_job_restarts=spec.fault.in_job_restarts or r.spare_nodes, kernels=kernels_of(spec))
 
 
 def _plan_unknown_model(spec: Spec, rpn: int, world: int, dp: int) -> Plan:

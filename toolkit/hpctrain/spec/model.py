@@ -43,6 +43,9 @@ Runtime = Literal["none", "apptainer", "pyxis", "podman", "charliecloud"]
 # (hpctrain.node.model.attention); "sdpa-<backend>": that backend first; the rest are transformers' own names.
 Attention = Literal["auto", "sdpa", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "eager", "flash_attention_2",
                     "flash_attention_3", "flex_attention"]
+# "liger": Liger Kernel's fused RMSNorm, RoPE, SwiGLU and linear cross-entropy on GPU ranks (CPU ranks: off, the
+# plan says why; hpctrain.node.model.kernels); "none": transformers' own modules.
+Kernels = Literal["none", "liger"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,6 +129,7 @@ class Model:
     overrides: dict[str, object] = field(default_factory=dict)  # config.json keys to override
     freeze: tuple[str, ...] = ()  # fnmatch patterns of parameter names to freeze
     attention: Attention = "auto"  # the attention kernel (hpctrain.node.model.attention)
+    kernels: Kernels = "none"  # fused Triton kernels for norms, RoPE, MLP and loss (hpctrain.node.model.kernels)
 
     def __post_init__(self) -> None:
         check(self)

@@ -65,7 +65,7 @@ def run(run_dir: str, mode: str = "train") -> int:
             _stack_dumps(paths, where)
         # Export MASTER_ADDR/PORT first: the preflight rendezvous listens on MASTER_PORT + 1.
         dist.prepare_process_env(d, use_gpu=spec.resources.gpus_per_node > 0,
-                                 cpus_per_task=max(1, spec.resources.cpus_per_task))
+                                 cpus_per_task=max(1, spec.resources.cpus_per_task), run_dir=str(paths.path))
         predecessors.wait_gone(str(os.environ.get("HPCTRAIN_RUN_DIR", "")), predecessors.restart_of(dict(os.environ)),
                                log.info)
         phases.mark("entry")  # interpreter, hpctrain's imports, the run folder's spec (and the step before gone)
