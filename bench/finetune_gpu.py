@@ -20,15 +20,17 @@ jsonl files):
     # In-process alternation (bench/gpu/ft_alternate.py; what BENCHMARKS.md's 2026-12-03 section ran): one
     # engine per process, windows of steps alternating variants that differ only in data or attention kernel.
     source bench/gpu/setup.sh && python bench/finetune_gpu.py --cold --alternate \
-        lora:packed,full:synthetic+packed-sdpa+packed-flex --alt-cap-s 130 --rounds 3 --steps 2 --budget-s 570 --out $OUT
+        lora:packed,full:synthetic+packed-sdpa+packed-flex --alt-cap-s 130 --rounds 3 --steps 2 \
+        --budget-s 570 --out $OUT
     # The second session's calls (BENCHMARKS.md): window modifiers ".fused" (bench/gpu/lora_fused.py) and ".nodrop"
     # (LoRA dropout off) on one LoRA engine; --profile (cProfile of the engine phase, torch.profiler of one step);
-    # --fast-init (bench/gpu/fast_init.py: deepspeed.initialize without the pinned copies and the host round trip);
+    # --fast-init (then a prototype, bench/gpu/fast_init.py; now the node's hpctrain.node.model.fast_init, on by
+    # default: the variant full-auto-ds-init turns it off);
     # --padded-mb (the padded loop at a micro-batch it fits, the same global batch).
     source bench/gpu/setup.sh && python bench/finetune_gpu.py --alternate \
         full-auto:packed,lora-auto:packed+packed.fused+packed.fused.nodrop --profile both --alt-cap-s 240 --rounds 3 \
         --steps 2 --budget-s 545 --out $OUT
-    source bench/gpu/setup.sh && python bench/finetune_gpu.py --fast-init --profile lora --alternate \
+    source bench/gpu/setup.sh && python bench/finetune_gpu.py --profile lora --alternate \
         full-auto:synthetic,lora-auto:packed --alt-cap-s 170 --rounds 2 --steps 2 --budget-s 550 --out $OUT
 
 What it does. First it makes its inputs on the machine (bench/gpu/ft_assets.py, kept across calls under
@@ -68,6 +70,7 @@ suite.md (the tables), assets.json, logs.tar.gz (every run's logs, metrics, even
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -99,6 +102,8 @@ class Variant:
     data: str = "sft"  # "sft" (the chat/alpaca file, packed) or "synthetic"
     attention: str = "sdpa"
     lora_r: int = 0
+    kernels: str = "none"  # [model] kernels ("liger": hpctrain.node.model.kernels)
+    fast_init: bool = True  # False: HPCTRAIN_FAST_INIT=0 (DeepSpeed's own ZeRO-3 offload engine build)
 
 
 VARIANTS: dict[str, Variant] = {
@@ -111,6 +116,11 @@ VARIANTS: dict[str, Variant] = {
     # [model] attention = "auto" (packed rows on a GPU rank: FlexAttention), the run file a user writes.
     "full-auto": Variant(attention="auto"),
     "lora-auto": Variant(attention="auto", lora_r=16),
+    # [model] kernels = "liger" (Liger Kernel's fused norms, RoPE, SwiGLU and linear cross-entropy), and the
+    # full fine-tune with DeepSpeed's own engine build (the start-up A/B of hpctrain.node.model.fast_init).
+    "lora-liger": Variant(attention="auto", lora_r=16, kernels="liger"),
+    "full-liger": Variant(attention="auto", kernels="liger"),
+    "full-auto-ds-init": Variant(attention="auto", fast_init=False),
 }
 
 
@@ -145,7 +155,7 @@ class Setup:
     fmt: str  # "chat" or "alpaca"
     rounds: int = 3  # --alternate: windows of each variant
     profile: str = ""  # --profile: "both" (cProfile of the engine phase, torch.profiler of one step) or "step"
-    fast_init: bool = False  # --fast-init: bench/gpu/fast_init.py in the --alternate processes
+    compile_cache: str = ""  # HPCTRAIN_COMPILE_CACHE of every run ("": the node's default)
     padded_mb: int = 0  # the padded loop's micro-batch (accumulation from the global batch); 0: hpctrain's plan
 
 
@@ -177,7 +187,8 @@ def hp_tables(s: Setup, name: str, v: Variant) -> dict[str, Any]:
         # the 8B's path (weights loaded into a partitioned model, the engine phase split).
         par = {"zero": 3} if s.cpu else {"zero": "auto", "offload_ratio": "auto"}
     tables: dict[str, Any] = {
-        "name": f"ft-{name}", "resources": res, "model": {"path": model, "attention": v.attention}, "data": data,
+        "name": f"ft-{name}", "resources": res, "data": data,
+        "model": {"path": model, "attention": v.attention, **({"kernels": v.kernels} if v.kernels != "none" else {})},
         "train": train, "parallel": par, "checkpoint": {"every_steps": 0, "keep": 1, "export_hf": False},
         # No tracker: the GPU image has no tensorboard, and the padded loop writes none either.
         "tracking": {"backends": []},
@@ -203,6 +214,8 @@ def env_for(s: Setup, runs: Path) -> dict[str, str]:
     env["PYTHONPATH"] = str(ROOT / "toolkit") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if s.cpu:
         env.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    if s.compile_cache:
+        env["HPCTRAIN_COMPILE_CACHE"] = s.compile_cache
     return env
 
 
@@ -222,10 +235,8 @@ def kill_tree(pid: int) -> None:
         seen.append(p)
         todo += kids.get(p, [])
     for p in seen:
-        try:
+        with contextlib.suppress(OSError):
             os.kill(p, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 def run_hpctrain(s: Setup, name: str, v: Variant, tag: str, timeout: float) -> dict[str, Any]:
@@ -390,7 +401,8 @@ def run_padded(s: Setup, tag: str, timeout: float) -> dict[str, Any]:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False, env=env,
                               cwd=str(ROOT), start_new_session=True)
     except subprocess.TimeoutExpired as exc:
-        raise RunFailed(124, f"timed out after {timeout:.0f} s\n" + _text(exc.stdout)[-3000:] + _text(exc.stderr)[-3000:])
+        raise RunFailed(124, f"timed out after {timeout:.0f} s\n" + _text(exc.stdout)[-3000:]
+                        + _text(exc.stderr)[-3000:]) from exc
     log.write_text(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
@@ -439,8 +451,8 @@ def run_alternate(s: Setup, spec: str, tag: str, timeout: float) -> dict[str, An
     cmd = [sys.executable, str(BENCH / "gpu" / "ft_alternate.py"), "--run-dir", str(dry), "--variants",
            wins.replace("+", ","), "--rounds", str(s.rounds), "--steps", str(s.steps), "--warmup", str(s.warmup),
            "--budget-s", str(max(30.0, timeout - 15)), "--out", str(res)]
-    if s.fast_init:
-        cmd += ["--fast-init"]
+    if not VARIANTS[name].fast_init:
+        cmd += ["--no-fast-init"]
     if s.profile == "both":
         cmd += ["--profile-engine", str(s.work / "logs" / f"{tag}.engine-profile.txt")]
     if s.profile and (s.profile != "lora" or VARIANTS[name].lora_r):
@@ -449,9 +461,10 @@ def run_alternate(s: Setup, spec: str, tag: str, timeout: float) -> dict[str, An
         with log.open("w") as fh:
             p = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout, check=False, env=env,
                                cwd=str(ROOT), start_new_session=True)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as exc:
         if not res.exists():  # else: keep the windows it finished (it writes its result after each)
-            raise RunFailed(124, f"timed out after {timeout:.0f} s\n" + log.read_text(errors="replace")[-3000:])
+            raise RunFailed(124, f"timed out after {timeout:.0f} s\n"
+                            + log.read_text(errors="replace")[-3000:]) from exc
     else:
         if p.returncode or not res.exists():
             raise RunFailed(p.returncode or 1, log.read_text(errors="replace")[-4000:])
@@ -588,11 +601,9 @@ def startup_table(rows: list[dict[str, Any]]) -> list[str]:
 
 def report(rows: list[dict[str, Any]], skipped: list[str], argv: list[str], assets: dict[str, Any]) -> str:
     gpu = "cpu"
-    try:
+    with contextlib.suppress(OSError):
         gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=20, check=False).stdout.strip() or gpu
-    except OSError:
-        pass
     d = assets.get("data", {})
     lines = [f"# bench/finetune_gpu.py, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC", "",
              f"Machine: {gpu}; {os.cpu_count()} cores; {platform.platform()}.",
@@ -711,8 +722,9 @@ def main() -> None:
     ap.add_argument("--profile", default="", choices=["", "both", "step", "lora"], help="--alternate processes: "
                     "cProfile of the engine phase (both) and torch.profiler of one step of the first window variant "
                     "(both, step; lora: the LoRA processes' only); texts in logs.tar.gz")
-    ap.add_argument("--fast-init", action="store_true", help="--alternate processes: bench/gpu/fast_init.py's "
-                    "deepspeed.initialize (ZeRO-3 offload: pinned in place, defragment on the GPU)")
+    ap.add_argument("--compile-cache", default="", help="HPCTRAIN_COMPILE_CACHE for every run (torch.compile's "
+                    "per-node cache: FlexAttention's kernels)")
+    ap.add_argument("--cold-compile", action="store_true", help="empty --compile-cache before the first run")
     ap.add_argument("--padded-mb", type=int, default=0, help="the padded loop's micro-batch (default: hpctrain's "
                     "plan's); accumulation = global batch / it")
     ap.add_argument("--cpu", action="store_true", help="tiny llama on CPU ranks (DS_ACCELERATOR=cpu): a smoke test")
@@ -737,7 +749,9 @@ def main() -> None:
     s = Setup(cpu=a.cpu, assets=assets_dir, work=Path(a.work), seq=a.seq or (256 if a.cpu else 4096),
               global_batch=a.global_batch or (4 if a.cpu else 16), steps=a.steps, warmup=a.warmup, fixed=a.fixed,
               fmt=a.format, rounds=a.rounds or 3, profile=a.profile, padded_mb=a.padded_mb,
-              fast_init=a.fast_init)
+              compile_cache=a.compile_cache)
+    if a.cold_compile and a.compile_cache:
+        shutil.rmtree(a.compile_cache, ignore_errors=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     for sub in ("runs", "logs", "runfiles", "state"):  # this call's runs only (the assets stay)

@@ -31,6 +31,7 @@ import argparse
 import json
 import logging
 import os
+import resource
 import statistics
 import sys
 import time
@@ -81,7 +82,8 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=0, help="start no window past this many s of process time")
     ap.add_argument("--out", required=True, help="result JSON")
     ap.add_argument("--profile-engine", default="", help="cProfile the engine phase (train.build_engine); text here")
-    ap.add_argument("--fast-init", action="store_true", help="bench/gpu/fast_init.py's deepspeed.initialize")
+    ap.add_argument("--no-fast-init", action="store_true", help="HPCTRAIN_FAST_INIT=0: DeepSpeed's own ZeRO-3 "
+                    "offload engine build (the node's hpctrain.node.model.fast_init is on by default)")
     ap.add_argument("--profile-step", default="", help="torch.profiler over one step of the first variant at the "
                     "end (its kernels by GPU time); text here")
     a = ap.parse_args()
@@ -113,16 +115,14 @@ def main() -> None:
     run = Path(a.run_dir).absolute()
     os.chdir(run)
     spec = train.read_spec(train.RunFolder(run))
-    dist.prepare_process_env(d, use_gpu=spec.resources.gpus_per_node > 0, cpus_per_task=max(1, spec.resources.cpus_per_task))
+    dist.prepare_process_env(d, use_gpu=spec.resources.gpus_per_node > 0,
+                             cpus_per_task=max(1, spec.resources.cpus_per_task), run_dir=str(run))
     prep = train.prepare(run, d)
     mark("prepare")
     dist.init_process_group(d, prep.use_gpu, timeout_min=10)
     mark("process_group")
-    if a.fast_init:  # bench/gpu/fast_init.py: deepspeed.initialize's pinning and defragment, prototype
-        sys.path.insert(0, str(ROOT / "bench" / "gpu"))
-        import fast_init
-
-        fast_init.install()
+    if a.no_fast_init:  # the A/B switch of the node's hpctrain.node.model.fast_init
+        os.environ["HPCTRAIN_FAST_INIT"] = "0"
     if a.profile_engine:  # where the engine phase's time goes (deepspeed.initialize above all), by function
         import cProfile
 
@@ -146,6 +146,7 @@ def main() -> None:
     if bad:
         raise SystemExit(f"--variants {bad}: use {', '.join(sources)}, each optionally with {', '.join(MODS)}")
     cursor = 0
+    checks: dict[str, Any] = {}
     warm: set[str] = set()
     steps: list[dict[str, Any]] = []
     first_step_end = 0.0
@@ -173,7 +174,9 @@ def main() -> None:
                 sync()
                 dt = time.time() - t0
                 last_dt = max(last_dt, dt) if i < n_warm else dt
-                first_step_end = first_step_end or time.time()
+                if not first_step_end:
+                    first_step_end = time.time()
+                    checks["first_step_compile"] = compile_stats()
                 tokens = sum(b.tokens for b in batches)
                 row = {"variant": v, "round": rnd, "timed": i >= n_warm, "step_s": round(dt, 4),
                        "tokens": tokens, "trained": sum(b.trained for b in batches),
@@ -181,17 +184,29 @@ def main() -> None:
                        "gpu_peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 1) if cuda else 0.0}
                 steps.append(row)
                 print(json.dumps(row), flush=True)
-            write_result(a, marks, t_start, first_step_end, caught, steps, skipped, prep, n_params, names)
+            write_result(a, marks, t_start, first_step_end, caught, steps, skipped, prep, n_params, names, checks)
     if a.profile_step and (not a.budget_s or time.time() - t_start + 3 * last_dt + 30 < a.budget_s):
         profile_step(engine, prep, sources, names[0], cursor, Path(a.profile_step), train)
-    out = write_result(a, marks, t_start, first_step_end, caught, steps, skipped, prep, n_params, names)
+    checks["compile_end"] = compile_stats()
+    liger_room = not a.budget_s or time.time() - t_start + 2 * last_dt + 40 < a.budget_s
+    if liger_room and any(".liger" in v for v in names):  # one micro-batch without and with Liger, at the end
+        import liger_toggle
+
+        from hpctrain.node.model import kernels
+
+        set_attention(engine, run_attn)
+        fused = kernels.fused_ce_allowed(prep.zero, prep.spec.parallel.pp)
+        checks["liger_loss"] = liger_toggle.loss_check(engine, prep.source.batch(0), fused)
+        checks["liger_fused_ce"] = fused
+        print("liger loss check " + json.dumps(checks["liger_loss"]), flush=True)
+    out = write_result(a, marks, t_start, first_step_end, caught, steps, skipped, prep, n_params, names, checks)
     print("RESULT " + json.dumps({k: out[k] for k in ("startup", "summary", "micro", "gas", "zero", "lora_r")}),
           flush=True)
 
 
 # Window modifiers, appended to a source name ("packed-flex.fused.nodrop"): LoRA's forward fused
 # (bench/gpu/lora_fused.py) and its dropout switched off, in place, on the same engine.
-MODS = (".fused", ".nodrop")
+MODS = (".fused", ".nodrop", ".liger")
 
 
 def strip_mods(v: str) -> str:
@@ -206,16 +221,42 @@ def set_mods(engine: Any, v: str) -> str:
     import lora_fused
 
     model = engine.module
-    if "+fused" in v:
+    if ".fused" in v:  # (it read "+fused", which no window name holds: the .fused windows ran unfused)
         lora_fused.install(model)
     else:
         lora_fused.uninstall(model)
-    lora_fused.set_dropout(model, off="+nodrop" in v)
+    lora_fused.set_dropout(model, off=".nodrop" in v)
+    if ".liger" in v or "liger_toggle" in sys.modules:  # Liger's kernels on this window, or off again
+        import liger_toggle
+
+        from hpctrain.node.model import kernels
+
+        if ".liger" in v:
+            liger_toggle.on(model, kernels.fused_ce_allowed(int(getattr(engine, "zero_optimization_stage",
+                                                                            lambda: 0)()), 1))
+        else:
+            liger_toggle.off(model)
     return "".join(m for m in MODS if m in v)
 
 
+def compile_stats() -> dict[str, Any]:
+    """What torch.compile did so far (FlexAttention): its cache hits and misses and the compile time by phase."""
+    if "torch._dynamo" not in sys.modules:
+        return {}
+    from torch._dynamo.utils import compile_times, counters
+
+    out: dict[str, Any] = {k: dict(counters[k]) for k in ("inductor", "aot_autograd", "stats", "frames")
+                           if k in counters}
+    try:
+        out["compile_times"] = compile_times(repr="str", aggregate=True)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        out["compile_times"] = f"unavailable ({exc})"
+    out["inductor_cache_dir"] = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")
+    return out
+
+
 def fast_init_times() -> dict[str, float]:
-    mod = sys.modules.get("fast_init")
+    mod = sys.modules.get("hpctrain.node.model.fast_init")
     return {k: round(v, 2) for k, v in getattr(mod, "TIMES", {}).items()}
 
 
@@ -259,7 +300,7 @@ def profile_step(engine: Any, prep: Any, sources: dict[str, Any], v: str, cursor
 
 def write_result(a: argparse.Namespace, marks: dict[str, float], t_start: float, first_step_end: float,
                  caught: BuiltLine, steps: list[dict[str, Any]], skipped: list[str], prep: Any, n_params: int,
-                 names: list[str]) -> dict[str, Any]:
+                 names: list[str], checks: dict[str, Any]) -> dict[str, Any]:
     """The result JSON so far (written after every window: a process killed at its limit keeps its windows)."""
     parts = {"imports_s": marks["imports"] - t_start, "prepare_s": marks["prepare"] - marks["imports"],
              "process_group_s": marks["process_group"] - marks["prepare"],
@@ -276,6 +317,8 @@ def write_result(a: argparse.Namespace, marks: dict[str, float], t_start: float,
            "fast_init": fast_init_times(),
            "log": caught.lines, "summary": summarize(steps), "steps_rows": steps}
     out["skipped"] = skipped
+    out["checks"] = checks
+    out["host_peak_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 2)  # KiB -> ~GB
     Path(a.out).write_text(json.dumps(out, indent=1))
     return out
 
