@@ -215,7 +215,7 @@ class Renderer:
             if m["role"] not in ROLES:
                 raise Bad("unknown_role", f"message {i} has role {m['role']!r}")
             if not isinstance(m["content"], str):
-                raise Bad("not_string", f"message {i}'s content is a {type(m['content']).__name__}, not a string")
+                raise Bad("not_string", _not_string(i, m))
         turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
         if not turns:
             raise Bad("no_assistant", f"{len(msgs)} message(s), none with role 'assistant'")
@@ -257,13 +257,39 @@ class Renderer:
         for i, m in enumerate(msgs):
             if m["role"] != "assistant":
                 continue
-            head, turn = render(i, True) if i else "", render(i + 1, False)
+            turn = render(i + 1, False)
+            head = self._head(render, i, turn, m["content"])
             if not turn.startswith(head) or not full.startswith(turn):
                 raise Bad("template_error", f"the template renders turn {i} differently once later turns follow "
                                             "(no prefix to mask by); give it {% generation %} blocks")
             end = len(head) + len(turn[len(head):].rstrip())
             spans.append((len(head), end))
         return full, spans
+
+    @staticmethod
+    def _head(render: Callable[[int, bool], str], i: int, turn: str, content: str) -> str:
+        """The text before turn i's response: messages[:i] and the assistant header (add_generation_prompt).
+        A conversation that opens with the assistant has no prefix to render (transformers refuses an empty
+        one): its header is the text of the turn before its content, which is prompt, never response."""
+        if i:
+            return render(i, True)
+        at = turn.find(content.strip())
+        if at < 0:
+            raise Bad("template_error", "the template changes the first (assistant) message's text, so its header "
+                                        "cannot be told apart: start with a user or system message, or give the "
+                                        "template {% generation %} blocks")
+        return turn[:at]
+
+
+def _not_string(i: int, m: dict[str, Any]) -> str:
+    """Why message i's content is refused, naming the OpenAI shapes a user most likely has."""
+    content = m["content"]
+    if isinstance(content, list):
+        return (f"message {i}'s content is a list (OpenAI content parts), not a string: join its text parts into "
+                "one string; images and other parts cannot be trained on")
+    if content is None and m.get("tool_calls"):
+        return f"message {i} ({m['role']}) has tool_calls and no content string: tool calls are not trained on"
+    return f"message {i}'s content is a {type(content).__name__}, not a string"
 
 
 def parse_line(line: bytes | str) -> Any:
