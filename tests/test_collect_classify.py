@@ -307,3 +307,17 @@ def test_an_exception_reporting_a_lost_peer_is_one_for_the_watchdog_and_the_clas
     assert verdict is not None and verdict.silent_hosts == ("node4",)
     assert cc._kind_of_exception(exc) == FC.COMM_TIMEOUT
     assert cc._kind_of_exception("ValueError: Broken config") == FC.PYTHON_EXCEPTION
+
+
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun", "accelerate"])
+def test_a_per_node_launchers_log_is_classified_by_the_raising_ranks_exception(launcher: str) -> None:
+    """A real node log of a per-node launcher (tests/golden/script-failures, ds_loop.py --fail-on-rank 1 on one
+    node x 2 ranks): rank 1's ValueError, then rank 0's gloo 'Connection closed by peer' printed after it, then the
+    launcher's own error. The failure is rank 1's ValueError (it was '(traceback truncated)', rank 0)."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent / "golden" / "script-failures" / f"{launcher}.log").read_text()
+    f = cc.classify("FAILED", [src(text, rank=0, host="node2")], exit_code="1:0")
+    assert (f.failure_class, f.rank, f.host) == (FC.PYTHON_EXCEPTION, 1, "node2"), f
+    assert f.exception == "ValueError: example failure on rank 1 at step 2"
+    assert f.last_lines[-1] == f.exception and 'raise ValueError(f"example failure' in "\n".join(f.last_lines)

@@ -54,7 +54,7 @@ def test_launcher_lines_carry_the_allocation() -> None:
     assert ds[:4] == ["/py", "-u", "-m", "deepspeed.launcher.runner"] and "--no_ssh" in ds
     assert ds[ds.index("--hostfile") + 1] == "/run dir/hostfile" and ds[ds.index("--node_rank") + 1] == "1"
     acc = L.script_command(Launch(launcher="accelerate", script="/s/t.py"), WHERE)
-    assert acc[acc.index("--num_processes") + 1] == "8" and "--cpu" in acc
+    assert acc[acc.index("--num_processes") + 1] == "8" and "--multi_gpu" in acc and "--cpu" not in acc
     assert L.script_command(Launch(module="pkg.train", args=("-v",)), WHERE) == ["/py", "-u", "-m", "pkg.train", "-v"]
 
 
@@ -424,3 +424,38 @@ def test_watchdog_waits_for_a_first_beat_of_a_script(tmp_path: Path) -> None:
     assert dog.check(now=1e6) is None  # never beat: a script that does not report, not a hang
     plain = Watchdog(tmp_path, "1", timeout_s=10, world=2, grace_s=10, started=0.0, last_change=0.0)
     assert plain.check(now=1e6) is not None
+
+
+FAILURES = Path(__file__).resolve().parent / "golden" / "script-failures"
+
+
+def _stderr_tail(name: str) -> list[str]:
+    """What the node's entry kept of the program's stderr (its tail, before the rank log's stamp), from a real
+    run's rank log (tests/golden/script-failures: ds_loop.py --fail-on-rank 1, 1 node x 2 ranks, 2026-12-03)."""
+    mark = " rank0 STDERR "
+    return [ln.split(mark, 1)[1] for ln in (FAILURES / f"{name}.log").read_text().splitlines() if mark in ln]
+
+
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun", "accelerate"])
+def test_under_every_launcher_the_failure_is_the_raising_ranks_own_exception(launcher: str) -> None:
+    """Rank 1 raised; rank 0's collective then failed on the closed connection and printed its RuntimeError after
+    it, and the launcher its own error last: the failure is rank 1's ValueError (it was rank 0's gloo error under
+    DeepSpeed's launcher and torchrun), with its own traceback."""
+    from hpctrain.node.launch.script import failure
+
+    f = failure(1, _stderr_tail(launcher))
+    assert f.exception == "ValueError: example failure on rank 1 at step 2", f.exception
+    assert f.rank == 1 and f.tail[0].endswith("Traceback (most recent call last):"), (f.rank, f.tail)
+    assert f.tail[-1].endswith(f.exception) and not any("Connection closed by peer" in ln for ln in f.tail)
+
+
+def test_a_chained_exception_is_the_last_of_its_chain_and_a_peer_error_alone_is_the_cause() -> None:
+    from hpctrain.node.launch.script import failure
+
+    chain = ["Traceback (most recent call last):", '  File "t.py", line 3, in <module>', "KeyError: 'x'", "",
+             "The above exception was the direct cause of the following exception:", "",
+             "Traceback (most recent call last):", '  File "t.py", line 5, in <module>', "ValueError: no x"]
+    assert failure(1, chain).exception == "ValueError: no x"
+    peer = _stderr_tail("deepspeed")
+    only_peer = [ln for ln in peer if not ln.startswith("[rank1]")]  # the raising rank's output lost
+    assert "Connection closed by peer" in failure(1, only_peer).exception

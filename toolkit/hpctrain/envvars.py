@@ -86,6 +86,7 @@ SET_FOR_RANKS: dict[str, str] = {
     "MLFLOW_ALLOW_FILE_STORE": "lets the MLflow monitor write to a local folder",
     "SUBMITIT_EXECUTOR": "slurm: tells submitit's runner in the batch script which executor it runs under",
     "PYTHONPATH": "a user's script: hpctrain's sitecustomize first (stack dumps, stop signal)",
+    "ACCELERATE_USE_CPU": "a user's script under accelerate on CPU ranks: Accelerator() uses gloo, one process a rank",
     "TORCHINDUCTOR_CACHE_DIR": "GPU ranks: the per-node compile cache (HPCTRAIN_COMPILE_CACHE), unless the user set it",
     "TRITON_CACHE_DIR": "GPU ranks: Triton's kernels in that cache's triton/ folder, unless the user set it",
     "TORCH_CUDA_ARCH_LIST": "DeepSpeed's op builds: '9.0a' rewritten to '9.0' (its builder parses it with int())",

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from hpctrain.collect.logs import clean_text  # re-exported: callers and tests use cc.clean_text
+from hpctrain.runs import tracebacks
 from hpctrain.runs.events import EVENTS, FAILURE, STOP, Event
 from hpctrain.states import (
     CLASS_OF_STATE,
@@ -38,21 +39,10 @@ _HOST_OOM = re.compile(r"oom[-_ ]kill|Out of memory: Kill|OUT_OF_MEMORY|Memory c
                        r"oom_reaper|invoked oom-killer", re.IGNORECASE)
 _KILLED = re.compile(r"^\s*(?:\S+: line \d+: \d+ )?Killed\b|\bexit(?:ed)?(?: with)?(?: code| status)? 137\b|"
                      r"\bsignal 9\b|SIGKILL", re.IGNORECASE)
-# A collective failed because a peer's connection went away (gloo's TCP pair, NCCL's remote error): the peer's
-# process or node died. Read here in an exception's text, and by the hang watchdog (fault.watchdog) in a rank's
-# failure record, so both call the same failure a lost peer. Too loose for every log line ("Connection refused"
-# from sacct, "Broken pipe" from a pipe): the scan of whole logs uses _COMM.
-PEER_LOST = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe|Read error \[|Write error \[|"
-                       r"ncclRemoteError|remote process exited|Socket closed|Connection refused")
-_COMM = re.compile(r"Watchdog caught collective operation timeout|Connection closed by peer|"
-                   r"Timed out waiting \d+ ?ms|gloo.*timed? ?out|NCCL (?:error|WARN).*(?:timeout|timed out)|"
-                   r"ProcessGroupNCCL.*[Tt]imeout|DistBackendError|Connection reset by peer|"
-                   r"ncclRemoteError|ncclSystemError|Socket Timeout|collective operation timeout")
-
-
-def peer_error(text: str) -> bool:
-    """A line that reports a lost peer or a failed collective (what a surviving rank prints when a node dies)."""
-    return bool(PEER_LOST.search(text) or _COMM.search(text))
+# A lost peer, a failed collective (hpctrain.runs.tracebacks: the node reads them too, in its script's output).
+PEER_LOST = tracebacks.PEER_LOST  # the hang watchdog (fault.watchdog) reads a rank's failure record with it
+_COMM = tracebacks.COMM
+peer_error = tracebacks.peer_error
 
 
 _CONTAINER = re.compile(
@@ -68,10 +58,6 @@ _NODE_LOST = re.compile(r"missing step on node (\d+)|Node failure on ([\w.-]+)|"
 _PREFLIGHT = re.compile(r"PreflightError|pre-flight: .*(?:did not join|could not reach|did not answer|lost rank 0)|"
                         r"preflight failed")
 _HOSTS_IN_PREFLIGHT = re.compile(r"expected on host\(s\) ([^;()\n]+)|rank 0's host (\S+)")
-_TB_HEAD = "Traceback (most recent call last):"
-# The line that ends a traceback: `pkg.module.Name: message` or a bare `Name`, not indented.
-_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Failed|Failure|Requested|"
-                       r"Timeout|Warning|Fault|Abort)|[A-Za-z_][\w.]*\.[A-Z]\w*)(?::\s?(.*))?$")
 # The one line the node prints on stderr when a rank fails (node/launch/main.py): read only where no event says it
 # (run folders from before events.jsonl, or a rank that could not write its event).
 _NODE_FAILED = re.compile(r"hpctrain: rank (\d+) failed: ([\w.]+): (.*?)(?: \(traceback in .*\))?$")
@@ -135,35 +121,20 @@ def _first(pattern: re.Pattern[str], lines: list[str]) -> str | None:
     return next((ln for ln in lines if pattern.search(ln)), None)
 
 
-def find_traceback(lines: list[str]) -> tuple[str, list[str]] | None:
-    """The last traceback's exception ("Type: message") and its last lines.
-
-    Frame lines are indented; anything else that is not the exception line (another rank's line
-    interleaved, a log prefix, junk) is skipped rather than ending the block, so a torn or
-    interleaved traceback still yields its exception. A traceback cut before its exception line
-    gives "(traceback truncated)".
-    """
-    heads = [i for i, ln in enumerate(lines) if _TB_HEAD in ln]
-    if not heads:
-        return None
-    start = heads[-1]
-    block: list[str] = [lines[start].strip()]
-    for ln in lines[start + 1:start + 400]:
-        stripped = ln.rstrip()
-        if stripped.startswith((" ", "\t")):
-            block.append(stripped)
-            continue
-        m = _EXC_LINE.match(_strip_prefix(stripped))
-        if m:
-            exc = m.group(1) + (f": {m.group(2)}" if m.group(2) else "")
-            block.append(exc)
-            return exc, block[-8:]
-    return "(traceback truncated)", block[-8:]
-
-
-def _strip_prefix(line: str) -> str:
-    """Drop a `[rank3]:` / `0: ` prefix (torchrun/srun --label) so the exception line matches."""
-    return re.sub(r"^(?:\[(?:rank|default)\d+\]:|\d+: )\s*", "", line)
+def find_traceback(lines: list[str]) -> tuple[str, list[str], int, int | None] | None:
+    """The exception that failed the log's program ("Type: message"), the last lines of its traceback, the index of
+    its "Traceback" line and the rank tag of its lines (hpctrain.runs.tracebacks.cause: the first exception of the
+    program's own, not a peer's complaint printed after it, nor a launcher's). A traceback cut before its exception
+    line gives "(traceback truncated)"."""
+    got = tracebacks.cause(lines)
+    if got is None:
+        head = next((i for i in range(len(lines) - 1, -1, -1) if tracebacks.HEAD in lines[i]), None)
+        if head is None:
+            return None
+        return "(traceback truncated)", [tracebacks.split(ln)[1].rstrip() for ln in lines[head:head + 8]], head, None
+    block = [text.rstrip() for tag, text in map(tracebacks.split, lines[got.start:got.end + 1])
+             if got.rank is None or tag == got.rank]
+    return got.exception, block[-8:], got.start, got.rank
 
 
 def _exception_from_node_line(lines: list[str]) -> tuple[int, str] | None:
@@ -222,6 +193,8 @@ def _scan(src: LogSource) -> list[_Evidence]:
     lines = clean_text(src.text).split("\n")
     out: list[_Evidence] = []
     tb = find_traceback(lines)
+    if tb is not None and tb[3] is not None and tb[3] != src.rank:
+        src = replace(src, rank=tb[3])  # a per-node launcher's log: the program's rank that raised it
     for cls, pattern in ((FC.PREFLIGHT, _PREFLIGHT), (FC.GPU_OOM, _GPU_OOM), (FC.HOST_OOM, _HOST_OOM),
                          (FC.CONTAINER_ERROR, _CONTAINER), (FC.NODE_FAIL, _NODE_LOST), (FC.COMM_TIMEOUT, _COMM)):
         hit = _first(pattern, lines)
@@ -229,8 +202,7 @@ def _scan(src: LogSource) -> list[_Evidence]:
             out.append(_Evidence(cls, hit.strip(), src, tb[0] if tb else None, tb[1] if tb else [],
                                  _time_at(lines, _index(lines, hit))))
     if tb is not None:
-        exc, block = tb
-        head = max(i for i, ln in enumerate(lines) if _TB_HEAD in ln)
+        exc, block, head, _ = tb
         out.append(_Evidence(_kind_of_exception(exc), exc, src, exc, block, _time_at(lines, head)))
     else:
         node = _exception_from_node_line(lines)
@@ -265,6 +237,8 @@ def _from_events(evs: Iterable[Event]) -> list[_Evidence]:
                                  checkpointed=e.extra.get("checkpointed") is True,
                                  stop_class=e.failure_class or None))
         elif e.kind == FAILURE and e.failure_class:
+            if isinstance(e.extra.get("script_rank"), int):  # a per-node launcher's rank (node/launch/main.py)
+                src.rank = int(e.extra["script_rank"])
             cls = e.failure_class
             if cls == FC.PYTHON_EXCEPTION:
                 cls = _kind_of_exception(e.exception)

@@ -64,11 +64,14 @@ def script_command(launch: Launch, at: Where) -> list[str]:
                 "--node_rank", at.node_rank, "--master_addr", at.master_addr, "--master_port", at.master_port,
                 *(["--module"] if module else []), target, *args]
     if launch.launcher == "accelerate":
+        # --multi_gpu on CPU ranks too: it is accelerate's torchrun underneath, which starts the node's ranks with
+        # their rank variables. Its `--cpu` launcher starts ONE process per node (more need mpirun): a 2-rank node
+        # ran one process without RANK, and DeepSpeed looked for MPI (seen on the cluster, 2026-12-03). On CPU
+        # ranks the node sets ACCELERATE_USE_CPU (node/launch/script.child_env): Accelerator() then uses gloo.
         total = _times(at.nnodes, at.ranks_per_node)
         return [at.python, "-m", "accelerate.commands.launch", "--num_machines", at.nnodes, "--num_processes", total,
                 "--machine_rank", at.node_rank, "--main_process_ip", at.master_addr, "--main_process_port",
-                at.master_port, "--multi_gpu" if at.gpu else "--cpu", *(["--module"] if module else []), target,
-                *args]
+                at.master_port, "--multi_gpu", *(["--module"] if module else []), target, *args]
     raise ValueError(f"launch.launcher = {launch.launcher!r}: no command for it")
 
 

@@ -252,8 +252,10 @@ def _fail(exc: Exception, paths: RunFolder, where: _Where, stop: StopFlag) -> Ex
     if isinstance(exc, script.ScriptFailed):  # the program's own exception and traceback, from its stderr
         print(f"hpctrain: rank {where.rank}: {exc} (its stderr is in this log)", file=sys.stderr, flush=True)
         log.error("%s", exc)
+        # Under a per-node launcher this entry is the node's one task: the program's rank that raised is another.
         _event(paths.path, where, events.FAILURE, cls, exception=exc.exception or exc_line, message=str(exc),
-               exit_code=code, tb=tuple(exc.tail[-12:]))
+               exit_code=code, tb=tuple(exc.tail[-12:]),
+               extra={"script_rank": exc.rank} if exc.rank is not None else None)
         return code
     if cls == FailureClass.INPUT_ERROR:
         _report(where.rank, f"hpctrain: {exc}", str(exc))

@@ -36,6 +36,7 @@ from hpctrain.node.checkpointing.checkpointer import StopFlag
 from hpctrain.node.dist import DistEnv
 from hpctrain.node.monitor.metrics import attempt_number, log
 from hpctrain.node.monitor.tracking import ScriptTracker
+from hpctrain.runs import tracebacks
 from hpctrain.runs.folder import RunFolder
 from hpctrain.spec import launch as user_launch
 from hpctrain.spec.model import Spec
@@ -46,17 +47,18 @@ SITE_DIR = str(Path(__file__).resolve().parent / "site")
 STACKS_ENV = "HPCTRAIN_STACKS"  # {"dir", "attempt", "job"}: where a rank of the program writes its stack file
 STARTED_ENV = "HPCTRAIN_STARTED"  # when this run's node entry started (unix time)
 # The last line of a Python traceback: "ValueError: boom", "torch.OutOfMemoryError: CUDA out of memory".
-_EXC_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning)\b(?::.*)?)$")
+_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning)\b(?::.*)?)$")
 
 
 class ScriptFailed(Exception):
-    """The user's program exited non-zero (no stop signal came): its last exception and stderr tail."""
+    """The user's program exited non-zero (no stop signal came): the exception that caused it, its traceback (else
+    the stderr tail), and the program's rank that raised it (a per-node launcher's rank tag; None: untagged)."""
 
-    def __init__(self, returncode: int, exception: str, tail: list[str]) -> None:
+    def __init__(self, returncode: int, exception: str, tail: list[str], rank: int | None = None) -> None:
         how = (f"killed by signal {signal.Signals(-returncode).name}" if returncode < 0 and -returncode in
                signal.valid_signals() else f"exited with code {returncode}")
         super().__init__(f"the script {how}" + (f": {exception}" if exception else ""))
-        self.returncode, self.exception, self.tail = returncode, exception, tail
+        self.returncode, self.exception, self.tail, self.rank = returncode, exception, tail, rank
 
 
 @dataclass
@@ -140,6 +142,8 @@ def child_env(spec: Spec, d: DistEnv, paths: RunFolder, ranks_per_node: int, sta
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
             env.pop(key, None)
         env["NODE_RANK"] = str(d.node_rank)
+    if spec.launch.launcher == "accelerate" and spec.resources.gpus_per_node == 0:
+        env.setdefault("ACCELERATE_USE_CPU", "true")  # its --multi_gpu launcher on CPU ranks (spec.launch says why)
     else:
         env.update(RANK=str(d.rank), WORLD_SIZE=str(d.world_size), LOCAL_RANK=str(d.local_rank),
                    LOCAL_WORLD_SIZE=str(ranks_per_node), NODE_RANK=str(d.node_rank))
@@ -226,27 +230,19 @@ def _pump(src: Any, dst: Any, sink: RankLog, stream: str, tail: collections.dequ
             tail.append(line)
 
 
-# What a launcher raises when one of its ranks failed (torchrun's elastic agent, accelerate's subprocess call):
-# the rank's own exception, printed before it, is the cause.
-_LAUNCHER_EXC = re.compile(r"(?:^|\.)(?:ChildFailedError|CalledProcessError)\b")
-
-
 def failure(code: int, tail: list[str]) -> ScriptFailed:
-    """The program's non-zero exit as the exception node/launch/main.py reports: its last exception line, and the
-    traceback that ends in it; under a launcher (torchrun, accelerate) the rank's exception before the
-    launcher's own ChildFailedError / CalledProcessError, which only says that a rank failed."""
-    found: list[tuple[str, int]] = []
-    for i in range(len(tail) - 1, -1, -1):
-        m = _EXC_LINE.match(tail[i].strip())
-        if m:
-            start = next((j for j in range(i, -1, -1) if "Traceback (most recent call last)" in tail[j]), i)
-            found.append((m.group(1), start))
-            if not _LAUNCHER_EXC.search(m.group(1).split(":", 1)[0]):
-                break
-    if not found:
-        return ScriptFailed(code, "", tail[-12:])
-    exc, start = next(((e, s) for e, s in found if not _LAUNCHER_EXC.search(e.split(":", 1)[0])), found[0])
-    return ScriptFailed(code, exc, tail[start:])
+    """The program's non-zero exit as the exception node/launch/main.py reports: the exception that caused it
+    (hpctrain.runs.tracebacks.cause: under a per-node launcher the failing rank's own exception, not a healthy
+    peer's "connection closed" printed after it, nor the launcher's ChildFailedError / CalledProcessError), the
+    lines of its traceback, and the rank that raised it where the launcher tags its lines. A traceback whose head
+    scrolled out of the tail leaves its last exception line."""
+    got = tracebacks.cause(tail)
+    if got is None:
+        last = next((m for m in (_EXC_LINE.match(tracebacks.split(ln)[1].strip()) for ln in reversed(tail)) if m),
+                    None)
+        return ScriptFailed(code, last.group(1) if last else "", tail[-12:])
+    own = [ln for ln in tail[got.start:got.end + 1] if got.rank is None or tracebacks.split(ln)[0] == got.rank]
+    return ScriptFailed(code, got.exception, own, rank=got.rank)
 
 
 def requeue_pending(rank: int, stop: StopFlag) -> None:
