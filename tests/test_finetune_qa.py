@@ -181,3 +181,61 @@ def test_lora_default_targets_adapt_every_family_and_merge_exactly(name: str, tm
         adapted = peft_model(input_ids=ids).logits
         merged = peft_model.merge_and_unload()(input_ids=ids).logits
     assert torch.allclose(adapted, merged, atol=1e-4), float((adapted - merged).abs().max())
+
+
+# ------------------------------------------------------------------------------------------ the newcomer
+def _data(fmt_: str, **kw: Any) -> Any:
+    from hpctrain.spec.model import Data
+
+    return Data(source="unused", format=fmt_, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("records", "fmt_", "field", "fix"), [
+    ([{"messages": [U, A]}], "jsonl", "data.format = 'jsonl'", 'format = "chat"'),
+    ([{"instruction": "x", "input": "", "output": "y"}], "jsonl", "data.format = 'jsonl'", 'format = "alpaca"'),
+    ([{"instruction": "x", "output": "y"}], "chat", "data.format = 'chat'", 'format = "alpaca"'),
+    ([{"conversations": [U, A]}], "alpaca", "data.format = 'alpaca'", "[data] text_field"),
+    ([{"content": "some text"}], "jsonl", "data.text_field = 'text'", "one of: content"),
+    ([{"chat": [U, A]}], "chat", "data.format = 'chat'", "[data] text_field"),
+], ids=["chat-as-jsonl", "alpaca-as-jsonl", "alpaca-as-chat", "unknown-as-alpaca", "text-field", "chat-field"])
+def test_submit_refuses_records_the_format_cannot_read(tmp_path: Path, records: list[Any], fmt_: str, field: str,
+                                                       fix: str) -> None:
+    """Before any allocation (on the node every rank failed after it), naming the field, value and the format
+    the records fit."""
+    from hpctrain.data.source import submit_source
+    from hpctrain.errors import HpcUsageError
+
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records * 3))
+    with pytest.raises(HpcUsageError) as err:
+        submit_source(str(path), str(tmp_path), "text", 512, 1, data=_data(fmt_))  # a tokenizer folder: chat's
+    assert str(err.value).startswith(field) and "Fix: " in str(err.value) and fix in str(err.value), str(err.value)
+
+
+def test_submit_leaves_a_stray_bad_record_to_the_node(tmp_path: Path) -> None:
+    from hpctrain.data.source import submit_source
+
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'\xef\xbb\xbfnot json\r\n{"oops": 1}\r\n{"instruction": "x", "output": "y"}\r\n')
+    assert submit_source(str(path), "byte", "text", 512, 1, data=_data("alpaca")) == (str(path), "")
+
+
+def test_the_raw_text_reader_takes_a_bom_and_crlf_as_prepare_does(tmp_path: Path) -> None:
+    from hpctrain.node.data.loader import read_texts
+
+    (tmp_path / "a.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "hello"}\r\n\r\n{"text": "world"}\r\n')
+    (tmp_path / "b.txt").write_bytes(b"\xef\xbb\xbfhello\r\nworld\n")
+    assert read_texts(str(tmp_path / "a.jsonl"), "jsonl", "text") == ["hello", "world"]  # was: line 1 not JSON
+    assert read_texts(str(tmp_path / "b.txt"), "text", "text") == ["hello", "world"]
+
+
+def test_a_model_path_that_is_not_there_says_how_to_get_one(tmp_path: Path) -> None:
+    from hpctrain.errors import HpcUsageError
+    from hpctrain.plan.planner import load_model_config
+    from hpctrain.spec.model import Model
+
+    with pytest.raises(HpcUsageError) as err:
+        load_model_config(Model(path=str(tmp_path / "Llama-3.1-8B-Instruct"), config=""))
+    text = str(err.value)
+    assert text.startswith("model.path = ") and "save_pretrained" in text and "--model DIR" in text
+    assert "presets" not in text  # presets are [model] config's, not a folder's

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import json
 import shlex
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,60 @@ def _check_sft(source: str, data: Any) -> None:
                         "--tokenizer DIR`, or set [data] format = \"prepared\" to train on every token")
 
 
+SAMPLE_RECORDS = 20  # the first records a raw file's shape is judged by: enough to skip a stray bad line
+
+
+def _check_records(source: str, text_field: str, data: Any) -> None:
+    """A raw jsonl file whose first records lack every field its format reads is refused here, naming the format
+    the fields fit (a chat file under format = "jsonl" is the usual case): on the node the same mismatch fails
+    every rank after the allocation. One bad record among good ones is the node's to count, not refused here."""
+    path = Path(source)
+    fmt = getattr(data, "format", "")
+    if not path.is_file() or fmt not in ("jsonl", "alpaca", "chat", "auto") or \
+            (fmt == "auto" and path.suffix not in (".jsonl", ".json")):
+        return
+    need = {"alpaca": ("instruction", "output"), "chat": (data.messages_field,)}.get(fmt, (text_field,))
+    seen: list[set[str]] = []
+    with path.open("rb") as fh:
+        for line in fh:
+            if len(seen) >= SAMPLE_RECORDS:
+                break
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # the node counts (SFT) or names (text) a line that is not JSON
+            if isinstance(rec, dict):
+                seen.append(set(map(str, rec)))
+    if not seen or any(all(k in keys for k in need) for keys in seen):
+        return
+    keys = sorted(set().union(*seen))
+    key, value = ("data.text_field", text_field) if fmt in ("jsonl", "auto") and not _fits(keys, data) else \
+        ("data.format", fmt)
+    raise bad_value(key, value, f"the first {len(seen)} records of {source} have the fields {', '.join(keys)}, and "
+                    f"format {fmt!r} reads {' and '.join(repr(k) for k in need)}", _record_fix(keys, data))
+
+
+def _fits(keys: list[str], data: Any) -> str:
+    """The SFT format whose fields the records have, or ""."""
+    if data.messages_field in keys or "messages" in keys:
+        return "chat"
+    return "alpaca" if "instruction" in keys and "output" in keys else ""
+
+
+def _record_fix(keys: list[str], data: Any) -> str:
+    fits = _fits(keys, data)
+    if fits == "chat":
+        field = data.messages_field if data.messages_field in keys else "messages"
+        extra = "" if field == data.messages_field else f" and [data] messages_field = {field!r}"
+        return f"set [data] format = \"chat\"{extra} (the loss on the assistant turns only; docs/data.md)"
+    if fits == "alpaca":
+        return "set [data] format = \"alpaca\" (instruction/input/output; the loss on the output only)"
+    return (f"set [data] text_field to the field that holds the text (one of: {', '.join(keys)}), or [data] format "
+            "to the records' format (\"chat\": messages, \"alpaca\": instruction/output); docs/data.md")
+
+
 def _cached(source: str, tokenizer: str, text_field: str, data: Any = None) -> Path | None:
     """The cache folder of `source` prepared with the default options, or None (reads no input file)."""
     from hpctrain.data.tokenizer import BYTE, folder_hash
@@ -113,6 +168,7 @@ def submit_source(source: str, tokenizer: str, text_field: str, model_vocab: int
     if found is not None:
         _check_vocab(str(found), model_vocab)
         return str(found), f"data.source: {source} is prepared in the data cache; the run reads {found}"
+    _check_records(source, text_field, data)
     if nodes > 1:
         cmd = prepare_command(source, tokenizer, text_field, data)
         raise bad_value("data.source", source,

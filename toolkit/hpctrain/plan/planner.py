@@ -72,9 +72,12 @@ def load_model_config(model: Model) -> dict[str, Any]:
             cfg = json.loads(_read_config(path))
             if not isinstance(cfg, dict):
                 raise TypeError("not a JSON object")
-        except (OSError, ValueError, TypeError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError: ValueErrors
-            raise bad_value(key, getattr(model, key.split(".")[1]), f"cannot read {path} ({exc})",
-                            f"point it at a readable config.json (presets: {', '.join(PRESETS)})") from None
+        except (OSError, ValueError, TypeError, RecursionError) as exc:  # JSON/Unicode decode errors: ValueErrors
+            fix = (f"point it at a readable config.json (presets: {', '.join(PRESETS)})" if not model.path else
+                   "point [model] path (--model DIR) at a local Hugging Face folder written by save_pretrained "
+                   "(config.json, *.safetensors, the tokenizer files). Compute nodes are offline: download it once, "
+                   "e.g. `huggingface-cli download ORG/NAME --local-dir DIR`")
+            raise bad_value(key, getattr(model, key.split(".")[1]), f"cannot read {path} ({exc})", fix) from None
     cfg.update(model.overrides)
     return cfg
 
@@ -398,7 +401,8 @@ def _explain(spec: Spec, chosen: Estimate, t: StepTime | None, micros: list[int]
         else:
             reasons.append("activation checkpointing auto -> " + (
                 "on: the run does not fit without it (recompute costs ~25% more compute)"
-                if chosen.activation_checkpointing else "off: the run fits without it (no recompute, ~25% less compute)"))
+                if chosen.activation_checkpointing
+                else "off: the run fits without it (no recompute, ~25% less compute)"))
     if chosen.offload_ratio < 1 and spec.parallel.offload_ratio != chosen.offload_ratio:
         reasons.append(f"offload ratio auto -> {chosen.offload_ratio:g}: the smallest ratio (steps of {RATIO_STEP:g}) "
                        f"whose GPU estimate fits; DeepSpeed moves whole sub-groups of {SUB_GROUP_SIZE:.0e} elements, "

@@ -82,7 +82,9 @@ def _is_saved_dataset(path: Path) -> bool:
 
 def _read_jsonl(path: Path, field: str) -> list[str]:
     out: list[str] = []
-    with path.open() as fh:
+    # utf-8-sig: a file saved with a BOM (Windows editors, Excel exports) reads as without; `data prepare` reads
+    # such a file so too, and the raw path refused its first line as "not valid JSON".
+    with path.open(encoding="utf-8-sig") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
@@ -100,7 +102,7 @@ def _read_jsonl(path: Path, field: str) -> list[str]:
 
 
 def _read_text(path: Path) -> list[str]:
-    return [line.rstrip("\n") for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    return [line for line in path.read_text(encoding="utf-8-sig", errors="replace").splitlines() if line.strip()]
 
 
 def _read_arrow(path: Path, field: str) -> list[str]:
