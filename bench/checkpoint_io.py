@@ -199,7 +199,8 @@ def run(a: argparse.Namespace, folder: Path) -> None:
             times[name].append(nbytes / dt / 1e9)
             ck_bytes = ck_bytes or nbytes
             shutil.rmtree(folder / "ckpt", ignore_errors=True)
-            print(f"[bench] round {r + 1} {name}: {dt:.2f} s, {nbytes / dt / 1e9:.2f} GB/s", file=sys.stderr, flush=True)
+            print(f"[bench] round {r + 1} {name}: {dt:.2f} s, {nbytes / dt / 1e9:.2f} GB/s", file=sys.stderr,
+                  flush=True)
         count = max(4, min(math.ceil(ck_bytes / (64 << 20)), int(a.max_dd_gb * 1e9 / (64 << 20))))
         disk = dd(folder, count)
         dd_flag = disk["flag"]

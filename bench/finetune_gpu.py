@@ -344,8 +344,8 @@ def hp_figures(run: Path, recs: list[dict[str, Any]], s: Setup, t_submit: float)
     else:
         resp_tps, resp_how = tps * float(d["response_frac"]), f"x data response share {d['response_frac']}"
     return {
-        "impl": "hpctrain", "step_s": round(step_s, 4), "runs_s": [round(float(r["tokens"]) / float(r["tokens_per_s"]), 3)
-                                                                     for r in steady if r.get("tokens_per_s")],
+        "impl": "hpctrain", "step_s": round(step_s, 4),
+        "runs_s": [round(float(r["tokens"]) / float(r["tokens_per_s"]), 3) for r in steady if r.get("tokens_per_s")],
         "tokens_per_s": round(tps, 1), "response_tokens_per_s": round(resp_tps, 1), "response_how": resp_how,
         "padding_frac": round(med("padding_frac"), 4), "model_tflops": round(med("tflops"), 1),
         "mfu": round(med("mfu"), 3) if steady[0].get("mfu") is not None else None,
@@ -374,7 +374,8 @@ def chosen_of(plan: dict[str, Any]) -> dict[str, Any]:
 
 def planned(s: Setup, env: dict[str, str]) -> dict[str, Any]:
     """hpctrain's plan for packed-sdpa (`hpctrain plan --json`): what the padded loop runs at."""
-    runfile = write_runfile(s.work / "runfiles" / "plan-packed-sdpa.toml", hp_tables(s, "plan", VARIANTS["packed-sdpa"]))
+    runfile = write_runfile(s.work / "runfiles" / "plan-packed-sdpa.toml",
+                            hp_tables(s, "plan", VARIANTS["packed-sdpa"]))
     proc = subprocess.run([sys.executable, "-m", "hpctrain", "plan", str(runfile), "--json"], capture_output=True,
                           text=True, timeout=120, check=False, env=env, cwd=str(ROOT))
     if proc.returncode:
@@ -566,8 +567,10 @@ def speed_table(per: dict[str, list[dict[str, Any]]], base: str) -> list[str]:
         tok = _med(fs, "tokens_per_s") or _med(fs, "real_tokens_per_s")
         out.append(f"| {v} | {len(fs)} | {_fmt(step, '.3f')} ({runs}) | {_fmt(tok)} | {_fmt(resp)} | "
                    f"{_fmt(step / b_step if step and b_step else None, '.3f')} | "
-                   f"{_fmt(resp / b_resp if resp and b_resp else None, '.2f')} | {_fmt(_med(fs, 'padding_frac'), '.1%')} | "
-                   f"{_fmt(_med(fs, 'epoch_s'))} | {_fmt(_med(fs, 'model_tflops'))} | {_fmt(_med(fs, 'gpu_peak_gb'), '.1f')} | "
+                   f"{_fmt(resp / b_resp if resp and b_resp else None, '.2f')} | "
+                   f"{_fmt(_med(fs, 'padding_frac'), '.1%')} | "
+                   f"{_fmt(_med(fs, 'epoch_s'))} | {_fmt(_med(fs, 'model_tflops'))} | "
+                   f"{_fmt(_med(fs, 'gpu_peak_gb'), '.1f')} | "
                    f"{_fmt(_med(fs, 'host_peak_gb'), '.1f')} | {fs[0].get('first_loss')}->{fs[-1].get('last_loss')} | "
                    f"{_chosen(fs)} |")
     return out
@@ -590,7 +593,8 @@ def startup_table(rows: list[dict[str, Any]]) -> list[str]:
             per.setdefault(r["variant"], []).append(st)
     if not per:
         return []
-    out = ["| variant | n | " + " | ".join(c for _, c in STARTUP_PARTS) + " |", "|---|---|" + "---|" * len(STARTUP_PARTS)]
+    out = ["| variant | n | " + " | ".join(c for _, c in STARTUP_PARTS) + " |",
+           "|---|---|" + "---|" * len(STARTUP_PARTS)]
     for v, sts in per.items():
         out.append(f"| {v} | {len(sts)} | " + " | ".join(_fmt(_med(sts, k), ".1f") for k, _ in STARTUP_PARTS) + " |")
     return out + ["", ("submit: `hpctrain submit` start to the rank's process start (CLI, plan, render, submitit); "
@@ -611,8 +615,9 @@ def report(rows: list[dict[str, Any]], skipped: list[str], argv: list[str], asse
              (f"Model: {assets.get('model')} shape, {assets.get('params', 0) / 1e9:.2f} B params, vocab "
              f"{assets.get('vocab')} (tokenizer = model), {assets.get('shards')} shards; built in "
              f"{assets.get('weights_s')} s (+ tokenizer {assets.get('tokenizer_s')} s, data {assets.get('data_s')} s). "
-             f"Data: {d.get('examples')} examples, mean {d.get('mean_tokens')} tokens (median {d.get('median_tokens')}, "
-             f"p99 {d.get('p99_tokens')}, max {d.get('max_tokens')}), responses {d.get('response_frac')} of tokens."), ""]
+             f"Data: {d.get('examples')} examples, mean {d.get('mean_tokens')} tokens "
+             f"(median {d.get('median_tokens')}, p99 {d.get('p99_tokens')}, max {d.get('max_tokens')}), "
+             f"responses {d.get('response_frac')} of tokens."), ""]
     st = startup_table(rows)
     if st:
         lines += ["## Start-up (seconds, medians)", "", *st,

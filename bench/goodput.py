@@ -40,6 +40,7 @@ Leaves nothing running: the job is cancelled and every killed node restarted in 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -124,10 +125,8 @@ def events(run: Path) -> list[dict[str, Any]]:
     path = run / "events.jsonl"
     out = []
     for line in (path.read_text().splitlines() if path.exists() else []):
-        try:
+        with contextlib.suppress(ValueError):
             out.append(json.loads(line))
-        except ValueError:
-            pass
     return out
 
 
@@ -271,7 +270,7 @@ def compare(paths: list[Path], waits: list[float]) -> None:
     print(f"\n| path | faults | useful s | allocated s | goodput (allocated) | node-time efficiency | "
           f"queue passes | {head} |")
     print("|---|---|---|---|---|---|---|" + "---|" * len(waits))
-    for p, r in zip(paths, rows):
+    for p, r in zip(paths, rows, strict=True):
         walls = " | ".join(f"{100 * r['useful_s'] / (r['wall_s'] + r['queue_passes'] * w):.1f}%" for w in waits)
         eff = f"{100 * r['node_efficiency']:.1f}%" if r.get("node_efficiency") else "-"
         kinds = ", ".join(f["kind"] for f in r["faults"])

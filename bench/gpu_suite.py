@@ -21,6 +21,7 @@ it ends), suite.md (the tables), logs.tar.gz (every run's log and metrics).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -82,7 +83,8 @@ CASES: dict[str, Case] = {
                      {"run": []}, rounds=1, est_s=150, script=str(BENCH / "node_dynamic_batching.py"),
                      note="padded vs dynamic vs packed batches (issue 8 goal 6)"),
     "ckpt": Case(["--model", "llama-1b", "--gpu", "--dir", "/tmp/hpctrain-ckio"], {"run": []}, rounds=1, est_s=200,
-                 script=str(BENCH / "checkpoint_io.py"), note="dd vs sync vs async checkpoint writes (issue 18 goal 2)"),
+                 script=str(BENCH / "checkpoint_io.py"),
+                 note="dd vs sync vs async checkpoint writes (issue 18 goal 2)"),
     # --cpu: the suite's own smoke test on a tiny model (tests/test_bench.py).
     "cpu-smoke": Case(["--model", "llama-tiny", "--zero", "auto", "--offload-ratio", "auto", "--ac", "auto",
                        "--global-batch", "4", "--seq", "64", "--steps", "2", "--warmup", "1", "--cpu"],
@@ -202,7 +204,8 @@ def case_table(name: str, rows: list[dict[str, Any]]) -> list[str]:
                       f"ac={ch.get('ac')}") if ch else "-"
             out.append(f"| {v} | {len(fs)} | {med:.3f} ({runs}) | "
                        f"{statistics.median(f['tokens_per_s_per_gpu'] for f in fs):,.0f} | {tflops:.0f} | "
-                       f"{f'{mfu:.1%}' if mfu else '-'} | {ratio} | {f0.get('gpu_peak_gb')} ({f0.get('pred_gpu_gb', '-')}) | "
+                       f"{f'{mfu:.1%}' if mfu else '-'} | {ratio} | "
+                       f"{f0.get('gpu_peak_gb')} ({f0.get('pred_gpu_gb', '-')}) | "
                        f"{host} ({f0.get('pred_host_gb', '-')}) | {chosen} | {f0.get('pred_step_s') or '-'} |")
     else:
         for r in ok:
@@ -215,11 +218,9 @@ def case_table(name: str, rows: list[dict[str, Any]]) -> list[str]:
 
 def report(rows: list[dict[str, Any]], skipped: list[str], argv: list[str]) -> str:
     gpu = "cpu"
-    try:
+    with contextlib.suppress(OSError):
         gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=20, check=False).stdout.strip() or gpu
-    except OSError:
-        pass
     lines = [f"# bench/gpu_suite.py, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC", "",
              f"Machine: {gpu}; {os.cpu_count()} cores; {platform.platform()}.",
              f"Command: `python bench/gpu_suite.py {' '.join(argv)}`", ""]

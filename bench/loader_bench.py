@@ -129,7 +129,8 @@ def main() -> None:
 
 def print_startup(rows: list[tuple[str, dict[str, float]]]) -> None:
     print("\n| corpus | pieces | import torch+node (s) | build source (s) | epoch plan (s) | first batch (s) "
-          "| data total (s) | critical path, plan overlapped (s) | peak RSS (GB) |\n|---|---|---|---|---|---|---|---|---|")
+          "| data total (s) | critical path, plan overlapped (s) | peak RSS (GB) |\n"
+          "|---|---|---|---|---|---|---|---|---|")
     for name, r in rows:
         print(f"| {name} | {int(r['pieces'])} | {r['import_s']:.2f} | {r['build_s']:.2f} | {r['plan_s']:.2f} "
               f"| {r['batch_s']:.3f} | {r['data_s']:.2f} | {r['critical_s']:.2f} | {r['rss_gb']:.3f} |")

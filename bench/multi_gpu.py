@@ -120,7 +120,8 @@ def table(rows: list[dict[str, Any]], skipped: list[str]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=DEFAULT_CASES,
-                    help="comma list of model:zero:gpus:srun|ds[:mb], or resume=model:zero:N (save on N, resume on N/2)")
+                    help="comma list of model:zero:gpus:srun|ds[:mb], "
+                    "or resume=model:zero:N (save on N, resume on N/2)")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--mb", type=int, default=4)
     ap.add_argument("--steps", type=int, default=5, help="measured steps after the warm-up")

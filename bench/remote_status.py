@@ -10,7 +10,8 @@ tiny example within 1.5 s. hpctrain's way is timed twice: through the login node
 default) and without it (HPCTRAIN_REMOTE_NO_SERVER=1: an ssh session and a Python start there per command).
 
     python bench/remote_status.py [--repeat 7]
-    LOGIN_NS=hpctrain-login-b LOGIN_VETH=vhpcloginb LOGIN_IP=10.77.0.203 python bench/remote_status.py  # beside a test run
+    # beside a test run:
+    LOGIN_NS=hpctrain-login-b LOGIN_VETH=vhpcloginb LOGIN_IP=10.77.0.203 python bench/remote_status.py
 
 The machine is shared with other sessions: compare the differences, not the seconds.
 """
@@ -38,7 +39,8 @@ RUN_FILE = (ROOT / "examples" / "tiny.toml").read_text()
 
 
 STATUS_LOGIN, STATUS = "status: on the login node", "status: hpctrain --remote (the server, over the open connection)"
-SUBMIT_LOGIN, SUBMIT = "submit: on the login node", "submit: hpctrain submit --site (the server, over the open connection)"
+SUBMIT_LOGIN = "submit: on the login node"
+SUBMIT = "submit: hpctrain submit --site (the server, over the open connection)"
 
 
 def timed(fn: Callable[[], subprocess.CompletedProcess[str]]) -> float:

@@ -17,6 +17,7 @@ over the restart (the cluster's 4 nodes share this machine's cores: anything els
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -41,10 +42,8 @@ PHASES = ("entry_s", "preflight_s", "prepare_s", "process_group_s", "engine_s", 
 def jsonl(path: Path) -> list[dict[str, Any]]:
     out = []
     for line in path.read_text().splitlines() if path.exists() else []:
-        try:
+        with contextlib.suppress(ValueError):
             out.append(json.loads(line))
-        except ValueError:
-            pass
     return out
 
 

@@ -415,7 +415,8 @@ def in_job_restart_run(env: dict[str, Any]) -> Path:
     # rank 0 (node1) blames its healthy ring neighbour on node1 itself: a consequence of node2's loss
     logs["logs/attempt-0.rank-0.log"] += rank_log(0, [(29, "ERROR training failed:")]) + \
         "RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.1]:30955\n"
-    logs["submitit/60_0_log.err"] = f"[W{time.strftime('%m%d %H:%M:%S', time.localtime(T0 + 29))}.1 x.cpp:1] y\n{peer}\n"
+    stamp = time.strftime('%m%d %H:%M:%S', time.localtime(T0 + 29))
+    logs["submitit/60_0_log.err"] = f"[W{stamp}.1 x.cpp:1] y\n{peer}\n"
     folder = make_run(env, "spare", [{"attempt": 0, "job_id": "60", "state": "RUNNING", "nodes": "node[1,3]",
                                       "started": T0 + 35}], logs=logs,
                       metrics=metrics(range(1, 26), 1) + metrics(range(21, 31), 20))
@@ -472,6 +473,9 @@ def test_an_in_job_restart_is_one_more_attempt_in_summary_and_logs(env: dict[str
     blamed = next(i for i, ln in enumerate(a0_log) if "Connection closed by peer [10.0.0.1]" in ln)
     assert said < blamed and a0_log[blamed].endswith("<- a consequence of node2's loss"), a0_log
     assert sum("<- a consequence" in ln for ln in a0_log) == 1 and sum("journal" in ln for ln in a0_log) == 1
+    import hpctrain
+
+    assert hpctrain.Run("spare").logs(attempt=0) == a0_log  # the API's logs() is what `hpctrain logs` prints
 
 
 def test_why_a_retry_waits_is_in_the_table_not_only_the_json(env: dict[str, Any]) -> None:

@@ -169,8 +169,9 @@ def test_podman_time_limit_signal_checkpoints_requeues_and_resumes(image: str, t
     batch script requeues the job, and the next attempt resumes from that checkpoint to the end."""
     env = {**os.environ, "HPCTRAIN_RUNS_DIR": str(tmp_path / "runs"), "HPCTRAIN_STATE_DIR": str(tmp_path / "state")}
     res = subprocess.run([str(HPCTRAIN), "submit", str(REPO / "examples" / "tiny.toml"), "--executor", "slurm",
-                          "--partition", "debug", "--nodes", "2", "--set", "resources.tasks_per_node=1", "--steps", "40",
-                          "--set", "checkpoint.every_steps=0", "--time", "00:10:00", "--container", f"podman:{image}",
+                          "--partition", "debug", "--nodes", "2", "--set", "resources.tasks_per_node=1",
+                          "--steps", "40", "--set", "checkpoint.every_steps=0", "--time", "00:10:00",
+                          "--container", f"podman:{image}",
                           "--json"], capture_output=True, text=True, timeout=120, check=False, env=env, cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     sub = json.loads(res.stdout)[0]

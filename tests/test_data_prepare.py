@@ -131,7 +131,7 @@ def test_manifest_says_what_was_made_and_from_what(tmp_path: Path, tok: Path, do
     assert m.vocab_size == 300 and m.dtype == "uint16" and (m.bos_id, m.eos_id) == (1, 2)
     assert len(m.train.shards) > 1 and m.val.documents > 0
     want = expected(tok, docs)
-    val = [w for d, w in zip(docs, want) if is_val(d, 0.2)]
+    val = [w for d, w in zip(docs, want, strict=True) if is_val(d, 0.2)]
     assert m.val.documents == len(val) and m.val.tokens == sum(map(len, val))
     assert m.train.tokens + m.val.tokens == sum(map(len, want))
     assert m.inputs[0]["sha256"] == hashlib.sha256(src.read_bytes()).hexdigest()
@@ -179,8 +179,8 @@ def test_killed_prepare_resumes(tmp_path: Path, tok: Path, docs: list[str]) -> N
     res = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=True)
     kept = int(re.search(r"resuming: (\d+) of (\d+) shards kept", res.stdout).group(1))  # type: ignore[union-attr]
     assert kept >= 3 and kept <= finished + 1
-    assert all_docs(out) == [d for d, t in zip(expected(tok, docs * 8), docs * 8) if not is_val(t, 0.005)] + \
-        [d for d, t in zip(expected(tok, docs * 8), docs * 8) if is_val(t, 0.005)]
+    pairs = list(zip(expected(tok, docs * 8), docs * 8, strict=True))
+    assert all_docs(out) == [d for d, t in pairs if not is_val(t, 0.005)] + [d for d, t in pairs if is_val(t, 0.005)]
     assert not list(out.rglob("*.tmp")) and not (out / ".prepare-progress.jsonl").exists()
 
 
@@ -191,7 +191,8 @@ def test_hostile_paths(tmp_path: Path, tok: Path, docs: list[str]) -> None:
     prepare(str(src), "--tokenizer", str(tok), "--out", str(out))
     assert fmt.read_manifest(out).inputs[0]["path"] == str(src)
     assert len(all_docs(out)) == 5
-    res = invoke("data", "prepare", str(src), "--tokenizer", str(tok), "--out", str(root / "o2"), "--text-field", "body")
+    res = invoke("data", "prepare", str(src), "--tokenizer", str(tok), "--out", str(root / "o2"),
+                 "--text-field", "body")
     assert res.exit_code == 2 and "--text-field = 'body'" in res.output and "(it has: id, text)" in res.output
     (root / "mine").mkdir()
     (root / "mine" / "notes.txt").write_text("not a prepared corpus")
@@ -239,5 +240,5 @@ def test_prepare_as_a_slurm_job(tmp_path: Path, tok: Path, docs: list[str]) -> N
     assert "prepared " in (out / f"prepare-{job}.out").read_text()
     m = fmt.read_manifest(out)
     assert m.inputs[0]["path"] == str(src) and m.documents + m.val.documents == len(docs)
-    assert all_docs(out) == [d for d, t in zip(expected(tok, docs), docs) if not is_val(t, 0.005)] + \
-        [d for d, t in zip(expected(tok, docs), docs) if is_val(t, 0.005)]
+    assert all_docs(out) == [d for d, t in zip(expected(tok, docs), docs, strict=True) if not is_val(t, 0.005)] + \
+        [d for d, t in zip(expected(tok, docs), docs, strict=True) if is_val(t, 0.005)]

@@ -192,7 +192,7 @@ def test_the_mask_travels_through_every_batching_mode(tmp_path: Path, mode: str)
         assert (x >= 0).all() and b.trained == int((y[:, 1:] != IGNORE).sum()) > 0
         for r in range(len(x)):
             starts = [0] if b.position_ids is None else list(np.flatnonzero(b.position_ids[r].numpy() == 0))
-            for s, e in zip(starts, [*starts[1:], len(x[r])]):
+            for s, e in zip(starts, [*starts[1:], len(x[r])], strict=True):
                 ids = [int(i) for i in x[r, s:e]]
                 if ids[0] != 257:
                     continue  # pads
@@ -361,7 +361,8 @@ def test_training_on_sft_data_reports_trained_tokens(toks: dict[str, Path], tmp_
         source, tok_name, data_format = _jsonl(tmp_path / "a.jsonl", _alpaca_records(60)), "byte", "alpaca"
         seq = 256
     else:
-        source, tok_name, data_format = _prepare(tmp_path, toks, _conversations(60), seq_len=64), str(toks["chat"]), "chat"
+        source = _prepare(tmp_path, toks, _conversations(60), seq_len=64)
+        tok_name, data_format = str(toks["chat"]), "chat"
         seq = 64
     run = make_run(tmp_path / "run", data={"source": str(source), "format": data_format, "tokenizer": tok_name,
                                            "seq_len": seq, "pack": True},

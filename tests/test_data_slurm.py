@@ -36,7 +36,7 @@ def test_prepared_zero3_usr2_resume_mid_epoch_matches_uninterrupted(lab: list[st
     prep = tmp_path / "prep"
     m = write_prepared(prep, tok, stdlib_texts(30), val_every=6, shard_docs=8)
     # STEPS x grad_accum 2 x dp 4 micro-batches of 2 packed rows of 64 tokens: a fraction of one epoch
-    assert STEPS * 2 * 4 * 2 * 64 < m.train.tokens / 2
+    assert m.train.tokens / 2 > STEPS * 2 * 4 * 2 * 64
     ref_job, ref = submit(lab, *_flags(prep, tok))
     job, run = submit(lab, *_flags(prep, tok))
     # The cluster is shared: wait for the job to start (bounded), then for its steps.

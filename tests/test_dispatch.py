@@ -116,7 +116,8 @@ FAKE_FLAKY = r"""#!/bin/bash
 dir=$(dirname "$0")
 n=$(( $(cat "$dir/flaky" 2>/dev/null || echo 0) + 1 )); echo $n > "$dir/flaky"
 if [ "$n" -le "${FAIL_TIMES:-2}" ]; then
-  echo "sacct: error: slurm_persist_conn_open_without_init: failed to open persistent connection to host:localhost:6819: Connection refused" >&2
+  echo "sacct: error: slurm_persist_conn_open_without_init: failed to open persistent connection to \
+host:localhost:6819: Connection refused" >&2
   exit 1
 fi
 printf '7|COMPLETED|0:0|node1|2026-11-29T10:00:00|2026-11-29T10:00:05\n'
@@ -334,7 +335,8 @@ def test_auto_executor(fake_slurm: Path, monkeypatch: pytest.MonkeyPatch, tmp_pa
 
 
 # -- slurmctld down, and the list/status/cancel commands ------------------------------------------------
-DOWN = '#!/bin/sh\necho "sbatch: error: Batch job submission failed: Unable to contact slurm controller (connect failure)" >&2\nexit 1\n'
+DOWN = ('#!/bin/sh\necho "sbatch: error: Batch job submission failed: '
+        'Unable to contact slurm controller (connect failure)" >&2\nexit 1\n')
 
 
 def test_submit_with_controller_down_records_nothing(fake_slurm: Path, stand_in_render: None, tmp_path: Path,
@@ -369,7 +371,8 @@ def test_list_status_cancel_commands(fake_slurm: Path, stand_in_render: None, tm
     subs = dispatch.submit(dirs, _spec(), _plan(), "slurm")  # type: ignore[arg-type]
     # sacct reports task 0 finished and task 1 running; the parent id is what we asked about.
     _exe(fake_slurm / "sacct", "#!/bin/sh\necho '101_0|COMPLETED|0:0|node1|2026-11-29T10:00:00|2026-11-29T10:00:05'\n"
-         "echo '101_1|RUNNING|0:0|node2|2026-11-29T10:00:00|Unknown'\necho \"$@\" >> \"$(dirname \"$0\")/sacct.args\"\n")
+         "echo '101_1|RUNNING|0:0|node2|2026-11-29T10:00:00|Unknown'\n"
+         "echo \"$@\" >> \"$(dirname \"$0\")/sacct.args\"\n")
     _exe(fake_slurm / "scancel", "#!/bin/sh\necho \"$@\" >> \"$(dirname \"$0\")/scancel.args\"\n")
     r = CliRunner().invoke(_cli(), ["list", "--json"])
     assert r.exit_code == 0, r.output
@@ -586,8 +589,9 @@ def test_a_requeued_jobs_runs_are_recorded_for_the_history(fake_slurm: Path, sta
     (d,) = _folders(tmp_path, 1)
     (sub,) = dispatch.submit([d], _spec(), _plan(), "slurm")  # type: ignore[arg-type]
     first = f"{sub.job_id}|REQUEUED|0:0|node[1,4]|2026-11-29T10:00:00|2026-11-29T10:00:40"
-    for last in ("RUNNING|0:0|node[2-3]|2026-11-29T10:01:00|Unknown", "RUNNING|0:0|node[2-3]|2026-11-29T10:01:00|"
-                 "Unknown", "COMPLETED|0:0|node[2-3]|2026-11-29T10:01:00|2026-11-29T10:02:00"):
+    for last in ("RUNNING|0:0|node[2-3]|2026-11-29T10:01:00|Unknown",
+                 "RUNNING|0:0|node[2-3]|2026-11-29T10:01:00|Unknown",
+                 "COMPLETED|0:0|node[2-3]|2026-11-29T10:01:00|2026-11-29T10:02:00"):
         _exe(fake_slurm / "sacct", f"#!/bin/sh\necho '{first}'\necho '{sub.job_id}|{last}'\n")
         reg = Registry()
         refresh(reg, [reg.get_run(sub.run_id)])

@@ -28,8 +28,9 @@ def _run_folder(tmp_path: Path, state: str = "FAILED", exit_code: str = "1:0", j
     run = tmp_path / "run-1"
     for sub in ("logs", "metrics", "submitit", "checkpoints"):
         (run / sub).mkdir(parents=True)
-    (run / "attempts.jsonl").write_text(json.dumps({"attempt": 0, "job_id": job_id, "state": state, "nodes": "node[1-2]",
-                                                    "started": 900.0, "ended": 1010.0, "exit_code": exit_code}) + "\n")
+    (run / "attempts.jsonl").write_text(json.dumps({"attempt": 0, "job_id": job_id, "state": state,
+                                                    "nodes": "node[1-2]", "started": 900.0, "ended": 1010.0,
+                                                    "exit_code": exit_code}) + "\n")
     return run
 
 
@@ -127,7 +128,8 @@ def test_summary_names_class_rank_host_from_the_event_without_any_log(tmp_path: 
     row = _summarize(run)
     assert row["failure_class"] == "python_exception"
     f = row["failure"]
-    assert (f["rank"], f["host"], f["source"], f["exception"]) == (1, "node2", "events.jsonl", "ValueError: boom at step 7")
+    assert (f["rank"], f["host"], f["source"], f["exception"]) == (1, "node2", "events.jsonl",
+                                                                   "ValueError: boom at step 7")
     assert f["last_lines"][-1] == "ValueError: boom at step 7"
 
 
@@ -157,8 +159,8 @@ def test_input_error_and_consequences(tmp_path: Path) -> None:
     run = _run_folder(tmp_path, exit_code="2:0")
     events.append_event(run, Event(kind=events.FAILURE, time=999.0, rank=1, host="node2", attempt=0, job_id="123",
                                    message="another rank failed", exit_code=1))
-    events.append_event(run, _failure(0, "node1", FailureClass.INPUT_ERROR, message="[data] source = 'x.jsonl': no such "
-                                      "file. Fix: ...", exit_code=2))
+    events.append_event(run, _failure(0, "node1", FailureClass.INPUT_ERROR,
+                                      message="[data] source = 'x.jsonl': no such file. Fix: ...", exit_code=2))
     f = _summarize(run)["failure"]
     assert (f["failure_class"], f["rank"], f["host"]) == ("input_error", 0, "node1")
     assert f["message"].startswith("[data] source")

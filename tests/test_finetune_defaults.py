@@ -88,7 +88,7 @@ def test_min_lr_follows_the_users_lr(tmp_path: Path) -> None:
 
 
 def test_pretraining_constant_named_for_the_reasons_is_pretrainings_default() -> None:
-    assert finetune.PRETRAIN_LR == Train().lr
+    assert Train().lr == finetune.PRETRAIN_LR
 
 
 # ------------------------------------------------------------------------------------- a key set anywhere wins

@@ -181,7 +181,7 @@ def test_the_sweep_bound_is_the_grid_product(sizes: list[int]) -> None:
     from hpctrain.spec.model import MAX_SWEEP_POINTS, parse_sweep
 
     keys = ["train.seed", "train.steps", "train.warmup_steps", "train.log_every"]
-    items = [f"{k}={','.join(str(v + 1) for v in range(n))}" for k, n in zip(keys, sizes)]
+    items = [f"{k}={','.join(str(v + 1) for v in range(n))}" for k, n in zip(keys, sizes, strict=False)]
     total = math.prod(sizes)
     if total > MAX_SWEEP_POINTS:
         with pytest.raises(HpcUsageError, match=f"{total:,} grid points"):
@@ -214,7 +214,8 @@ def test_after_is_bounded(home: Path) -> None:
 # -- 7. messages: bounded echoes, TOML in the fix, the wrong entry named ----------------------------------------
 
 @pytest.mark.parametrize("args", [
-    ["hostfile", "--slots", "1", "--nodelist", "n[1-2]," + ",".join(f"node{i:05d}" for i in range(1700)) + ",,"],  # 10 KB, bad
+    ["hostfile", "--slots", "1", "--nodelist",
+     "n[1-2]," + ",".join(f"node{i:05d}" for i in range(1700)) + ",,"],  # 10 KB, bad
     ["hostfile", "--slots", "1", "--nodelist", "n" * 10_000 + "[x]"],
     ["plan", "--partition", "p;" + "q" * 10_000, "examples/tiny.toml"],
     ["submit", "--dry-run", "--sweep", "train.lr=" + "1" * 10_000 + "x", "examples/tiny.toml"],

@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 pytestmark = pytest.mark.slurm
-SITE = "import os\nd = os.environ.get('HPCTRAIN_RUN_DIR')\nif d:\n    with open(os.path.join(d, 'marker.txt'), 'a') as f:\n" \
+SITE = "import os\nd = os.environ.get('HPCTRAIN_RUN_DIR')\nif d:\n" \
+       "    with open(os.path.join(d, 'marker.txt'), 'a') as f:\n" \
        "        f.write('{v} ' + os.getcwd() + '\\n')\n"
 TINY = ["--model", "llama-tiny", "--steps", "1", "--partition", "debug", "--time", "00:05:00", "--retries", "0",
         "--executor", "slurm", "--set", "checkpoint.export_hf=false", "--set", "data.seq_len=32"]

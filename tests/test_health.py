@@ -90,7 +90,8 @@ def test_a_slow_cpu_a_missing_report_and_a_broken_check_fail() -> None:
     assert "RuntimeError: boom" in v.failed["node6"] and "node1" not in v.failed
 
 
-def _gpu(rank: int, tflops: float | None, nvml: dict[str, Any] | None = None, name: str = "NVIDIA H200") -> dict[str, Any]:
+def _gpu(rank: int, tflops: float | None, nvml: dict[str, Any] | None = None,
+         name: str = "NVIDIA H200") -> dict[str, Any]:
     return {"rank": rank, "done": True, "device": "gpu",
             "gpus": [{"index": 0, "name": name, "tflops": tflops, "nvml": nvml or {}}]}
 
@@ -272,7 +273,8 @@ def test_the_summary_says_which_node_failed_the_check_and_why(tmp_path: Path, mo
     run.mkdir()
     ev.append_event(run, ev.Event(kind=ev.HEALTH, time=1.0, job_id="7", attempt=0, extra={
         "step_id": "7.0", "hosts": ["node1", "node2", "node3"], "failed": {"node2": "network: slow"},
-        "replaced": {"node2": "node3"}, "train_hosts": ["node1", "node3"], "notes": [], "figures": {}, "elapsed_s": 9.5}))
+        "replaced": {"node2": "node3"}, "train_hosts": ["node1", "node3"], "notes": [], "figures": {},
+        "elapsed_s": 9.5}))
     atts = summary._with_health_checks([{"attempt": 0, "job_id": "7"}, {"attempt": 1, "job_id": "8"}],
                                        ev.read_events(run))
     assert atts[0]["health"]["failed"] == {"node2": "network: slow"} and "health" not in atts[1]
@@ -336,7 +338,8 @@ def test_submitits_callable_runs_the_check_in_the_health_step(monkeypatch: pytes
 
 @pytest.mark.parametrize("flags, key", [({"resources.spare_nodes": 1}, "resources.spare_nodes = 1"),
                                         ({"fault.health_check": True}, "fault.health_check = true")])
-def test_the_local_executor_refuses_spares_and_the_health_check(tmp_path: Path, flags: dict[str, Any], key: str) -> None:
+def test_the_local_executor_refuses_spares_and_the_health_check(tmp_path: Path, flags: dict[str, Any],
+                                                                key: str) -> None:
     from hpctrain.errors import HpcUsageError
     from hpctrain.plan.planner import make_plan
     from hpctrain.slurm import dispatch
@@ -373,7 +376,8 @@ def test_a_borderline_node_is_measured_again_and_passes_or_is_condemned_only_whe
     steady = [63.0, 64.0, 64.8, 64.5, 64.2, 63.9]
     first = _cpus([40.5, 40.0, 40.2, 39.9, 40.4, 40.1], steady, steady, steady)  # tight, 0.625 x the median
     v = judge_mod.judge(first, retest=True)
-    assert v.failed == {} and list(v.retest) == ["node1"] and "40.5 GFLOPS < 0.8 x the nodes' median" in v.retest["node1"]
+    assert v.failed == {} and list(v.retest) == ["node1"]
+    assert "40.5 GFLOPS < 0.8 x the nodes' median" in v.retest["node1"]
     assert list(judge_mod.judge(first).failed) == ["node1"]  # no second chance: the final judgement
     fine = {"node1": _cpu_windows(0, [63.0, 64.1, 62.5, 63.3])}
     merged = judge_mod.merge_remeasured(first, fine, v.retest)
@@ -462,7 +466,8 @@ def test_the_h200s_recorded_under_load_a_healthy_one_passes_an_injected_half_rat
     v = judge_mod.judge({"a": healthy, "b": half}, retest=True)
     assert list(v.failed) == ["b"] and v.retest == {} and v.notes == ()  # 667 >= 0.8 x 788: no note needed
     # its best window is the one best against its own clock: 329 at 1440 MHz (against 573)
-    assert "329 TFLOPS < 0.8 x its kind's measured rate 788 at the 1440 of 1980 MHz it was allowed (573)" in v.failed["b"]
+    want = "329 TFLOPS < 0.8 x its kind's measured rate 788 at the 1440 of 1980 MHz it was allowed (573)"
+    assert want in v.failed["b"]
 
 
 def test_a_gpu_slow_at_full_clock_is_still_condemned() -> None:
@@ -526,7 +531,7 @@ def test_the_cpu_is_measured_in_windows_per_cpu_second_and_per_wall_second() -> 
     assert rep["device"] == "cpu" and len(cpu["samples"]) == 3 and len(cpu["wall_samples"]) == 3
     assert cpu["gflops"] == max(cpu["samples"]) and cpu["per"] == "cpu_s" and cpu["spread"] >= 0
     # a CPU-second is at most a wall second: the rate per CPU-second is at least the rate per wall second
-    assert all(c >= 0.95 * w for c, w in zip(cpu["samples"], cpu["wall_samples"]))
+    assert all(c >= 0.95 * w for c, w in zip(cpu["samples"], cpu["wall_samples"], strict=True))
 
 
 def test_the_driver_measures_a_borderline_node_again_and_keeps_it_when_it_reaches_its_rate(
@@ -536,7 +541,7 @@ def test_the_driver_measures_a_borderline_node_again_and_keeps_it_when_it_reache
     and trains; node2, slow on the network, is still replaced by the spare."""
     steady = [63.0, 64.0, 64.8, 64.5, 64.2, 63.9]
     reports: dict[str, dict[str, Any] | None] = _ring(3, {1})  # type: ignore[assignment]
-    for i, (h, s) in enumerate(zip(reports, ([40.5, 40.0, 40.2, 39.9, 40.4, 40.1], steady, steady))):
+    for h, s in zip(reports, ([40.5, 40.0, 40.2, 39.9, 40.4, 40.1], steady, steady), strict=True):
         reports[h]["cpu"].update(gflops=max(s), samples=s)  # type: ignore[index]
     d, steps = _driver(tmp_path, monkeypatch, reports, ["node1", "node2", "node3"], nodes=2)
     steps.again = {"node1": _cpu_windows(0, [62.9, 64.1, 63.5, 63.0])}
@@ -552,10 +557,11 @@ def test_the_driver_measures_a_borderline_node_again_and_keeps_it_when_it_reache
     assert e.extra["driver"]["host"] == "node1" and e.extra["driver"]["cpu_s"] >= 0
 
 
-def test_the_driver_condemns_a_borderline_node_that_is_slow_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_driver_condemns_a_borderline_node_that_is_slow_again(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     slowish = [40.5, 40.0, 40.2, 39.9, 40.4, 40.1]
     reports = {h: _cpu_windows(i, s) for i, (h, s) in enumerate(
-        zip(["node1", "node2", "node3"], (slowish, [63.0, 64.8, 64.0], [64.1, 63.9, 64.2])))}
+        zip(["node1", "node2", "node3"], (slowish, [63.0, 64.8, 64.0], [64.1, 63.9, 64.2]), strict=True))}
     d, steps = _driver(tmp_path, monkeypatch, reports, ["node1", "node2", "node3"], nodes=2)  # type: ignore[arg-type]
     steps.again = {"node1": _cpu_windows(0, [40.9, 40.1, 39.8, 40.6])}
     assert d.run() == 0 and "--nodelist=node2,node3" in steps.argv[2]

@@ -60,7 +60,8 @@ def test_a_node_with_a_slow_link_is_swapped_for_the_spare_before_training(slurm_
     run_cmd(["bash", str(SLURM_SH), "slow-net", "2", "40mbit"], timeout=60)
     try:
         run, job, env = submit(tmp_path, "--nodes", "2", "--spare-nodes", "1", "--set", "resources.exclude=node4",
-                               "--job-name", "health-net", env_extra={"HPCTRAIN_HEALTH_INJECT": "borderline:host=node1"})
+                               "--job-name", "health-net",
+                               env_extra={"HPCTRAIN_HEALTH_INJECT": "borderline:host=node1"})
         (check,) = wait_until(lambda: health_events(run), 600, "the health check's verdict", poll=1)
     finally:
         run_cmd(["bash", str(SLURM_SH), "slow-net", "2", "off"], timeout=60)

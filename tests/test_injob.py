@@ -72,7 +72,8 @@ def _script(tmp_path: Path, **res: Any) -> tuple[str, Any]:
 
 def test_spares_are_allocated_beside_the_training_nodes_and_the_job_survives_a_node(tmp_path: Path) -> None:
     text, plan = _script(tmp_path, nodes=2, spare_nodes=1)
-    assert plan.nodes == 2 and plan.spare_nodes == 1 and plan.in_job_restarts == 1 and plan.world_size == 2 * plan.ranks_per_node
+    assert plan.nodes == 2 and plan.spare_nodes == 1 and plan.in_job_restarts == 1
+    assert plan.world_size == 2 * plan.ranks_per_node
     assert "#SBATCH --nodes=3\n" in text and "#SBATCH --no-kill\n" in text
     line = next(ln for ln in text.splitlines() if "-m hpctrain.fault.injob" in ln)
     assert "--nodes 2 " in line and "--restarts 1 " in line and " -- srun --unbuffered" in line
@@ -126,7 +127,8 @@ def _failure(run_dir: Path, attempt: int, cls: str, exc: str = "RuntimeError: gl
     return f"open({str(run_dir / 'events.jsonl')!r}, 'a').write({line!r} + '\\n'); raise SystemExit(1)"
 
 
-def _driver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scripts: list[str], budget: int = 1) -> tuple[Driver, FakeSteps]:
+def _driver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scripts: list[str],
+            budget: int = 1) -> tuple[Driver, FakeSteps]:
     run = tmp_path / "run"
     (run / "metrics").mkdir(parents=True)
     fake = FakeSteps(run, scripts)
@@ -157,7 +159,8 @@ def test_a_transient_crash_restarts_in_place_as_a_new_attempt_and_step(tmp_path:
 
 def test_a_user_error_ends_the_job_with_its_exit_status(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run = tmp_path / "run"
-    d, fake = _driver(tmp_path, monkeypatch, [_failure(run, 0, FailureClass.PYTHON_EXCEPTION, "ValueError: bad lr"), "pass"])
+    d, fake = _driver(tmp_path, monkeypatch,
+                      [_failure(run, 0, FailureClass.PYTHON_EXCEPTION, "ValueError: bad lr"), "pass"])
     assert d.run() == 1 and len(fake.argv) == 1
     assert not ev.read_events(run, kind=injob.RESTART)
 
@@ -284,8 +287,8 @@ def _lost_peer_files(run: Path, attempt: int) -> None:
 
 
 @pytest.mark.parametrize("slurmd_up, expect", [(False, True), (True, False)])
-def test_a_dead_node_is_condemned_at_once_a_live_one_after_the_confirmation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                           slurmd_up: bool, expect: bool) -> None:
+def test_a_dead_node_is_condemned_at_once_a_live_one_after_the_confirmation(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slurmd_up: bool, expect: bool) -> None:
     """The peer-lost verdict waits 3 s for a step that may end by itself (a rank died on a live node); when the
     blamed host's slurmd takes no connection, the node is gone and the wait buys nothing."""
     d, _ = _driver(tmp_path, monkeypatch, [])

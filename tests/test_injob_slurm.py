@@ -120,7 +120,8 @@ def test_a_spare_replaces_a_dead_node_in_the_same_job_then_the_queue_takes_over(
     live = summary_of(run, env)["attempts"]
     assert [(a["attempt"], a.get("step_id"), a["how"]) for a in live] == [(0, f"{job}.4", "submitted"),
                                                                           (1, f"{job}.5", "in_job")], live
-    assert live[1]["state"] == "RUNNING" and live[1]["failure_class"] is None, (live[1], summary_of(run, env)["warnings"])
+    assert live[1]["state"] == "RUNNING" and live[1]["failure_class"] is None, \
+        (live[1], summary_of(run, env)["warnings"])
     assert live[0]["failure_class"] == "node_fail" and live[0]["failure"]["host"] == hosts[2], live[0]
     st = hpctrain(env, "status", run.name, "--json")
     assert [(h["attempt"], h["how"]) for h in st["history"]] == [(0, "submitted"), (1, "in_job")], st["history"]

@@ -238,7 +238,8 @@ def test_planner_lora_8b_fits_one_gpu_without_offload(tmp_path: Path) -> None:
 def test_planner_lora_zero3_counts_adapter_state_only(tmp_path: Path) -> None:
     from hpctrain.plan.planner import make_plan
 
-    tables = {**GPU_8B, "resources": {**GPU_8B["resources"], "gpus_per_node": 4, "tasks_per_node": 4}, "parallel": {"zero": 3}}
+    tables = {**GPU_8B, "resources": {**GPU_8B["resources"], "gpus_per_node": 4, "tasks_per_node": 4},
+              "parallel": {"zero": 3}}
     full, lora = make_plan(_spec(tmp_path, {"r": 0}, **tables)), make_plan(_spec(tmp_path, {"r": 16}, **tables))
     fb, lb = full.memory["breakdown"], lora.memory["breakdown"]
     assert lb["weights"] == pytest.approx(fb["weights"] * (1 + 41_943_040 / full.param_count), rel=1e-3)

@@ -333,7 +333,8 @@ def test_pending_reason_in_list_and_status(env: dict[str, Any]) -> None:  # noqa
     assert "PENDING (ReqNodeNotAvail" in _runs_cli("list").stdout
     from hpctrain.slurmcommands import pending_reasons
 
-    assert pending_reasons(["90_1", "61", "62"]) == {"90_1": "Priority", "61": "ReqNodeNotAvail, UnavailableNodes:node2"}
+    assert pending_reasons(["90_1", "61", "62"]) == {"90_1": "Priority",
+                                                     "61": "ReqNodeNotAvail, UnavailableNodes:node2"}
 
 
 def test_status_tells_a_lost_node_without_summary_first(env: dict[str, Any]) -> None:  # noqa: F811

@@ -46,7 +46,7 @@ def test_dynamic_batching_same_tokens_less_padding(mode: str) -> None:
                 else:  # split a packed row at position resets
                     pos = b.position_ids[r].tolist()
                     cur: list[int] = []
-                    for t, p in zip(row, pos):
+                    for t, p in zip(row, pos, strict=True):
                         if p == 0 and cur:
                             seqs.append(tuple(cur))
                             cur = []
@@ -255,7 +255,8 @@ def test_entry_is_torch_free() -> None:
     import subprocess
     import sys
 
-    code = "import sys, hpctrain.node.launch.entry; print([m for m in ('torch','deepspeed','transformers') if m in sys.modules])"
+    code = ("import sys, hpctrain.node.launch.entry; "
+            "print([m for m in ('torch','deepspeed','transformers') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

@@ -53,7 +53,8 @@ def test_same_file_as_the_one_thread_writer(tmp_path: Path) -> None:
     sd = _state()
     ckpt.write_file(sd, tmp_path / "par.pt")
     ckpt.write_serial(sd, tmp_path / "one.pt")
-    assert _same(torch.load(tmp_path / "par.pt", weights_only=False), torch.load(tmp_path / "one.pt", weights_only=False))
+    assert _same(torch.load(tmp_path / "par.pt", weights_only=False),
+                 torch.load(tmp_path / "one.pt", weights_only=False))
 
 
 def test_declined_layout_falls_back_to_one_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -125,7 +125,8 @@ def test_deepspeed_is_imported_without_mlflow_on_a_rank() -> None:
     import subprocess
     import sys
 
-    code = ("import sys; import hpctrain.node.launch.main; import deepspeed; import deepspeed.autotuning.autotuner as a; "
+    code = ("import sys; import hpctrain.node.launch.main; import deepspeed; "
+            "import deepspeed.autotuning.autotuner as a; "
             "assert 'mlflow' not in sys.modules and a.has_mlflow is False; import mlflow; print('ok', mlflow.__name__)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0 and "ok mlflow" in proc.stdout, proc.stderr[-2000:]

@@ -139,22 +139,27 @@ def test_explicit_ratio_auto_with_zero3_offload() -> None:
 
 @pytest.mark.parametrize("model", ["llama-1b", "llama-3b"])
 def test_small_models_on_an_h200_take_no_offload(model: str) -> None:
-    p = make_plan(h200(model, parallel=Parallel(zero="auto"), train=Train(micro_batch=4, activation_checkpointing=True)))
+    p = make_plan(h200(model, parallel=Parallel(zero="auto"),
+                       train=Train(micro_batch=4, activation_checkpointing=True)))
     assert p.offload == "none" and p.offload_ratio == 1.0 and p.memory["fits"]
 
 
 def test_activation_checkpointing_auto_only_when_needed() -> None:
-    off = make_plan(h200("llama-1b", parallel=Parallel(zero=3), train=Train(micro_batch=1, activation_checkpointing="auto")))
+    off = make_plan(h200("llama-1b", parallel=Parallel(zero=3),
+                         train=Train(micro_batch=1, activation_checkpointing="auto")))
     assert off.activation_checkpointing is False and "auto -> off" in "\n".join(off.reasons)
-    on = make_plan(h200("llama-3b", parallel=Parallel(zero=3), train=Train(micro_batch=8, activation_checkpointing="auto")))
+    on = make_plan(h200("llama-3b", parallel=Parallel(zero=3),
+                        train=Train(micro_batch=8, activation_checkpointing="auto")))
     assert on.activation_checkpointing is True and "auto -> on" in "\n".join(on.reasons)
     assert json.loads(on.to_json())["activation_checkpointing"] is True
     # true/false are kept as given
-    assert make_plan(h200("llama-1b", train=Train(micro_batch=1, activation_checkpointing=True))).activation_checkpointing
+    assert make_plan(h200("llama-1b",
+                          train=Train(micro_batch=1, activation_checkpointing=True))).activation_checkpointing
 
 
 def test_micro_batch_auto_takes_the_largest_that_fits() -> None:
-    p = make_plan(h200("llama-1b", parallel=Parallel(zero=3), train=Train(global_batch=64, activation_checkpointing=True)))
+    p = make_plan(h200("llama-1b", parallel=Parallel(zero=3),
+                       train=Train(global_batch=64, activation_checkpointing=True)))
     assert p.micro_batch * p.grad_accum == 64 and 64 % p.micro_batch == 0 and p.memory["fits"]
     assert p.micro_batch < 64 and "micro-batch auto" in "\n".join(p.reasons)
     bigger = make_plan(h200("llama-1b", parallel=Parallel(zero=3),
@@ -207,7 +212,8 @@ def test_offload_ratio_refusals(flags: dict[str, object], why: str, fix: str) ->
 
 def test_offload_ratio_bool_refused_in_a_run_file(tmp_path: Path) -> None:
     run = tmp_path / "run.toml"
-    run.write_text('[model]\nconfig = "llama-tiny"\n[parallel]\nzero = 3\noffload = "optimizer"\noffload_ratio = true\n')
+    run.write_text('[model]\nconfig = "llama-tiny"\n'
+                   '[parallel]\nzero = 3\noffload = "optimizer"\noffload_ratio = true\n')
     with pytest.raises(HpcUsageError, match=r"parallel.offload_ratio = True: must be a float or one of 'auto'"):
         S.resolve(run, {})
 
@@ -251,7 +257,8 @@ def test_node_uses_the_plans_auto_choices(tmp_path: Path) -> None:
     from hpctrain.render.runfolder import write_run_folder
     from hpctrain.runs.folder import RunFolder
 
-    spec = h200("llama-8b", parallel=Parallel(zero="auto"), train=Train(global_batch=16, activation_checkpointing="auto"))
+    spec = h200("llama-8b", parallel=Parallel(zero="auto"),
+                train=Train(global_batch=16, activation_checkpointing="auto"))
     plan = make_plan(spec)
     folder = RunFolder(write_run_folder(tmp_path / "run", spec, plan))
     assert read_plan(folder) == plan
@@ -265,7 +272,8 @@ def test_node_uses_the_plans_auto_choices(tmp_path: Path) -> None:
 def test_deepspeed_reads_the_partial_offload_ratio(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     cfgmod = pytest.importorskip("deepspeed.runtime.config")
-    spec = h200("llama-8b", parallel=Parallel(zero="auto"), train=Train(global_batch=16, activation_checkpointing="auto"))
+    spec = h200("llama-8b", parallel=Parallel(zero="auto"),
+                train=Train(global_batch=16, activation_checkpointing="auto"))
     plan = make_plan(spec)
 
     class MPU:  # DeepSpeedConfig reads dp from an mpu; no process group is needed

@@ -82,7 +82,8 @@ def test_subprocesses_one_missing_exit_nonzero() -> None:
     code = ("import sys; from hpctrain.node.launch.preflight import run_from_env, PreflightError\n"
             "try:\n    run_from_env(3)\nexcept PreflightError as e:\n    print(e); sys.exit(3)\n")
     t0 = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, "-c", code], env={**os.environ, **_env(r, world, port, "node[1-2]", "2,1")},
+    procs = [subprocess.Popen([sys.executable, "-c", code],
+                              env={**os.environ, **_env(r, world, port, "node[1-2]", "2,1")},
                               stdout=subprocess.PIPE, text=True) for r in (0, 1)]
     outs = [p.communicate(timeout=10)[0] for p in procs]
     assert time.monotonic() - t0 < 8  # 3 s timeout + two interpreters' start-up on a busy machine

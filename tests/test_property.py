@@ -42,8 +42,9 @@ BUDGET = settings(max_examples=EXAMPLES, derandomize=True, deadline=None, databa
 # -- values -------------------------------------------------------------------------------------------
 
 SECRET = "hf_" + "A" * 30
-HOSTILE = ["", " ", "\n", "\r\n", "\r", "\x00", "\t", "\x1b[31m", "\x7f", "$(touch /tmp/pwned)", "`id`", "'; rm -rf ~;'",
-           "-x", "--privileged", "%a", "%j", "a\\b", "${SLURM_ARRAY_TASK_ID}", "ü", "x" * 300, "9" * 400,
+HOSTILE = ["", " ", "\n", "\r\n", "\r", "\x00", "\t", "\x1b[31m", "\x7f", "$(touch /tmp/pwned)", "`id`",
+           "'; rm -rf ~;'", "-x", "--privileged", "%a", "%j", "a\\b", "${SLURM_ARRAY_TASK_ID}", "ü", "x" * 300,
+           "9" * 400,
            "node[1-100000000]", SECRET, "auto", "llama-tiny", "/dev/zero", "..", "a,b", "a:b:c:d"]
 text = st.one_of(st.sampled_from(HOSTILE), st.text(max_size=12),
                  st.lists(st.sampled_from(HOSTILE), min_size=2, max_size=3).map("".join))

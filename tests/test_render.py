@@ -207,7 +207,8 @@ def test_hostile_strings_cannot_execute(tmp_path: Path) -> None:
              "srun() { printf '%s\\n' \"$@\" > \"$ARGS_FILE\"; printf '%s' \"$EVIL\" > \"$OUTFILE\"; }\n")
     body = script.replace("#!/bin/bash\n", "#!/bin/bash\n" + fakes, 1)
     (tmp_path / "run.sh").write_text(body)
-    res = subprocess.run(["bash", str(tmp_path / "run.sh")], check=False, capture_output=True, text=True, timeout=30, cwd=tmp_path,
+    res = subprocess.run(["bash", str(tmp_path / "run.sh")], check=False, capture_output=True, text=True, timeout=30,
+                         cwd=tmp_path,
                          env={"PATH": os.environ["PATH"], "OUTFILE": str(tmp_path / "out"), "SLURM_JOB_ID": "1234",
                               "SLURM_JOB_NODELIST": "node[1-2]", "ARGS_FILE": str(tmp_path / "args")})
     assert res.returncode == 0, res.stderr
@@ -340,7 +341,8 @@ def test_path_characters_slurm_or_submitit_misread_are_refused(odd: str, why: st
     with pytest.raises(HpcUsageError) as exc:
         render_sbatch(spec, make_plan(spec), tmp_path / odd / "r1", "true")
     text = str(exc.value)
-    assert text.startswith("run folder = ") and why in text and "Fix: " in text and repr(str(tmp_path / odd))[1:-1] in text
+    assert text.startswith("run folder = ") and why in text and "Fix: " in text
+    assert repr(str(tmp_path / odd))[1:-1] in text
 
 
 def test_templates_ship_in_package() -> None:
@@ -412,7 +414,8 @@ def test_deepspeed_accepts_tensor_and_pipeline_sections(monkeypatch: pytest.Monk
     assert cfg.pipeline["stages"] == 2
 
 
-@pytest.mark.parametrize("template", [None, "{% for h in hosts %}{{ h }} slots={{ slots }} # site{{ '\\n' }}{% endfor %}"])
+@pytest.mark.parametrize("template", [
+    None, "{% for h in hosts %}{{ h }} slots={{ slots }} # site{{ '\\n' }}{% endfor %}"])
 def test_job_writes_the_hostfile_render_hostfile_writes(template: str | None, tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """One format: the batch script's awk program is rendered from hostfile.j2 (also an override), so the

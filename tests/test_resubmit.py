@@ -1,4 +1,6 @@
-"""The retry policy (hpctrain.fault.policy) and the supervisor's pure helpers (hpctrain.fault.supervisor): no cluster."""
+"""The retry policy (hpctrain.fault.policy) and the supervisor's pure helpers (hpctrain.fault.supervisor).
+
+No cluster."""
 
 from __future__ import annotations
 

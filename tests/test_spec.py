@@ -165,8 +165,8 @@ def full_spec() -> S.Spec:
     return S.Spec(
         name="weird \"name\" 'q' \\ \n".strip(), site="s",
         resources=S.Resources(nodes=4, gpus_per_node=8, exclude=("n1", "n2"), gpu_mem_gb=40),
-        launch=S.Launch(modules=("a/1", "b c")), model=S.Model(config="llama-8b",
-                                                              overrides={"rope_theta": 1e4, "x": [1, 2], "y": {"z": "w"}}),
+        launch=S.Launch(modules=("a/1", "b c")),
+        model=S.Model(config="llama-8b", overrides={"rope_theta": 1e4, "x": [1, 2], "y": {"z": "w"}}),
         data=S.Data(source="/d/x.jsonl", seq_len=4096, pack=True),
         train=S.Train(lr=3e-05, min_lr=0.0, global_batch=256, micro_batch=2),
         parallel=S.Parallel(zero="auto", offload="optimizer"), checkpoint=S.Checkpoint(every_minutes=12.5),

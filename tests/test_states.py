@@ -37,8 +37,9 @@ def test_every_state_slurm_prints_is_one_state(text: str) -> None:
     assert kinds.count(True) == 1, (text, kinds)
 
 
-@pytest.mark.parametrize("text, want", [("CANCELLED by 1000", JobState.CANCELLED), ("CANCELLED by 0", JobState.CANCELLED),
-                                        ("COMPLETED+", JobState.COMPLETED), (" running ", JobState.RUNNING),
+@pytest.mark.parametrize("text, want", [("CANCELLED by 1000", JobState.CANCELLED),
+                                        ("CANCELLED by 0", JobState.CANCELLED), ("COMPLETED+", JobState.COMPLETED),
+                                        (" running ", JobState.RUNNING),
                                         ("", JobState.UNKNOWN), ("NODE_FAIL", JobState.NODE_FAIL)])
 def test_sacct_variants_normalize(text: str, want: JobState) -> None:
     assert normalize_state(text) is want
@@ -53,8 +54,8 @@ def test_states_partition() -> None:
     every = set(JobState)
     assert ACTIVE_STATES | RUN_ENDED_STATES | {JobState.UNKNOWN} == every
     assert not ACTIVE_STATES & RUN_ENDED_STATES and JobState.UNKNOWN not in ACTIVE_STATES | RUN_ENDED_STATES
-    assert FINAL_STATES == {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY",
-                            "BOOT_FAIL", "DEADLINE", "SUBMIT_FAILED"}
+    assert {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY",
+            "BOOT_FAIL", "DEADLINE", "SUBMIT_FAILED"} == FINAL_STATES
     # A submission whose answer was lost may be queued: treated as active until reconciled.
     assert JobState.SUBMIT_UNKNOWN in ACTIVE_STATES
 
@@ -110,8 +111,9 @@ def test_class_of_state(state: str | None, cls: str | None) -> None:
     assert states.class_of_state(state) == cls
 
 
-@pytest.mark.parametrize("code, status, cls", [("2:0", 2, "input_error"), ("4:0", 4, "preflight"), (2, 2, "input_error"),
-                                               ("1:0", 1, None), ("0:9", 0, None), ("137:0", 137, None),
+@pytest.mark.parametrize("code, status, cls", [("2:0", 2, "input_error"), ("4:0", 4, "preflight"),
+                                               (2, 2, "input_error"), ("1:0", 1, None), ("0:9", 0, None),
+                                               ("137:0", 137, None),
                                                ("", None, None), (None, None, None)])
 def test_exit_codes(code: str | int | None, status: int | None, cls: str | None) -> None:
     assert states.exit_status(code) == status

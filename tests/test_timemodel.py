@@ -27,7 +27,8 @@ def work(model: str, mb: int, accum: int, ac: bool, offload: bool, ratio: float 
 
 # Measured steps on one H200, seq 4096, bf16 (BENCHMARKS.md, December; issue 18; from 2026-12-02 bench/gpu_suite.py,
 # raw rows in bench/results/gpu-2026-12-02/; medians of 3 where n >= 3). ZeRO-3 unless the case says ZeRO-0.
-# "fit": a figure a rate of the model was fitted to (efficiency at 2048 / 4096, duplex, the pageable copy-back); the others check it.
+# "fit": a figure a rate of the model was fitted to (efficiency at 2048 / 4096, duplex, the pageable copy-back);
+# the others check it.
 # (case, model, micro, accum, recompute, offload, ratio, plain DeepSpeed's pageable copy-back, step s)
 MEASURED = [
     ("1B mb 4 + AC, entrypoint (fit)", "llama-1b", 4, 1, True, False, 1.0, False, 16384 / 33465),

@@ -62,7 +62,8 @@ def test_bad_backend_is_refused_with_the_known_names() -> None:
     with pytest.raises(HpcUsageError) as err:
         resolve(None, {"model.config": "llama-tiny", "tracking.backends": "tensorbord"}, check=False)
     msg = str(err.value)
-    assert msg.startswith("tracking.backends = 'tensorbord': not a tracker hpctrain knows (did you mean 'tensorboard'?)")
+    assert msg.startswith("tracking.backends = 'tensorbord': not a tracker hpctrain knows "
+                          "(did you mean 'tensorboard'?)")
     assert "tensorboard, wandb, csv, mlflow" in msg and "--track" in msg
     code, out = _invoke("plan", "--model", "llama-tiny", "--track", "tensorboard,tensorboard")
     assert code == 2 and "tracking.backends = 'tensorboard': listed twice" in out

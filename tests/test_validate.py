@@ -70,7 +70,8 @@ TINY = '[model]\nconfig = "llama-tiny"\n'
 
 @pytest.mark.parametrize(("flag", "value", "field"), [
     ("--mem", "64G\n", "resources.mem"), ("--time", "01:00:00\n", "resources.time"),
-    ("--partition", "gpu\n", "resources.partition"), ("runfile", '[resources]\nexclude = ["n1\\n"]\n', "resources.exclude"),
+    ("--partition", "gpu\n", "resources.partition"),
+    ("runfile", '[resources]\nexclude = ["n1\\n"]\n', "resources.exclude"),
     ("--set", "env.WANDB_API_KEY\n=x", "env.WANDB_API_KEY"), ("runfile", 'secret_env = ["S\\n"]\n', "secret_env"),
     ("--site", "s\n", "site"),
 ])
@@ -255,7 +256,8 @@ def test_largest_allowed_global_batch_plans(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("override", "field"), [
-    ('hidden_size = "sixty-four"', "hidden_size"), ("hidden_size = [64]", "hidden_size"), ("hidden_size = nan", "hidden_size"),
+    ('hidden_size = "sixty-four"', "hidden_size"), ("hidden_size = [64]", "hidden_size"),
+    ("hidden_size = nan", "hidden_size"),
     ("hidden_size = inf", "hidden_size"), ("hidden_size = 0", "hidden_size"), ("hidden_size = -64", "hidden_size"),
     ("hidden_size = 64.0", "hidden_size"), ("num_attention_heads = 0", "num_attention_heads"),
     ("num_attention_heads = 7", "num_attention_heads"), ("num_key_value_heads = 3", "num_key_value_heads"),

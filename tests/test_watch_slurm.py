@@ -46,7 +46,8 @@ def hung(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     sub = json.loads(proc.stdout)[0]
     env.pop("HPCTRAIN_FAULT_INJECT")
     watch = subprocess.Popen([sys.executable, "-m", "hpctrain", "status", sub["run_id"], "--watch", "--interval", "1"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, stdin=subprocess.DEVNULL)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                             stdin=subprocess.DEVNULL)
     try:
         yield {"env": env, "run_id": sub["run_id"], "run": Path(sub["run_dir"]), "job": str(sub["job_id"]),
                "watch": watch}

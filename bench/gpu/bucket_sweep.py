@@ -39,7 +39,10 @@ def one_run(a: argparse.Namespace, case: str, variant: str, rnd: int, work: Path
     cmd = [sys.executable, str(ROOT / "bench" / "node_gpu.py"), "--model", a.model, "--zero", "3", "--seq", "4096",
            "--steps", str(a.steps), "--warmup", str(a.warmup), "--out", str(work / f"{case}-{variant}-{rnd}"),
            "--timeout", str(a.timeout), *CASES[case]]
-    cmd += ["--only", "plain"] if zero is None else ["--only", "entry", "--tag", variant, "--zero-json", json.dumps(zero)]
+    if zero is None:
+        cmd += ["--only", "plain"]
+    else:
+        cmd += ["--only", "entry", "--tag", variant, "--zero-json", json.dumps(zero)]
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout + 30, check=False)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
@@ -56,7 +59,8 @@ def one_run(a: argparse.Namespace, case: str, variant: str, rnd: int, work: Path
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    out = ["| case | variant | n | median tok/s | runs | median MFU | ratio to plain |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    out = ["| case | variant | n | median tok/s | runs | median MFU | ratio to plain |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
     for case in sorted({r["case"] for r in rows}):
         med: dict[str, float] = {}
         for v in VARIANTS:

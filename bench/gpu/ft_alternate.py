@@ -311,7 +311,8 @@ def write_result(a: argparse.Namespace, marks: dict[str, float], t_start: float,
             w = line.split()
             parts["model_build_s"], parts["weights_load_s"] = float(w[3]), float(w[-2])
             parts["engine_init_s"] = parts["engine_s"] - parts["model_build_s"] - parts["weights_load_s"]
-    out = {"run_dir": str(Path(a.run_dir).absolute()), "variants": names, "rounds": a.rounds, "steps": a.steps, "n_params": n_params,
+    out = {"run_dir": str(Path(a.run_dir).absolute()), "variants": names, "rounds": a.rounds, "steps": a.steps,
+           "n_params": n_params,
            "micro": prep.micro, "gas": prep.gas, "zero": prep.zero, "checkpointing": prep.checkpointing,
            "lora_r": prep.spec.lora.r, "startup": {k: round(v, 2) for k, v in parts.items()},
            "fast_init": fast_init_times(),

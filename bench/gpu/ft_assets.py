@@ -7,7 +7,8 @@
   simple chat_template. Its vocabulary is the model's exactly (128,256 for the 8B shape): a small BPE trained on
   the synthetic corpus, its merges extended with pairs of existing tokens until the size matches;
 * SFT data, the same examples as `chat.jsonl` (OpenAI-style `messages`) and `alpaca.jsonl` (instruction, input,
-  output): prompts and responses of log-normal token lengths (mean ~280 tokens an example at the 8B vocabulary, median ~210, p99 ~1,400, a long tail);
+  output): prompts and responses of log-normal token lengths (mean ~280 tokens an example at the 8B vocabulary,
+  median ~210, p99 ~1,400, a long tail);
 * `assets.json`: what was made, with the data's token counts (total, response) under the chat template.
 
     python bench/gpu/ft_assets.py --model llama-8b --out /tmp/ft-assets        # on the device
@@ -214,7 +215,8 @@ def build(out: Path, model: str, *, examples: int, prompt_mean: float = 80.0, re
     words = Words(seed)
     tok = build_tokenizer(folder, VOCAB[model], words)
     t_tok = time.time()
-    info: dict[str, Any] = {"model": model, "vocab": len(tok), "folder": str(folder), "tokenizer_s": round(t_tok - t0, 1)}
+    info: dict[str, Any] = {"model": model, "vocab": len(tok), "folder": str(folder),
+                            "tokenizer_s": round(t_tok - t0, 1)}
     if weights:
         info.update(write_model(folder, model, VOCAB[model], tok, seed=seed))
     t_w = time.time()

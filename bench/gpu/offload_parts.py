@@ -7,10 +7,10 @@
    ZeRO-3 step that are neither (found in stage3.py): the blocking fp32 -> bf16 copy-back from pageable
    memory, and the multiply of every CPU gradient by the combined scale; and hpctrain.node.model.zero_offload's
    copy-backs (the pinned, chunked one; the default one, cast on the GPU from the page-locked master).
-2. `--breakdown V` (after the runs): the plain loop (bench/gpu/plain_ds.py --breakdown) once per variant, timing forward,
-   backward, step and the step's pieces between synchronisations (not a baseline).
-3. `--variants` (before the breakdowns): the entrypoint and the plain loop in alternating fresh processes (bench/node_gpu.py
-   --only entry|plain), rounds rotating the order; medians and ratios at the end.
+2. `--breakdown V` (after the runs): the plain loop (bench/gpu/plain_ds.py --breakdown) once per variant, timing
+   forward, backward, step and the step's pieces between synchronisations (not a baseline).
+3. `--variants` (before the breakdowns): the entrypoint and the plain loop in alternating fresh processes
+   (bench/node_gpu.py --only entry|plain), rounds rotating the order; medians and ratios at the end.
 
 Rows go to OUT/rows.jsonl as they come, the table to OUT/table.md. Stops starting runs past --budget seconds.
 
@@ -71,7 +71,8 @@ def parts(a: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     res: dict[str, Any] = {"kind": "parts", "model": a.model, "mb": a.mb, "seq": a.seq,
-                           "torch_threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS", ""),
+                           "torch_threads": torch.get_num_threads(),
+                           "omp_num_threads": os.environ.get("OMP_NUM_THREADS", ""),
                            "cpus": len(os.sched_getaffinity(0))}
     res.update(_fwd_bwd_part(a))
     torch.cuda.empty_cache()
@@ -186,7 +187,8 @@ def _adam_part(n: int) -> dict[str, Any]:
             opt.step()
 
     adam_s = _timed(adam_step, lambda: None, 3)
-    return {"adam_alloc_s": alloc_s, "cpu_adam_s": round(adam_s, 4), "cpu_adam_gparams_per_s": round(n / adam_s / 1e9, 2)}
+    return {"adam_alloc_s": alloc_s, "cpu_adam_s": round(adam_s, 4),
+            "cpu_adam_gparams_per_s": round(n / adam_s / 1e9, 2)}
 
 
 # ------------------------------------------------------------------------------------------ runs

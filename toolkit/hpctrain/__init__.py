@@ -27,7 +27,8 @@ if TYPE_CHECKING:  # what mypy and editors see; at run time __getattr__ below lo
 
 __all__ = ["Plan", "Run", "Status", "__version__", "plan", "runs", "submit"]
 
-_LAZY = {"Run": "hpctrain.api", "Status": "hpctrain.api", "submit": "hpctrain.api", "Plan": "hpctrain.plan.model"}  # name -> module
+_LAZY = {"Run": "hpctrain.api", "Status": "hpctrain.api", "submit": "hpctrain.api",  # name -> module
+         "Plan": "hpctrain.plan.model"}
 
 
 class _StageAndFunction(types.ModuleType):

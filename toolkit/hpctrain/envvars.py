@@ -12,7 +12,8 @@ HPCTRAIN: dict[str, str] = {
     # Where things live (the user's environment)
     "HPCTRAIN_CONFIG_DIR": "user: the folder of site profiles (sites/NAME.toml) and template overrides (templates/)",
     "HPCTRAIN_RUNS_DIR": "user: where run folders are created (default from config.toml, else ./runs)",
-    "HPCTRAIN_STATE_DIR": "user: the registry's folder (default $XDG_STATE_HOME/hpctrain, else ~/.local/state/hpctrain)",
+    "HPCTRAIN_STATE_DIR":
+        "user: the registry's folder (default $XDG_STATE_HOME/hpctrain, else ~/.local/state/hpctrain)",
     "HPCTRAIN_DATA_CACHE": "user: the prepared-data cache (default <runs dir>/.prepared/KEY)",
     "HPCTRAIN_REMOTE": "user: run every command on this [remote] site's login node (like --remote SITE)",
     "HPCTRAIN_REMOTE_NO_SERVER": "user/tests: set: remote commands use plain ssh, no forwarded hpctrain server",

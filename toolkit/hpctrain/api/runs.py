@@ -7,10 +7,11 @@ types load with this module; the registry, sacct and the collector load inside t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,7 +22,7 @@ from hpctrain.states import JobState, is_final, normalize_state
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.api.resubmitting import Resubmitted
-    from hpctrain.collect.logs import LogFile
+    from hpctrain.collect.logs import Line, LogFile, LogFilter
     from hpctrain.collect.summary import RunInput
     from hpctrain.runs import registry as reglib
 
@@ -180,8 +181,8 @@ class Run:
                 return st
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"run {self.run_id}: job {st.job_id or '-'} is still {st.state} after {timeout:g} s; "
-                                   f"logs: {self.folder / 'logs'}")
+                raise TimeoutError(f"run {self.run_id}: job {st.job_id or '-'} is still {st.state} "
+                                   f"after {timeout:g} s; logs: {self.folder / 'logs'}")
             time.sleep(min(max(poll, 0.1), left))
 
     def summary(self) -> dict[str, Any]:
@@ -196,16 +197,15 @@ class Run:
 
     def logs(self, *, attempt: int | None = None, rank: int | None = None, host: str | None = None,
              grep: str | re.Pattern[str] | None = None) -> list[str]:
-        """The per-rank log lines, merged by time and tagged `a<attempt> r<rank> <host> | ` as `hpctrain logs`
-        prints them (submitit's task logs for attempts without rank logs)."""
+        """What `hpctrain logs` prints (`log_lines`): the per-rank log lines merged by time and tagged
+        `a<attempt> r<rank> <host> | ` (submitit's task logs for attempts without rank logs), the journal's lines
+        among them (a lost node, the peer errors that followed it tagged as its consequences)."""
         from hpctrain.collect import logs as cl
         from hpctrain.collect.summary import from_folder, from_registry
 
         pattern = re.compile(grep) if isinstance(grep, str) else grep
         inp = from_registry(self.record) if self.record is not None else from_folder(self.folder)
-        list_files, host_of = log_sources(inp)
-        return [ln.tagged() for ln in cl.merged_lines(list_files(), host_of, cl.LogFilter(attempt, rank, host,
-                                                                                            pattern))]
+        return [ln.tagged() for ln in log_lines(inp, cl.LogFilter(attempt, rank, host, pattern))]
 
     def resubmit(self, *, exclude_failed_nodes: bool = False, exclude: Sequence[str] = (),
                  max_retries: int | None = None, time_limit: str | None = None) -> Resubmitted:
@@ -236,10 +236,8 @@ class Run:
 
             commands.scancel([a.job_id for a in live])  # raises (nothing recorded) if slurmctld is down
         for a in live if rec.executor != "slurm" else []:
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 os.kill(int(a.job_id), signal.SIGTERM)  # submitit's controller forwards it to the tasks
-            except (OSError, ValueError):
-                pass
         now = time.time()
         self._reg.update_attempts([(rec.run_id, a.attempt, {"state": JobState.CANCELLED, "ended": now})
                                    for a in live])
@@ -284,7 +282,8 @@ def summaries(refs: list[str], all_runs: bool = False) -> Summaries:
     reg = Registry()
     inputs, errors, warnings = co.resolve_refs(reg, refs, all_runs)
     records = co.summarize(inputs)
-    co.store_failure_classes(reg, [{**r, "_registry_attempts": i.attempts} for r, i in zip(records, inputs)])
+    co.store_failure_classes(reg, [{**r, "_registry_attempts": i.attempts}
+                                   for r, i in zip(records, inputs, strict=True)])
     return Summaries(records, errors, warnings)
 
 
@@ -353,10 +352,20 @@ def request_cancel(folder: str, jobs: list[str]) -> None:
     run = RunFolder(folder)
     old = run.cancel_request() or {}
     jobs = list(dict.fromkeys([*(str(j) for j in old.get("jobs") or []), *jobs]))
-    try:
+    with contextlib.suppress(OSError):
         write_private(run.cancel_requested, json_text({"time": time.time(), "jobs": jobs, "by": "hpctrain cancel"}))
-    except OSError:
-        pass
+
+
+def log_lines(inp: RunInput, flt: LogFilter) -> Iterator[Line]:
+    """A run's log as `hpctrain logs` prints it and `Run.logs()` returns it: every log file of the run (each
+    attempt placed as every report places it), merged by time and filtered, with the journal's lines (hpctrain.
+    collect.losses.LossNotes: a node lost, and the surviving ranks' peer errors after it marked as its
+    consequences)."""
+    from hpctrain.collect import logs as cl
+    from hpctrain.collect.losses import LossNotes
+
+    list_files, host_of = log_sources(inp)
+    return cl.merged_lines(list_files(), host_of, flt, LossNotes.of_run(inp.folder))
 
 
 def log_sources(inp: RunInput) -> tuple[Callable[[], list[LogFile]], Callable[[LogFile], str]]:

@@ -61,7 +61,7 @@ def logs(run: str, attempt: int | None, rank: int | None, host: str | None, patt
     `a<attempt> r<rank> <host>`. Attempts without rank logs show submitit's task logs instead. Where the run's
     journal records a lost node, a `journal` line says which, and the surviving ranks' peer errors after it are
     marked as its consequences."""
-    from hpctrain.api.runs import log_sources
+    from hpctrain.api.runs import log_lines, log_sources
     from hpctrain.collect import logs as cl
     from hpctrain.collect.losses import LossNotes
     from hpctrain.errors import HpcUsageError
@@ -78,15 +78,19 @@ def logs(run: str, attempt: int | None, rank: int | None, host: str | None, patt
         raise click.ClickException(f"run folder {inp.folder} of {inp.run_id} is missing (moved, deleted, or its "
                                    "filesystem is not mounted here): no logs to show")
     flt = cl.LogFilter(attempt, rank, host, grep)
-    list_files, host_of = log_sources(inp)
-    emit: Callable[[cl.Line], None] = lambda ln: click.echo(ln.tagged())
+
+    def emit(ln: cl.Line) -> None:
+        click.echo(ln.tagged())
+
     if not follow:
-        files = list_files()
-        if not files:
-            click.echo(f"no logs yet in {inp.folder / 'logs'} (the job may still be pending)", err=True)
-        for line in cl.merged_lines(files, host_of, flt, LossNotes.of_run(inp.folder)):
+        shown = 0
+        for line in log_lines(inp, flt):  # what Run.logs() returns too
             emit(line)
+            shown += 1
+        if not shown and flt == cl.LogFilter(None, None, None, None):
+            click.echo(f"no logs yet in {inp.folder / 'logs'} (the job may still be pending)", err=True)
         return
+    list_files, host_of = log_sources(inp)
     try:
         cl.follow(list_files, host_of, flt, _finished_check(inp, reg), emit, notes=LossNotes.of_run(inp.folder))
     except KeyboardInterrupt:
@@ -256,15 +260,16 @@ def _print_table(records: list[dict[str, Any]], warnings: list[str]) -> None:
     if not records:
         click.echo("no runs to summarise")
     elif len(rows) > 200:
-        widths = [max(len(x) for x in col) for col in zip(header, *body)]
-        click.echo("\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *body]))
+        widths = [max(len(x) for x in col) for col in zip(header, *body, strict=True)]
+        click.echo("\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                             for r in [header, *body]))
     else:
         from rich.console import Console
         from rich.table import Table
 
         caption = "GPU-H*: GPU-hours; CPU-hours for CPU runs" if names["HOURS"] == "GPU-H*" else None
         table = Table(title="hpctrain summary", caption=caption)
-        for col, name in zip(cols, header):
+        for col, name in zip(cols, header, strict=True):
             table.add_column(name, overflow="fold", justify="right" if col in _RIGHT else "left")
         for r in body:
             table.add_row(*r)
@@ -343,7 +348,8 @@ def _job_words(a: dict[str, Any]) -> str:
     if not r:
         return f"job {a['job_id']}"
     swaps = ", ".join(f"{old} -> {new}" for old, new in (r.get("replaced") or {}).items())
-    return f"step {a.get('step_id') or a['job_id']} -> {r.get('next_step_id')}" + (f", {swaps}" if swaps else ", in place")
+    how = f", {swaps}" if swaps else ", in place"
+    return f"step {a.get('step_id') or a['job_id']} -> {r.get('next_step_id')}{how}"
 
 
 def _print_eval(run: dict[str, Any]) -> None:

@@ -45,7 +45,8 @@ def data_group() -> None:
 @click.option("--prepend-bos/--no-prepend-bos", default=False, show_default=True, help="Start every document with bos.")
 @click.option("--format", "data_format", type=click.Choice(["text", "alpaca", "chat"]), default="text",
               show_default=True, help="text: documents; alpaca/chat: SFT records, tokens + loss mask (docs/data.md).")
-@click.option("--messages-field", default="messages", show_default=True, help="--format chat: the message list's field.")
+@click.option("--messages-field", default="messages", show_default=True,
+              help="--format chat: the message list's field.")
 @click.option("--seq-len", type=int, default=0,
               help="--format alpaca/chat: the run's [data] seq_len; longer examples are cut or dropped (--overlong).")
 @click.option("--overlong", type=click.Choice(["truncate", "drop"]), default="truncate", show_default=True,

@@ -131,7 +131,8 @@ def spec_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     extra = [
         click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
                      help="Override any spec key, e.g. --set train.lr=1e-4 (repeatable)."),
-        click.option("--site", default=None, help="Site profile: NAME ($HPCTRAIN_CONFIG_DIR/sites/NAME.toml, [sites.NAME], "
+        click.option("--site", default=None,
+                     help="Site profile: NAME ($HPCTRAIN_CONFIG_DIR/sites/NAME.toml, [sites.NAME], "
                      "or sites/NAME.toml beside the run file) or the path of a site file."),
         click.option("--container", default=None, metavar="RUNTIME:IMAGE",
                      help="Container runtime and image, e.g. apptainer:/images/train.sif."),

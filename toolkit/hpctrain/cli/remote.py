@@ -73,8 +73,8 @@ def maybe_forward(ctx: click.Context, cmd_name: str, args: list[str], chosen: st
     commands.settle_pending(conn, _say, _show)
     if cmd_name == "summary":
         return commands.summary(conn, args)
-    tty = sys.stdout.isatty() and (("status" == cmd_name and "--watch" in args) or
-                                   ("logs" == cmd_name and ("--follow" in args or "-f" in args)))
+    tty = sys.stdout.isatty() and ((cmd_name == "status" and "--watch" in args) or
+                                   (cmd_name == "logs" and ("--follow" in args or "-f" in args)))
     return conn.run([cmd_name, *args], tty=tty).returncode
 
 
@@ -179,7 +179,8 @@ def pull_cmd(site: str, run: str, dest: str | None, checkpoints: bool) -> None:
                    "wheel file, uploaded and installed instead of hpctrain==VERSION from the index.")
 @click.option("--python", "python", default="python3", show_default=True, help="The login node's Python (3.10+).")
 @click.option("--system-site-packages", is_flag=True,
-              help="The venv also sees that Python's own packages (a cluster module that already has the dependencies).")
+              help="The venv also sees that Python's own packages "
+                   "(a cluster module that already has the dependencies).")
 def setup_cmd(site: str, wheel: str | None, python: str, system_site_packages: bool) -> None:
     """Create REMOTE_DIR/venv on the login node (or upgrade the one there) and install hpctrain of the same
     version as here; then set [remote] hpctrain to the path it prints. Runs over plain ssh: no hpctrain is

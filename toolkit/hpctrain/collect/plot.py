@@ -24,7 +24,7 @@ def series(run: dict[str, Any]) -> list[tuple[int, list[dict[str, Any]]]]:
     atts = run.get("attempts", [])
     per = cm.split_by_attempt(records, [a.get("start") for a in atts]) if atts else [records]
     keys = [a["attempt"] for a in atts] or [0]
-    return list(zip(keys, per))
+    return list(zip(keys, per, strict=True))
 
 
 def boundaries(run: dict[str, Any]) -> list[tuple[float, str]]:

@@ -33,7 +33,8 @@ def newest_job_beats(beats: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [b for b in beats if (str(b.get("job")), str(b.get("restart", "0"))) == key]
 
 
-def find(beats: list[dict[str, Any]], ratio: float = RATIO, min_excess_s: float = MIN_EXCESS_S) -> dict[str, Any] | None:
+def find(beats: list[dict[str, Any]], ratio: float = RATIO,
+         min_excess_s: float = MIN_EXCESS_S) -> dict[str, Any] | None:
     """The straggler verdict of one job's beats, or None when there is too little to compare."""
     medians: dict[int, float] = {}
     hosts: dict[int, str] = {}

@@ -11,6 +11,7 @@ Stdlib only at module level; the pieces live in collect_classify / collect_logs 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -129,7 +130,8 @@ def _shape(inp: RunInput) -> Shape:
 
 
 _RESOURCES = re.compile(r"^\[resources\]\s*$(.*?)(?=^\[|\Z)", re.MULTILINE | re.DOTALL)
-_INT_KEY = re.compile(r"^(nodes|gpus_per_node|tasks_per_node|cpus_per_task|spare_nodes)\s*=\s*(\d+)\s*(?:#.*)?$", re.MULTILINE)
+_INT_KEY = re.compile(r"^(nodes|gpus_per_node|tasks_per_node|cpus_per_task|spare_nodes)\s*=\s*(\d+)\s*(?:#.*)?$",
+                      re.MULTILINE)
 
 
 def _resources(path: Path, need_all: bool) -> dict[str, Any]:
@@ -195,7 +197,7 @@ def _attempt_row(inp: RunInput, a: dict[str, Any], files: list[cl.LogFile], recs
     if is_last and heartbeat and _float(heartbeat.get("time")):
         beat = max(beat or 0.0, float(heartbeat["time"]))
     hang_end = end if state in ENDED else now
-    hang = cc.is_hang(beat, hang_end, m.step_interval_s) if state not in (JobState.COMPLETED, JobState.PENDING) else False
+    hang = state not in (JobState.COMPLETED, JobState.PENDING) and cc.is_hang(beat, hang_end, m.step_interval_s)
     hang_msg = (f"no step for {((hang_end or 0) - (beat or 0)) / 60:.0f} min before "
                 f"{'the job ended' if state in ENDED else 'now'} (last step {m.last_step})") if hang else ""
     watch = journal.from_note(journal.HANG, a.get("hang"))  # the hang watchdog's verdict
@@ -345,7 +347,7 @@ def build_run(inp: RunInput, now: float | None = None) -> dict[str, Any]:
     got = cm.split_by_attempt(records, [_float(atts[i].get("_split", atts[i].get("started"))) for i in ran]) \
         if ran else []
     per: list[list[dict[str, Any]]] = [[] for _ in atts]
-    for i, recs in zip(ran, got):
+    for i, recs in zip(ran, got, strict=True):
         per[i] = recs
     heartbeat = _read_json(RunFolder(inp.folder).heartbeat) if folder_ok else None
     rows: list[dict[str, Any]] = []
@@ -358,7 +360,8 @@ def build_run(inp: RunInput, now: float | None = None) -> dict[str, Any]:
     _lost_from_redone_steps(rows)
     state = rows[-1]["state"] if rows else inp.state
     return {
-        "schema_version": SCHEMA_VERSION, "collector": COLLECTOR, "run_id": inp.run_id, "name": inp.name, "folder": str(inp.folder),
+        "schema_version": SCHEMA_VERSION, "collector": COLLECTOR, "run_id": inp.run_id, "name": inp.name,
+        "folder": str(inp.folder),
         "folder_exists": folder_ok, "executor": inp.executor, "state": state,
         "failure_class": rows[-1]["failure_class"] if rows else None,
         "gpus_per_node": shape.gpus_per_node, "ranks_per_node": shape.ranks_per_node,
@@ -545,10 +548,8 @@ def store_failure_classes(reg: Registry, records: list[dict[str, Any]]) -> None:
             if row["state"] == state and is_final(row["state"]) and row.get("failure_class") not in (None, old):
                 updates.append((rec["run_id"], row["attempt"], {"failure_class": row["failure_class"]}))
     if updates:
-        try:
+        with contextlib.suppress(Exception):  # a locked or read-only registry must not cost the summary
             reg.update_attempts(updates)
-        except Exception:  # noqa: BLE001, S110 - a locked or read-only registry must not cost the summary
-            pass
 
 
 def update_folder_summary(run_dir: Path | str, running: bool = False) -> None:
@@ -556,10 +557,8 @@ def update_folder_summary(run_dir: Path | str, running: bool = False) -> None:
     allocation that want the file to follow the run, e.g. the node's rank 0 after each checkpoint
     (`running=True` marks the latest unfinished attempt RUNNING). Never raises: a summary must not
     cost a training step."""
-    try:
+    with contextlib.suppress(Exception):  # best effort by contract
         inp = from_folder(Path(run_dir))
         if running and inp.attempts and not is_final(str(inp.attempts[-1].get("state"))):
             inp.attempts[-1]["state"] = JobState.RUNNING
         write_summary(build_run(inp))
-    except Exception:  # noqa: BLE001, S110 - best effort by contract
-        pass

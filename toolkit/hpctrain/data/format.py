@@ -135,7 +135,8 @@ def read_manifest(folder: str | os.PathLike[str]) -> Manifest:
     try:
         raw = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise PreparedFormatError(f"{path}: cannot read the manifest ({exc}). Run `hpctrain data prepare` again.") from exc
+        raise PreparedFormatError(f"{path}: cannot read the manifest ({exc}). "
+                                  "Run `hpctrain data prepare` again.") from exc
     if raw.get("format") != FORMAT or raw.get("version") not in READS:
         raise PreparedFormatError(f"{path}: format {raw.get('format')!r} version {raw.get('version')!r}; this "
                                   f"hpctrain reads {FORMAT!r} versions {', '.join(map(str, READS))}. Run `hpctrain "

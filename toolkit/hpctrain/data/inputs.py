@@ -27,7 +27,8 @@ JSONL = (".jsonl", ".json", ".ndjson")
 TEXT = (".txt", ".text", ".md")
 COMPRESSED = (".gz", ".zst")
 SAVED = ("state.json", "dataset_info.json", "dataset_dict.json")
-FIX = "pass .jsonl[.gz|.zst], .txt[.gz|.zst], .parquet or .arrow files, a datasets.save_to_disk folder, or folders of them"
+FIX = ("pass .jsonl[.gz|.zst], .txt[.gz|.zst], .parquet or .arrow files, a datasets.save_to_disk folder, "
+       "or folders of them")
 
 
 @dataclass(frozen=True)

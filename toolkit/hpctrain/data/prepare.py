@@ -171,7 +171,7 @@ def _work(job: _Job) -> _Done:
     train: list[Any] = []
     val: list[Any] = []
     for batch in _batches(inputs.read_texts(job.inp, job.unit, opts.text_field), BATCH_DOCS):
-        for text, ids in zip(batch, _ENCODER.encode(batch)):
+        for text, ids in zip(batch, _ENCODER.encode(batch), strict=True):
             (val if is_val(text, opts.val_fraction) else train).append(ids)
     folder, dtype = _CONF["folder"], _CONF["dtype"]
     tr = write_shard(folder, "train", job.number, train, dtype)
@@ -249,9 +249,11 @@ def _claim(folder: Path) -> None:
     """Refuse to write into a folder that holds something other than a prepare's files."""
     ours = {MANIFEST, PROGRESS, LOG, "train", "val", "prepare.sbatch"}
     if folder.is_dir():
-        other = sorted(p.name for p in folder.iterdir() if p.name not in ours and not p.name.startswith(("prepare-", ".")))
+        other = sorted(p.name for p in folder.iterdir()
+                       if p.name not in ours and not p.name.startswith(("prepare-", ".")))
         if other:
-            raise bad_value("--out", str(folder), f"holds files that are not a prepared corpus ({', '.join(other[:3])})",
+            raise bad_value("--out", str(folder),
+                            f"holds files that are not a prepared corpus ({', '.join(other[:3])})",
                             "pass --out with a new or empty folder, or one an earlier prepare wrote")
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -369,7 +371,8 @@ def _prepare(req: Request, folder: Path, workers: int, progress: bool | None, ec
         return Result(folder, hit, cache_hit=True, seconds=time.monotonic() - started)
     (folder / MANIFEST).unlink(missing_ok=True)  # replaced below: never a half-valid prepared folder
     dtype = dtype_for(req.tokenizer.vocab_size)
-    jobs = [_Job(0, inp, u) for i, inp in enumerate(req.found) for u in inputs.units_of(inp, i, req.options.shard_bytes)]
+    jobs = [_Job(0, inp, u) for i, inp in enumerate(req.found)
+            for u in inputs.units_of(inp, i, req.options.shard_bytes)]
     jobs = [_Job(n, j.inp, j.unit) for n, j in enumerate(jobs)]
     done = _read_progress(folder, req.key, 2 if dtype == "uint16" else 4)
     if not done:
@@ -387,7 +390,8 @@ def _prepare(req: Request, folder: Path, workers: int, progress: bool | None, ec
         _record(folder, req.key, d)
         val = f", val {d.val.documents} documents {d.val.tokens} tokens" if d.val else ""
         _log(folder, f"shard {d.number + 1}/{len(jobs)} {d.train.path}: {req.found[d.unit['source']].path} "
-                     f"[{d.unit['start']}, {d.unit['end']}): {d.train.documents} documents {d.train.tokens} tokens{val}")
+                     f"[{d.unit['start']}, {d.unit['end']}): "
+                     f"{d.train.documents} documents {d.train.tokens} tokens{val}")
 
     show = sys.stderr.isatty() if progress is None else progress
     _execute(todo, (req.tokenizer, dtype, req.options, str(folder), False), n, show, finished)

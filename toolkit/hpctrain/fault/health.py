@@ -269,9 +269,8 @@ def _gpu_score(host: str, what: str, g: dict[str, Any], rates: list[float], ref:
 def _clock(g: dict[str, Any], i: int) -> float | None:
     clocks = g.get("sm_mhz")
     if isinstance(clocks, list):
-        c = clocks[i] if i < len(clocks) else None
-    else:
-        c = (g.get("nvml") or {}).get("sm_mhz")
+        return float(clocks[i]) if i < len(clocks) and clocks[i] else None
+    c = (g.get("nvml") or {}).get("sm_mhz")
     return float(c) if c else None
 
 

@@ -22,6 +22,7 @@ spare replaced (the collector turns those into attempt rows). Stdlib + hpctrain'
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import os
@@ -374,10 +375,8 @@ class Driver:
         slow = _Persistence(self.straggler_patience_s)
         probed: dict[str, bool] = {}
         while True:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 return int(proc.wait(timeout=WATCH_POLL_S)), None
-            except subprocess.TimeoutExpired:
-                pass
             rec = dog.peer_check() or self._early_peer_lost(dog, probed)
             if rec is None and self.hang_timeout_s and time.monotonic() >= next_hang:
                 next_hang = time.monotonic() + dog.poll_s()
@@ -425,10 +424,8 @@ class Driver:
         from hpctrain import slurmcommands as _slurm
 
         if not step.endswith(".?"):
-            try:
+            with contextlib.suppress(Exception):  # srun is stopped below either way
                 _slurm.scancel([step])
-            except Exception:  # noqa: BLE001,S110 - srun is stopped below either way
-                pass
         try:
             proc.wait(timeout=STOP_GRACE_S)
             return

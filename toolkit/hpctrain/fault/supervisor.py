@@ -19,8 +19,8 @@ How a run recovers (no daemon on the login node):
   (SlurmdTimeout) or the hang watchdog. Likewise hangs, crashes, NCCL/gloo errors, time limits after
   submitit's requeue budget: the supervisor excludes the implicated host.
 * Hang watchdog: ``python -m hpctrain.fault.supervisor watch`` runs in the background of the batch script
-  (outside the ranks, so a hung Python cannot stop it). Every rank runs a thread (hpctrain.node.monitor.heartbeat) writing
-  ``metrics/ranks/rank-R.json`` (step reached, phase, time). When no rank's step advances for
+  (outside the ranks, so a hung Python cannot stop it). Every rank runs a thread (hpctrain.node.monitor.heartbeat)
+  writing ``metrics/ranks/rank-R.json`` (step reached, phase, time). When no rank's step advances for
   ``launch.hang_timeout_s``, the watchdog appends the silent ranks (behind the others, or not beating)
   to ``metrics/watchdog.jsonl`` and cancels the job; the supervisor reads that as a hang.
 

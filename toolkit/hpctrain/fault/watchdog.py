@@ -1,6 +1,7 @@
 """The hang watchdog: the batch script's background loop over what the ranks write.
 
-* The ranks (hpctrain.node.monitor.heartbeat.RankBeat) beat into metrics/ranks/rank-R.json (format: hpctrain.runs.beats).
+* The ranks (hpctrain.node.monitor.heartbeat.RankBeat) beat into metrics/ranks/rank-R.json (format:
+  hpctrain.runs.beats).
 * `Watchdog`: `python -m hpctrain.fault.supervisor watch ...`: no step for launch.hang_timeout_s -> the silent
   ranks go to metrics/watchdog.jsonl and the job is cancelled; the supervisor (hpctrain.fault.supervisor)
   then retries the run without the silent host.
@@ -222,9 +223,9 @@ class Watchdog:
         return None if rec is None else rec.replace(job_id=self.job, attempt=self.attempt)
 
     def dump_stacks(self, rec: WatchdogVerdict) -> dict[str, Any]:
-        """Every live rank's Python stack into stacks/ before the cancel (hpctrain.collect.stacks): which
-        line each rank hung in; what came back goes to stacks/watchdog-JOB.json. A lost peer's ranks cannot answer: only the others are waited for, briefly
-        (the retry should not wait on forensics). Never raises: the cancel must happen."""
+        """Every live rank's Python stack into stacks/ before the cancel (hpctrain.collect.stacks): which line each rank
+        hung in; what came back goes to stacks/watchdog-JOB.json. A lost peer's ranks cannot answer: only the others are
+        waited for, briefly (the retry should not wait on forensics). Never raises: the cancel must happen."""
         try:
             from hpctrain.collect import stacks
 

@@ -38,8 +38,8 @@ def parse_faults(text: str) -> list[Fault]:
         kind, _, args = item.partition(":")
         kw = dict(a.split("=", 1) for a in args.split(",") if "=" in a)
         if kind not in FAULT_KINDS or "step" not in kw:
-            raise ValueError(f"HPCTRAIN_FAULT_INJECT entry {item!r}: expected KIND:step=N[,rank=R][,s=SECONDS] with KIND one of "
-                             f"{', '.join(FAULT_KINDS)}")
+            raise ValueError(f"HPCTRAIN_FAULT_INJECT entry {item!r}: expected KIND:step=N[,rank=R][,s=SECONDS] "
+                             f"with KIND one of {', '.join(FAULT_KINDS)}")
         out.append(Fault(kind, int(kw["step"]), int(kw["rank"]) if "rank" in kw else None, kind == "raise",
                          float(kw.get("s", 0.0))))
     return out

@@ -474,7 +474,8 @@ def _record(p: Prepared, st: LoopState, out: StepOut, lr: float, dt: float, fpt:
         "tflops": tflops, "mfu": (tflops / peak) if peak > 0 else None,
         "gpu_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if p.use_gpu else 0.0,
         "gpu_reserved_gb": torch.cuda.max_memory_reserved() / 1e9 if p.use_gpu else 0.0,
-        "host_mem_gb": host_mem_gb(), "host_peak_gb": host_peak_gb(), "padding_frac": (1.0 - tokens / slots) if slots else 0.0,
+        "host_mem_gb": host_mem_gb(), "host_peak_gb": host_peak_gb(),
+        "padding_frac": (1.0 - tokens / slots) if slots else 0.0,
         "ckpt_s": ckpt_s, "time": time.time(),
     }
     if p.spec.train.precision == "fp16":

@@ -23,8 +23,8 @@ ZeRO-3, as DeepSpeed 0.19.8 allocates it (dp = data-parallel ranks, N = paramete
 
 Activations: with checkpointing, each layer keeps its bf16 input and one layer is recomputed at a
 time, not while the loss's buffers are live; without it, every layer keeps everything its backward
-needs (`layer_activation_bytes`: 34 h per token for a GPT-2 block, ~52 h for a Llama-3 block, whose
-RMSNorms keep fp32 copies and whose SwiGLU MLP keeps four I-wide tensors). The loss dominates at Llama-3's 128k vocabulary: HF upcasts the
+needs (`layer_activation_bytes`: 34 h per token for a GPT-2 block, ~52 h for a Llama-3 block, whose RMSNorms keep fp32
+copies and whose SwiGLU MLP keeps four I-wide tensors). The loss dominates at Llama-3's 128k vocabulary: HF upcasts the
 logits to fp32 for cross-entropy and its backward holds the fp32 log-softmax, its gradient and the
 input gradient at once: 12 bytes per logit element (the bf16 logits are freed by then, as long as the
 trainer does not keep the model output alive across backward; hpctrain's node does not).
@@ -327,7 +327,8 @@ def estimate(sh: Shape, zero: int, offload: str, micro: int, ac: bool, ratio: fl
     in_backward = acts + max(logits, recompute) + gathered
     device = weights + grads + optim + buckets + runtime + max(in_backward, step_transient)
     terms = (("weights", weights), ("grads", grads), ("optimizer", optim), ("activations", acts),
-             ("recompute", recompute), ("logits", logits), ("zero_buffers", gathered + buckets), ("step_transient", step_transient),
+             ("recompute", recompute), ("logits", logits), ("zero_buffers", gathered + buckets),
+             ("step_transient", step_transient),
              ("runtime", runtime), ("host_pinned", host_pinned), ("host_optimizer", host_state))
     breakdown = {k: round(x / GiB, 3) for k, x in terms}
     offloaded = host_pinned + host_state

@@ -10,6 +10,7 @@ again (a record per submit under the state dir until its answer is read).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -73,13 +74,11 @@ class Connection:
         # One answer per connection and per (remote_dir, hpctrain): two sites may share a host.
         which = hashlib.sha256(f"{self.remote.remote_dir}\0{self.remote.hpctrain}".encode()).hexdigest()[:8]
         cache = self.socket.with_name(f"{self.socket.name}.{which}.probe")
-        try:
+        with contextlib.suppress(OSError, ValueError, KeyError):
             ino = os.stat(self.socket).st_ino
             kept = json.loads(cache.read_text())
             if kept.get("socket") == ino:
                 return Probe(kept["remote_dir"], kept["version"])
-        except (OSError, ValueError, KeyError):
-            pass
         what = f"hpctrain on {self.remote.host}"
         proc = _run(self._argv(ssh.probe_shell(self.remote)), what, stdin=subprocess.DEVNULL, capture_output=True)
         if proc.returncode != 0:
@@ -89,10 +88,8 @@ class Connection:
         lines = proc.stdout.strip().splitlines()
         got = Probe(lines[0], lines[-1].rsplit(" ", 1)[-1] if len(lines) > 1 else "?")
         self._check_version(got.version)
-        try:
+        with contextlib.suppress(OSError):  # ControlPersist=no: no socket stays, the probe is asked again next time
             cache.write_text(json.dumps({"socket": os.stat(self.socket).st_ino, **got.__dict__}))
-        except OSError:
-            pass  # ControlPersist=no: no socket stays, the probe is asked again next time
         return got
 
     def _check_version(self, version: str) -> None:
@@ -254,7 +251,8 @@ def detached_submit(remote: Remote, args: list[str], cwd: str, stage: str) -> st
     only the waiting shell."""
     inner = ssh.remote_shell(remote, args, cwd)
     s = shlex.quote(stage)
-    return (f"mkdir -p -- {s} {shlex.quote(cwd)} && cd -- {s} && ( trap '' HUP; sh -c {shlex.quote(inner)} >out 2>err </dev/null; echo $? >rc.part; "
+    return (f"mkdir -p -- {s} {shlex.quote(cwd)} && cd -- {s} && "
+            f"( trap '' HUP; sh -c {shlex.quote(inner)} >out 2>err </dev/null; echo $? >rc.part; "
             f"mv rc.part rc ) & echo $! >{s}/pid; wait; cd -- {s} && cat err >&2; cat out; exit \"$(cat rc)\"")
 
 

@@ -79,8 +79,8 @@ def remote_of(site: str, profile: dict[str, Any]) -> Remote | None:
              "max_upload_mb": (int, float), "env": dict}
     for key, value in table.items():
         if not isinstance(value, kinds[key]) or isinstance(value, bool):  # type: ignore[arg-type]
-            raise bad_value(f"sites.{site}.remote.{key}", value, "wrong type",
-                            f"write {key} as {'a table' if key == 'env' else 'a number' if key in ('port', 'max_upload_mb') else 'a string'}")
+            kind = "a table" if key == "env" else "a number" if key in ("port", "max_upload_mb") else "a string"
+            raise bad_value(f"sites.{site}.remote.{key}", value, "wrong type", f"write {key} as {kind}")
     env = {str(k): str(v) for k, v in table.get("env", {}).items()}
     fields = {k: v for k, v in table.items() if k != "env"}
     return Remote(site=site, env=env, **fields)

@@ -41,7 +41,10 @@ def control_dir() -> Path:
     """The folder of the control sockets: private to this user (0700, owned by us), created if missing."""
     given = os.environ.get(CONTROL_DIR_ENV)
     runtime = os.environ.get("XDG_RUNTIME_DIR")
-    path = Path(given) if given else Path(runtime) / "hpctrain-ssh" if runtime else Path(f"/tmp/hpctrain-ssh-{os.getuid()}")
+    if given:
+        path = Path(given)
+    else:
+        path = Path(runtime) / "hpctrain-ssh" if runtime else Path(f"/tmp/hpctrain-ssh-{os.getuid()}")
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = os.lstat(path)

@@ -1,1 +1,1 @@
-"""Pure functions from (spec, plan) to the files a job runs: sbatch script, hostfile, the DeepSpeed config, container lines."""
+"""Pure functions from (spec, plan) to what a job runs: sbatch script, hostfile, DeepSpeed config, container lines."""

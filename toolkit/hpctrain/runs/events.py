@@ -1,10 +1,10 @@
 """The run folder's events.jsonl: what the ranks say happened, one JSON object per line.
 
-Kinds: `start` (rank 0, once per attempt), `train` (rank 0's training milestones, the record under
-`event`: start with the resume point and layout, stopped-on-signal, finished with the eval), `stop` (a rank stopped on SLURM's pre-timeout or preemption
-signal after a checkpoint), `failure` (a rank failed: its failure class, exception, exit code), `restart` (the
-in-job driver ended a step and started the next one in the same job). Every line
-carries time, kind, rank, host, job_id and attempt (K of logs/attempt-K.rank-R.log), so the collector
+Kinds: `start` (rank 0, once per attempt), `train` (rank 0's training milestones, the record under `event`: start with
+the resume point and layout, stopped-on-signal, finished with the eval), `stop` (a rank stopped on SLURM's pre-timeout
+or preemption signal after a checkpoint), `failure` (a rank failed: its failure class, exception, exit code), `restart`
+(the in-job driver ended a step and started the next one in the same job). Every line carries time, kind, rank, host,
+job_id and attempt (K of logs/attempt-K.rank-R.log), so the collector
 classifies an attempt from its events even when the rank logs are gone; the logs' regexes remain for text
 that other programs print (OOM killer, NCCL, gloo, container runtimes).
 

@@ -19,6 +19,7 @@ Nothing secret is stored here: callers pass a spec summary already stripped of s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -433,10 +434,8 @@ def _create(path: Path) -> None:
         finally:
             conn.close()  # the last connection: SQLite folds the WAL into the file and removes it
         _fsync(tmp)  # the whole file is on disk before its name is
-        try:
+        with contextlib.suppress(FileExistsError):  # another process created it first: theirs is as good as ours
             os.link(tmp, path)
-        except FileExistsError:
-            pass  # another process created it first: theirs is as good as ours
     finally:
         os.umask(old)
         for suffix in ("", "-wal", "-shm", "-journal"):
@@ -453,8 +452,9 @@ def _fsync(path: Path) -> None:
 
 def _insert_attempt(c: sqlite3.Connection, a: Attempt, replace: bool = False) -> None:
     c.execute(
-        f"INSERT {'OR REPLACE ' if replace else ''}INTO attempts(run_id,attempt,job_id,state,nodes,submitted,started,ended,exit_code,"
-        "failure_class,note,tag) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+        f"INSERT {'OR REPLACE ' if replace else ''}INTO attempts("
+        "run_id,attempt,job_id,state,nodes,submitted,started,ended,exit_code,failure_class,note,tag) "
+        "VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
         (a.run_id, a.attempt, a.job_id, a.state, a.nodes, a.submitted or time.time(), a.started,
          a.ended, a.exit_code, a.failure_class, a.note, a.tag))
 

@@ -18,6 +18,7 @@ the two loses a queued job. Secrets never reach a file: they travel in the envir
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -165,11 +166,9 @@ def submit_attempt(run_dir: Path, spec: Spec, plan: Plan, attempt: int, mode: st
         runs_mod.append_attempt(folder.attempts_jsonl,
                                 {**(record or {}), "attempt": attempt, "job_id": sub.job_id,
                                  "state": JobState.PENDING, "submitted": now, "executor": executor, "mode": mode})
-        try:
+        with contextlib.suppress(Exception):  # the job IS running; attempts.jsonl holds the record
             Registry().add_attempt(Attempt(run_id=d.name, attempt=attempt, job_id=sub.job_id,
                                            state=JobState.PENDING, submitted=now))
-        except Exception:  # noqa: BLE001,S110 - the job IS running; attempts.jsonl holds the record
-            pass
         held.settled = [sub]
         if on_settled is not None:
             on_settled([sub])
@@ -277,7 +276,7 @@ def _submit_slurm(dirs: list[Path], spec: Spec, mode: str, script: str, rendered
         raise
     return [Submitted(run_id=d.name, run_dir=d, job_id=j, executor="slurm",
                       array_index=None if len(dirs) == 1 else i)
-            for i, (d, j) in enumerate(zip(dirs, job_ids))]
+            for i, (d, j) in enumerate(zip(dirs, job_ids, strict=True))]
 
 
 def sweep_links_dir(dirs: Sequence[Path]) -> Path:
@@ -353,12 +352,10 @@ def _explain_rejection(exc: Any, spec: Spec) -> HpcUsageError:
         value = (f"nodes={r.nodes} tasks_per_node={r.tasks_per_node} cpus_per_task={r.cpus_per_task} "
                  f"mem={r.mem or '-'} gpus_per_node={r.gpus_per_node}")
     if field == "resources.partition":
-        try:
+        with contextlib.suppress(Exception):  # the partition list is a hint; a failure here must not hide the rejection
             from hpctrain import slurmcommands as _slurm
 
             fix = f"use one of the partitions `sinfo` lists: {', '.join(_slurm.partitions())} (--partition)"
-        except Exception:  # noqa: BLE001,S110 - the partition list is a hint; a failure here must not hide the rejection
-            pass
     shown = f"{value!r}" if key else f"({value})"
     return HpcUsageError(f"{field} = {shown}: sbatch rejected the job: {exc.reason}. Fix: {fix}")
 
@@ -397,7 +394,7 @@ def _submit_pickled(dirs: list[Path], spec: Spec, mode: str, folder: Path, scrip
 
     pickles: list[Path] = []
     try:
-        for d, pickle_path in zip(dirs, tx.pickles):
+        for d, pickle_path in zip(dirs, tx.pickles, strict=True):
             call = DelayedSubmission(NodeJob(str(d), mode))
             call.set_timeout(time_minutes(spec.resources.time), MAX_TIMEOUT_REQUEUES)
             pickle_path.parent.mkdir(parents=True, exist_ok=True)
@@ -411,7 +408,7 @@ def _submit_pickled(dirs: list[Path], spec: Spec, mode: str, folder: Path, scrip
         raise
     ids = [job_id] if len(dirs) == 1 else [f"{job_id}_{i}" for i in range(len(dirs))]
     try:
-        for jid, pickle_path in zip(ids, pickles):
+        for jid, pickle_path in zip(ids, pickles, strict=True):
             paths = submitit.SlurmJob(folder=folder, job_id=jid).paths
             paths.folder.mkdir(parents=True, exist_ok=True)
             pickle_path.rename(paths.submitted_pickle)

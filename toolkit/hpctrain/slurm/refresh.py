@@ -6,6 +6,7 @@ sacct call covers every unfinished SLURM attempt in view; settled final states s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from pathlib import Path
@@ -70,10 +71,8 @@ def refresh(reg: Registry, runs: list[Run]) -> list[str]:
                    "started": att.started, "ended": att.ended, "exit_code": att.exit_code,
                    "failure_class": att.failure_class,
                    **({"sacct_runs": runs_of[att.job_id]} if att.job_id in runs_of else {})}
-            try:
+            with contextlib.suppress(OSError):  # the run folder may be gone; the registry still has it
                 append_attempt(RunFolder(run.folder).attempts_jsonl, line)
-            except OSError:
-                pass  # the run folder may be gone; the registry still has it
     reg.update_attempts(updates)
     return warnings
 

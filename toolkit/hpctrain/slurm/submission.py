@@ -198,10 +198,11 @@ class Submission:
         n = len(self.points)
         dirs = [out.absolute()] if n == 1 else [(out / f"point-{i}").absolute() for i in range(n)]
         single = [dataclasses.replace(self, points=[pt]) for pt in self.points]
-        files = [run_files(s, p, one.script([d])) for d, one, (s, p) in zip(dirs, single, self.points)]  # checked first
+        files = [run_files(s, p, one.script([d]))  # checked first
+                 for d, one, (s, p) in zip(dirs, single, self.points, strict=True)]
         try:
             out.mkdir(parents=True, exist_ok=True, mode=0o700)
-            for d, texts in zip(dirs, files):
+            for d, texts in zip(dirs, files, strict=True):
                 runs.write_run_files(d, texts)
         except OSError as exc:
             raise _writing("--out", out, "pass --out with a new or writable folder", exc) from None
@@ -275,7 +276,7 @@ class Submission:
         files = [run_files(s, p) for s, p in self.points]
         made: list[Path] = []
         try:
-            for (s, _), texts in zip(self.points, files):
+            for (s, _), texts in zip(self.points, files, strict=True):
                 made.append(runs.create_run_folder_atomically(base, runs.new_run_id(s.name), texts).absolute())
         except OSError as exc:
             self._remove(made)
@@ -314,7 +315,7 @@ class Submission:
                 return dataclasses.replace(s, code=dataclasses.replace(s.code, dir=str(workdir)), launch=launch)
 
             points = [(moved(s), p) for s, p in points]
-            for d, (s, _) in zip(run_dirs, points):
+            for d, (s, _) in zip(run_dirs, points, strict=True):
                 runs.write_private(runs.RunFolder(d).spec_toml, to_toml(s))
         doc, diff = repro.manifest(src, image_identity(spec), snap_info, spec.secret_env)  # git once, also a sweep
         for d in run_dirs:

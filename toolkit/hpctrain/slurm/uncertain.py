@@ -8,6 +8,7 @@ grace period, SUBMIT_FAILED with the reason.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Sequence
@@ -65,7 +66,7 @@ def record_unknown(dirs: list[Path], name: str, summary: dict[str, Any], mode: s
         else:
             reg.add_submitted_many([({"run_id": d.name, "name": name, "folder": str(d), "executor": "slurm",
                                       "created": now, "spec": {**summary, "array_index": i if len(dirs) > 1 else None}},
-                                     a) for i, (d, a) in enumerate(zip(dirs, attempts))])
+                                     a) for i, (d, a) in enumerate(zip(dirs, attempts, strict=True))])
     except Exception as rexc:  # noqa: BLE001 - attempts.jsonl holds the record; `registry rebuild` reads it
         recorded = f" (the registry could not record it: {rexc}; `hpctrain registry rebuild` will)"
     first = dirs[0].name
@@ -149,11 +150,9 @@ def reconcile(reg: Registry, runs: list[Run]) -> list[str]:
             setattr(att, k, v)
         run.state = run.attempts[-1].state
         updates.append((run.run_id, att.attempt, fields))
-        try:
+        with contextlib.suppress(OSError):  # the folder may be gone; the registry still has the answer
             runs_mod.append_attempt(runs_mod.RunFolder(run.folder).attempts_jsonl,
                                     {"attempt": att.attempt, **fields})
-        except OSError:
-            pass  # the folder may be gone; the registry still has the answer
     return reg.cache_updates(updates)
 
 
@@ -203,8 +202,6 @@ def _claim_pickle(run: Run, att: Attempt, job_id: str) -> None:
         return
     src = Path(str(lines[-1]["pickle"]))
     dst = runs_mod.RunFolder(run.folder).submitit_dir / f"{job_id}_submitted.pkl"
-    try:
+    with contextlib.suppress(OSError):  # the job then fails without its pickle; its state says so
         if src.is_file() and not dst.exists():
             src.rename(dst)
-    except OSError:
-        pass  # the job then fails without its pickle; its state says so

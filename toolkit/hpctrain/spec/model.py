@@ -1,12 +1,12 @@
 """The job request: typed, frozen, validated.
 
-A spec is what the user asked for, merged from five layers (later wins):
-defaults < fine-tuning defaults (hpctrain.spec.finetune) < site profile < run file (TOML) < CLI flags.  Everything else (world size, batch
-arithmetic, memory) is *derived* from it once, in `hpctrain.plan.planner`.
+A spec is what the user asked for, merged from five layers (later wins): defaults < fine-tuning defaults
+(hpctrain.spec.finetune) < site profile < run file (TOML) < CLI flags.  Everything else (world size, batch arithmetic,
+memory) is *derived* from it once, in `hpctrain.plan.planner`.
 
-The run file mirrors these dataclasses: top-level `name`, then one table per section
-(`[resources]`, `[launch]`, `[model]`, `[lora]`, `[data]`, `[train]`, `[parallel]`, `[checkpoint]`,
-`[container]`, `[slurm]`, `[code]`, `[tracking]`, `[env]`), plus optional `[sites.NAME]` tables that define site profiles inline.
+The run file mirrors these dataclasses: top-level `name`, then one table per section (`[resources]`, `[launch]`,
+`[model]`, `[lora]`, `[data]`, `[train]`, `[parallel]`, `[checkpoint]`, `[container]`, `[slurm]`, `[code]`,
+`[tracking]`, `[env]`), plus optional `[sites.NAME]` tables that define site profiles inline.
 
 This module is pure Python (no torch): the login node and the compute node both read it.
 """
@@ -695,7 +695,8 @@ def parse_sweep(items: list[str]) -> list[dict[str, Any]]:
         for v in vals:
             coerce(key, v)
         axes.append((key, vals))
-    return [dict(zip([k for k, _ in axes], combo)) for combo in itertools.product(*(v for _, v in axes))]
+    keys = [k for k, _ in axes]
+    return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*(v for _, v in axes))]
 
 
 # A sweep is one run folder (spec, plan, DeepSpeed config, a resolve and a render) per point: about 17 ms

@@ -53,7 +53,8 @@ def preset_config(name: str) -> dict[str, Any]:
 def llama_param_count(cfg: dict[str, Any]) -> int:
     """Parameter count of a Llama-family config dict (embeddings included once if tied)."""
     h, i, n = int(cfg["hidden_size"]), int(cfg["intermediate_size"]), int(cfg["num_hidden_layers"])
-    heads, kv, v = int(cfg["num_attention_heads"]), int(cfg.get("num_key_value_heads", cfg["num_attention_heads"])), int(cfg["vocab_size"])
+    heads, v = int(cfg["num_attention_heads"]), int(cfg["vocab_size"])
+    kv = int(cfg.get("num_key_value_heads", heads))
     head_dim = int(cfg.get("head_dim") or h // heads)
     attn = h * heads * head_dim * 2 + h * kv * head_dim * 2
     mlp = 3 * h * i

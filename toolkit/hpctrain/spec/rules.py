@@ -39,8 +39,8 @@ if TYPE_CHECKING:
     )
 
 # Run-file sections are the dataclass names in lower case: Resources -> [resources].
-SECTION_CLASSES = ("Resources", "Launch", "Fault", "Model", "Lora", "Data", "Train", "Parallel", "Checkpoint", "Container", "Slurm",
-                   "Code", "Tracking")
+SECTION_CLASSES = ("Resources", "Launch", "Fault", "Model", "Lora", "Data", "Train", "Parallel", "Checkpoint",
+                   "Container", "Slurm", "Code", "Tracking")
 
 from hpctrain.secret import (
     ALWAYS_SECRET,
@@ -515,7 +515,8 @@ def _rules_lora_with(s: Spec) -> None:
         return
     off = 'set [lora] r = 0 (a full fine-tune)'
     need(not (s.launch.script or s.launch.module), "lora.r", lo.r,
-         "[lora] wraps hpctrain's own trainer's model; a user script builds its own", f"apply PEFT in your script and {off}")
+         "[lora] wraps hpctrain's own trainer's model; a user script builds its own",
+         f"apply PEFT in your script and {off}")
     need(bool(s.model.path), "lora.r", lo.r, "LoRA adapts a pretrained model and [model] has no path",
          f"pass --model DIR (a local save_pretrained folder), or {off}")
     need(p.pp == 1, "parallel.pp", p.pp, "LoRA runs without pipeline parallelism", how_to_set("parallel.pp", 1))
@@ -754,8 +755,8 @@ def _rules_fault(x: Fault) -> None:
          "set [fault] in_job_restarts = 3 (0 = one per spare node)")
     need(x.straggler_patience_s >= 0, "fault.straggler_patience_s", x.straggler_patience_s, "cannot be negative",
          "set [fault] straggler_patience_s = 120 (0 = off)")
-    need(x.straggler_ratio > 1.0, "fault.straggler_ratio", x.straggler_ratio, "must be above 1 (slower than the others)",
-         "set [fault] straggler_ratio = 1.2")
+    need(x.straggler_ratio > 1.0, "fault.straggler_ratio", x.straggler_ratio,
+         "must be above 1 (slower than the others)", "set [fault] straggler_ratio = 1.2")
     for key, v in (("health_matmul_ratio", x.health_matmul_ratio), ("health_net_ratio", x.health_net_ratio)):
         need(0.0 < v <= 1.0, f"fault.{key}", v, "must be a fraction, 0 < r <= 1 (of the expected or median rate)",
              f"set [fault] {key} = {0.8 if 'matmul' in key else 0.5}")
@@ -779,8 +780,9 @@ def _rules_eval(s: Spec) -> None:
 
 _RULES: dict[str, Any] = {
     "Resources": _rules_resources, "Launch": _rules_launch, "Fault": _rules_fault, "Model": _rules_model,
-    "Lora": _rules_lora, "Data": _rules_data, "Train": _rules_train, "Parallel": _rules_parallel, "Checkpoint": _rules_checkpoint,
-    "Container": _rules_container, "Slurm": _rules_slurm, "Code": _rules_code, "Tracking": _rules_tracking,
+    "Lora": _rules_lora, "Data": _rules_data, "Train": _rules_train, "Parallel": _rules_parallel,
+    "Checkpoint": _rules_checkpoint, "Container": _rules_container, "Slurm": _rules_slurm, "Code": _rules_code,
+    "Tracking": _rules_tracking,
     "Spec": _rules_spec,
 }
 

@@ -13,6 +13,7 @@ a collective from a second thread can deadlock against the training loop's own c
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import queue
@@ -143,7 +144,7 @@ def snapshot(obj: Any, arena: Arena, memo: dict[Any, Any]) -> Any:
         return [snapshot(v, arena, memo) for v in obj]
     if isinstance(obj, tuple):
         items = [snapshot(v, arena, memo) for v in obj]
-        if all(a is b for a, b in zip(items, obj)):
+        if all(a is b for a, b in zip(items, obj, strict=True)):
             return obj
         return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
     return obj
@@ -325,10 +326,8 @@ class CheckpointIO(TorchCheckpointEngine):  # type: ignore[misc]
                 job.total_bytes = job.finalize()
         except BaseException as exc:  # noqa: BLE001 - reported on the main thread by wait(); peers see .failed
             job.error = exc
-            try:
+            with contextlib.suppress(OSError):
                 _marker(job.tmp, f"rank-{job.rank}.failed", f"{type(exc).__name__}: {exc}\n")
-            except OSError:
-                pass
         job.write_s = time.time() - job.started
         job.done.set()
 

@@ -29,12 +29,13 @@ HPCTRAIN_HEALTH_INJECT (tests): "matmul:host=H,f=F" makes host H's matmul F time
 counted product costs 1/F products of real work (extra products, uncounted), so the GPU or CPU is measured as
 slow per wall second and per CPU-second alike; "fail:rank=R" makes the check of the step's rank R raise, once
 per run (a marker in metrics/faults/, so the resubmitted job passes); "borderline:host=H" is read by the in-job
-driver, not here: it measures H again as if its first round had been borderline (fault.health). A slow link is made for real in the tests
-(tc on the node's interface).
+driver, not here: it measures H again as if its first round had been borderline (fault.health). A slow link is made for
+real in the tests (tc on the node's interface).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -141,10 +142,8 @@ def nvml_report(indices: list[int]) -> dict[int, dict[str, Any]]:
         for i in indices:
             out[i] = _nvml_one(pynvml, i)
     finally:
-        try:
+        with contextlib.suppress(Exception):  # shutting down a library that answered
             pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001,S110 - shutting down a library that answered
-            pass
     return out
 
 
@@ -157,11 +156,9 @@ def _nvml_one(nv: Any, index: int) -> dict[str, Any]:
 
     def ask(key: str, fn: str, *consts: str, scale: float = 1.0) -> None:
         """rec[key] = nv.fn(h, nv.const...) / scale; left out when this nvidia-ml-py or GPU has no answer."""
-        try:
+        with contextlib.suppress(Exception):  # not supported on this GPU (or an older nvidia-ml-py)
             got = getattr(nv, fn)(h, *(getattr(nv, c) for c in consts))
             rec[key] = got / scale if scale != 1.0 else got
-        except Exception:  # noqa: BLE001,S110 - not supported on this GPU (or an older nvidia-ml-py)
-            pass
 
     ask("name", "nvmlDeviceGetName")
     ask("uuid", "nvmlDeviceGetUUID")
@@ -329,7 +326,7 @@ class Meter:
                 "n": CPU_N, "threads": torch.get_num_threads()}}
         after = nvml_report(self.idx)
         gpus: list[dict[str, Any]] = []
-        for i, (nvi, name) in enumerate(zip(self.idx, self.names)):
+        for i, (nvi, name) in enumerate(zip(self.idx, self.names, strict=True)):
             rates = self.samples.get(i, [])
             rec = dict(after.get(nvi, {}))
             if self.events.get(i):
@@ -437,7 +434,8 @@ def run(run_dir: str) -> int:
     from hpctrain.node.runconf import read_spec
 
     host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    out_dir = Path(os.environ.get(HEALTH_DIR_ENV) or RunFolder(Path(run_dir)).health_dir(os.environ.get("SLURM_JOB_ID", ""), 0))
+    out_dir = Path(os.environ.get(HEALTH_DIR_ENV)
+                   or RunFolder(Path(run_dir)).health_dir(os.environ.get("SLURM_JOB_ID", ""), 0))
     out_dir.mkdir(parents=True, exist_ok=True)
     again = os.environ.get(HEALTH_ROUND_ENV, "1") not in ("", "1")
     d = dist.detect()
@@ -470,7 +468,8 @@ def run(run_dir: str) -> int:
     return 0
 
 
-def _measure(rec: dict[str, Any], meter_of: Callable[[], Meter], windows: int, run_dir: Path, fail_rank: int | None) -> Meter | None:
+def _measure(rec: dict[str, Any], meter_of: Callable[[], Meter], windows: int, run_dir: Path,
+             fail_rank: int | None) -> Meter | None:
     """`windows` more compute windows into `rec`; an error is this node's finding (rec["error"]), and the node
     still joins the network test, so that the other nodes are not left waiting for it at the rendezvous."""
     try:

@@ -10,6 +10,7 @@ own KillWait can be 30 s. Processes in another PID namespace (another container)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -76,10 +77,8 @@ def wait_gone(run_dir: str, restart: int, log: Callable[[str], None], grace_s: f
         pids = [p for p in pids if _alive(p)]
     for p in pids:
         log(f"killing pid {p} of the ended step")
-        try:
+        with contextlib.suppress(OSError):
             os.kill(p, signal.SIGKILL)
-        except OSError:
-            pass
     deadline = time.monotonic() + grace_s
     while pids and time.monotonic() < deadline:
         time.sleep(0.1)

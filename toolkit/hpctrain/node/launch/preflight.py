@@ -11,6 +11,7 @@ Torch-free: runs first on every rank, before torch is imported.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -70,7 +71,7 @@ def hosts_by_rank(hosts: list[str], counts: list[int]) -> list[str]:
     if len(counts) == 1 and len(hosts) > 1:
         counts = counts * len(hosts)
     out: list[str] = []
-    for host, n in zip(hosts, counts):
+    for host, n in zip(hosts, counts, strict=False):  # spare hosts beyond the counts take no ranks
         out += [host] * n
     return out
 
@@ -225,10 +226,8 @@ def _serve(layout: Layout, me: str, deadline: float) -> tuple[int, list[str]]:
         else:
             reply = {"total": total, "hosts": host_list}
         for conn, _, _ in peers.values():
-            try:
+            with contextlib.suppress(OSError):
                 _send(conn, reply)
-            except OSError:
-                pass
         if missing:
             raise PreflightError(error)
         return total, host_list

@@ -29,6 +29,7 @@ the device). Stdlib at module level: `run` must start in milliseconds.
 from __future__ import annotations
 
 import array
+import contextlib
 import gc
 import json
 import os
@@ -283,27 +284,21 @@ def _reap(rank: _Rank, sel: Any, code: int | None = None) -> None:
         _, status = os.waitpid(rank.pid, 0)
         code = os.waitstatus_to_exitcode(status)
     for obj in (rank.conn, rank.pidfd):
-        try:
+        with contextlib.suppress(KeyError, ValueError):
             sel.unregister(obj)
-        except (KeyError, ValueError):
-            pass
     _send(rank.conn, f"exit {code}\n")
     rank.conn.close()
     os.close(rank.pidfd)
 
 
 def _kill(pid: int) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.kill(pid, signal.SIGKILL)
-    except OSError:
-        pass
 
 
 def _send(conn: socket.socket, text: str) -> None:
-    try:
+    with contextlib.suppress(OSError):  # its `run` is gone; the rank is killed when that is seen
         conn.sendall(text.encode())
-    except OSError:
-        pass  # its `run` is gone; the rank is killed when that is seen
 
 
 def _become_rank(conn: socket.socket, req: dict[str, Any], fds: list[int], warm: dict[str, Any]) -> int:

@@ -5,8 +5,9 @@ backend in its priority order that supports the call (flash, then memory-efficie
 torch 2.11 ships). "auto" keeps transformers' default ("sdpa" where the model supports it, else "eager") and, on
 a GPU kind in MEASURED, moves the backend measured fastest there to the front (the others stay behind it as
 fallbacks, so a call the first cannot serve still runs); on a GPU rank whose rows are packed documents it takes
-FlexAttention where the model class supports it (`resolve`'s docstring has the measurement). "sdpa-<backend>" puts that backend first on any GPU; "sdpa" keeps torch's order; the other values are
-transformers' own implementations, passed through (flash_attention_2/3 need their packages in the container).
+FlexAttention where the model class supports it (`resolve`'s docstring has the measurement). "sdpa-<backend>" puts that
+backend first on any GPU; "sdpa" keeps torch's order; the other values are transformers' own implementations,
+passed through (flash_attention_2/3 need their packages in the container).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ Python cannot stop it; it reads what this writes. Stdlib only.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import socket
 import threading
@@ -81,16 +82,15 @@ class RankBeat:
 
     def _record(self) -> dict[str, Any]:
         rec = {"rank": self.rank, "host": self.host, "step": self.step, "phase": self.phase, "time": time.time(),
-               "job": self.job, "restart": self.restart, "attempt": self.attempt, "pid": os.getpid(), "compute_s": list(self.compute_s)}
+               "job": self.job, "restart": self.restart, "attempt": self.attempt, "pid": os.getpid(),
+               "compute_s": list(self.compute_s)}
         if self.gpu is not None:
             rec.update(self.gpu.read())
         return rec
 
     def _put(self, name: str, rec: dict[str, Any]) -> None:
-        try:
+        with contextlib.suppress(OSError):  # a full or flaky filesystem must not cost a training step
             beats.write_record(self.dir, name, rec)
-        except OSError:
-            pass  # a full or flaky filesystem must not cost a training step
 
     def _loop(self) -> None:
         while not self._stop.is_set():
