@@ -199,4 +199,4 @@ def agree(ok: bool) -> bool:
 
     flag = torch.tensor([0.0 if ok else 1.0], device=comm_device())
     tdist.all_reduce(flag)
-    return flag.item() == 0
+    return bool(flag.item() == 0)

@@ -40,7 +40,7 @@ from hpctrain.runs.checkpoints import MARKER, complete_steps, step_tag
 _RENAMES = {"learning_rate": "lr"}
 
 
-class HpctrainCallback(TrainerCallback):
+class HpctrainCallback(TrainerCallback):  # type: ignore[misc]  # transformers is not type-checked (pyproject: mypy)
     """Reports the Trainer's logs, marks its checkpoints complete, and saves + stops on SLURM's signal."""
 
     def __init__(self) -> None:
@@ -121,7 +121,7 @@ def _resume_by_default(train: Any) -> Any:
 
 
 if not getattr(Trainer.train, "__hpctrain__", False):  # once, however often this module is reloaded
-    Trainer.train = _resume_by_default(Trainer.train)  # type: ignore[method-assign]
+    Trainer.train = _resume_by_default(Trainer.train)
 
 
 def training_args_from_ds_config(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -280,7 +280,7 @@ def write_serial(state: Any, path: Path) -> int:
             crc = torch.serialization.get_crc32_options()
             torch.serialization.set_crc32_options(False)
             try:
-                torch.save(state, sink)  # type: ignore[arg-type]
+                torch.save(state, sink)
             finally:
                 torch.serialization.set_crc32_options(crc)
         os.fsync(fd)

@@ -385,7 +385,7 @@ def align_optimizer_steps(engine: Any) -> int:
     # Walk the state, not param_groups: ZeRO-3 puts a sub-group's fp32 partition into its group only
     # for the duration of its optimizer step, so the groups are empty here.
     for param, state in getattr(opt, "state", {}).items():
-        step = state.get("step") if isinstance(state, dict) else None
+        step: Any = state.get("step") if isinstance(state, dict) else None
         if torch.is_tensor(param) and torch.is_tensor(step) and \
                 (step.device != param.device or step.dtype != torch.float32):
             state["step"] = step.to(device=param.device, dtype=torch.float32)

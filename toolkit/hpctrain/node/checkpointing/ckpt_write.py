@@ -91,7 +91,7 @@ def _layout(state: Any, path: Path) -> list[tuple[int, Any]] | None:
         log.warning("checkpoint %s: %d storages but %d data records; writing it with one thread",
                     path, len(found), len(records))
         return None
-    offset = reader.get_record_offset  # type: ignore[attr-defined]  # in torch >= 2.5, missing from its stubs
+    offset = reader.get_record_offset  # in torch >= 2.5
     return [(int(offset(records[k])), st) for k, st in found.items()]
 
 
@@ -120,7 +120,7 @@ def _bytes_of(st: Any, start: int, length: int, staging: _Staging) -> memoryview
         host = staging.buf[:length]
         host.copy_(piece)  # synchronous: the bytes are on the host when it returns
         piece = host
-    return memoryview(piece.numpy()).cast("B")  # type: ignore[arg-type]
+    return memoryview(piece.numpy()).cast("B")
 
 
 def write_parallel(state: Any, path: Path, threads: int | None = None) -> int | None:

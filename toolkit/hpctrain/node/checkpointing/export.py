@@ -53,7 +53,7 @@ def write_hf(paths: RunFolder, spec: Any, cfg: Any, sd: dict[str, Any], tag: str
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)  # type: ignore[no-untyped-call]
+        model = AutoModelForCausalLM.from_config(cfg)
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:

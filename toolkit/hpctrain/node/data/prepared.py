@@ -55,7 +55,7 @@ class LeanSplit:
             for i in range(0, sh.documents, self.BLOCK):
                 block = np.fromfile(path, dtype=np.int64, count=min(self.BLOCK, sh.documents - i) + 1, offset=8 * i)
                 self.lengths[at + i:at + i + len(block) - 1] = np.diff(block)
-            self._offsets.append(offsets)  # type: ignore[arg-type]
+            self._offsets.append(offsets)
             at += sh.documents
         if at != len(self.lengths):
             raise fmt.PreparedFormatError(f"{self.folder}: the shards of {split} hold {at} documents, the manifest "
@@ -180,6 +180,7 @@ def check_raw_size(source: str, limit: int) -> None:
     size = raw_size(source)
     if size > limit:
         raise NodeInputError(f"[data] source = {source!r}: {size / 1e6:.1f} MB of raw text is more than "
-                             f"[data] max_raw_bytes = {limit} ({limit / 1e6:.0f} MB), and every rank would tokenize all "
-                             f"of it in RAM. Fix: tokenize it once with `{PREPARE_HINT}` and set [data] source to "
+                             f"[data] max_raw_bytes = {limit} ({limit / 1e6:.0f} MB), and every rank would "
+                             f"tokenize all of it in RAM. Fix: tokenize it once with `{PREPARE_HINT}` and set [data] "
+                             "source to "
                              "the --out folder (or raise [data] max_raw_bytes).")

@@ -88,7 +88,12 @@ def hf_config(model_spec: Any) -> Any:
     from transformers import AutoConfig
 
     if model_spec.path:
-        cfg = AutoConfig.from_pretrained(model_spec.path, local_files_only=True)
+        try:
+            cfg = AutoConfig.from_pretrained(model_spec.path, local_files_only=True)
+        except ValueError as exc:
+            if "trust_remote_code" not in str(exc):
+                raise
+            raise NodeInputError(_remote_code_refusal(model_spec.path)) from None
     else:
         d = load_config_dict(model_spec.config)
         d.pop("architectures", None)
@@ -97,6 +102,20 @@ def hf_config(model_spec: Any) -> Any:
         setattr(cfg, key, value)
     cfg.use_cache = False  # training: no KV cache
     return cfg
+
+
+def _remote_code_refusal(path: str) -> str:
+    """Why a folder whose model transformers does not know (config.json's auto_map names the folder's own
+    Python files) is refused: hpctrain never runs code from a model folder (trust_remote_code)."""
+    try:
+        d = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        d = {}
+    return (f"[model] path = {path!r}: its model_type {d.get('model_type', '?')!r} is not one this transformers "
+            "knows, and the folder's auto_map points at its own Python code, which hpctrain does not run "
+            "(trust_remote_code). Fix: use a transformers-native copy of the model (its model_type listed in "
+            "transformers' docs, converted with the model's conversion script), a newer transformers in the image "
+            "that knows it, or train it from your own script (`hpctrain submit --script`), where you load it.")
 
 
 def build_model(model_spec: Any, cfg: Any, precision: str, ds_config: dict[str, Any], zero3: bool,
@@ -119,11 +138,11 @@ def build_model(model_spec: Any, cfg: Any, precision: str, ds_config: dict[str, 
         # Llama-1B ZeRO-0 run of the entrypoint took 60 s start to end against the plain loop's 30 s (which
         # builds on the GPU), with a 7.0 GB host peak against 2.1 GB. transformers initialises it once, here.
         with torch.device(device), _attention_refused(attn):
-            return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32,  # type: ignore[no-untyped-call]
+            return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32,
                                                     attn_implementation=attn or None)
     t0 = time.perf_counter()
     with _partitioned_construction(ds_config), _attention_refused(attn):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype,  # type: ignore[no-untyped-call]
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype,
                                                  attn_implementation=attn or None)
     built = time.perf_counter() - t0
     if model_spec.path:
@@ -414,7 +433,7 @@ def _load_one(fd: int, name: str, where: _Stored, target: Any) -> int:
     if shape != where.shape:
         raise NodeInputError(f"{where.file}: {name} has shape {list(where.shape)}, the model expects "
                              f"{list(shape)}. Fix: use the config.json saved with these weights.")
-    size = torch.empty(0, dtype=where.dtype).element_size()
+    size = int(torch.empty(0, dtype=where.dtype).element_size())
     part = getattr(target, "ds_tensor", None)
     if part is None:  # a buffer, or a parameter ZeRO-3 does not manage
         with torch.no_grad():
@@ -427,7 +446,7 @@ def _load_one(fd: int, name: str, where: _Stored, target: Any) -> int:
         if count:
             with torch.no_grad():
                 part.narrow(0, 0, count).copy_(_pread(fd, where, start, count))
-        return count * size
+        return int(count) * size
     rank0 = torch.distributed.get_rank() == 0
     with deepspeed.zero.GatheredParameters([target], modifier_rank=0), torch.no_grad():
         if rank0:
@@ -470,7 +489,7 @@ def reinit_weights(model: Any, zero3: bool) -> None:
     if zero3:
         from transformers.integrations.deepspeed import initialize_weights_zero3
 
-        initialize_weights_zero3(model)  # type: ignore[no-untyped-call]
+        initialize_weights_zero3(model)
     else:
         model.initialize_weights()
     model.tie_weights()

@@ -46,7 +46,7 @@ def wrap(model: Any, spec: Any, *, checkpointing: bool) -> Any:
         from peft import prepare_model_for_kbit_training
 
         # Casts the norms to fp32 and enables input grads; gradient checkpointing as the spec decided.
-        model = prepare_model_for_kbit_training(  # type: ignore[no-untyped-call]
+        model = prepare_model_for_kbit_training(
             model, use_gradient_checkpointing=checkpointing)
     elif checkpointing:
         # Checkpointed blocks whose inputs need no grad (a frozen embedding) would backpropagate nothing
@@ -111,7 +111,7 @@ def load_quantized(model_spec: Any, cfg: Any, precision: str, attn: str = "") ->
         raise NodeInputError("lora.quantize = \"4bit\": bitsandbytes is not installed on this node. Fix: install "
                              "hpctrain[qlora] in the image, or set [lora] quantize = \"none\".") from exc
     compute = torch.float16 if precision == "fp16" else torch.bfloat16
-    quant = BitsAndBytesConfig(  # type: ignore[no-untyped-call]
+    quant = BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute)
     local = int(os.environ.get("LOCAL_RANK", "0"))
     return AutoModelForCausalLM.from_pretrained(model_spec.path, config=cfg, quantization_config=quant,

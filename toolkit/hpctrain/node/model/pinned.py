@@ -15,8 +15,8 @@ def pin_in_place(t: torch.Tensor) -> bool:
     if t.is_pinned():
         return True
     try:
-        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        cudart = torch.cuda.cudart()
         torch.cuda.check_error(cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
     except Exception:  # noqa: BLE001 - not registrable here: the caller's other path
         return False
-    return t.is_pinned()
+    return bool(t.is_pinned())

@@ -20,17 +20,17 @@ from torch import nn
 from hpctrain.node.data.loader import IGNORE
 
 
-class EmbedPipe(nn.Module):
+class EmbedPipe(nn.Module):  # type: ignore[misc]  # torch is not type-checked (pyproject: mypy)
     def __init__(self, cfg: Any) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         nn.init.normal_(self.embed_tokens.weight, std=cfg.initializer_range)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)  # type: ignore[no-any-return]
+        return self.embed_tokens(input_ids)
 
 
-class DecoderPipe(nn.Module):
+class DecoderPipe(nn.Module):  # type: ignore[misc]
     def __init__(self, cfg: Any, index: int) -> None:
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
@@ -45,10 +45,10 @@ class DecoderPipe(nn.Module):
         pos = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         pe = self.rotary(hidden, position_ids=pos)
         out = self.layer(hidden, attention_mask=None, position_ids=pos, position_embeddings=pe)
-        return out[0] if isinstance(out, tuple) else out  # type: ignore[no-any-return]
+        return out[0] if isinstance(out, tuple) else out
 
 
-class HeadPipe(nn.Module):
+class HeadPipe(nn.Module):  # type: ignore[misc]
     def __init__(self, cfg: Any) -> None:
         from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -58,7 +58,7 @@ class HeadPipe(nn.Module):
         nn.init.normal_(self.lm_head.weight, std=cfg.initializer_range)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))  # type: ignore[no-any-return]
+        return self.lm_head(self.norm(hidden))
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -109,7 +109,7 @@ def load_pretrained_into(module: Any, path: str, num_layers: int) -> None:
     if not files:
         raise FileNotFoundError(f"{path}: pipeline parallel loads *.safetensors weights only")
     tied = json.loads((Path(path) / "config.json").read_text()).get("tie_word_embeddings", False)
-    layers = dict(zip(range(module._local_start, module._local_stop), module.forward_funcs))
+    layers = dict(zip(range(module._local_start, module._local_stop), module.forward_funcs, strict=True))
     sources: dict[str, list[tuple[int, str]]] = {}  # HF tensor name -> destinations in this stage
     for idx, layer in layers.items():
         for local in layer.state_dict():

@@ -120,7 +120,7 @@ class Tracker:
         if getattr(self.monitor, "wandb_monitor", None) is not None:
             import wandb
 
-            wandb.config.update(config, allow_val_change=True)  # type: ignore[no-untyped-call]
+            wandb.config.update(config, allow_val_change=True)
         tb = getattr(getattr(self.monitor, "tb_monitor", None), "summary_writer", None)
         if tb is not None:
             tb.add_text("hpctrain/config", "```\n" + json.dumps(config, indent=2, default=str) + "\n```")
