@@ -501,6 +501,7 @@ def test_unusable_registry_fails_before_sbatch(fake_slurm: Path, stand_in_render
     (5, {}, "resources.nodes = 5: partition debug has 4 node"),
     (1, {"cpus_per_task": 2}, "= 4 CPUs per node, but nodes of partition debug have 2"),
     (1, {"mem": "9G"}, "resources.mem = '9G': nodes of partition debug have 8000 MB"),
+    (1, {"mem": "8001"}, "resources.mem = '8001': nodes of partition debug have 8000 MB"),  # no unit: MB
 ])
 def test_shape_the_partition_can_never_run_is_refused(fake_slurm: Path, stand_in_render: None, tmp_path: Path,
                                                       nodes: int, res: dict[str, object], match: str) -> None:

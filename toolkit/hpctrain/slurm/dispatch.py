@@ -38,7 +38,7 @@ from hpctrain.errors import HpcUsageError
 from hpctrain.runs import folder as runs_mod
 from hpctrain.slurm.transaction import Interrupted, Transaction, point_summary
 from hpctrain.slurm.uncertain import JobMayExist, drop_pickles
-from hpctrain.spec.rules import secret_names
+from hpctrain.spec.rules import mem_bytes, secret_names
 from hpctrain.states import JobState
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -294,15 +294,6 @@ def _make_sweep_links(dirs: list[Path]) -> Path:
     return base
 
 
-def _mem_mb(text: str) -> int | None:
-    """SLURM --mem ("4000", "64G", "512M") -> MB; None when empty or not understood."""
-    m = re.fullmatch(r"(\d+)([KMGT]?)B?", text.strip().upper())
-    if not m:
-        return None
-    scale = {"K": 1 / 1024, "": 1, "M": 1, "G": 1024, "T": 1024**2}[m.group(2)]
-    return int(int(m.group(1)) * scale)
-
-
 def _check_fits(spec: Spec, plan: Plan) -> None:
     """Refuse shapes the partition can never run. sbatch *accepts* a job asking for more nodes
     than the partition has (it then pends forever, reason PartitionConfig), so ask sinfo first."""
@@ -332,7 +323,8 @@ def _check_fits(spec: Spec, plan: Plan) -> None:
             f"resources.cpus_per_task = {r.cpus_per_task}: {plan.ranks_per_node} rank(s) per node x "
             f"{r.cpus_per_task} CPU(s) = {cpus} CPUs per node, but nodes of {where} have {info.cpus}. "
             f"Fix: lower --cpus-per-task or the ranks per node, or use a larger --partition")
-    mem = _mem_mb(r.mem)
+    size = mem_bytes(r.mem)  # the spec's one reading of --mem
+    mem = size // 2**20 if size is not None else None
     if mem is not None and info.mem_mb and mem > info.mem_mb:
         raise HpcUsageError(f"resources.mem = {r.mem!r}: nodes of {where} have {info.mem_mb} MB. "
                             f"Fix: pass --mem {info.mem_mb}M or less")
