@@ -239,3 +239,19 @@ def test_a_model_path_that_is_not_there_says_how_to_get_one(tmp_path: Path) -> N
     text = str(err.value)
     assert text.startswith("model.path = ") and "save_pretrained" in text and "--model DIR" in text
     assert "presets" not in text  # presets are [model] config's, not a folder's
+
+
+def test_a_model_that_needs_remote_code_is_refused_before_the_process_group(tmp_path: Path) -> None:
+    """InternLM2-shaped: a model_type transformers does not know and an auto_map naming the folder's own code.
+    It was a ValueError traceback from AutoConfig on every rank; now the rank's input check names the fix."""
+    from types import SimpleNamespace
+
+    from hpctrain.node.model.build import hf_config
+    from hpctrain.node.runconf import NodeInputError
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["InternLM2ForCausalLM"], "model_type": "internlm2", "hidden_size": 64,
+        "auto_map": {"AutoConfig": "configuration_internlm2.InternLM2Config",
+                     "AutoModelForCausalLM": "modeling_internlm2.InternLM2ForCausalLM"}}))
+    with pytest.raises(NodeInputError, match=r"model_type 'internlm2' .*trust_remote_code.*Fix: .*--script"):
+        hf_config(SimpleNamespace(path=str(tmp_path), config="", overrides={}, freeze=()))
