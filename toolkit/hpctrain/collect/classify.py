@@ -62,7 +62,8 @@ _HOSTS_IN_PREFLIGHT = re.compile(r"expected on host\(s\) ([^;()\n]+)|rank 0's ho
 # (run folders from before events.jsonl, or a rank that could not write its event).
 _NODE_FAILED = re.compile(r"hpctrain: rank (\d+) failed: ([\w.]+): (.*?)(?: \(traceback in .*\))?$")
 # The node checkpointed on SLURM's pre-timeout signal (USR2) or a preemption (TERM) and exited 3.
-_SIGNAL_STOP = re.compile(r"signal (\d+): checkpointed at step (\d+), stopping(?: for requeue \((\w+)| for requeue|: (cancel)led)?")
+_SIGNAL_STOP = re.compile(r"signal (\d+): checkpointed at step (\d+), stopping"
+                          r"(?: for requeue \((\w+)| for requeue|: (cancel)led)?")
 # submitit's own handler for that signal, when chained, refuses to requeue a non-Checkpointable job.
 # (timed-out / preempted / "checkpoint function returned None" when no retry is wanted): a stop, not a bug.
 _SUBMITIT_STOP = re.compile(r"UncompletedJobError: Job not requeued because")
@@ -283,14 +284,15 @@ def classify(state: str | None, sources: Iterable[LogSource], *, exit_code: str 
             dead = _silent_peer(srcs)
             if dead:  # the peer the survivors lost logged nothing more: its node or process died
                 ev = _culprit(by_cls[cls])
-                return Failure(FC.NODE_FAIL, f"rank {ev.src.rank} on {ev.src.host} lost its peer on {dead}, whose ranks "
-                               "stopped without an error (node or process died)", rank=ev.src.rank, host=dead,
+                return Failure(FC.NODE_FAIL, f"rank {ev.src.rank} on {ev.src.host} lost its peer on {dead}, "
+                               "whose ranks stopped without an error (node or process died)",
+                               rank=ev.src.rank, host=dead,
                                source=ev.src.name, exception=ev.exception, last_lines=ev.last_lines)
         return _failure(cls, _culprit(by_cls[cls]))
     if state == JobState.OUT_OF_MEMORY or ("killed" in by_cls and not external and _is_kill_exit(exit_code, state)):
         killed = by_cls.get("killed")
-        return _failure(FC.HOST_OOM, killed[0] if killed else None, default=f"SLURM state {state or '?'}, exit {exit_code or '?'}: "
-                                                "killed (host memory exhausted?)")
+        return _failure(FC.HOST_OOM, killed[0] if killed else None,
+                        default=f"SLURM state {state or '?'}, exit {exit_code or '?'}: killed (host memory exhausted?)")
     if "signal_stop" in by_cls and state not in (JobState.CANCELLED, JobState.NODE_FAIL):
         return _signal_stop(by_cls["signal_stop"], state)
     if "signal_stop" in by_cls and state == JobState.CANCELLED:
@@ -415,7 +417,10 @@ def _tidy(msg: str, limit: int = 300) -> str:
     return msg if len(msg) <= limit else msg[: limit - 3] + "..."
 
 
-_PEER = re.compile(r"(?:closed by peer|reset by peer|Read error|Write error|from|to) \[?([0-9]{1,3}(?:\.[0-9]{1,3}){3}|[A-Za-z][\w.-]*)\]?:\d+")
+# The peer a survivor's communication error names (gloo: "Read error [10.77.0.2]:36531", "Connection closed by
+# peer [node2]:1234"), read so by the collector (lost_host) and the hang watchdog (hpctrain.fault.watchdog).
+PEER_ADDR = re.compile(r"(?:closed by peer|reset by peer|Read error|Write error|from|to) "
+                       r"\[?([0-9]{1,3}(?:\.[0-9]{1,3}){3}|[A-Za-z][\w.-]*)\]?:\d+")
 _ENDED = re.compile(r"\b(?:ERROR|Traceback|done$|finished at step|checkpointed at step \d+, stopping)", re.MULTILINE)
 
 
@@ -450,14 +455,17 @@ def lost_host(sources: list[LogSource], resolve: bool = True) -> str | None:
 def _peer_hosts(sources: list[LogSource], hosts: set[str], resolve: bool) -> set[str]:
     out: set[str] = set()
     for s in sources:
-        for m in _PEER.finditer(s.text):
-            name = m.group(1)
-            if name[0].isdigit() and resolve:
-                name = _resolve(name)
-            short = name.split(".")[0]
+        for m in PEER_ADDR.finditer(s.text):
+            short = peer_host(m.group(1), resolve)
             if short in hosts and short != s.host:
                 out.add(short)
     return out
+
+
+def peer_host(addr: str, resolve: bool = True) -> str:
+    """A peer as PEER_ADDR finds it (an address or a name) -> its short host name, an address resolved through
+    the hosts database (unless `resolve` is off; an unknown address stays itself)."""
+    return (_resolve(addr) if addr[0].isdigit() and resolve else addr).split(".")[0]
 
 
 def _resolve(addr: str) -> str:

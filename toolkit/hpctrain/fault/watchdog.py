@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
-import socket
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hpctrain.collect.classify import PEER_LOST
+from hpctrain.collect.classify import PEER_ADDR, PEER_LOST, peer_host
 from hpctrain.runs import folder as runs_mod
 from hpctrain.runs import journal
 from hpctrain.runs.beats import PHASES, read_beats, read_failures
@@ -38,18 +36,7 @@ PEER_POLL_S = 1.0  # the peer-lost check is one directory listing: cheap enough 
 WATCHDOG_FILE = runs_mod.WATCHDOG_JSONL
 # A rank's failure that reports a lost peer (hpctrain.collect.classify.PEER_LOST, the classifier's reading too):
 # the peer's process or node died. Not a timeout: that is a hang, named by the hang check.
-# The peer gloo names: "Read error [10.77.0.2]:36531", "Connection closed by peer [node2]:1234".
-_PEER_ADDR = re.compile(r"(?:peer|error|to|from) \[?([0-9]{1,3}(?:\.[0-9]{1,3}){3}|[A-Za-z][\w.-]*)\]?:\d+")
-
-
-def _host_name(addr: str) -> str:
-    """A peer as gloo names it (address or name) -> short host name, through the hosts database."""
-    if addr[0].isdigit():
-        try:
-            addr = socket.gethostbyaddr(addr)[0]
-        except (OSError, UnicodeError):
-            return addr
-    return addr.split(".")[0]
+# The peer it names: the collector's reading (hpctrain.collect.classify.PEER_ADDR, peer_host).
 
 
 def _done_step(rec: dict[str, Any]) -> int:
@@ -73,8 +60,8 @@ def lost_peers(failures: list[dict[str, Any]], beats: list[dict[str, Any]], worl
     job_hosts = {str(b.get("host")) for b in beats} | failed_hosts
     # Only a host of this job may be named (it goes into sbatch --exclude): an address the hosts database
     # cannot resolve names nobody.
-    named = {h for f in comm for m in _PEER_ADDR.finditer(str(f["error"]))
-             if (h := _host_name(m.group(1))) in job_hosts - failed_hosts}
+    named = {h for f in comm for m in PEER_ADDR.finditer(str(f["error"]))
+             if (h := peer_host(m.group(1))) in job_hosts - failed_hosts}
     by_rank = {int(b["rank"]): b for b in beats if "rank" in b}
     failed_ranks = {int(f["rank"]) for f in failures}
     quiet = [r for r in range(world) if r not in failed_ranks and by_rank.get(r, {}).get("phase") != "done"]
