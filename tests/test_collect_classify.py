@@ -8,9 +8,11 @@ from hpctrain.collect import classify as cc
 from hpctrain.collect.logs import last_timestamp, parse_time
 from hpctrain.states import FailureClass as FC
 
-HEAD = "2026-11-29T10:00:01 rank{r} INFO hpctrain node: mode train, rank {r}/4 (local {r}) via slurm, master node1:21234\n"
+HEAD = ("2026-11-29T10:00:01 rank{r} INFO hpctrain node: mode train, rank {r}/4 (local {r}) via slurm, "
+        "master node1:21234\n")
 
-GPU_OOM = HEAD.format(r=1) + """2026-11-29T10:00:05 rank1 INFO step 3 | loss 9.8123 | lr 1.00e-04 | tok/s 51234 | pad 0.0%
+GPU_OOM = HEAD.format(r=1) + """\
+2026-11-29T10:00:05 rank1 INFO step 3 | loss 9.8123 | lr 1.00e-04 | tok/s 51234 | pad 0.0%
 2026-11-29T10:00:06 rank1 ERROR training failed:
 Traceback (most recent call last):
   File "/opt/hpctrain/toolkit/hpctrain/node/launch/main.py", line 48, in run
@@ -25,7 +27,8 @@ HOST_OOM_ERR = """srun: error: node3: task 2: Out Of Memory
 slurmstepd: error: Detected 1 oom_kill event in StepId=1234.0. Some of the step tasks have been OOM Killed.
 """
 
-NCCL_TIMEOUT = HEAD.format(r=2) + """[rank2]:[E1129 10:31:02.123456 12345 ProcessGroupNCCL.cpp:616] [Rank 2] Watchdog caught \
+NCCL_TIMEOUT = HEAD.format(r=2) + """\
+[rank2]:[E1129 10:31:02.123456 12345 ProcessGroupNCCL.cpp:616] [Rank 2] Watchdog caught \
 collective operation timeout: WorkNCCL(SeqNum=1042, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran \
 for 600031 milliseconds before timing out.
 [rank2]:[E1129 10:31:02.223456 12345 ProcessGroupNCCL.cpp:1664] [PG 0 Rank 2] Exception (either an error or timeout) \
@@ -50,7 +53,8 @@ Traceback (most recent call last):
 RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.77.0.2]:21000
 """
 
-USER_EXC = HEAD.format(r=1) + """2026-11-29T10:00:07 rank1 INFO step 6 | loss 9.1000 | lr 1.00e-04 | tok/s 812 | pad 0.0%
+USER_EXC = HEAD.format(r=1) + """\
+2026-11-29T10:00:07 rank1 INFO step 6 | loss 9.1000 | lr 1.00e-04 | tok/s 812 | pad 0.0%
 2026-11-29T10:00:08 rank1 ERROR training failed:
 Traceback (most recent call last):
   File "/opt/hpctrain/toolkit/hpctrain/node/launch/main.py", line 48, in run
@@ -72,12 +76,14 @@ slurmstepd: error: pyxis: [ERROR] URL https://nvcr.io/proxy_auth returned error 
 PODMAN = 'Error: short-name "train" did not resolve to an alias and no unqualified-search registries are defined\n'
 CHRUN = "ch-run[4412]: error: can't run user command: python: No such file or directory (core.c:1193 2)\n"
 
-PREFLIGHT = """hpctrain: preflight failed: pre-flight: 1 of 4 ranks did not join the rendezvous at node1:20008: rank(s) 3; \
+PREFLIGHT = """\
+hpctrain: preflight failed: pre-flight: 1 of 4 ranks did not join the rendezvous at node1:20008: rank(s) 3; \
 expected on host(s) node4 (no rank at all from node4: check that node)
 """
 
 
-def src(text: str, name: str = "logs/attempt-0.rank-0.log", rank: int | None = 0, host: str | None = None) -> cc.LogSource:
+def src(text: str, name: str = "logs/attempt-0.rank-0.log", rank: int | None = 0,
+        host: str | None = None) -> cc.LogSource:
     return cc.LogSource(name, text, rank, host)
 
 
@@ -93,7 +99,8 @@ def test_gpu_oom_names_rank_and_host() -> None:
     ("FAILED", "0:9", HOST_OOM_ERR),
     ("OUT_OF_MEMORY", "0:125", ""),
     ("FAILED", "137:0", "/var/spool/slurmd/job01234/slurm_script: line 52: 81231 Killed   python -u train.py\n"),
-    ("FAILED", "0:0", "[Mon Nov 29 10:00:01 2026] python invoked oom-killer: gfp_mask=0x140cca(GFP_HIGHUSER_MOVABLE)\n"),
+    ("FAILED", "0:0",
+     "[Mon Nov 29 10:00:01 2026] python invoked oom-killer: gfp_mask=0x140cca(GFP_HIGHUSER_MOVABLE)\n"),
 ])
 def test_host_oom(state: str, exit_code: str, text: str) -> None:
     f = cc.classify(state, [src(text, "submitit/1234_2_log.err", 2, "node3")], exit_code=exit_code)
@@ -163,14 +170,16 @@ def test_survivors_comm_errors_do_not_hide_node_fail() -> None:
 
 
 def test_timeout_with_signal_stop_is_time_limit() -> None:
-    text = HEAD.format(r=0) + "2026-11-29T10:00:02 rank0 INFO signal 12: checkpointed at step 40, stopping for requeue\n"
+    text = HEAD.format(r=0) + ("2026-11-29T10:00:02 rank0 INFO signal 12: "
+                               "checkpointed at step 40, stopping for requeue\n")
     assert cc.classify("TIMEOUT", [src(text)]).failure_class == FC.TIME_LIMIT
 
 
 @pytest.mark.parametrize("signum,state,cls", [(12, "FAILED", FC.TIME_LIMIT), (15, "FAILED", FC.PREEMPTED),
                                               (12, "TIMEOUT", FC.TIME_LIMIT), (15, "PREEMPTED", FC.PREEMPTED)])
 def test_stopped_on_signal_after_checkpoint(signum: int, state: str, cls: str) -> None:
-    text = HEAD.format(r=0) + f"2026-11-29T10:00:02 rank0 INFO signal {signum}: checkpointed at step 40, stopping for requeue\n"
+    text = HEAD.format(r=0) + (f"2026-11-29T10:00:02 rank0 INFO signal {signum}: "
+                               "checkpointed at step 40, stopping for requeue\n")
     f = cc.classify(state, [src(text, host="node1")], exit_code="3:0")
     assert f.failure_class == cls and "resumable" in f.message and f.host == "node1"
 
@@ -211,7 +220,8 @@ def test_truncated_traceback() -> None:
 
 def test_earliest_exception_wins_and_node_line_comm_errors_are_comm() -> None:
     """Rank 0 failed later because rank 1 vanished; its stderr line names the gloo error."""
-    late = USER_EXC.replace("rank1", "rank0").replace("10:00:08", "10:00:20").replace("ValueError: HPC", "KeyError: HPC")
+    late = (USER_EXC.replace("rank1", "rank0").replace("10:00:08", "10:00:20")
+            .replace("ValueError: HPC", "KeyError: HPC"))
     early = USER_EXC.replace("10:00:08", "10:00:05")
     f = cc.classify("FAILED", [src(late, "logs/attempt-0.rank-0.log", 0), src(early, "logs/attempt-0.rank-1.log", 1),
                                src("hpctrain: rank 0 failed: RuntimeError: [pair.cc:553] Connection closed by peer "
