@@ -105,7 +105,10 @@ def node_jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
     out: dict[str, Any] = {}
     try:
         out["offload"] = submit(jobs, "--nodes", "4", "--offload", "optimizer", env=env)
-        out["usr2"] = submit(jobs, "--nodes", "2", "--steps", "150", "--set", "checkpoint.every_steps=0", env=env)
+        # Slowed by a sleep on every rank (HPCTRAIN_FAULT_INJECT slow: no CPU): still training when the USR2
+        # sent after step 10 arrives (within a poll or two), with 40 steps instead of 150 bare ones (~0.4 s each).
+        slow = {**env, "HPCTRAIN_FAULT_INJECT": "slow:step=1,s=1"}
+        out["usr2"] = submit(jobs, "--nodes", "2", "--steps", "40", "--set", "checkpoint.every_steps=0", env=slow)
         out["usr2_signal"] = Usr2After(*out["usr2"], after=10)
         yield out
     finally:
@@ -142,4 +145,4 @@ def test_usr2_checkpoints_requeues_and_resumes(node_jobs: dict[str, Any]) -> Non
     stopped = int(log0.split("signal 12: checkpointed at step ")[1].split(",")[0])
     log1 = (run / "logs" / "attempt-1.rank-0.log").read_text()
     assert f"resumed from step-{stopped} at step {stopped}" in log1
-    assert steps(run)[-1]["step"] == 150
+    assert steps(run)[-1]["step"] == 40
