@@ -255,3 +255,26 @@ def test_a_model_that_needs_remote_code_is_refused_before_the_process_group(tmp_
                      "AutoModelForCausalLM": "modeling_internlm2.InternLM2ForCausalLM"}}))
     with pytest.raises(NodeInputError, match=r"model_type 'internlm2' .*trust_remote_code.*Fix: .*--script"):
         hf_config(SimpleNamespace(path=str(tmp_path), config="", overrides={}, freeze=()))
+
+
+# ------------------------------------------------------------------------------------------ the planner
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_the_planner_counts_every_expert_of_a_moe_model(name: str, tmp_path: Path) -> None:
+    """Memory holds every expert: the plan's parameter count is the model's own (was the dense count, 40%)."""
+    from transformers import AutoModelForCausalLM
+
+    from familykit import make_folder
+    from hpctrain.plan.planner import model_arch, param_count
+
+    folder = make_folder(tmp_path, name)
+    real = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(folder).parameters())
+    assert param_count(model_arch(json.loads((folder / "config.json").read_text()))) == real
+
+
+def test_a_mixtral_8x7b_config_plans_as_46_7b() -> None:
+    from hpctrain.plan.planner import model_arch, param_count
+
+    cfg = {"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000, "num_local_experts": 8,
+           "num_experts_per_tok": 2, "max_position_embeddings": 32768}
+    assert param_count(model_arch(cfg)) == 46_702_792_704  # Mixtral-8x7B-v0.1's own count

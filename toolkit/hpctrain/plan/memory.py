@@ -123,6 +123,11 @@ def _layer_tensors(a: dict[str, Any]) -> list[int]:
         return [2 * h, h * 3 * h + 3 * h, h * h + h, 2 * h, h * i + i, i * h + h]
     bias = a["attention_bias"]
     q, kv, o = h * heads * hd + (heads * hd if bias else 0), h * kvh * hd + (kvh * hd if bias else 0), heads * hd * h
+    experts = int(a.get("experts") or 0)
+    if experts:  # router, the experts fused as transformers holds them (gate_up, down), a shared expert and its gate
+        mi, si = int(a["moe_intermediate"]), int(a["shared_expert_intermediate"])
+        shared = [h * si, h * si, si * h, h] if si else []
+        return [q, kv, kv, o, h * experts, experts * 2 * mi * h, experts * mi * h, *shared, h, h]
     return [q, kv, kv, o, h * i, h * i, i * h, h, h]  # SwiGLU MLP (gate, up, down) + 2 RMSNorms
 
 

@@ -129,6 +129,12 @@ def model_arch(cfg: dict[str, Any], overridden: frozenset[str] | set[str] = froz
          f"{heads_key} {heads} is not a multiple of num_key_value_heads {kv_heads}",
          f"choose num_key_value_heads among the divisors of {heads}")
     gpt2 = kind == "gpt2" or "n_embd" in cfg
+    # MoE (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek): every expert's weights are held, trained and stepped, so
+    # memory counts them all (a Mixtral 8x7B planned as a dense 7B ran out of memory by 6.7x its weights).
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
+    inter = int(get("intermediate_size", "n_inner", default=0)[1] or 4 * hidden)
+    moe_inter = int(cfg.get("moe_intermediate_size") or inter) if experts else 0
+    shared = int(cfg.get("shared_expert_intermediate_size") or int(cfg.get("n_shared_experts") or 0) * moe_inter)
     return {
         "model_type": kind,
         "style": "gpt2" if gpt2 else "llama",
@@ -137,11 +143,14 @@ def model_arch(cfg: dict[str, Any], overridden: frozenset[str] | set[str] = froz
         "heads": int(heads),
         "kv_heads": kv_heads,
         "head_dim": int(cfg.get("head_dim") or hidden // heads),
-        "intermediate": int(get("intermediate_size", "n_inner", default=0)[1] or 4 * hidden),
+        "intermediate": inter,
+        "experts": experts,  # 0: a dense MLP
+        "moe_intermediate": moe_inter,
+        "shared_expert_intermediate": shared if experts else 0,
         "vocab": int(get("vocab_size")[1]),
         "positions": int(get("max_position_embeddings", "n_positions", default=0)[1]),
         "tied": bool(cfg.get("tie_word_embeddings", gpt2)),
-        "attention_bias": bool(cfg.get("attention_bias", kind == "qwen2")),
+        "attention_bias": bool(cfg.get("attention_bias", kind in ("qwen2", "qwen2_moe"))),
     }
 
 
