@@ -278,3 +278,38 @@ def test_a_mixtral_8x7b_config_plans_as_46_7b() -> None:
            "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000, "num_local_experts": 8,
            "num_experts_per_tok": 2, "max_position_embeddings": 32768}
     assert param_count(model_arch(cfg)) == 46_702_792_704  # Mixtral-8x7B-v0.1's own count
+
+
+@pytest.mark.parametrize("overlong", ["truncate", "drop"])
+def test_overlong_examples_follow_the_rule_alike_raw_and_prepared(tok_dir: Path, tmp_path: Path,
+                                                                  overlong: str) -> None:
+    """A long response is cut to seq_len (truncate: counted as truncated, its prompt whole) or dropped (drop:
+    counted as overlong); a prompt that fills seq_len is dropped under both. The raw reader and `data prepare`
+    count the same and keep the same tokens."""
+    from hpctrain.data.prepare import Options, prepare
+    from hpctrain.node.data.loader import sft_docs
+    from hpctrain.node.data.tokenize import load_tokenizer
+    from hpctrain.node.runconf import read_spec
+    from hpctrain.runs.folder import RunFolder
+
+    records = [{"messages": [U, A]}, {"messages": [U, {"role": "assistant", "content": "word " * 200}]},
+               {"messages": [{"role": "user", "content": "word " * 200}, A]}]
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    spec = read_spec(RunFolder(make_run(tmp_path / "run", data={
+        "source": str(data), "format": "chat", "tokenizer": str(tok_dir), "seq_len": 64, "pack": True,
+        "overlong": overlong})))
+    docs, raw = sft_docs(spec.data, load_tokenizer(str(tok_dir)))
+    cut = overlong == "truncate"
+    assert (raw["kept"], raw["truncated"], raw["bad"]) == (1 + cut, int(cut), {"overlong": 2 - cut})
+    if cut:
+        long_doc = max(docs, key=len)
+        assert len(long_doc) == 64 and (long_doc[:8] < 0).all() and (long_doc[-8:] >= 0).all()  # prompt whole
+    out = tmp_path / "prep"
+    prepare([str(data)], str(tok_dir), out, Options(format="chat", seq_len=64, overlong=overlong, val_fraction=0.0),
+            workers=1, progress=False, echo=lambda _: None)
+    prepared = fmt.read_manifest(out).records
+    assert {k: prepared[k] for k in ("records", "kept", "truncated", "bad")} == \
+        {k: raw[k] for k in ("records", "kept", "truncated", "bad")}
+    split = fmt.PreparedSplit(out, "train")
+    assert sorted(len(split.doc(i)) for i in range(len(split))) == sorted(len(d) for d in docs)
