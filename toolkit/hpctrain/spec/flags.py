@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,9 @@ def markdown_table() -> str:
 
 
 # Container runtimes a request may name (`--container RUNTIME:IMAGE`, `container.runtime`); "none" runs on the host.
-RUNTIMES: tuple[str, ...] = ("none", "apptainer", "pyxis", "podman", "charliecloud")
+# The type of spec.model.Container.runtime and its values, written once.
+Runtime = Literal["none", "apptainer", "pyxis", "podman", "charliecloud"]
+RUNTIMES: tuple[str, ...] = get_args(Runtime)
 
 # The options that are not one row of FLAGS, by their Python name (click's parameter name, and the keyword of
 # hpctrain.submit / hpctrain.plan): `set` is --set's SECTION.KEY=VALUE items (or, from Python, a mapping).

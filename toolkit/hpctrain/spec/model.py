@@ -27,6 +27,7 @@ import tomllib
 from hpctrain.errors import HpcUsageError, bad_value, unknown_key
 from hpctrain.spec import finetune
 from hpctrain.spec.finetune import Default
+from hpctrain.spec.flags import Runtime  # with its values, RUNTIMES
 from hpctrain.spec.rules import check, describe, field_types, how_to_set, need
 
 Zero = int | Literal["auto"]  # 0, 1, 2, 3 or "auto"
@@ -38,7 +39,6 @@ OffloadDevice = Literal["cpu", "nvme"]
 Precision = Literal["bf16", "fp16", "fp32"]
 Launcher = Literal["srun", "torchrun", "deepspeed", "accelerate"]
 ExecutorName = Literal["slurm", "local", "auto"]
-Runtime = Literal["none", "apptainer", "pyxis", "podman", "charliecloud"]
 # "auto": transformers' "sdpa" with torch's SDPA backends in the order measured fastest on the rank's GPU
 # (hpctrain.node.model.attention); "sdpa-<backend>": that backend first; the rest are transformers' own names.
 Attention = Literal["auto", "sdpa", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "eager", "flash_attention_2",
