@@ -92,8 +92,8 @@ def test_newlines_and_quotes_are_allowed_in_arguments_only() -> None:
 def _dry(tmp_path: Path, *args: str) -> dict[str, Any]:
     script = tmp_path / "my train.py"
     script.write_text("print('hi')\n")
-    res = invoke("submit", "--script", str(script), "--zero", "2", "--nodes", "2", "--set", "resources.tasks_per_node=2",
-                 "--dry-run", "--json", *args)
+    res = invoke("submit", "--script", str(script), "--zero", "2", "--nodes", "2",
+                 "--set", "resources.tasks_per_node=2", "--dry-run", "--json", *args)
     assert res.exit_code == 0, res.output
     return dict(json.loads(res.output))
 
@@ -103,7 +103,8 @@ def test_dry_run_shows_the_program_and_keeps_the_arguments(tmp_path: Path) -> No
     sbatch = out["sbatch"]
     line = next(ln for ln in sbatch.splitlines() if "deepspeed.launcher.runner" in ln)
     assert line.startswith("#   ") and str(tmp_path / "my train.py").replace(" ", "' '") not in line
-    assert L.shell_line(list(HOSTILE)) in line and line.endswith('--deepspeed_config "$HPCTRAIN_RUN_DIR/ds_config.json"')
+    assert L.shell_line(list(HOSTILE)) in line
+    assert line.endswith('--deepspeed_config "$HPCTRAIN_RUN_DIR/ds_config.json"')
     assert "--ntasks-per-node=1" in sbatch and "#SBATCH --ntasks-per-node=1" in sbatch
     assert "#SBATCH --cpus-per-task=2" in sbatch  # the node's task holds both ranks' cores
     assert "--after-first-beat" in sbatch and "submitit.core._submit" in sbatch.splitlines()[-1]

@@ -9,6 +9,7 @@ the attempt from it, rank logs or not.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -143,10 +144,8 @@ def _enter(folder: Path) -> str | None:
 
 def _leave(before: str | None) -> None:
     if before is not None:
-        try:
+        with contextlib.suppress(OSError):  # removed meanwhile: stay where we are
             os.chdir(before)
-        except OSError:  # removed meanwhile: stay where we are
-            pass
 
 
 def _run_user_script(spec: Spec, paths: RunFolder, d: dist.DistEnv, stop: script.ScriptStop, job_id: str) -> None:

@@ -118,7 +118,8 @@ def script_ds_config(paths: RunFolder) -> Path:
 
 def where(spec: Spec, d: DistEnv, paths: RunFolder, ranks_per_node: int, nodes: int) -> user_launch.Where:
     """The allocation's facts for this node's command (spec.launch.script_command)."""
-    return user_launch.Where(python=sys.executable, ds_config=str(script_ds_config(paths)), hostfile=str(paths.hostfile),
+    return user_launch.Where(python=sys.executable, ds_config=str(script_ds_config(paths)),
+                             hostfile=str(paths.hostfile),
                              nnodes=str(nodes), ranks_per_node=str(ranks_per_node), node_rank=str(d.node_rank),
                              master_addr=d.master_addr, master_port=str(d.master_port),
                              gpu=spec.resources.gpus_per_node > 0)
