@@ -242,3 +242,25 @@ def test_prepare_as_a_slurm_job(tmp_path: Path, tok: Path, docs: list[str]) -> N
     assert m.inputs[0]["path"] == str(src) and m.documents + m.val.documents == len(docs)
     assert all_docs(out) == [d for d, t in zip(expected(tok, docs), docs, strict=True) if not is_val(t, 0.005)] + \
         [d for d, t in zip(expected(tok, docs), docs, strict=True) if is_val(t, 0.005)]
+
+
+def test_the_nodes_in_ram_reader_reads_what_prepare_reads(tmp_path: Path) -> None:
+    """One raw-text reader (issue 28 item 4): the node's in-RAM path takes `data prepare`'s documents."""
+    pytest.importorskip("torch")
+    from hpctrain.data import inputs
+    from hpctrain.node.data.loader import read_texts
+    from hpctrain.node.runconf import NodeInputError
+
+    d = tmp_path / "corpus"
+    d.mkdir()
+    (d / "a.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "one"}\r\n\n{"text": "  "}\n{"text": "two"}\n')
+    (d / "b.txt").write_bytes(b"\xef\xbb\xbfthree\r\nfour\n\n")
+    with gzip.open(d / "c.txt.gz", "wt") as fh:
+        fh.write("five\n")
+    found = inputs.find_inputs([str(d)])
+    prepared = [t for n, i in enumerate(found) for u in inputs.units_of(i, n, 1 << 20)
+                for t in inputs.read_texts(i, u, "text")]
+    assert read_texts(str(d), "auto", "text") == prepared == ["one", "two", "three", "four", "five"]
+    assert read_texts(str(d / "a.jsonl"), "text", "text")[0] == '{"text": "one"}'  # [data] format names the kind
+    with pytest.raises(NodeInputError, match=r"\[data\] source = .*\[data\] text_field = 'body'"):
+        read_texts(str(d), "jsonl", "body")

@@ -216,7 +216,9 @@ def read_texts(inp: Input, unit: Unit, field: str) -> Iterator[str]:
     if inp.kind == "jsonl":
         texts: Iterator[Any] = _jsonl(inp, unit, field)
     elif inp.kind == "text":
-        texts = (line.decode("utf-8", errors="replace").rstrip("\r\n") for _, line in _lines(inp, unit))
+        # utf-8-sig at the top of the file: a BOM (Windows editors, Excel exports) is not part of the first line
+        texts = (line.decode("utf-8-sig" if pos == 0 else "utf-8", errors="replace").rstrip("\r\n")
+                 for pos, line in _lines(inp, unit))
     elif inp.kind == "parquet":
         import pyarrow.parquet as pq
 

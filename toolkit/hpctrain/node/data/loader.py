@@ -20,7 +20,7 @@ really sees (label != -100 after the model's one-token shift): the metrics' trai
 
 from __future__ import annotations
 
-import json
+import dataclasses
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -57,64 +57,31 @@ class Batch:
 
 # ---------------------------------------------------------------------------------------------- reading
 def read_texts(source: str, fmt: str, text_field: str) -> list[str]:
-    """All documents of a jsonl/text file, a folder of them, or a `save_to_disk` folder."""
-    path = Path(source)
-    if not path.exists():
-        raise NodeInputError(f"[data] source = {source!r}: no such file or folder. Point it at a .jsonl/.txt "
-                             "file, a folder of them, or a datasets.save_to_disk folder on the shared filesystem.")
-    if fmt == "arrow" or (fmt == "auto" and path.is_dir() and _is_saved_dataset(path)):
-        return _read_arrow(path, text_field)
-    files = sorted(p for p in path.rglob("*") if p.suffix in (".jsonl", ".json", ".txt")) if path.is_dir() else [path]
-    if not files:
-        raise NodeInputError(f"{path}: folder holds no .jsonl/.txt files and is not a datasets.save_to_disk folder.")
-    texts: list[str] = []
-    for f in files:
-        is_json = fmt == "jsonl" or (fmt == "auto" and f.suffix in (".jsonl", ".json"))
-        texts.extend(_read_jsonl(f, text_field) if is_json else _read_text(f))
+    """All documents of a jsonl/text file, a folder of them, or a `save_to_disk` folder, read by `data prepare`'s
+    reader (hpctrain.data.inputs): the in-RAM path and a prepared folder of the same source hold the same
+    documents. [data] format = "jsonl" / "text" reads every such file so, whatever its name says."""
+    from hpctrain.data import inputs
+    from hpctrain.errors import HpcUsageError
+
+    try:
+        found = inputs.find_inputs([source])
+        if fmt in ("jsonl", "text"):
+            found = [dataclasses.replace(i, kind=fmt) if i.kind in ("jsonl", "text") else i for i in found]
+        texts = [t for n, inp in enumerate(found) for unit in inputs.units_of(inp, n, WHOLE_FILE)
+                 for t in inputs.read_texts(inp, unit, text_field)]
+    except HpcUsageError as exc:  # worded for `data prepare`'s flags: said again as [data]'s
+        raise NodeInputError(f"[data] source = {source!r}: {exc.message.replace('--text-field', '[data] text_field')}"
+                             ) from exc
     if not texts:
         raise NodeInputError(f"{source}: no non-empty documents found.")
     return texts
 
 
+WHOLE_FILE = 1 << 62  # units_of's shard size: one unit per file, read in order
+
+
 def _is_saved_dataset(path: Path) -> bool:
     return any((path / n).exists() for n in ("dataset_info.json", "state.json", "dataset_dict.json"))
-
-
-def _read_jsonl(path: Path, field: str) -> list[str]:
-    out: list[str] = []
-    # utf-8-sig: a file saved with a BOM (Windows editors, Excel exports) reads as without; `data prepare` reads
-    # such a file so too, and the raw path refused its first line as "not valid JSON".
-    with path.open(encoding="utf-8-sig") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise NodeInputError(f"{path}:{lineno}: not valid JSON ({exc.msg}).") from exc
-            if not isinstance(rec, dict) or field not in rec:
-                keys = ", ".join(sorted(rec)) if isinstance(rec, dict) else type(rec).__name__
-                raise NodeInputError(f"{path}:{lineno}: record has no text field {field!r} (it has: {keys}). "
-                                     "Set [data] text_field to the field that holds the text.")
-            if str(rec[field]).strip():
-                out.append(str(rec[field]))
-    return out
-
-
-def _read_text(path: Path) -> list[str]:
-    return [line for line in path.read_text(encoding="utf-8-sig", errors="replace").splitlines() if line.strip()]
-
-
-def _read_arrow(path: Path, field: str) -> list[str]:
-    import datasets
-
-    ds: Any = datasets.load_from_disk(str(path))
-    if isinstance(ds, datasets.DatasetDict):
-        ds = ds["train"] if "train" in ds else next(iter(ds.values()))
-    if field not in ds.column_names:
-        raise NodeInputError(f"{path}: dataset has no text field {field!r} (columns: {', '.join(ds.column_names)}). "
-                             "Set [data] text_field to the column that holds the text.")
-    return [str(t) for t in ds[field] if str(t).strip()]
 
 
 def tokenize_docs(texts: list[str], tok: Tokenizer, seq_len: int) -> list[np.ndarray]:
