@@ -92,7 +92,7 @@ def _config_given_to_deepspeed(run: Path, world: int, monkeypatch: pytest.Monkey
 
     from hpctrain.node import train
     from hpctrain.node.model import build as node_model
-    from hpctrain.node.model import lora, pipeline
+    from hpctrain.node.model import lora, pipeline, zero_offload
 
     seen: dict[str, Any] = {}
 
@@ -104,6 +104,9 @@ def _config_given_to_deepspeed(run: Path, world: int, monkeypatch: pytest.Monkey
     monkeypatch.setattr(node_model, "build_model", lambda *a, **k: _StubModel())
     monkeypatch.setattr(pipeline, "build_pipeline", lambda *a, **k: _StubModel())
     monkeypatch.setattr(lora, "wrap", lambda model, *a, **k: model)  # [lora]: PEFT needs a real causal LM
+    # A GPU plan with optimizer offload would JIT-build DeepSpeedCPUAdam (40-70 s of CPU; again whenever the venv's
+    # path changes, as in a clean clone) for an initialize that is stubbed: the op is never used here.
+    monkeypatch.setattr(zero_offload, "prebuild_cpu_adam", lambda *a, **k: None)
     prep = train.prepare(run, DistEnv(0, 0, world, "127.0.0.1", 29500, "torch"))
     train.build_engine(prep)
     return prep, seen["config"]
