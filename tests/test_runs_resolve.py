@@ -74,20 +74,15 @@ def test_status_summary_and_resubmit_share_it(reg: Registry, monkeypatch: pytest
 
 
 def test_commands_that_need_the_record_share_one_refusal(reg: Registry, tmp_path: Path) -> None:
-    """`hpctrain export ID` (cli.runs) and the watch (cli.watch) find a registered run through
-    runs.resolve.registered_run; a folder the registry never saw is refused once, naming it and the fix."""
-    from hpctrain.cli import runs as cli_runs
-    from hpctrain.cli import watch as cli_watch
+    """`hpctrain export ID`, status and the watch find a registered run through runs.resolve.registered_run
+    (no wrapper of their own); a folder the registry never saw is refused, naming it and the fix."""
+    from hpctrain.runs.resolve import registered_run
 
-    for find in (cli_runs._find, cli_watch._find):
-        assert find(reg, "big").run_id == "big-20261201-120000-cccc"
+    assert registered_run(reg, "big").run_id == "big-20261201-120000-cccc"
     loose = tmp_path / "elsewhere"
     loose.mkdir()
     (loose / "attempts.jsonl").write_text("")
-    messages = set()
-    for find in (cli_runs._find, cli_watch._find):
-        with pytest.raises(HpcUsageError) as err:
-            find(reg, str(loose))
-        messages.add(str(err.value))
-    (message,) = messages
+    with pytest.raises(HpcUsageError) as err:
+        registered_run(reg, str(loose))
+    message = str(err.value)
     assert str(loose) in message and "hpctrain list" in message and f"hpctrain summary {loose}" in message

@@ -81,6 +81,7 @@ def _run_dir(ref: str) -> Path:
     check_path("RUN", ref, "pass a run id from `hpctrain list`, `last`, or the run folder's path")
     if RunFolder(ref).spec_toml.is_file():
         return Path(ref).resolve()
-    from hpctrain.cli.runs import _find, _registry
+    from hpctrain.runs.registry import Registry
+    from hpctrain.runs.resolve import registered_run
 
-    return Path(_find(_registry(), ref).folder)
+    return Path(registered_run(Registry(), ref).folder)

@@ -33,13 +33,6 @@ def _registry() -> Registry:
     return Registry()
 
 
-def _find(reg: Registry, ref: str) -> Run:
-    """The registered run `ref` names (hpctrain.runs.resolve.registered_run)."""
-    from hpctrain.runs.resolve import registered_run
-
-    return registered_run(reg, ref)
-
-
 def _shown_state(state: str, job_id: str, reasons: dict[str, str]) -> str:
     return f"{state} ({reasons[job_id]})" if state == JobState.PENDING and job_id in reasons else state
 

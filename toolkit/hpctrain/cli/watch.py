@@ -29,13 +29,6 @@ def register(group: click.Group) -> None:
     group.add_command(stacks)
 
 
-def _find(reg: Registry, ref: str) -> Run:
-    """The registered run `ref` names (hpctrain.runs.resolve.registered_run)."""
-    from hpctrain.runs.resolve import registered_run
-
-    return registered_run(reg, ref)
-
-
 # -- the watch ------------------------------------------------------------------------------------------
 STALL_S = 30  # a newest step record older than this is shown ("no step for 60 s"): a hang, a slow save
 
@@ -137,9 +130,10 @@ def _current(rec: Run) -> tuple[AttemptView | None, str]:
 def watch(ref: str, interval: float, as_json: bool = False) -> int:
     """Refresh until the run's job ended (see module docstring); the exit code says how it ended."""
     from hpctrain.runs.registry import Registry
+    from hpctrain.runs.resolve import registered_run
 
     reg = Registry()
-    run_id = _find(reg, ref).run_id
+    run_id = registered_run(reg, ref).run_id
     interval = max(0.5, interval)
     live = sys.stdout.isatty() and not as_json
     snap = _rich_loop(reg, run_id, interval) if live else _plain_loop(reg, run_id, interval, as_json)
@@ -212,9 +206,10 @@ def stacks(run: str, timeout_s: float, as_json: bool) -> None:
     from hpctrain.collect import stacks as cs
     from hpctrain.errors import HpcUsageError
     from hpctrain.runs.registry import Registry
+    from hpctrain.runs.resolve import registered_run
 
     reg = Registry()
-    snap = snapshot(reg, _find(reg, run).run_id)
+    snap = snapshot(reg, registered_run(reg, run).run_id)
     rec, folder = snap.rec, Path(snap.rec.folder)
     if snap.state != JobState.RUNNING:
         raise HpcUsageError(f"RUN = {run!r}: job {snap.job} is {snap.state}, not RUNNING: only a running job's ranks "
