@@ -30,6 +30,10 @@ from summary_schema import summary_errors
 pytestmark = pytest.mark.slurm
 TINY = str(Path(__file__).resolve().parents[1] / "examples" / "tiny.toml")
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL"}
+# The endless runs (stopped by a cancel, a time limit, a node kill) sleep 1 s in every step on every rank
+# (HPCTRAIN_FAULT_INJECT slow): what is tested happens between steps, and the time limit's minute would
+# otherwise keep 2 ranks busy on the CI's 2 cores for nothing.
+SLEEPY = {"HPCTRAIN_FAULT_INJECT": "slow:step=1,s=1"}
 
 SITECUSTOMIZE = '''
 import os, sys
@@ -211,7 +215,7 @@ def test_logs_follow_until_job_end(batch: dict[str, Any]) -> None:
 def test_cancelled(lab: dict[str, Any]) -> None:
     """`hpctrain cancel`: SLURM's SIGTERM reaches the ranks, which stop as cancelled by the user (never "for
     requeue"), and the summary says whose cancel it was."""
-    sub = submit(lab, "--steps", "100000")
+    sub = submit(lab, "--steps", "100000", env=SLEEPY)
     wait_file(Path(sub["run_dir"]) / "metrics" / "metrics.jsonl")
     proc = subprocess.run([sys.executable, "-m", "hpctrain", "cancel", sub["run_id"]], capture_output=True,
                           text=True, timeout=60, check=False)
@@ -241,7 +245,7 @@ def test_time_limit(lab: dict[str, Any]) -> None:
     """SLURM's pre-timeout USR2: every rank checkpoints and the job is requeued (same id, logs
     attempt-1.*) or ends. The first run's row says time_limit with nothing lost."""
     sub = submit(lab, "--steps", "100000", "--time", "00:01:00", "--set", "resources.signal_seconds=20",
-                 "--set", "launch.retries=0")
+                 "--set", "launch.retries=0", env=SLEEPY)
     run_dir, job = Path(sub["run_dir"]), sub["job_id"]
     _wait(lambda: (run_dir / "logs" / "attempt-1.rank-0.log").exists() or sacct_state(job) in FINAL,
           "first run's end", 400)
@@ -283,7 +287,7 @@ def test_node_lost(lab: dict[str, Any]) -> None:
     script = Path(__file__).resolve().parent / "cluster" / "slurm.sh"
     # Both CPUs of node3 and node4: no other job shares the nodes this test takes down.
     sub = submit(lab, "--steps", "100000", "--set", "resources.exclude=node[1-2]", "--cpus-per-task", "2",
-                 "--retries", "0")
+                 "--retries", "0", env=SLEEPY)
     run_dir, job = Path(sub["run_dir"]), sub["job_id"]
     wait_file(run_dir / "metrics" / "metrics.jsonl")
     try:
