@@ -80,6 +80,7 @@ class _StubModel(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.layer = torch.nn.Linear(4, 4)
+        self.eval()  # as from_pretrained returns a model
 
     def gradient_checkpointing_enable(self) -> None:
         pass
@@ -98,6 +99,7 @@ def _config_given_to_deepspeed(run: Path, world: int, monkeypatch: pytest.Monkey
 
     def initialize(**kw: Any) -> tuple[Any, ...]:
         seen["config"] = kw["config"]
+        seen["training"] = kw["model"].training
         return object(), None, None, None
 
     monkeypatch.setattr(deepspeed, "initialize", initialize)
@@ -109,6 +111,7 @@ def _config_given_to_deepspeed(run: Path, world: int, monkeypatch: pytest.Monkey
     monkeypatch.setattr(zero_offload, "prebuild_cpu_adam", lambda *a, **k: None)
     prep = train.prepare(run, DistEnv(0, 0, world, "127.0.0.1", 29500, "torch"))
     train.build_engine(prep)
+    assert seen["training"], "the engine must get the model in training mode (dropout on, Liger's fused loss)"
     return prep, seen["config"]
 
 

@@ -196,6 +196,10 @@ def build_engine(p: Prepared) -> tuple[Any, int]:
     frozen = apply_freeze(model, spec.model.freeze)
     if frozen:
         log.info("froze %d parameter tensors matching %s", frozen, list(spec.model.freeze))
+    # from_pretrained returns the model in eval mode, and nothing switched it back before an evaluation did: dropout
+    # (LoRA's too) was off, and Liger's fused loss (training mode only) computed the whole logits instead (an 8B
+    # LoRA run at micro-batch 4 ran out of GPU memory on a 7.8 GiB fp32 logits tensor on the H200, 2026-12-03).
+    model.train()
     params = [q for q in model.parameters() if q.requires_grad]
     sched = None
     if "scheduler" not in p.ds_config:
