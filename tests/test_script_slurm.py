@@ -4,7 +4,8 @@ The two example scripts (examples/scripts/) each run twice on 2 nodes x 2 ranks:
 after a few steps (checkpoint through hpctrain.runtime -> submitit requeues the job -> the requeued run resumes)
 and once uninterrupted; the losses must be the same at every step. A plain DeepSpeed loop goes through DeepSpeed's
 launcher (one task per node, `--pass-ds-config`), the HF Trainer with ZeRO-2 through torchrun. A script raising on
-rank 1 is classified from its own traceback and not retried. All jobs are submitted at once (module fixture),
+rank 1 is classified from its own traceback and not retried; under accelerate too (its peer's and launcher's errors
+printed after it are not the cause), with its frames in `stacks`. All jobs are submitted at once (module fixture),
 so they queue together and each test waits only for its own.
 """
 
@@ -41,6 +42,10 @@ JOBS = {
            "--", "--data", DATA, "--steps", str(STEPS), "--step-sleep", "0.5"],
     "raise": ["--script", str(SCRIPTS / "ds_loop.py"), "--nodes", "1", "--set", "resources.tasks_per_node=2",
               "--zero", "1", "--", "--data", DATA, "--steps", "5", "--fail-on-rank", "1"],
+    # accelerate's launcher: rank 1 raises at step 2, after 30 s on step 1 for `hpctrain stacks` to ask.
+    "acc": ["--script", str(SCRIPTS / "ds_loop.py"), "--launcher", "accelerate", "--nodes", "1", "--set",
+            "resources.tasks_per_node=2", "--zero", "1", "--", "--data", DATA, "--steps", "5", "--step-sleep", "30",
+            "--fail-on-rank", "1"],
 }
 
 
@@ -89,7 +94,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     jobs: list[str] = []
     try:
         for name, flags in [("ds", JOBS["ds"]), ("ds_ref", slower(JOBS["ds"])), ("hf", JOBS["hf"]),
-                            ("hf_ref", slower(JOBS["hf"])), ("raise", JOBS["raise"])]:
+                            ("hf_ref", slower(JOBS["hf"])), ("raise", JOBS["raise"]), ("acc", JOBS["acc"])]:
             cut = flags.index("--")
             proc = hpctrain(env, "submit", "--job-name", name, *flags[:cut], *COMMON, *flags[cut:])
             assert proc.returncode == 0, proc.stderr
@@ -98,8 +103,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             out[name] = (str(sub["job_id"]), Path(sub["run_dir"]))
             if name in ("ds", "hf"):  # watched from now on: the run may start (and end) while a test waits
                 out[f"{name}_signal"] = _signaller(*out[name])
-            if name.endswith("_ref"):
-                out[f"{name}_stacks"] = _stacker(env, out[name][1])
+            if name.endswith("_ref") or name == "acc":
+                out[f"{name}_stacks"] = _stacker(env, out[name][1], 1 if name == "acc" else 2)
         yield out
     finally:
         folders = [v[1] for k, v in out.items() if k in JOBS or k.endswith("_ref")]
@@ -113,12 +118,13 @@ def slower(flags: list[str]) -> list[str]:
     return [*flags[:i + 1], "1.5", *flags[i + 2:]]
 
 
-def _stacker(env: dict[str, str], run: Path) -> threading.Thread:
-    """`hpctrain stacks RUN --json` once the run trained 2 steps (its JSON in the thread's `result`)."""
+def _stacker(env: dict[str, str], run: Path, steps: int = 2) -> threading.Thread:
+    """`hpctrain stacks RUN --json` once the run trained `steps` steps (its JSON in the thread's `result`)."""
     def ask() -> None:
-        wait_until(lambda: len(records(run)) >= 2, 900, f"{run.name}: 2 training steps", poll=0.5)
+        wait_until(lambda: len(records(run)) >= steps, 900, f"{run.name}: {steps} training steps", poll=0.5)
+        before = len(records(run))  # the steps when asked: at load the answer can come after the last step
         proc = hpctrain(env, "stacks", run.name, "--json", "--timeout", "60")
-        thread.result = (len(records(run)), proc.returncode, proc.stdout, proc.stderr)  # type: ignore[attr-defined]
+        thread.result = (before, proc.returncode, proc.stdout, proc.stderr)  # type: ignore[attr-defined]
 
     thread = threading.Thread(target=ask, name=f"stacks-{run.name}", daemon=True)
     thread.start()
@@ -240,3 +246,25 @@ def test_a_script_raising_on_rank_1_is_classified_and_not_retried(runs: dict[str
     assert row["failure_class"] == "python_exception" and row["failure"]["rank"] == 1
     assert "ValueError: example failure on rank 1" in row["failure"]["exception"]
     assert_agrees_with_sacct(summary["attempts"])
+
+
+def test_accelerate_output_failure_and_stacks_are_the_scripts(runs: dict[str, Any]) -> None:
+    """Under accelerate (2 ranks on one CPU node: its --multi_gpu launcher, ACCELERATE_USE_CPU): `stacks` during
+    step 1 dumps both ranks with the script's frames; rank 1's ValueError is the failure (rank 0's gloo error and
+    accelerate's CalledProcessError printed after it are not), and `logs` shows the script's own output."""
+    job, run = runs["acc"]
+    thread = runs["acc_stacks"]
+    thread.join(timeout=900)
+    steps, code, out, err = thread.result
+    assert code == 0 and steps < 5, (steps, code, err)
+    rep = json.loads(out)
+    assert rep["missing"] == [] and rep["dumped"] == [0, 1], rep
+    frames = [f for g in rep["groups"] for t in g["threads"] for f in t["frames"]]
+    assert any("ds_loop.py" in f for f in frames) and not any("hpctrain/node/" in f for f in frames), frames
+    wait_until(lambda: state(job) in FINAL, 600, f"job {job} (acc) to end")
+    row = _summary(runs, run)["attempts"][0]
+    assert (row["failure_class"], row["failure"]["rank"]) == ("python_exception", 1), row["failure"]
+    assert row["failure"]["exception"] == "ValueError: example failure on rank 1 at step 2", row["failure"]
+    logs = hpctrain(runs["env"], "logs", str(run), "--grep", "example failure|accelerate.commands.launch").stdout
+    assert "accelerate.commands.launch" in logs and "[rank1]: ValueError: example failure on rank 1" in logs, logs
+    assert_agrees_with_sacct([row])
