@@ -460,3 +460,24 @@ def test_a_chained_exception_is_the_last_of_its_chain_and_a_peer_error_alone_is_
     peer = _stderr_tail("deepspeed")
     only_peer = [ln for ln in peer if not ln.startswith("[rank1]")]  # the raising rank's output lost
     assert "Connection closed by peer" in failure(1, only_peer).exception
+
+
+@pytest.mark.parametrize("launcher", ["srun", "torchrun", "deepspeed", "accelerate"])
+def test_the_programs_rank_variables_are_the_launchers_to_set_under_a_per_node_launcher(
+        launcher: str, tmp_path: Path) -> None:
+    """Under a per-node launcher the node entry's child (the launcher) gets no RANK: the launcher sets each rank's,
+    and the stack dumps register in the ranks, not in the launcher (a RANK left there made DeepSpeed's runner dump as
+    rank 0/1 and ranks 2-3 go missing). accelerate on CPU ranks gets ACCELERATE_USE_CPU."""
+    from hpctrain.node.dist import DistEnv
+    from hpctrain.node.launch.script import child_env
+    from hpctrain.runs.folder import RunFolder
+    from hpctrain.spec.model import resolve
+
+    (tmp_path / "t.py").write_text("pass\n")
+    (tmp_path / "ds_config.json").write_text("{}\n")
+    spec = resolve(None, {"launch.script": str(tmp_path / "t.py"), "launch.launcher": launcher})
+    d = DistEnv(rank=1, local_rank=0, world_size=2, master_addr="node1", master_port=20001, source="slurm",
+                node_rank=1)
+    env = child_env(spec, d, RunFolder(tmp_path), 1, 0.0, base={"RANK": "1", "PATH": "/bin"})
+    assert env.get("RANK") == ("1" if launcher == "srun" else None) and env["NODE_RANK"] == "1"
+    assert env.get("ACCELERATE_USE_CPU") == ("true" if launcher == "accelerate" else None)

@@ -143,11 +143,11 @@ def child_env(spec: Spec, d: DistEnv, paths: RunFolder, ranks_per_node: int, sta
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
             env.pop(key, None)
         env["NODE_RANK"] = str(d.node_rank)
-    if spec.launch.launcher == "accelerate" and spec.resources.gpus_per_node == 0:
-        env.setdefault("ACCELERATE_USE_CPU", "true")  # its --multi_gpu launcher on CPU ranks (spec.launch says why)
     else:
         env.update(RANK=str(d.rank), WORLD_SIZE=str(d.world_size), LOCAL_RANK=str(d.local_rank),
                    LOCAL_WORLD_SIZE=str(ranks_per_node), NODE_RANK=str(d.node_rank))
+    if spec.launch.launcher == "accelerate" and spec.resources.gpus_per_node == 0:
+        env.setdefault("ACCELERATE_USE_CPU", "true")  # its --multi_gpu launcher on CPU ranks (spec.launch says why)
     return env
 
 
