@@ -105,19 +105,23 @@ def test_a_damaged_latest_checkpoint_is_passed_over_for_the_previous_whole_one(z
     assert all(again[s] == full[s] for s in range(11, 21))  # steps 11-20 trained again from step-10, the same
 
 
-def test_resume_two_to_four_ranks_through_universal(tmp_path: Path) -> None:
-    run = make_run(tmp_path / "run", train={"steps": 8}, checkpoint={"every_steps": 8, "keep": 2})
-    _ok(torchrun(run, 2))
+def test_resume_two_to_four_ranks_through_universal(zero3_runs: dict[str, Path], tmp_path: Path) -> None:
+    """The 2-rank ZeRO-3 run, continued on 4 ranks: its step-20 checkpoint through a universal one. (ZeRO-2's
+    conversion, which must inject state, 2 -> 1 rank: test_node_ckpt_async's universal test.)"""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(zero3_runs["full"], run)
     before = losses_by_step(run)
-    make_run(run, train={"steps": 11})  # same run, longer, now on 4 ranks
+    make_run(run, train={"steps": 23}, checkpoint={"every_steps": 10, "keep": 2, "export_hf": False})  # now 4 ranks
     _ok(torchrun(run, 4, timeout=240))
     after = losses_by_step(run)
-    assert sorted(after) == list(range(1, 12))
-    assert all(after[s] == before[s] for s in range(1, 9))  # the 2-rank history is kept
-    assert after[9] < before[1] - 0.3  # continued from trained weights, not from scratch
+    assert sorted(after) == list(range(1, 24))
+    assert all(after[s] == before[s] for s in range(1, 21))  # the 2-rank history is kept
+    assert after[21] < before[1] - 0.3  # continued from trained weights, not from scratch
     start = [e for e in events(run) if e["event"] == "start"][-1]
-    assert (start["world_size"], start["resumed_from"]) == (4, "step-8")
-    assert (run / "checkpoints" / "universal-step-8").is_dir()
+    assert (start["world_size"], start["resumed_from"]) == (4, "step-20")
+    assert (run / "checkpoints" / "universal-step-20").is_dir()
     # The allocation's edits, beside the config as submitted, and in the log.
     rendered = json.loads((run / "ds_config.json").read_text())
     effective = json.loads((run / "ds_config.effective.json").read_text())
@@ -126,17 +130,6 @@ def test_resume_two_to_four_ranks_through_universal(tmp_path: Path) -> None:
     assert (rendered["train_batch_size"], effective["train_batch_size"]) == (8, 16)
     assert effective["checkpoint"] == {"load_universal": True}
     assert "ds_config: train_batch_size 8 -> 16" in (run / "logs" / "attempt-0.rank-0.log").read_text()
-
-
-def test_zero2_resume_on_fewer_ranks_injects_universal_state(tmp_path: Path) -> None:
-    """ZeRO-2 checkpoints lack universal_checkpoint_info: the conversion injects it (2 -> 1 rank)."""
-    run = make_run(tmp_path / "run", train={"steps": 4}, parallel={"zero": 2}, checkpoint={"every_steps": 4})
-    _ok(torchrun(run, 2))
-    make_run(run, train={"steps": 6}, parallel={"zero": 2}, checkpoint={"every_steps": 4})
-    _ok(torchrun(run, 1))
-    loss = losses_by_step(run)
-    assert sorted(loss) == [1, 2, 3, 4, 5, 6] and loss[5] < loss[1]
-    assert (run / "checkpoints" / "universal-step-4").is_dir()
 
 
 def test_pipeline_two_stages(tmp_path: Path) -> None:
@@ -265,7 +258,7 @@ def test_tensor_parallel_autotp_matches_one_rank(tmp_path: Path) -> None:
 
     whole = AutoModelForCausalLM.from_pretrained(tp / "hf")
     ref = AutoModelForCausalLM.from_pretrained(one / "hf")
-    for (n, x), (_, y) in zip(whole.named_parameters(), ref.named_parameters()):
+    for (n, x), (_, y) in zip(whole.named_parameters(), ref.named_parameters(), strict=True):
         assert x.shape == y.shape and torch.allclose(x, y, atol=1e-5), n
 
 
