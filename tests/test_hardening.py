@@ -180,7 +180,7 @@ def test_the_sweep_bound_is_the_grid_product(sizes: list[int]) -> None:
     from hpctrain.errors import HpcUsageError
     from hpctrain.spec.model import MAX_SWEEP_POINTS, parse_sweep
 
-    keys = ["train.seed", "train.steps", "train.warmup_steps", "train.log_every"]
+    keys = ["train.seed", "train.steps", "train.warmup_steps", "train.eval_every"]
     items = [f"{k}={','.join(str(v + 1) for v in range(n))}" for k, n in zip(keys, sizes, strict=False)]
     total = math.prod(sizes)
     if total > MAX_SWEEP_POINTS:
