@@ -138,7 +138,7 @@ def test_export_writes_adapter_and_merged_model_with_equal_logits(zero2_run: dic
     # The base under the adapters is the pretrained folder, untouched: the merged model reproduces the loss the
     # trainer measured after its last step.
     final = [e for e in events(run) if e["event"] == "finished"][-1]
-    assert _batch_loss(merged, [final["eval_batch"]]) == pytest.approx(final["eval_loss"], abs=1e-5)
+    assert _batch_loss(merged, [final["next_batch"]]) == pytest.approx(final["next_batch_loss"], abs=1e-5)
 
 
 @pytest.mark.deepspeed

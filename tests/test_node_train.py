@@ -78,10 +78,10 @@ def test_exported_model_loads_and_reproduces_loss(zero3_runs: dict[str, Path]) -
     model = AutoModelForCausalLM.from_pretrained(run / "hf").eval()
     assert json.loads((run / "hf" / "tokenizer_info.json").read_text())["type"] == "byte"
     src = DataSource(None, mode="padded", micro=2, seq_len=32, budget=64, seed=7, pad_id=256, vocab=320)
-    b = src.batch(final["eval_batch"])  # the batch rank 0 evaluated after the last step
+    b = src.batch(final["next_batch"])  # the batch rank 0 checked after the last step
     with torch.no_grad():
         loss = model(**b.model_inputs()).loss.item()
-    assert loss == pytest.approx(final["eval_loss"], abs=1e-5)
+    assert loss == pytest.approx(final["next_batch_loss"], abs=1e-5)
 
 
 def test_a_damaged_latest_checkpoint_is_passed_over_for_the_previous_whole_one(zero3_runs: dict[str, Path],

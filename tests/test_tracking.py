@@ -57,6 +57,14 @@ def _scalars(logdir: Path, tag: str) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in acc.Scalars(tag)]
 
 
+def _tags(logdir: Path) -> list[str]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return list(acc.Tags()["scalars"])
+
+
 # ---------------------------------------------------------------------------------------------- spec
 def test_bad_backend_is_refused_with_the_known_names() -> None:
     with pytest.raises(HpcUsageError) as err:
@@ -88,15 +96,15 @@ def _fake_run(tmp: Path) -> RunFolder:
     """A run folder as two attempts leave it: steps 1-4, then a resume from step 2 that ran 3-6."""
     folder = RunFolder(make_run(tmp / RUN_ID))
     lines = [{"step": s, "loss": 6.0 - s / 10, "lr": 1e-3, "tokens_per_s": 100.0, "mfu": None} for s in (1, 2, 3, 4)]
-    lines += [{"step": s, "loss": 5.0 - s / 10, "lr": 1e-3, "tokens_per_s": 120.0, "ckpt_blocking_s": 0.5 * (s == 6)}
-              for s in (3, 4, 5, 6)]
+    lines += [{"step": s, "loss": 5.0 - s / 10, "lr": 1e-3, "tokens_per_s": 120.0, "ckpt_blocking_s": 0.5 * (s == 6),
+               **({"eval_loss": 4.25, "eval_ppl": 70.1} if s == 4 else {})} for s in (3, 4, 5, 6)]
     folder.metrics_dir.mkdir(parents=True, exist_ok=True)
     folder.metrics_jsonl.write_text("".join(json.dumps(r) + "\n" for r in lines))
     evs = [{"kind": "start", "time": 1.0, "rank": 0, "attempt": 0},
            {"kind": "train", "time": 2.0, "rank": 0, "event": "start", "step": 0},
            {"kind": "start", "time": 3.0, "rank": 0, "attempt": 1},
            {"kind": "train", "time": 4.0, "rank": 0, "event": "start", "step": 2},
-           {"kind": "train", "time": 5.0, "rank": 0, "event": "finished", "step": 6, "eval_loss": 4.25}]
+           {"kind": "train", "time": 5.0, "rank": 0, "event": "finished", "step": 6, "next_batch_loss": 4.5}]
     folder.events_jsonl.write_text("".join(json.dumps(e) + "\n" for e in evs))
     return folder
 
@@ -113,7 +121,10 @@ def test_sync_twice_writes_no_duplicate_steps(tmp_path: Path, monkeypatch: pytes
     assert dict(loss)[3] == pytest.approx(4.7)  # the resumed attempt's value of a re-run step
     assert _scalars(folder.tensorboard_dir, "run/attempt") == [(1, 0.0), (2, 0.0), (3, 1.0), (4, 1.0), (5, 1.0),
                                                                (6, 1.0)]
-    assert _scalars(folder.tensorboard_dir, "eval/loss") == [(6, 4.25)]
+    # eval/loss is the validation loss of the metrics lines ([train] eval_every), never the finished event's
+    # loss on the next training batch (the export check).
+    assert _scalars(folder.tensorboard_dir, "eval/loss") == [(4, 4.25)]
+    assert _scalars(folder.tensorboard_dir, "eval/ppl") == [(4, pytest.approx(70.1))]
     assert _scalars(folder.tensorboard_dir, "checkpoint/blocking_s") == [(6, 0.5)]
 
     # MLflow: the same, read back from the MLflow run's own history (file store in the run folder).
@@ -160,7 +171,7 @@ def test_two_attempt_run_writes_every_tracker(tmp_path: Path, monkeypatch: pytes
     assert dict(loss) == pytest.approx(losses_by_step(run))
     assert _scalars(folder.tensorboard_dir, "run/attempt") == [(1, 0.0), (2, 0.0), (3, 0.0), (4, 1.0), (5, 1.0),
                                                                (6, 1.0)]
-    assert [s for s, _ in _scalars(folder.tensorboard_dir, "eval/loss")] == [6]
+    assert "eval/loss" not in _tags(folder.tensorboard_dir)  # no validation split: no validation loss
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(folder.tensorboard_dir), size_guidance={"tensors": 0})

@@ -26,7 +26,6 @@ from typing import Any
 from hpctrain.errors import HpcUsageError
 from hpctrain.runs.folder import RunFolder, iter_jsonl, write_private
 from hpctrain.runs.tracking import (
-    EVAL_TAG,
     MlflowMonitor,
     Scalar,
     attempt_starts,
@@ -64,9 +63,6 @@ def run_events(folder: RunFolder) -> tuple[list[Scalar], list[tuple[int, int]]]:
     out: list[Scalar] = []
     for step in sorted(last):
         out += step_events(last[step], next((a for a, s in reversed(starts) if s < step), None))
-    for ev in evs:
-        if ev.get("kind") == "train" and ev.get("event") == "finished" and isinstance(ev.get("eval_loss"), float):
-            out.append((EVAL_TAG, float(ev["eval_loss"]), int(ev.get("step") or 0)))
     out.sort(key=lambda e: e[2])
     return out, starts
 

@@ -505,19 +505,20 @@ def _fail_hook(step: int, step0: int, io: Any = None) -> None:
 
 # -------------------------------------------------------------------------------------------- finish
 def finish(p: Prepared, engine: Any, st: LoopState) -> None:
-    """Final eval loss (the check an export must reproduce), then the HF export on rank 0."""
+    """The loss on the micro-batch a next step would train on (`next_batch_loss`: the check an export must
+    reproduce; not a validation loss, which is `eval_loss` on the metrics lines), then the HF export on rank 0."""
     import torch
 
     metrics = MetricsWriter(p.paths.metrics_dir, p.d.rank)
     cursor = st.cursor
-    eval_loss = None
+    next_loss = None
     if p.spec.parallel.pp == 1:
         g = cursor + p.d.rank // p.spec.parallel.tp  # the first micro-batch a next step would train on
         engine.eval()
         with torch.no_grad():
-            eval_loss = float(engine(**p.source.batch(g).model_inputs(engine.device)).loss.float().item())
+            next_loss = float(engine(**p.source.batch(g).model_inputs(engine.device)).loss.float().item())
         engine.train()
-    record = {"event": "finished", "step": st.step, "eval_loss": eval_loss, "eval_batch": cursor,
+    record = {"event": "finished", "step": st.step, "next_batch_loss": next_loss, "next_batch": cursor,
               "tokens_seen": st.tokens_seen}
     if p.spec.checkpoint.export_hf and p.spec.parallel.tp > 1:
         from hpctrain.node.checkpointing.export import write_hf
@@ -537,6 +538,5 @@ def finish(p: Prepared, engine: Any, st: LoopState) -> None:
         log.info("exported Hugging Face model to %s in %.1f s", out, record["export_s"])
     metrics.event(record)
     if st.tracker is not None:
-        st.tracker.eval_loss(eval_loss, st.step)
         st.tracker.close()
-    log.info("finished at step %d, eval loss %s", st.step, eval_loss)
+    log.info("finished at step %d, loss on the next batch %s", st.step, next_loss)

@@ -45,10 +45,13 @@ STEP_TAGS: dict[str, str] = {
     "ckpt_blocking_s": "checkpoint/blocking_s",
     "ckpt_write_s": "checkpoint/write_s",
     "ckpt_gbps": "checkpoint/write_gbps",
+    # The validation loss and perplexity ([train] eval_every, on the steps that evaluated): the one meaning of
+    # eval_loss, as in the summary and the plot.
+    "eval_loss": "eval/loss",
+    "eval_ppl": "eval/ppl",
 }
 # Written only where measured: a checkpoint's seconds on its step (not zeros between), GPU memory on GPU ranks.
 ONLY_WHEN_POSITIVE = frozenset({"ckpt_blocking_s", "ckpt_write_s", "ckpt_gbps", "gpu_mem_gb", "gpu_reserved_gb"})
-EVAL_TAG = "eval/loss"
 # The attempt that wrote each step: where it steps up, an attempt began (a boundary on the step axis).
 ATTEMPT_TAG = "run/attempt"
 

@@ -24,7 +24,6 @@ from hpctrain.node.monitor.metrics import log
 from hpctrain.node.runconf import NodeInputError
 from hpctrain.runs.folder import RunFolder
 from hpctrain.runs.tracking import (
-    EVAL_TAG,
     TRACKER_EXTRA,
     TRACKER_MODULE,
     MlflowMonitor,
@@ -107,10 +106,6 @@ class Tracker:
 
         tb.file_writer.add_event(Event(step=step + 1, session_log=SessionLog(status=SessionLog.START)))
         tb.flush()
-
-    def eval_loss(self, loss: float | None, step: int) -> None:
-        if loss is not None:
-            self.write([(EVAL_TAG, loss, step)])
 
     def log_config(self, paths: RunFolder) -> None:
         """The run's resolved spec, plan and DeepSpeed config as the tracker run's config."""
