@@ -229,3 +229,26 @@ def test_setup_failures_are_one_line(rc: int, stderr: str, words: str) -> None:
     text = ssh.setup_failure(_remote(), rc, stderr, "py3", "hpctrain==0.1.0", offline=True)
     assert text is not None and words in text and "Fix:" in text and "\n" not in text
     assert ssh.setup_failure(_remote(), 1, "", "py3", "hpctrain==0.1.0", offline=False) is None
+
+
+@pytest.mark.parametrize("free_kb, full", [("0", True), ("12", True), ("4096", False), ("df: no such dir", False)])
+def test_an_upload_that_fails_without_a_reason_asks_the_disk(monkeypatch: pytest.MonkeyPatch, free_kb: str,
+                                                              full: bool) -> None:
+    """rsync's rc 11 with an empty stderr (the receiver's "No space left on device" lost on the way): the login
+    node's free space under remote_dir decides whether the one line says the disk is full."""
+    conn = forward.Connection(_remote(site="small", remote_dir="/scratch/it's full"))
+    asked: list[str] = []
+
+    def shell(line: str, what: str, **kw: object) -> subprocess.CompletedProcess[str]:
+        asked.append(line)
+        return subprocess.CompletedProcess(line, 0, stdout=f"{free_kb}\n", stderr="")
+
+    monkeypatch.setattr(conn, "shell", shell)
+    with pytest.raises(forward.RemoteFailure) as exc:
+        conn.rsync(["sh", "-c", "exit 11"], "upload to login")
+    assert asked == [ssh.df_line(conn.remote)] and shlex.quote("/scratch/it's full") in asked[0]
+    if full:
+        assert str(exc.value) == ssh.disk_full(conn.remote, "upload to login")
+        assert "sites.small.remote.remote_dir" in str(exc.value) and "Fix:" in str(exc.value)
+    else:
+        assert str(exc.value).startswith("upload to login: rsync failed (rc 11)")

@@ -66,8 +66,22 @@ class Connection:
     def rsync(self, argv: list[str], what: str) -> None:
         proc = _run(argv, what, stdin=subprocess.DEVNULL, capture_output=True)
         if proc.returncode != 0:
-            raise RemoteFailure(ssh.failure(self.remote, proc.returncode, proc.stderr, what)
-                                or f"{what}: rsync failed (rc {proc.returncode}): {proc.stderr.strip()[-400:]}")
+            problem = ssh.failure(self.remote, proc.returncode, proc.stderr, what)
+            if problem is None and proc.returncode in ssh.RSYNC_WRITE_FAILED and self._disk_full():
+                problem = ssh.disk_full(self.remote, what)
+            raise RemoteFailure(problem or f"{what}: rsync failed (rc {proc.returncode}): "
+                                f"{proc.stderr.strip()[-400:]}")
+
+    def _disk_full(self) -> bool:
+        """Whether remote_dir's filesystem is (nearly) full. The receiving rsync's "No space left on device"
+        does not always reach this side (the suite saw rc 11 and an empty stderr in 1 upload of 3, through the
+        server and its pipe), while the partial file --partial keeps leaves the disk full: ask the disk."""
+        try:
+            proc = self.shell(ssh.df_line(self.remote), "df", capture=True, check=False)
+        except RemoteFailure:
+            return False
+        words = (proc.stdout or "").split()
+        return proc.returncode == 0 and len(words) == 1 and words[0].isdigit() and int(words[0]) < ssh.FULL_BELOW_KB
 
     def probe(self) -> Probe:
         """The login node's absolute remote_dir and hpctrain version, asked once per shared connection."""

@@ -222,6 +222,23 @@ def missing_program(exc: FileNotFoundError, what: str) -> str:
             "it (Debian/Ubuntu: apt-get install openssh-client rsync; macOS has both; Windows: use WSL)")
 
 
+def disk_full(remote: Remote, what: str) -> str:
+    return (f"{what}: the login node's disk is full under {remote.remote_dir} (sites.{remote.site}.remote."
+            "remote_dir). Fix: free space there (old run folders, checkpoints) or point remote_dir at a larger "
+            "filesystem")
+
+
+# rsync's exit codes after a write on the receiving side failed: file I/O, the stream cut, a partial transfer.
+RSYNC_WRITE_FAILED = frozenset({11, 12, 23})
+# Less than this free under remote_dir after a failed upload: the disk is what stopped it.
+FULL_BELOW_KB = 1024
+
+
+def df_line(remote: Remote) -> str:
+    """The shell line that prints the free kilobytes of remote_dir's filesystem (POSIX df)."""
+    return f"df -Pk -- {shlex.quote(remote.remote_dir)} | awk 'NR == 2 {{print $4}}'"
+
+
 def failure(remote: Remote, rc: int, stderr: str, what: str) -> str | None:
     """One line for a failed ssh/rsync, naming cause and fix; None when the remote hpctrain itself failed
     (its own message is already on stderr)."""
@@ -229,8 +246,7 @@ def failure(remote: Remote, rc: int, stderr: str, what: str) -> str | None:
     where = f"{remote.host}" + (f":{remote.port}" if remote.port else "")
     site = f"sites.{remote.site}.remote"
     if "no space left on device" in err or "disk quota exceeded" in err:
-        return (f"{what}: the login node's disk is full under {remote.remote_dir} ({site}.remote_dir). "
-                "Fix: free space there (old run folders, checkpoints) or point remote_dir at a larger filesystem")
+        return disk_full(remote, what)
     if "rsync: command not found" in err or "rsync: not found" in err:
         return (f"{what}: no rsync on {where} (files go to the login node with rsync). Fix: install rsync there "
                 "(Debian/Ubuntu: apt-get install rsync; RHEL: dnf install rsync), or ask its admins")
