@@ -3,7 +3,7 @@
 For clusters whose compute nodes cannot reach the tracker: the ranks write metrics.jsonl (always) and
 events.jsonl into the run folder, and the login node replays them. The figures and tags are those rank 0
 writes live (hpctrain.runs.tracking.step_events), plus `run/attempt` (the attempt that produced each step:
-where it steps up, an attempt began) and the eval loss of each finished attempt. A step that a resumed attempt
+where it steps up, an attempt began), the validation loss among them. A step that a resumed attempt
 ran again counts with its last values, as in the summary.
 
 Idempotent by step, per tag: only steps beyond what the tracker already holds are written, so a second sync
