@@ -112,9 +112,18 @@ def node_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def hang_bound(seconds: float) -> float:
+    """SECONDS, the bound a launch gets on an idle machine, stretched by the load seen now (runnable tasks per
+    core, up to 6x): the bound catches a hang, and a busy machine (a CPU hog, other jobs) is no hang."""
+    load = os.getloadavg()[0] / (os.cpu_count() or 1)
+    return seconds * min(6.0, max(1.0, load))
+
+
 def torchrun(run_dir: Path, nproc: int, *, timeout: float = 180, env: dict[str, str] | None = None,
              mode: str = "train") -> subprocess.CompletedProcess[str]:
-    """`torchrun --standalone` the node entrypoint; bounded by a timeout, on a fresh port."""
+    """`torchrun --standalone` the node entrypoint, on a fresh port; bounded by TIMEOUT on an idle machine, more
+    on a busy one (hang_bound)."""
+    timeout = hang_bound(timeout)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port_pair()), "-m", "hpctrain.node", str(run_dir),
            "--mode", mode]
