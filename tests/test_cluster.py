@@ -107,6 +107,9 @@ def test_kill_node_then_restart_node(slurm_cluster: SlurmCluster) -> None:
 @pytest.mark.slurm
 def test_up_recovers_from_killed_daemons(slurm_cluster: SlurmCluster) -> None:
     _exclusive(slurm_cluster)
+    # a job that ends just before the kill: slurmctld may not have saved its end, so it comes back RUNNING with
+    # no process and, unless `up` reaps it, holds all 4 nodes for its 5 min limit (CI: a 2 min one did)
+    run_cmd(["srun", "-N4", "-t", "5", "hostname"], timeout=240)
     # kill -9 leaves stale PID files behind, as when a machine's processes are all ended between sessions
     for name in ("slurmctld", "slurmdbd", "slurmd.node2"):
         pid = int((slurm_cluster.lab / "run" / f"{name}.pid").read_text())

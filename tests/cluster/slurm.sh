@@ -357,6 +357,7 @@ ctld_up() { [[ "$(timeout 5 scontrol ping 2>/dev/null)" == *'is UP'* ]]; }
 start_slurmctld() {
   if ! ours "$RUN/slurmctld.pid" slurmctld; then
     rm -f "$RUN/slurmctld.pid"
+    CTLD_STARTED_AT=$(date +%Y-%m-%dT%H:%M:%S)
     slurmctld -i 9>&- </dev/null >"$LOG/slurmctld.start.log" 2>&1 || die "slurmctld did not start: $(cat "$LOG/slurmctld.start.log")"
     STARTED+=(slurmctld)
   fi
@@ -404,6 +405,22 @@ wait_nodes() {
   return 1
 }
 
+# reap_ghosts: a slurmctld that died by SIGKILL (or with the machine) loses the state of the last seconds, so a
+# job that had ended comes back RUNNING from its saved state. It holds its nodes until its time limit (an srun
+# -N4 -t 2 ended just before the kill blocked the next 4-node job for 2 min). A job that started before this
+# slurmctld and has no slurmstepd anywhere (the nodes share this PID namespace) ran under the dead one and is
+# gone: cancel it. A live job keeps its slurmstepd through a slurmd or slurmctld restart, so it is kept.
+reap_ghosts() {
+  local id start ghosts=()
+  while read -r id start; do
+    [[ "$start" < "$CTLD_STARTED_AT" ]] || continue
+    pgrep -f "^slurmstepd: \[$id\." >/dev/null || ghosts+=("$id")
+  done < <(timeout 10 squeue -h -t RUNNING -o '%A %S' 2>/dev/null)
+  [ ${#ghosts[@]} = 0 ] && return 0
+  timeout 10 scancel "${ghosts[@]}" 2>/dev/null || true
+  say "cancelled ${#ghosts[@]} job(s) the restarted slurmctld recovered as running with no process left: ${ghosts[*]}"
+}
+
 # --- commands -------------------------------------------------------------------------------------------
 lock() { # serialize up/down/wipe/kill-node/restart-node between concurrent callers (4 engineers, pytest).
   # Every daemon is started with 9>&-: an inherited fd would hold the lock for the daemon's lifetime.
@@ -449,6 +466,7 @@ cmd_up() {
   local i
   for i in $(seq "$NNODES"); do start_node "$i"; done
   wait_nodes "$UP_TIMEOUT" || die "not all $NNODES nodes became idle within ${UP_TIMEOUT}s: $(node_states | tr '\n' ' ')"
+  [ -z "${CTLD_STARTED_AT:-}" ] || reap_ghosts
   trap - EXIT
   case "${1:-}" in --keep) touch "$KEEP_FLAG" ;; --no-keep) rm -f "$KEEP_FLAG" ;; esac
   if [ ${#STARTED[@]} = 0 ]; then
