@@ -74,14 +74,9 @@ def _needs_node_extra(name: str) -> click.ClickException:
 
 
 def _run_dir(ref: str) -> Path:
-    """A path to a run folder is taken as is; anything else is looked up in the registry."""
-    from hpctrain.errors import check_path
-    from hpctrain.runs.folder import RunFolder
-
-    check_path("RUN", ref, "pass a run id from `hpctrain list`, `last`, or the run folder's path")
-    if RunFolder(ref).spec_toml.is_file():
-        return Path(ref).resolve()
+    """The run folder `ref` names, by the one rule every run command follows (hpctrain.runs.resolve: an id, a
+    prefix, a name, `last`, or a run folder's path, also one the registry never saw)."""
     from hpctrain.runs.registry import Registry
-    from hpctrain.runs.resolve import registered_run
+    from hpctrain.runs.resolve import resolve_run
 
-    return Path(registered_run(Registry(), ref).folder)
+    return resolve_run(Registry(), ref).folder.resolve()
