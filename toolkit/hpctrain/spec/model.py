@@ -375,7 +375,7 @@ def coerce(key: str, value: object) -> object:
                 return False
             raise ValueError(text)
         if typing.get_origin(hint) is tuple:
-            return tuple(p.strip() for p in text.split(",") if p.strip())
+            return _list_text(text)
         if hint is object:
             try:
                 return tomllib.loads(f"v = {text}")["v"]
@@ -384,6 +384,20 @@ def coerce(key: str, value: object) -> object:
     except ValueError:
         raise bad_value(key, value, f"must be {describe(hint)}", how_to_set(key, "...")) from None
     return value
+
+
+def _list_text(text: str) -> tuple[str, ...]:
+    """A list from the command line: `a,b` or the run file's own TOML array `["a", "b"]` (what the refusals of a
+    list field show as the fix, so a user pastes it into --set)."""
+    if text.startswith("["):
+        try:
+            items = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            raise ValueError(text) from None
+        if not all(isinstance(i, str) for i in items):
+            raise ValueError(text)
+        return tuple(items)
+    return tuple(p.strip() for p in text.split(",") if p.strip())
 
 
 def _bool_text(text: str) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 
 from hpctrain.node.checkpointing import checkpoint as ckpt
 from hpctrain.node.runconf import NodeInputError, read_spec
+from hpctrain.runs.checkpoints import complete_steps
 from hpctrain.runs.folder import RunFolder
 
 
@@ -28,6 +30,8 @@ def export_hf(run_dir: str | Path, out: str | Path | None = None, tag: str | Non
 
     paths = RunFolder(run_dir)
     spec = read_spec(paths)
+    if out is not None:
+        check_out(Path(out), paths, spec)
     point = _point(paths, tag)
     cfg = hf_config(spec.model)
     if int(point.meta.get("pp", 1)) > 1:
@@ -66,12 +70,41 @@ def write_hf(paths: RunFolder, spec: Any, cfg: Any, sd: dict[str, Any], tag: str
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp), safe_serialization=True)
     _save_tokenizer(spec, tmp)
-    (tmp / "hpctrain_export.json").write_text(json.dumps(
+    (tmp / EXPORT_MARKER).write_text(json.dumps(
         {"run": str(paths.path), "checkpoint": tag, "step": step, "time": time.time()}, indent=1) + "\n")
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     return final
+
+
+EXPORT_MARKER = "hpctrain_export.json"
+
+
+def check_out(out: Path, paths: RunFolder, spec: Any) -> None:
+    """Refuse an --out folder the export would destroy: it replaces the folder whole, so a folder that is not an
+    earlier export (the base model's, a home folder, one that holds the run) must never be it."""
+    final = out.resolve()
+    base = [Path(p).resolve() for p in (spec.model.path, spec.data.tokenizer) if p and p != "byte"]
+    fix = (f"Fix: pass --out a new or empty folder, e.g. --out {shlex.quote(str(final) + '-export')}, or leave it "
+           f"out ({paths.export_dir})")
+    for folder in base:
+        if final == folder or final in folder.parents:
+            raise NodeInputError(f"--out {out}: holds {folder}, which this run reads ([model] path / [data] "
+                                 f"tokenizer), and the export replaces --out whole. {fix}")
+    if final == paths.path.resolve() or final in paths.path.resolve().parents:
+        raise NodeInputError(f"--out {out}: holds the run folder {paths.path}, and the export replaces --out whole. "
+                             f"{fix}")
+    if final.is_dir() and not (final / EXPORT_MARKER).is_file():
+        try:
+            first = next(iter(sorted(final.iterdir())), None)
+        except OSError as exc:
+            raise NodeInputError(f"--out {out}: cannot be read ({exc}). {fix}") from exc
+        if first is not None:
+            raise NodeInputError(f"--out {out}: a folder that is not an earlier export (it holds {first.name}, and "
+                                 f"no {EXPORT_MARKER}); the export replaces --out whole. {fix}")
+    elif final.exists() and not final.is_dir():
+        raise NodeInputError(f"--out {out}: is a file, not a folder. {fix}")
 
 
 def _point(paths: RunFolder, tag: str | None) -> ckpt.ResumePoint:
@@ -82,6 +115,12 @@ def _point(paths: RunFolder, tag: str | None) -> ckpt.ResumePoint:
                                  "(checkpoints are written at the end of every run).")
         return point
     path = paths.checkpoints_dir / tag
+    if Path(tag).name != tag or tag in (".", "..") or not path.is_dir():  # a name in checkpoints/, never a path
+        have = [f"step-{n}" for n in complete_steps(paths.checkpoints_dir)]
+        raise NodeInputError(f"--tag {tag}: no such checkpoint in {paths.checkpoints_dir}. Fix: pass one of "
+                             f"{', '.join(have)}, or leave --tag out (the latest)" if have else
+                             f"--tag {tag}: no such checkpoint in {paths.checkpoints_dir}, and it holds no complete "
+                             "checkpoint. Train first (checkpoints are written at the end of every run).")
     meta = ckpt.read_marker(path)
     ckpt.validate_files(path, meta)
     return ckpt.ResumePoint(tag, path, meta)

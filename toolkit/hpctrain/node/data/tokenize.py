@@ -73,9 +73,19 @@ def load_tokenizer(name: str) -> Tokenizer:
     return HFTokenizer(name)
 
 
+# Beside tokenizer*: the files a tokenizer folder may hold. transformers 5's save_pretrained writes the chat
+# template to chat_template.jinja (not tokenizer_config.json), and named extra templates to a folder: an export
+# without them loads a tokenizer without a chat_template.
+TOKENIZER_SIDE_FILES = ("special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt",
+                        "chat_template.jinja", "chat_template.json")
+CHAT_TEMPLATES_DIR = "additional_chat_templates"
+
+
 def copy_tokenizer_files(src: str, out_dir: Path) -> None:
-    """Copy a tokenizer folder's files next to an exported model (no transformers import needed)."""
+    """Copy a tokenizer folder's files (chat templates included) next to an exported model (no transformers
+    import needed)."""
     for f in Path(src).iterdir():
-        if f.is_file() and (f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "vocab.json",
-                                                                           "merges.txt", "vocab.txt")):
+        if f.is_file() and (f.name.startswith("tokenizer") or f.name in TOKENIZER_SIDE_FILES):
             shutil.copy2(f, out_dir / f.name)
+        elif f.is_dir() and f.name == CHAT_TEMPLATES_DIR:
+            shutil.copytree(f, out_dir / f.name, dirs_exist_ok=True)

@@ -1,0 +1,127 @@
+"""Issue 26 audited as a hostile user and a newcomer would drive it, without a DeepSpeed launch:
+
+- `hpctrain export --out` names a folder the export replaces whole: the base model's folder, one that holds it or
+  the run, or any folder that is not an earlier export is refused and left as it was; `--tag` naming no
+  checkpoint (or a path) lists the ones there are;
+- the export carries the chat template: transformers 5 saves it as chat_template.jinja, beside the tokenizer files;
+- a list key takes the run file's own TOML array on the command line (`--set 'lora.target_modules=["q_proj"]'`),
+  the form every refusal of that key shows as its fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from click.testing import CliRunner
+
+from hpctrain.cli.main import cli
+from runkit import make_run
+from test_data_sft import CHATML, CONVERSATION, _chat_tokenizer
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama folder as save_pretrained writes it, with a chat tokenizer (its template in
+    chat_template.jinja), under a path with a space and a non-ASCII letter."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    folder = _chat_tokenizer(tmp_path_factory.mktemp("audit") / "my models" / "bäse", CHATML)
+    vocab = len(AutoTokenizer.from_pretrained(str(folder)))
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, pad_token_id=0)
+    LlamaForCausalLM(cfg).save_pretrained(str(folder))
+    assert (folder / "chat_template.jinja").is_file()  # transformers 5 keeps it out of tokenizer_config.json
+    return folder
+
+
+def _run(tmp_path: Path, base: Path) -> Path:
+    return make_run(tmp_path / "run", model={"config": "", "path": str(base)},
+                    data={"source": "synthetic", "tokenizer": str(base)})
+
+
+def _export(*args: str) -> tuple[int, str]:
+    res = CliRunner().invoke(cli, ["export", *args])
+    return res.exit_code, res.output
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_export_never_replaces_a_folder_that_is_not_an_export(tmp_path: Path, base: Path) -> None:
+    run = _run(tmp_path, base)
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("mine\n")
+    before = {f: _files(f) for f in (base, other)}
+    for out, why in [(base, "which this run reads"), (base.parent, "which this run reads"),
+                     (tmp_path, "holds the run folder"), (other, "not an earlier export (it holds todo.txt")]:
+        code, text = _export(str(run), "--out", str(out))
+        assert code == 2 and why in text and "Fix: pass --out a new or empty folder" in text, text
+        assert "Traceback" not in text
+    assert {f: _files(f) for f in (base, other)} == before  # nothing was touched
+    # a folder an earlier export wrote, or an empty one, is past this check: the run has no checkpoint yet
+    (tmp_path / "empty").mkdir()
+    code, text = _export(str(run), "--out", str(tmp_path / "empty"))
+    assert code == 2 and "no complete checkpoint to export" in text, text
+
+
+def test_export_tag_that_names_no_checkpoint_lists_the_ones_there_are(tmp_path: Path, base: Path) -> None:
+    run = _run(tmp_path, base)
+    for step in (2, 4):  # complete checkpoints as the runs' module sees them: a folder with a marker
+        folder = run / "checkpoints" / f"step-{step}"
+        folder.mkdir(parents=True)
+        (folder / "hpctrain.json").write_text(f'{{"step": {step}, "complete": true}}\n')
+    from hpctrain.runs.checkpoints import complete_steps
+
+    listed = ", ".join(f"step-{n}" for n in complete_steps(run / "checkpoints"))
+    for tag in ("step-99", "..", "../checkpoints/step-2"):
+        code, text = _export(str(run), "--tag", tag)
+        assert code == 2 and f"--tag {tag}: no such checkpoint" in text, text
+        assert f"Fix: pass one of {listed}" in text if listed else "Train first" in text
+        assert "delete" not in text  # never advice to delete the run folder (the old message for "..")
+    assert run.is_dir() and (run / "spec.toml").is_file()
+
+
+def test_the_export_keeps_the_chat_template(tmp_path: Path, base: Path) -> None:
+    """write_hf (the end-of-run export and `hpctrain export`) from the base's own weights: the folder's tokenizer
+    renders a conversation exactly as the model folder's does."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hpctrain.node.checkpointing.export import write_hf
+    from hpctrain.node.model.build import hf_config
+    from hpctrain.node.runconf import read_spec
+    from hpctrain.runs.folder import RunFolder
+
+    paths = RunFolder(_run(tmp_path, base))
+    spec = read_spec(paths)
+    sd = {k: v.float() for k, v in AutoModelForCausalLM.from_pretrained(str(base)).state_dict().items()}
+    out = write_hf(paths, spec, hf_config(spec.model), sd, "step-1", 1)
+    want = AutoTokenizer.from_pretrained(str(base)).apply_chat_template(CONVERSATION, tokenize=False)
+    got = AutoTokenizer.from_pretrained(str(out)).apply_chat_template(CONVERSATION, tokenize=False)
+    assert got == want and "<|im_start|>assistant" in got
+
+
+@pytest.mark.parametrize(("value", "want"), [('["q_proj", "v_proj"]', ("q_proj", "v_proj")),
+                                             ("q_proj,v_proj", ("q_proj", "v_proj")), ("[]", ())])
+def test_set_takes_a_list_as_the_run_file_writes_it(base: Path, value: str, want: tuple[str, ...]) -> None:
+    import hpctrain
+
+    plan = hpctrain.plan({"model": {"path": str(base)}, "lora": {"r": 4}, "data": {"source": "synthetic"},
+                          "resources": {"gpus_per_node": 0}}, set={"lora.target_modules": value})
+    where = ", ".join(want) if want else "every linear layer but the output head"
+    assert any(f"LoRA r=4 on {where}" in r for r in plan.reasons), plan.reasons
+
+
+@pytest.mark.parametrize("value", ["[1, 2]", '["q_proj"', "[q_proj]"])
+def test_set_refuses_a_list_it_cannot_read(value: str) -> None:
+    from hpctrain.errors import HpcUsageError
+    from hpctrain.spec.model import coerce
+
+    with pytest.raises(HpcUsageError, match=r"^lora.target_modules = .*must be a list of strings"):
+        coerce("lora.target_modules", value)
