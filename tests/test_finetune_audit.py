@@ -125,3 +125,70 @@ def test_set_refuses_a_list_it_cannot_read(value: str) -> None:
 
     with pytest.raises(HpcUsageError, match=r"^lora.target_modules = .*must be a list of strings"):
         coerce("lora.target_modules", value)
+
+
+# ------------------------------------------------------------------------------------------ --lora-r, QLoRA
+def _plan_json(*args: str) -> tuple[int, str]:
+    res = CliRunner().invoke(cli, ["plan", *args, "--json"])
+    return res.exit_code, res.output
+
+
+def test_lora_r_flag_turns_adapters_on_and_off_over_the_run_file(tmp_path: Path, base: Path) -> None:
+    import json
+
+    runfile = tmp_path / "lora run.toml"
+    runfile.write_text(f'[model]\npath = "{base}"\n[lora]\nr = 16\n[data]\nsource = "synthetic"\n'
+                       "[resources]\ngpus_per_node = 0\n")
+    adapters = {}
+    for r in (16, 4, 0):
+        code, out = _plan_json(str(runfile), "--lora-r", str(r))
+        assert code == 0, out
+        plan = json.loads(out)
+        adapters[r] = plan["memory"].get("lora_params")
+        lr = {d["key"]: d["value"] for d in plan["defaults"]}["train.lr"]
+        assert lr == (2e-4 if r else 2e-5)  # the adapters' default, or a full fine-tune's
+    assert adapters[16] == 4 * adapters[4] and adapters[4] > 0 and not adapters[0]
+    code, out = _plan_json(str(runfile), "--lora-r", "-1")
+    assert code == 2 and "lora.r = -1: must lie in [0, 4096] (0 = off)" in out and "Fix: pass --lora-r 16" in out
+
+
+def test_qlora_on_a_node_without_bitsandbytes_names_the_install() -> None:
+    import importlib.util
+    from types import SimpleNamespace
+
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        pytest.skip("bitsandbytes is installed here")
+    from hpctrain.node.model.lora import load_quantized
+    from hpctrain.node.runconf import NodeInputError
+
+    with pytest.raises(NodeInputError, match=r'bitsandbytes is not installed on this node. Fix: install '
+                                             r'hpctrain\[qlora\] in the image, or set \[lora\] quantize = "none"'):
+        load_quantized(SimpleNamespace(path="/nonexistent"), None, "bf16")
+
+
+# -------------------------------------------------------------------------------------------- trackers
+def test_trackers_get_the_trained_tokens_per_second(tmp_path: Path) -> None:
+    """An SFT run's metrics lines carry trained_tokens_per_s (the responses) beside tokens_per_s: `hpctrain sync`
+    (the same step events the live trackers write, hpctrain.runs.tracking.step_events) puts both in TensorBoard."""
+    import json
+
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from hpctrain.runs.folder import RunFolder
+
+    folder = RunFolder(make_run(tmp_path / "sft-20261203-120000-abcd"))
+    lines = [{"step": s, "loss": 3.0, "lr": 1e-4, "tokens_per_s": 1000.0 + s, "trained_tokens_per_s": 200.0 + s}
+             for s in (1, 2, 3)]
+    folder.metrics_dir.mkdir(parents=True, exist_ok=True)
+    folder.metrics_jsonl.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    folder.events_jsonl.write_text(json.dumps({"kind": "train", "time": 1.0, "rank": 0, "event": "start",
+                                               "step": 0}) + "\n")
+    res = CliRunner().invoke(cli, ["sync", str(folder.path), "--to", "tensorboard"])
+    assert res.exit_code == 0, res.output
+    acc = EventAccumulator(str(folder.tensorboard_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    got = {tag: [(e.step, e.value) for e in acc.Scalars(tag)]
+           for tag in ("train/tokens_per_s", "train/trained_tokens_per_s")}
+    assert got == {"train/tokens_per_s": [(1, 1001.0), (2, 1002.0), (3, 1003.0)],
+                   "train/trained_tokens_per_s": [(1, 201.0), (2, 202.0), (3, 203.0)]}
