@@ -31,6 +31,7 @@ HPCTRAIN = Path(sys.executable).parent / "hpctrain"
 CANARY = "hf_containerCanary0123456789abcdef"
 BUILD_TIMEOUT_S = 1800  # 4-5 min from nothing on 2 idle cores; it runs beside the other cluster tests
 JOB_TIMEOUT_S = 600
+STEPS_USR2 = 15
 
 
 @pytest.fixture(scope="module")
@@ -167,10 +168,13 @@ def test_podman_time_limit_signal_checkpoints_requeues_and_resumes(image: str, t
     """USR2 (what `--signal=USR2@90` sends before the time limit) reaches the ranks through podman; rank 0
     checkpoints and asks to requeue (no scontrol in the image: the request goes through the run folder), the
     batch script requeues the job, and the next attempt resumes from that checkpoint to the end."""
-    env = {**os.environ, "HPCTRAIN_RUNS_DIR": str(tmp_path / "runs"), "HPCTRAIN_STATE_DIR": str(tmp_path / "state")}
+    # Every step sleeps 1 s on every rank (HPCTRAIN_FAULT_INJECT slow, passed into the image with HPCTRAIN_*): no
+    # CPU, and the run is still training when the USR2 sent after step 3 lands, with 15 steps instead of 40 bare ones.
+    env = {**os.environ, "HPCTRAIN_RUNS_DIR": str(tmp_path / "runs"), "HPCTRAIN_STATE_DIR": str(tmp_path / "state"),
+           "HPCTRAIN_FAULT_INJECT": "slow:step=1,s=1"}
     res = subprocess.run([str(HPCTRAIN), "submit", str(REPO / "examples" / "tiny.toml"), "--executor", "slurm",
                           "--partition", "debug", "--nodes", "2", "--set", "resources.tasks_per_node=1",
-                          "--steps", "40", "--set", "checkpoint.every_steps=0", "--time", "00:10:00",
+                          "--steps", str(STEPS_USR2), "--set", "checkpoint.every_steps=0", "--time", "00:10:00",
                           "--container", f"podman:{image}",
                           "--json"], capture_output=True, text=True, timeout=120, check=False, env=env, cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -195,7 +199,7 @@ def test_podman_time_limit_signal_checkpoints_requeues_and_resumes(image: str, t
     step = int(first.split("signal 12: checkpointed at step ")[1].split(",")[0])
     resumed = (run_dir / "logs" / "attempt-1.rank-0.log").read_text()
     assert f"resumed from step-{step} at step {step}" in resumed, logs
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-40"
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step-{STEPS_USR2}"
     assert "requeueing job" in logs and not (run_dir / "requeue-request").exists()
 
 

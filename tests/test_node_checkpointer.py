@@ -8,6 +8,7 @@ drives the minutes rule. The files on disk are the real ones: markers, `latest`,
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 from collections.abc import Iterator
@@ -19,12 +20,15 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hpctrain.node.checkpointing import checkpoint as ckpt
+from hpctrain.node.checkpointing import checkpointer
 from hpctrain.node.checkpointing.checkpointer import (
+    REQUEUE_REQUEST,
     Checkpointer,
     Progress,
     SavePolicy,
     StopFlag,
     StopRequested,
+    wait_for_requeue,
 )
 from hpctrain.node.monitor.metrics import MetricsWriter
 from hpctrain.node.runconf import NodeInputError
@@ -161,6 +165,32 @@ def test_signal_saves_at_the_step_boundary_then_hands_off(one_rank: None, tmp_pa
     assert json.loads((tmp_path / "metrics" / "heartbeat").read_text())["state"] == "stopped-on-signal"
     event = json.loads((tmp_path / "events.jsonl").read_text().splitlines()[-1])
     assert (event["event"], event["step"], event["signal"]) == ("stopped-on-signal", 4, signal.SIGUSR2)
+
+
+def test_other_ranks_wait_for_the_requeue_until_rank_0_asked_for_it(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank other than 0 leaves as soon as this attempt's requeue request is in the run folder (a container's
+    scontrol shim writes it; the batch script requeues once the step ends); an older attempt's request, or none,
+    keeps it waiting out HPCTRAIN_REQUEUE_GRACE_S, so its exit cannot end the step before rank 0 asked."""
+    naps: list[float] = []
+    monkeypatch.setattr(checkpointer.time, "sleep", naps.append)
+    monkeypatch.setenv("HPCTRAIN_RUN_DIR", str(tmp_path))
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    wait_for_requeue()
+    assert naps == []  # not under SLURM: nothing to wait for
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("HPCTRAIN_REQUEUE_GRACE_S", "0.3")
+    request = tmp_path / REQUEUE_REQUEST
+    request.write_text("7\n")
+    os.utime(request, (1000.0, 1000.0))  # left by an earlier attempt
+    clock = iter(range(100))
+    monkeypatch.setattr(checkpointer.time, "monotonic", lambda: next(clock) * 0.1)
+    wait_for_requeue()
+    assert len(naps) == 2  # waited the whole grace (0.3 s on the fake clock)
+    naps.clear()
+    request.write_text("7\n")  # this attempt's rank 0 asked
+    wait_for_requeue()
+    assert naps == []
 
 
 def test_another_ranks_signal_vote_stops_this_one(one_rank: None, tmp_path: Path) -> None:

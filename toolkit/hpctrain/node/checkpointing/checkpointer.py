@@ -31,6 +31,9 @@ from hpctrain.node.monitor.metrics import MetricsWriter, log
 from hpctrain.node.runconf import NodeInputError
 from hpctrain.spec.model import Spec
 
+# Where a rank in a container asks for the requeue (containers/scontrol-shim.sh; templates/sbatch.sh.j2 does it).
+REQUEUE_REQUEST = "requeue-request"
+
 
 def _env_time(name: str) -> float | None:
     try:
@@ -46,6 +49,27 @@ def _my_job_ids() -> set[str]:
     if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
         ids.add(f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}")
     return ids - {""}
+
+
+def wait_for_requeue(poll_s: float = 0.2) -> None:
+    """A rank other than 0, stopped on the signal under SLURM: wait (at most HPCTRAIN_REQUEUE_GRACE_S, 20 s)
+    until rank 0 has handed the job back. srun --kill-on-bad-exit would end the step on our non-zero exit,
+    possibly before rank 0 requeued the job. Rank 0's `scontrol requeue` ends us anyway; in a container it is
+    a request in the run folder instead (containers/scontrol-shim.sh), carried out by the batch script once
+    the step has ended, so we leave as soon as this attempt's request is there: waiting out the grace kept
+    the step, and the requeue, 20 s longer (tests/test_container_slurm's USR2 run)."""
+    if not os.environ.get("SLURM_JOB_ID"):
+        return
+    run_dir = os.environ.get("HPCTRAIN_RUN_DIR")
+    request = Path(run_dir) / REQUEUE_REQUEST if run_dir else None
+    deadline = time.monotonic() + float(os.environ.get("HPCTRAIN_REQUEUE_GRACE_S", "20"))
+    while time.monotonic() < deadline:
+        try:
+            if request is not None and request.stat().st_mtime >= _PROCESS_START:  # not an older attempt's
+                return
+        except OSError:
+            pass
+        time.sleep(poll_s)
 
 
 class StopRequested(Exception):
@@ -293,10 +317,8 @@ class Checkpointer:
                  why or "a peer got the signal")
         if self.rank == 0:
             self.stop.chain()  # under submitit: requeues the job (scontrol requeue) and exits
-        elif os.environ.get("SLURM_JOB_ID"):
-            # srun --kill-on-bad-exit would end the step on our non-zero exit, possibly before rank 0
-            # has requeued the job; the requeue ends us anyway.
-            time.sleep(float(os.environ.get("HPCTRAIN_REQUEUE_GRACE_S", "20")))
+        else:
+            wait_for_requeue()
         return StopRequested(f"stopped on signal at step {step}")
 
     def close(self, step: int) -> None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpctrain.node.checkpointing.checkpointer import StopFlag
+from hpctrain.node.checkpointing.checkpointer import StopFlag, wait_for_requeue
 from hpctrain.node.dist import DistEnv
 from hpctrain.node.monitor.metrics import attempt_number, log
 from hpctrain.node.monitor.tracking import ScriptTracker
@@ -251,5 +251,5 @@ def requeue_pending(rank: int, stop: StopFlag) -> None:
     the other ranks wait, so that their exit does not end the step (srun --kill-on-bad-exit) first."""
     if rank == 0:
         stop.chain()
-    elif os.environ.get("SLURM_JOB_ID"):
-        time.sleep(float(os.environ.get("HPCTRAIN_REQUEUE_GRACE_S", "20")))
+    else:
+        wait_for_requeue()
