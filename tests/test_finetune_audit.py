@@ -192,3 +192,37 @@ def test_trackers_get_the_trained_tokens_per_second(tmp_path: Path) -> None:
            for tag in ("train/tokens_per_s", "train/trained_tokens_per_s")}
     assert got == {"train/tokens_per_s": [(1, 1001.0), (2, 1002.0), (3, 1003.0)],
                    "train/trained_tokens_per_s": [(1, 201.0), (2, 202.0), (3, 203.0)]}
+
+
+# --------------------------------------------------------------------------------- chat without a template
+def test_submit_refuses_a_chat_run_whose_tokenizer_has_no_template(tmp_path: Path, base: Path) -> None:
+    """Before any allocation (the node refused it only once the job had waited in the queue); a template in
+    chat_template.jinja or in tokenizer_config.json passes; a prepared chat folder needs none."""
+    import json
+    import shutil
+
+    from hpctrain.data.source import submit_source
+    from hpctrain.errors import HpcUsageError
+    from hpctrain.spec.model import Data
+
+    plain = tmp_path / "plain tok"
+    shutil.copytree(base, plain)
+    (plain / "chat_template.jinja").unlink()
+    raw = tmp_path / "chat.jsonl"
+    raw.write_text(json.dumps({"messages": CONVERSATION}) + "\n")
+    data = Data(source=str(raw), format="chat", seq_len=64)
+    with pytest.raises(HpcUsageError, match=r"^data.tokenizer = .*plain tok': has no chat_template .* Fix: set "
+                                            r"\[data\] tokenizer to the instruct model's tokenizer folder"):
+        submit_source(str(raw), str(plain), "text", 512, 1, data=data)
+    assert submit_source(str(raw), str(base), "text", 512, 1, data=data) == (str(raw), "")  # chat_template.jinja
+    cfg = json.loads((plain / "tokenizer_config.json").read_text())
+    (plain / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": CHATML}))
+    assert submit_source(str(raw), str(plain), "text", 512, 1, data=data) == (str(raw), "")
+
+    # the newcomer's command: `hpctrain submit --dry-run` stops with it, exit 2, and writes nothing
+    (plain / "tokenizer_config.json").write_text(json.dumps(cfg))
+    runfile = tmp_path / "chat.toml"
+    runfile.write_text(f'[model]\npath = "{base}"\n[data]\nsource = "{raw}"\nformat = "chat"\nseq_len = 64\n'
+                       f'tokenizer = "{plain}"\n[resources]\ngpus_per_node = 0\n')
+    res = CliRunner().invoke(cli, ["submit", str(runfile), "--dry-run", "--out", str(tmp_path / "dry")])
+    assert res.exit_code == 2 and "has no chat_template" in res.output and not (tmp_path / "dry").exists()

@@ -150,6 +150,18 @@ def _cached(source: str, tokenizer: str, text_field: str, data: Any = None) -> P
                         _options(text_field, data).key_dict())
 
 
+def _check_chat_template(tokenizer: str) -> None:
+    """Raw chat records are rendered by the tokenizer's chat_template on the node: a folder that surely has none
+    is refused here, before the job waits in the queue for the node to refuse it (data/sft.check_chat_tokenizer)."""
+    from hpctrain.data.tokenizer import has_chat_template
+
+    if has_chat_template(Path(tokenizer)) is False:
+        raise bad_value("data.tokenizer", tokenizer, "has no chat_template (tokenizer_config.json \"chat_template\" "
+                        "or chat_template.jinja), and format \"chat\" renders conversations with it",
+                        "set [data] tokenizer to the instruct model's tokenizer folder, add a chat_template to this "
+                        "one, or use format \"alpaca\"")
+
+
 def submit_source(source: str, tokenizer: str, text_field: str, model_vocab: int, nodes: int,
                   data: Any = None) -> tuple[str, str]:
     """The source the run should read, and a note for the user ("" when unchanged); refuses as above.
@@ -164,6 +176,8 @@ def submit_source(source: str, tokenizer: str, text_field: str, model_vocab: int
         _check_vocab(source, model_vocab)
         _check_sft(source, data)
         return source, ""
+    if data is not None and data.format == "chat":
+        _check_chat_template(tokenizer)
     found = _cached(source, tokenizer, text_field, data)
     if found is not None:
         _check_vocab(str(found), model_vocab)

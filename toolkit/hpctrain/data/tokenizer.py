@@ -50,6 +50,26 @@ def _special(folder: Path, name: str) -> str | None:
     return None
 
 
+# Where transformers (5.x) finds a tokenizer folder's chat template, besides tokenizer_config.json's
+# "chat_template": save_pretrained writes chat_template.jinja, and named templates into a folder;
+# chat_template.json is a processor's (counted, so that no folder transformers can render with is refused).
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "additional_chat_templates")
+
+
+def has_chat_template(folder: Path) -> bool | None:
+    """Whether a tokenizer folder holds a chat template, read from its files (no transformers import): None
+    when it cannot tell (no folder, no readable tokenizer_config.json), so a caller refuses only a sure no."""
+    if not folder.is_dir():
+        return None
+    if any((folder / name).exists() for name in CHAT_TEMPLATE_FILES):
+        return True
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return bool(config.get("chat_template")) if isinstance(config, dict) else None
+
+
 def folder_hash(folder: Path) -> str:
     """sha256 over the names and bytes of the folder's files (sorted): any edit is another tokenizer."""
     h = hashlib.sha256()
