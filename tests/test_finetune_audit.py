@@ -226,3 +226,18 @@ def test_submit_refuses_a_chat_run_whose_tokenizer_has_no_template(tmp_path: Pat
                        f'tokenizer = "{plain}"\n[resources]\ngpus_per_node = 0\n')
     res = CliRunner().invoke(cli, ["submit", str(runfile), "--dry-run", "--out", str(tmp_path / "dry")])
     assert res.exit_code == 2 and "has no chat_template" in res.output and not (tmp_path / "dry").exists()
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "\ufeff\r\n  \r\n"], ids=["empty", "blank", "bom-crlf"])
+def test_submit_refuses_a_records_file_without_a_record(tmp_path: Path, base: Path, text: str) -> None:
+    """Every rank would read it and stop with "no records found" after the allocation."""
+    from hpctrain.data.source import submit_source
+    from hpctrain.errors import HpcUsageError
+    from hpctrain.spec.model import Data
+
+    raw = tmp_path / "my data.jsonl"
+    raw.write_text(text, encoding="utf-8")
+    for fmt_ in ("chat", "alpaca", "jsonl"):
+        with pytest.raises(HpcUsageError, match=r"^data.source = .*my data.jsonl': holds no records .* Fix: point "):
+            submit_source(str(raw), str(base) if fmt_ == "chat" else "byte", "text", 512, 1,
+                          data=Data(source=str(raw), format=fmt_))  # type: ignore[arg-type]

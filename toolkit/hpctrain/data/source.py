@@ -95,18 +95,23 @@ def _check_records(source: str, text_field: str, data: Any) -> None:
         return
     need = {"alpaca": ("instruction", "output"), "chat": (data.messages_field,)}.get(fmt, (text_field,))
     seen: list[set[str]] = []
+    lines = 0
     with path.open("rb") as fh:
         for line in fh:
             if len(seen) >= SAMPLE_RECORDS:
                 break
-            if not line.strip():
+            if not line.strip().lstrip(b"\xef\xbb\xbf").strip():  # a BOM alone is no record either
                 continue
+            lines += 1
             try:
                 rec = json.loads(line)
             except ValueError:
                 continue  # the node counts (SFT) or names (text) a line that is not JSON
             if isinstance(rec, dict):
                 seen.append(set(map(str, rec)))
+    if not lines:  # every rank would read it and stop with "no records found"
+        raise bad_value("data.source", source, "holds no records (it is empty or has blank lines only)",
+                        "point [data] source (--data) at the file or folder of your records")
     if not seen or any(all(k in keys for k in need) for keys in seen):
         return
     keys = sorted(set().union(*seen))
