@@ -241,3 +241,12 @@ def test_submit_refuses_a_records_file_without_a_record(tmp_path: Path, base: Pa
         with pytest.raises(HpcUsageError, match=r"^data.source = .*my data.jsonl': holds no records .* Fix: point "):
             submit_source(str(raw), str(base) if fmt_ == "chat" else "byte", "text", 512, 1,
                           data=Data(source=str(raw), format=fmt_))  # type: ignore[arg-type]
+
+
+def test_prepare_of_an_empty_records_file_names_the_format_not_the_text_field(tmp_path: Path, base: Path) -> None:
+    raw = tmp_path / "empty.jsonl"
+    raw.write_text("\n")
+    res = CliRunner().invoke(cli, ["data", "prepare", str(raw), "--format", "chat", "--seq-len", "64",
+                                   "--tokenizer", str(base), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 2 and "no records (for the training split)" in res.output, res.output
+    assert "check --format chat" in res.output and "--text-field" not in res.output

@@ -496,8 +496,10 @@ def _manifest(req: Request, dtype: str, done: list[_Done]) -> Manifest:
     train, val = _split([d.train for d in done]), _split([d.val for d in done if d.val])
     total, per = _tallies(req, done) if req.options.sft else (None, [])
     if not train.documents:
-        raise bad_value("INPUT", " ".join(r["path"] for r in req.records), "no non-blank documents "
-                        "(for the training split)", f"check --text-field {req.options.text_field!r} and the inputs")
+        what = "no records" if req.options.sft else "no non-blank documents"
+        check = f"--format {req.options.format}" if req.options.sft else f"--text-field {req.options.text_field!r}"
+        raise bad_value("INPUT", " ".join(r["path"] for r in req.records), f"{what} (for the training split)",
+                        f"check {check} and the inputs")
     records = [dict(r, tokens=0, documents=0) for r in req.records]
     for i, tally in enumerate(per):  # SFT formats: each input's records read and bad
         records[i].update(records=tally.records, bad=tally.bad_total)
