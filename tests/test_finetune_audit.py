@@ -250,3 +250,16 @@ def test_prepare_of_an_empty_records_file_names_the_format_not_the_text_field(tm
                                    "--tokenizer", str(base), "--out", str(tmp_path / "out")])
     assert res.exit_code == 2 and "no records (for the training split)" in res.output, res.output
     assert "check --format chat" in res.output and "--text-field" not in res.output
+
+
+def test_the_api_tells_the_fine_tuning_defaults_as_the_cli_prints_them(tmp_path: Path, base: Path) -> None:
+    import hpctrain
+
+    source = {"model": {"path": str(base)}, "data": {"source": "synthetic"}, "resources": {"gpus_per_node": 0}}
+    run = hpctrain.submit(source, dry_run=True, lora_r=8, out=tmp_path / "dry")
+    res = CliRunner().invoke(cli, ["submit", "--model", str(base), "--data", "synthetic", "--gpus-per-node", "0",
+                                   "--lora-r", "8", "--dry-run"])
+    assert res.exit_code == 0, res.output
+    printed = [line.removeprefix("hpctrain: ") for line in res.stderr.splitlines() if line.startswith("hpctrain: ")]
+    assert printed and run.notes[:len(printed)] == printed
+    assert any(n.startswith("train.lr = 0.0002 (fine-tuning default for LoRA adapters") for n in run.notes)

@@ -32,6 +32,7 @@ def submit(source: RunSource | Spec = None, /, *, dry_run: bool = False, out: st
     folder); the batch script is `Run.sbatch`. `preflight=True` runs only the rendezvous + all-reduce check."""
     from hpctrain.errors import bad_value
     from hpctrain.fault.supervisor import arm_submitted
+    from hpctrain.plan.planner import fine_tuning_lines
     from hpctrain.slurm.submission import Submission
 
     if out is not None and not dry_run:
@@ -40,12 +41,15 @@ def submit(source: RunSource | Spec = None, /, *, dry_run: bool = False, out: st
     folder = Path(out) if out is not None else None
     runfile, keys, site = request(source, overrides, where="hpctrain.submit")
     sub = Submission.prepare(runfile, keys, site=site, mode="preflight" if preflight else "train", out=folder)
+    # What `hpctrain submit` prints on stderr before the rest: each fine-tuning default with its reason, and the
+    # fine-tuning warnings (a pretrained model fed byte ids, ...).
+    told = fine_tuning_lines(sub.spec, sub.plan)
     if dry_run:
         done = sub.dry_run(folder)
-        return Run.rendered(done.run_dirs[0], done.script, notes=sub.notes)
+        return Run.rendered(done.run_dirs[0], done.script, notes=[*told, *sub.notes])
     spec, mode = sub.spec, sub.mode
     # Armed inside the submission's transaction, as the CLI does: an interrupt after sbatch keeps the retries.
     subs = sub.submit(on_settled=lambda subs: arm_submitted(subs, spec, mode))
     run = Run(subs[0].run_id)
-    run.notes = list(sub.notes)
+    run.notes = [*told, *sub.notes]
     return run
