@@ -263,3 +263,18 @@ def test_the_api_tells_the_fine_tuning_defaults_as_the_cli_prints_them(tmp_path:
     printed = [line.removeprefix("hpctrain: ") for line in res.stderr.splitlines() if line.startswith("hpctrain: ")]
     assert printed and run.notes[:len(printed)] == printed
     assert any(n.startswith("train.lr = 0.0002 (fine-tuning default for LoRA adapters") for n in run.notes)
+
+
+def test_export_after_the_model_folder_moved_names_it(tmp_path: Path, base: Path) -> None:
+    """It was transformers' traceback: "Repo id must be in the form 'repo_name'..." for the missing path."""
+    import shutil
+
+    moved = tmp_path / "base copy"
+    shutil.copytree(base, moved)
+    run = make_run(tmp_path / "run", model={"config": "", "path": str(moved)}, lora={"r": 4},
+                   data={"source": "synthetic", "tokenizer": str(moved)})
+    shutil.rmtree(moved)
+    code, text = _export(str(run))
+    assert code == 2 and "Traceback" not in text, text
+    assert f"[model] path = '{moved}': no config.json there, and the export reads the model's config and the " \
+           "frozen base the adapters merge into from it. Fix: put the model folder back" in text

@@ -32,6 +32,7 @@ def export_hf(run_dir: str | Path, out: str | Path | None = None, tag: str | Non
     spec = read_spec(paths)
     if out is not None:
         check_out(Path(out), paths, spec)
+    _check_model_folder(spec)
     point = _point(paths, tag)
     cfg = hf_config(spec.model)
     if int(point.meta.get("pp", 1)) > 1:
@@ -105,6 +106,16 @@ def check_out(out: Path, paths: RunFolder, spec: Any) -> None:
                                  f"no {EXPORT_MARKER}); the export replaces --out whole. {fix}")
     elif final.exists() and not final.is_dir():
         raise NodeInputError(f"--out {out}: is a file, not a folder. {fix}")
+
+
+def _check_model_folder(spec: Any) -> None:
+    """The export reads the model's config (and a LoRA run's frozen base) from [model] path: a folder moved or
+    deleted since training is named, not left to transformers' hub lookup of the path as a repo id."""
+    path = spec.model.path
+    if path and not (Path(path) / "config.json").is_file():
+        what = "the model's config and the frozen base the adapters merge into" if spec.lora.r else "the model's config"
+        raise NodeInputError(f"[model] path = {path!r}: no config.json there, and the export reads {what} from it. "
+                             "Fix: put the model folder back at that path (the run's spec.toml names it)")
 
 
 def _point(paths: RunFolder, tag: str | None) -> ckpt.ResumePoint:
