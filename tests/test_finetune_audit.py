@@ -278,3 +278,19 @@ def test_export_after_the_model_folder_moved_names_it(tmp_path: Path, base: Path
     assert code == 2 and "Traceback" not in text, text
     assert f"[model] path = '{moved}': no config.json there, and the export reads the model's config and the " \
            "frozen base the adapters merge into from it. Fix: put the model folder back" in text
+
+
+def test_submit_refuses_a_model_folder_without_weights(tmp_path: Path, base: Path) -> None:
+    """config.json and the tokenizer but no weights (a partial download): every rank failed after the allocation."""
+    import shutil
+
+    partial = tmp_path / "partial download"
+    shutil.copytree(base, partial, ignore=shutil.ignore_patterns("*.safetensors"))
+    res = CliRunner().invoke(cli, ["submit", "--model", str(partial), "--data", "synthetic", "--gpus-per-node", "0",
+                                   "--dry-run"])
+    assert res.exit_code == 2 and f"model.path = '{partial}': holds a config.json but no weights" in res.output
+    assert "Fix: download the whole model folder" in res.output
+    (partial / "pytorch_model.bin").write_bytes(b"")  # ZeRO 0-2 read .bin through from_pretrained
+    res = CliRunner().invoke(cli, ["submit", "--model", str(partial), "--data", "synthetic", "--gpus-per-node", "0",
+                                   "--dry-run"])
+    assert res.exit_code == 0, res.output

@@ -27,10 +27,12 @@ pytestmark = pytest.mark.usefixtures("isolated_home")
 
 
 def _model(tmp_path: Path, tokenizer: bool = True, name: str = "model") -> Path:
-    """A pretrained-model folder as the planner and the spec see it: config.json (+ tokenizer_config.json)."""
+    """A pretrained-model folder as the planner and the spec see it: config.json, a weights file (submit refuses a
+    folder without one; nothing here reads it) (+ tokenizer_config.json)."""
     folder = tmp_path / name
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(CONFIG))
+    (folder / "model.safetensors").write_bytes(b"")
     if tokenizer:
         (folder / "tokenizer_config.json").write_text("{}")
     return folder

@@ -37,6 +37,7 @@ def _local_inputs(tmp: Path) -> dict[str, Path]:
     model = tmp / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(SMALL_MODEL))
+    (model / "model.safetensors").write_bytes(b"")  # submit refuses a folder without weights; none is read here
     docs = "".join(json.dumps({"text": f"document {i} " + "words " * (i % 40)}) + "\n" for i in range(400))
     (tmp / "sft.jsonl").write_text(docs)
     (tmp / "pretrain").mkdir()

@@ -599,6 +599,18 @@ def _exists(path: Path, kind: str = "") -> bool:
         return False
 
 
+WEIGHT_GLOBS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
+
+
+def _has_weights(folder: Path) -> bool:
+    """A model folder holds weight files transformers loads (the node reads safetensors under ZeRO-3; ZeRO 0-2's
+    from_pretrained also reads .bin): a folder of config and tokenizer only failed every rank after allocation."""
+    try:
+        return any(next(folder.glob(pattern), None) is not None for pattern in WEIGHT_GLOBS)
+    except (OSError, ValueError):
+        return True  # unreadable here: the node says what it finds
+
+
 def user_script(spec: Spec) -> bool:
     """The run launches the user's own script or module, not hpctrain's trainer."""
     return bool(spec.launch.script or spec.launch.module)
@@ -624,6 +636,10 @@ def check_paths(spec: Spec) -> None:
         need(_exists(p, "dir") and _exists(p / "config.json", "file"), "model.path", m.path,
               "not a local model folder with a config.json (compute nodes are offline: no hub ids)",
               "pass --model with the folder from `huggingface-cli download --local-dir DIR`")
+        need(user_script(spec) or _has_weights(p), "model.path", m.path,
+             "holds a config.json but no weights (*.safetensors, or pytorch_model*.bin for ZeRO 0-2)",
+             "download the whole model folder (`huggingface-cli download ORG/NAME --local-dir DIR`), or set "
+             "[model] config instead of path to train from random weights")
     if m.config and m.config not in PRESETS:
         need(_exists(Path(m.config), "file"), "model.config", m.config,
               "neither a preset nor an existing config.json", f"use a preset ({', '.join(PRESETS)}) or a path")
