@@ -10,8 +10,10 @@ Scenarios: a dead node (kill-node 3 under a 3-node run: the survivors' gloo erro
 job within seconds and retry it as a new job without node3), all ranks killed while a checkpoint is being
 written, a 2-minute time limit (USR2 -> checkpoint -> requeue), a rank that hangs (watchdog -> cancel ->
 supervisor retries without its host), a user error (no retry, clear evidence).
-Only the node-failure run may use node3 (all others exclude it), so the kill hits nothing else of ours; it runs
-before the time-limit test, beside the time-limit run's long waits for SLURM's signal.
+Only the node-failure run (and the 3-node reference, done before it starts) may use node3: all others exclude
+it, so the kill hits nothing else of ours. Its test runs early: the other runs go on beside it (node3 is drained
+for the kill, so none of their new jobs lands there), and the time-limit run, submitted first (SLURM's priority
+order), waits for its signal meanwhile.
 """
 
 from __future__ import annotations
@@ -44,9 +46,14 @@ LONG_LIMIT_MIN = 30
 # The time-limit run must still be training when SLURM's signal comes, 10-70 s after the limit moves plus up to
 # slurmctld's 30 s time-limit pass. Its steps are slowed by a sleep on every rank (HPCTRAIN_FAULT_INJECT slow: no
 # CPU, the losses unchanged), so that 80 steps last over 115 s after step 3 however fast the machine is; 400 bare
-# steps (~0.4 s each) took 2 ranks' CPU for as long. Its losses are compared with the reference's at every step.
+# steps (~0.4 s each) took 2 ranks' CPU for as long. Only attempt 0 sleeps (first=1): the requeued attempt trains
+# the rest at full speed (it slept ~100 s). Its losses are compared with the reference's at every step.
 TIMELIMIT_STEPS = 80
-TIMELIMIT_SLOW = "slow:step=1,s=1.5"
+TIMELIMIT_SLOW = "slow:step=1,s=1.5,first=1"
+# The node-failure run and its 3-node reference: killed after step 12, its attempt 0 sleeps 1 s a step from step 12
+# on (still training when the kill comes, 18 steps later at the least), the retry resumes from step 10 or 15.
+NODEFAIL_STEPS = 30
+NODEFAIL_SLOW = "slow:step=12,s=1,first=1"
 REF_STEPS = TIMELIMIT_STEPS
 
 
@@ -230,21 +237,24 @@ def campaign(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRe
     c = Campaign(tmp_path_factory.mktemp("fault"))
     selected = " ".join(item.name for item in request.session.items)
     two = ["--nodes", "2", *NOT3]
+    # Submitted in this order, which is SLURM's priority order (FIFO): the longest chains first. The time-limit
+    # run (waits for SLURM's signal, then a requeue: ~3 min) and the 3-node reference, which the node-failure run
+    # waits for, start at once; the reference the others are compared with at their end comes last.
     wanted = {
-        "ref2": ("hang" in selected or "checkpointing" in selected or "time_limit" in selected,
-                 (*two, "--steps", str(REF_STEPS), "--retries", "0", "--set", "checkpoint.every_steps=0"), ""),
-        "hang": ("hang" in selected, (*two, "--steps", "24", "--set", f"checkpoint.every_steps={INTERVAL}",
-                                      "--set", "launch.hang_timeout_s=20"), "hang:rank=1,step=10"),
-        "ckptcrash": ("checkpointing" in selected, (*two, "--steps", "24", "--set",
-                                                    f"checkpoint.every_steps={INTERVAL}"), "ckpt-crash:step=12"),
-        "usererr": ("user_error" in selected, ("--nodes", "1", *NOT3, "--steps", "24"), "raise:step=3"),
         # A limit no attempt reaches by itself: TimeLimitClock moves it once training is seen to run.
         "timelimit": ("time_limit" in selected, (*two, "--steps", str(TIMELIMIT_STEPS), "--set",
                                                  f"resources.time=00:{LONG_LIMIT_MIN}:00", "--set",
                                                  f"resources.signal_seconds={SIGNAL_S}",
                                                  "--set", "checkpoint.every_steps=0"), TIMELIMIT_SLOW),
-        "ref3": ("node_failure" in selected, ("--nodes", "3", "--steps", "60", "--retries", "0",
+        "ref3": ("node_failure" in selected, ("--nodes", "3", "--steps", str(NODEFAIL_STEPS), "--retries", "0",
                                               "--set", "checkpoint.every_steps=0"), ""),
+        "hang": ("hang" in selected, (*two, "--steps", "24", "--set", f"checkpoint.every_steps={INTERVAL}",
+                                      "--set", "launch.hang_timeout_s=20"), "hang:rank=1,step=10"),
+        "ckptcrash": ("checkpointing" in selected, (*two, "--steps", "24", "--set",
+                                                    f"checkpoint.every_steps={INTERVAL}"), "ckpt-crash:step=12"),
+        "usererr": ("user_error" in selected, ("--nodes", "1", *NOT3, "--steps", "24"), "raise:step=3"),
+        "ref2": ("hang" in selected or "checkpointing" in selected or "time_limit" in selected,
+                 (*two, "--steps", str(REF_STEPS), "--retries", "0", "--set", "checkpoint.every_steps=0"), ""),
     }
     for name, (needed, flags, fault) in wanted.items():
         if needed:
@@ -294,6 +304,80 @@ def test_user_error_is_not_retried(campaign: Campaign) -> None:
     assert [a["job_id"] for a in json.loads(status.stdout)["attempts"]] == [first_job(run), out["job_id"]]
 
 
+def _node3_ours_only(job: str) -> None:
+    """Skip unless node3 runs no job but `job` (bounded wait): other sessions' jobs may share the cluster."""
+    def others() -> list[str]:
+        out = run_cmd(["squeue", "-h", "-w", "node3", "-o", "%i"], timeout=30).stdout.split()
+        return [j for j in out if j.split("_")[0] != job]
+
+    try:
+        wait_until(lambda: not others(), 300, f"node3 to run no job but {job or 'ours'}")
+    except AssertionError:
+        pytest.skip(f"node3 stayed shared with other jobs ({others()}): not killing it")
+
+
+def test_node_failure_is_retried_at_once_without_the_dead_node(campaign: Campaign) -> None:
+    """kill-node 3 under a 3-node ZeRO-3 run (node3 is never the batch host of a 3-node allocation, so the
+    watchdog survives): the survivors' collectives fail on the closed connections, the watchdog records a
+    peer_lost verdict naming node3, decides the retry (excluding node3) and cancels the job, all within
+    seconds and long before SLURM's NODE_FAIL (SlurmdTimeout=30). The new job resumes from the last
+    checkpoint and finishes with the reference's losses."""
+    ref_run = campaign.runs["ref3"]
+    wait_until(lambda: len(losses(ref_run)) >= NODEFAIL_STEPS, 540, "the 3-node reference run")
+    ref3 = losses(ref_run)
+    # Submitted only now: the reference (which may use node3 too) is done, so the kill hits only this run. The
+    # cluster may be shared (never in CI): another session's job on node3 is not ours to kill.
+    _node3_ours_only("")
+    run = campaign.submit("nodefail", "--nodes", "3", "--steps", str(NODEFAIL_STEPS), "--set",
+                          "checkpoint.every_steps=5", fault=NODEFAIL_SLOW)
+    job = first_job(run)
+    wait_until(lambda: any(r["step"] >= 12 for r in metrics(run)), 400, "step 12 of the 3-node run", poll=1)
+    nodes = run_cmd(["squeue", "-h", "-j", job, "-o", "%N"], timeout=30).stdout.strip()
+    assert "node3" in run_cmd(["scontrol", "show", "hostnames", nodes], timeout=30).stdout.split(), nodes
+    # The module's other runs go on beside this one (on nodes 1, 2 and 4): drained, node3 takes none of their
+    # new jobs (a supervisor's, say) while it is killed; the drain does not touch this run or what is decided.
+    run_cmd(["scontrol", "update", "NodeName=node3", "State=DRAIN", "Reason=hpctrain test: kill-node 3"], timeout=30)
+    try:
+        _node3_ours_only(job)
+        killed_at = max(losses(run))
+        t_kill = time.monotonic()
+        try:
+            run_cmd(["bash", str(SLURM_SH), "kill-node", "3"], timeout=60)
+            first = wait_until(lambda: next(iter(decisions(run)), None), 60, "the watchdog's decision", poll=0.5)
+            reacted_s = time.monotonic() - t_kill
+        finally:
+            run_cmd(["bash", str(SLURM_SH), "restart-node", "3"], timeout=120)
+    finally:
+        run_cmd(["scontrol", "update", "NodeName=node3", "State=RESUME"], timeout=30, check=False)
+    assert reacted_s < 20, reacted_s  # SLURM alone would take SlurmdTimeout (30 s) plus its ping interval
+    assert first["job_id"] == job and first["failure_class"] == "node_fail", first
+    assert first["decision"]["action"] == "retry" and first["decision"]["added"] == ["node3"], first
+    assert first["peer_lost"]["silent_hosts"] == ["node3"], first
+    retry = next(n for n in notes(run) if n.get("attempt") == 1 and n.get("state") == "PENDING")
+    assert retry["job_id"] != job and "node3" in retry["excluded"]
+    last = wait_decided(run, timeout=480)
+    assert last["decision"]["action"] == "done", last
+    hist = run_cmd(["sacct", "-X", "-D", "-n", "-P", "-j", job, "-o", "State"], timeout=30).stdout.split()
+    assert hist and hist[0] == "CANCELLED" and "NODE_FAIL" not in hist, hist  # no SLURM requeue any more
+    resumed = [int(t.split("resumed from step-")[1].split(" ")[0])
+               for t in [(run / "logs" / "attempt-1.rank-0.log").read_text()] if "resumed from step-" in t]
+    assert resumed and killed_at - resumed[0] <= 5 and resumed[0] >= 10, (killed_at, resumed)
+    assert all(s <= 5 for s in lost_steps(run)), lost_steps(run)
+    assert_matches_reference(run, ref3, NODEFAIL_STEPS)
+    wait_until(lambda: _last_row_with_decision(run), 60, "summary.json with the decision")
+    rows = json.loads((run / "summary.json").read_text())["attempts"]
+    assert rows[0]["failure_class"] == "node_fail" and rows[0]["failure"]["host"] == "node3", rows[0]
+    assert "node3" in rows[-1]["excluded"] and rows[-1]["job_id"] != job
+    assert_agrees_with_sacct(campaign.attempts(run))  # two jobs: ids, states, node counts, hosts, elapsed
+    # logs: the journal says node3 was lost, and the survivors' peer errors (naming whichever peer they talked
+    # to) are marked as its consequences, none on node3 itself
+    view = campaign.cli("logs", str(run), "--attempt", "0").splitlines()
+    said = [i for i, ln in enumerate(view) if ln.startswith("a0 -- journal | node3 lost at ")]
+    marked = [i for i, ln in enumerate(view) if ln.endswith("<- a consequence of node3's loss")]
+    assert len(said) == 1 and marked and said[0] < marked[0], [view[i] for i in said + marked]
+    assert not any(" node3 | " in view[i] for i in marked), [view[i] for i in marked]
+
+
 def test_hang_watchdog_cancels_and_retries_without_the_silent_host(campaign: Campaign,
                                                                   ref2: dict[int, float]) -> None:
     run = campaign.runs["hang"]
@@ -325,73 +409,6 @@ def test_crash_while_checkpointing_resumes_from_the_previous_one(campaign: Campa
     # steps 9-12 are redone; step 12 was computed but never recorded (the crash came before its metrics line)
     assert lost_steps(run) == [11 - 8]
     assert_matches_reference(run, ref2, 24)
-
-
-def _node3_ours_only(job: str) -> None:
-    """Skip unless node3 runs no job but `job` (bounded wait): other sessions' jobs may share the cluster."""
-    def others() -> list[str]:
-        out = run_cmd(["squeue", "-h", "-w", "node3", "-o", "%i"], timeout=30).stdout.split()
-        return [j for j in out if j.split("_")[0] != job]
-
-    try:
-        wait_until(lambda: not others(), 300, f"node3 to run no job but {job or 'ours'}")
-    except AssertionError:
-        pytest.skip(f"node3 stayed shared with other jobs ({others()}): not killing it")
-
-
-def test_node_failure_is_retried_at_once_without_the_dead_node(campaign: Campaign) -> None:
-    """kill-node 3 under a 3-node ZeRO-3 run (node3 is never the batch host of a 3-node allocation, so the
-    watchdog survives): the survivors' collectives fail on the closed connections, the watchdog records a
-    peer_lost verdict naming node3, decides the retry (excluding node3) and cancels the job, all within
-    seconds and long before SLURM's NODE_FAIL (SlurmdTimeout=30). The new job resumes from the last
-    checkpoint and finishes with the reference's losses."""
-    ref_run = campaign.runs["ref3"]
-    wait_until(lambda: len(losses(ref_run)) >= 60, 540, "the 3-node reference run")
-    ref3 = losses(ref_run)
-    # Submitted only now: the reference (which may use node3 too) is done, so the kill hits only this run. The
-    # cluster may be shared (never in CI): another session's job on node3 is not ours to kill.
-    _node3_ours_only("")
-    run = campaign.submit("nodefail", "--nodes", "3", "--steps", "60", "--set", "checkpoint.every_steps=5")
-    job = first_job(run)
-    wait_until(lambda: any(r["step"] >= 12 for r in metrics(run)), 400, "step 12 of the 3-node run", poll=1)
-    nodes = run_cmd(["squeue", "-h", "-j", job, "-o", "%N"], timeout=30).stdout.strip()
-    assert "node3" in run_cmd(["scontrol", "show", "hostnames", nodes], timeout=30).stdout.split(), nodes
-    _node3_ours_only(job)
-    killed_at = max(losses(run))
-    t_kill = time.monotonic()
-    try:
-        run_cmd(["bash", str(SLURM_SH), "kill-node", "3"], timeout=60)
-        first = wait_until(lambda: next(iter(decisions(run)), None), 60, "the watchdog's decision", poll=0.5)
-        reacted_s = time.monotonic() - t_kill
-    finally:
-        run_cmd(["bash", str(SLURM_SH), "restart-node", "3"], timeout=120)
-    assert reacted_s < 20, reacted_s  # SLURM alone would take SlurmdTimeout (30 s) plus its ping interval
-    assert first["job_id"] == job and first["failure_class"] == "node_fail", first
-    assert first["decision"]["action"] == "retry" and first["decision"]["added"] == ["node3"], first
-    assert first["peer_lost"]["silent_hosts"] == ["node3"], first
-    retry = next(n for n in notes(run) if n.get("attempt") == 1 and n.get("state") == "PENDING")
-    assert retry["job_id"] != job and "node3" in retry["excluded"]
-    last = wait_decided(run, timeout=480)
-    assert last["decision"]["action"] == "done", last
-    hist = run_cmd(["sacct", "-X", "-D", "-n", "-P", "-j", job, "-o", "State"], timeout=30).stdout.split()
-    assert hist and hist[0] == "CANCELLED" and "NODE_FAIL" not in hist, hist  # no SLURM requeue any more
-    resumed = [int(t.split("resumed from step-")[1].split(" ")[0])
-               for t in [(run / "logs" / "attempt-1.rank-0.log").read_text()] if "resumed from step-" in t]
-    assert resumed and killed_at - resumed[0] <= 5 and resumed[0] >= 10, (killed_at, resumed)
-    assert all(s <= 5 for s in lost_steps(run)), lost_steps(run)
-    assert_matches_reference(run, ref3, 60)
-    wait_until(lambda: _last_row_with_decision(run), 60, "summary.json with the decision")
-    rows = json.loads((run / "summary.json").read_text())["attempts"]
-    assert rows[0]["failure_class"] == "node_fail" and rows[0]["failure"]["host"] == "node3", rows[0]
-    assert "node3" in rows[-1]["excluded"] and rows[-1]["job_id"] != job
-    assert_agrees_with_sacct(campaign.attempts(run))  # two jobs: ids, states, node counts, hosts, elapsed
-    # logs: the journal says node3 was lost, and the survivors' peer errors (naming whichever peer they talked
-    # to) are marked as its consequences, none on node3 itself
-    view = campaign.cli("logs", str(run), "--attempt", "0").splitlines()
-    said = [i for i, ln in enumerate(view) if ln.startswith("a0 -- journal | node3 lost at ")]
-    marked = [i for i, ln in enumerate(view) if ln.endswith("<- a consequence of node3's loss")]
-    assert len(said) == 1 and marked and said[0] < marked[0], [view[i] for i in said + marked]
-    assert not any(" node3 | " in view[i] for i in marked), [view[i] for i in marked]
 
 
 def test_time_limit_checkpoints_on_signal_requeues_and_finishes(campaign: Campaign,

@@ -5,6 +5,7 @@ No cluster."""
 from __future__ import annotations
 
 import json
+import os
 import runpy
 import sys
 import time
@@ -122,6 +123,18 @@ def test_inject_raise_fires_every_attempt_others_once(monkeypatch: pytest.Monkey
     (tmp_path / "metrics" / "faults").mkdir(parents=True)
     (tmp_path / "metrics" / "faults" / "hang-step4-rank1").write_text("fired\n")
     faultinject.inject("step", 4, 0, 1)  # already fired: returns instead of hanging
+
+
+def test_slow_first_only_sleeps_in_the_attempt_that_started_at_step_0(monkeypatch: pytest.MonkeyPatch) -> None:
+    naps: list[float] = []
+    monkeypatch.setattr(faultinject.time, "sleep", naps.append)
+    monkeypatch.setenv("HPCTRAIN_FAULT_INJECT", "slow:step=2,s=1.5,first=1;slow:step=1,rank=1,s=0.25")
+    assert [f.first_only for f in faultinject.parse_faults(os.environ["HPCTRAIN_FAULT_INJECT"])] == [True, False]
+    faultinject.inject("step", 1, 0, 0)  # before step 2: no sleep
+    faultinject.inject("step", 2, 0, 0)  # the first attempt, from step 2 on
+    faultinject.inject("step", 9, 8, 0)  # resumed at step 8: first=1 no longer sleeps
+    faultinject.inject("step", 9, 8, 1)  # ... the other fault does, every attempt
+    assert naps == [1.5, 0.25]
 
 
 def _beat(d: Path, rank: int, step: int, phase: str, t: float, job: str = "7") -> None:

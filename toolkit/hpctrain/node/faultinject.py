@@ -2,8 +2,9 @@
 
 HPCTRAIN_FAULT_INJECT="hang:rank=1,step=10;ckpt-crash:step=12;crash:step=7;raise:step=3;slow:rank=1,step=2,s=0.3"
 makes a rank hang, die (os._exit) with a checkpoint half written, die, raise like a user bug, or take `s`
-seconds longer on every step from step 2 on (a straggler). Unset (every real run): one
-environment lookup per call. Stdlib only.
+seconds longer on every step from step 2 on (a straggler; with `first=1` only in the attempt that started at
+step 0: a run kept alive until a signal or a kill comes, whose resumed attempt then trains at full speed).
+Unset (every real run): one environment lookup per call. Stdlib only.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class Fault:
     rank: int | None = None  # None: every rank
     every_attempt: bool = False  # raise: a user bug fails every attempt; the others fire once
     seconds: float = 0.0  # slow: the delay added to each step from `step` on
+    first_only: bool = False  # slow with first=1: only in an attempt that started at step 0, not a resumed one
 
 
 FAULT_KINDS = ("hang", "crash", "ckpt-crash", "raise", "slow")
@@ -38,10 +40,11 @@ def parse_faults(text: str) -> list[Fault]:
         kind, _, args = item.partition(":")
         kw = dict(a.split("=", 1) for a in args.split(",") if "=" in a)
         if kind not in FAULT_KINDS or "step" not in kw:
-            raise ValueError(f"HPCTRAIN_FAULT_INJECT entry {item!r}: expected KIND:step=N[,rank=R][,s=SECONDS] "
+            raise ValueError(f"HPCTRAIN_FAULT_INJECT entry {item!r}: expected KIND:step=N[,rank=R][,s=SECONDS]"
+                             "[,first=1] "
                              f"with KIND one of {', '.join(FAULT_KINDS)}")
         out.append(Fault(kind, int(kw["step"]), int(kw["rank"]) if "rank" in kw else None, kind == "raise",
-                         float(kw.get("s", 0.0))))
+                         float(kw.get("s", 0.0)), kw.get("first") == "1"))
     return out
 
 
@@ -67,7 +70,8 @@ def inject(where: str, step: int, step0: int, rank: int, log: Any = None) -> Non
     run_dir = os.environ.get("HPCTRAIN_RUN_DIR", "")
     for f in parse_faults(text):
         if f.kind == "slow" and where == "step" and step >= f.step and f.rank in (None, rank):
-            time.sleep(f.seconds)  # every step, every attempt: a rank that is persistently slower
+            if not (f.first_only and step0 > 0):
+                time.sleep(f.seconds)  # every step, every attempt (but a resumed one with first=1): a slower rank
             continue
         if f.step != step or (f.rank is not None and f.rank != rank) or f.kind == "slow":
             continue
