@@ -294,3 +294,21 @@ def test_submit_refuses_a_model_folder_without_weights(tmp_path: Path, base: Pat
     res = CliRunner().invoke(cli, ["submit", "--model", str(partial), "--data", "synthetic", "--gpus-per-node", "0",
                                    "--dry-run"])
     assert res.exit_code == 0, res.output
+
+
+def test_the_tokenizer_hash_reads_no_model_weights(tmp_path: Path, base: Path) -> None:
+    """The tokenizer of a fine-tune is the model folder: its hash (the data cache's key, at every submit of raw
+    data and every prepare) covers the tokenizer files, not the weights beside them, which it read whole."""
+    import shutil
+
+    from hpctrain.data.tokenizer import folder_hash
+
+    folder = tmp_path / "model"
+    shutil.copytree(base, folder)
+    before = folder_hash(folder)
+    (folder / "original").mkdir()
+    (folder / "original" / "consolidated.00.pth").write_bytes(b"\0" * 1024)
+    (folder / "model.safetensors").write_bytes(b"other weights")
+    assert folder_hash(folder) == before
+    (folder / "chat_template.jinja").write_text("{{ messages }}")  # a tokenizer file: another tokenizer
+    assert folder_hash(folder) != before
