@@ -22,6 +22,8 @@ import pytest
 pytestmark = [pytest.mark.slurm, pytest.mark.deepspeed]
 TINY = str(Path(__file__).resolve().parents[1] / "examples" / "tiny.toml")
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL"}
+OFFLOAD_STEPS = 10
+USR2_STEPS = 18
 
 
 @pytest.fixture()
@@ -104,12 +106,16 @@ def node_jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
     jobs: list[str] = []
     out: dict[str, Any] = {}
     try:
-        out["offload"] = submit(jobs, "--nodes", "4", "--offload", "optimizer", env=env)
+        # 10 steps, checkpoints at 5 and 10: what 20 proved (4 ranks train, checkpoint, export), half the CPU
+        out["offload"] = submit(jobs, "--nodes", "4", "--offload", "optimizer", "--steps", str(OFFLOAD_STEPS),
+                                env=env)
         # Slowed by a sleep on every rank (HPCTRAIN_FAULT_INJECT slow: no CPU): still training when the USR2
-        # sent after step 10 arrives (within a poll or two), with 40 steps instead of 150 bare ones (~0.4 s each).
+        # sent after step 6 arrives (within a poll or two; 12 steps, 12 s or more, are left), with 18 steps
+        # instead of 150 bare ones (~0.4 s each); attempt 1 trains the last ~11 steps.
         slow = {**env, "HPCTRAIN_FAULT_INJECT": "slow:step=1,s=1"}
-        out["usr2"] = submit(jobs, "--nodes", "2", "--steps", "40", "--set", "checkpoint.every_steps=0", env=slow)
-        out["usr2_signal"] = Usr2After(*out["usr2"], after=10)
+        out["usr2"] = submit(jobs, "--nodes", "2", "--steps", str(USR2_STEPS), "--set", "checkpoint.every_steps=0",
+                             env=slow)
+        out["usr2_signal"] = Usr2After(*out["usr2"], after=6)
         yield out
     finally:
         if jobs:
@@ -128,8 +134,8 @@ def test_four_nodes_zero3_optimizer_offload(node_jobs: dict[str, Any]) -> None:
     assert ranks == [f"attempt-0.rank-{r}.log" for r in range(4)]
     assert "via slurm" in (run / "logs" / "attempt-0.rank-3.log").read_text()
     recs = steps(run)
-    assert recs[-1]["step"] == 20 and recs[-1]["loss"] < recs[0]["loss"]
-    assert (run / "checkpoints" / "latest").read_text().strip() == "step-20"
+    assert recs[-1]["step"] == OFFLOAD_STEPS and recs[-1]["loss"] < recs[0]["loss"]
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{OFFLOAD_STEPS}"
     assert (run / "hf" / "model.safetensors").is_file()
 
 
@@ -145,4 +151,4 @@ def test_usr2_checkpoints_requeues_and_resumes(node_jobs: dict[str, Any]) -> Non
     stopped = int(log0.split("signal 12: checkpointed at step ")[1].split(",")[0])
     log1 = (run / "logs" / "attempt-1.rank-0.log").read_text()
     assert f"resumed from step-{stopped} at step {stopped}" in log1
-    assert steps(run)[-1]["step"] == 40
+    assert steps(run)[-1]["step"] == USR2_STEPS

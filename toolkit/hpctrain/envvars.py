@@ -47,7 +47,7 @@ HPCTRAIN: dict[str, str] = {
     "HPCTRAIN_LOCAL_RESTARTS": "node entry: runs before this one on submitit's local executor (attempt numbering)",
     "HPCTRAIN_DS_CHILD": "node entry: set in the ranks DeepSpeed's runner starts (they are ranks, not runners)",
     "HPCTRAIN_PREFLIGHT_PORT": "user: the pre-flight rendezvous port (default MASTER_PORT + 1)",
-    "HPCTRAIN_REQUEUE_GRACE_S": "user: seconds a rank waits after a pre-timeout save before the requeue (default 20)",
+    "HPCTRAIN_REQUEUE_GRACE_S": "user: max s the ranks but 0 wait for rank 0's requeue after the signal's save (20)",
     "HPCTRAIN_WARM_RANKS": "user: 0 turns off warm ranks (a zygote per node forking each in-job step's ranks)",
     "HPCTRAIN_STACKS": "node entry -> a user's program: where its ranks write their stack dumps (JSON)",
     "HPCTRAIN_STACKS_PID": "node entry: the process that owns the stack dump (its children do not dump again)",
