@@ -312,3 +312,41 @@ def test_the_tokenizer_hash_reads_no_model_weights(tmp_path: Path, base: Path) -
     assert folder_hash(folder) == before
     (folder / "chat_template.jinja").write_text("{{ messages }}")  # a tokenizer file: another tokenizer
     assert folder_hash(folder) != before
+
+
+def test_a_fine_tune_refuses_data_prepared_with_another_kind_of_tokenizer(tmp_path: Path, base: Path) -> None:
+    """Alpaca prepared with the byte tokenizer, then fine-tuned on a model with its own: the vocabulary check
+    passed (259 ids < the model's) and the model trained on byte ids, silently. Another tokenizer folder warns."""
+    import json
+    import re
+    import shutil
+
+    from hpctrain.data.prepare import Options, prepare
+    from hpctrain.data.source import submit_source
+    from hpctrain.errors import HpcUsageError
+    from hpctrain.spec.model import Data
+
+    raw = tmp_path / "alpaca.jsonl"
+    raw.write_text("".join(json.dumps({"instruction": f"Add one to {i}", "output": str(i + 1)}) + "\n"
+                           for i in range(8)))
+    other = tmp_path / "other tok"
+    shutil.copytree(base, other, ignore=shutil.ignore_patterns("*.safetensors"))
+    (other / "chat_template.jinja").write_text("{{ messages }}")
+    data = Data(source="", format="alpaca", seq_len=256)
+    made = {}
+    for name, tok in (("byte", "byte"), ("model", str(base))):
+        made[name] = tmp_path / f"prepared {name}"
+        prepare([str(raw)], tok, made[name], Options(format="alpaca", seq_len=256), workers=1, progress=False,
+                echo=lambda _: None)
+    with pytest.raises(HpcUsageError, match=r"prepared with the tokenizer 'byte', and this fine-tune's \[data\] "
+                                            r"tokenizer is .*: the pretrained model would train on another "):
+        submit_source(str(made["byte"]), str(base), "text", 302, 1, data=data, finetune=True)
+    with pytest.raises(HpcUsageError, match=re.escape(f"prepared with the tokenizer '{base}', and this fine-tune's "
+                                                      "[data] tokenizer is 'byte'")):
+        submit_source(str(made["model"]), "byte", "text", 302, 1, data=data, finetune=True)
+    assert submit_source(str(made["model"]), str(base), "text", 302, 1, data=data, finetune=True) == \
+        (str(made["model"]), "")
+    _, note = submit_source(str(made["model"]), str(other), "text", 302, 1, data=data, finetune=True)
+    assert note.startswith("WARNING: data.source") and "whose files differ from [data] tokenizer" in note
+    # pretraining from a prepared folder is not a fine-tune: its tokenizer setting does not decide the ids
+    assert submit_source(str(made["model"]), "byte", "text", 302, 1, data=data) == (str(made["model"]), "")

@@ -167,10 +167,45 @@ def _check_chat_template(tokenizer: str) -> None:
                         "one, or use format \"alpaca\"")
 
 
+def _check_tokenizer(source: str, tokenizer: str) -> str:
+    """A fine-tune's prepared folder against its [data] tokenizer (the model's own by default): ids of the byte
+    tokenizer for a model with its own tokenizer, or the other way round, are refused (the pretrained model would
+    train on ids it never learned, silently: the vocabulary check passes when the folder's ids are fewer); other
+    tokenizer files than prepare read get a warning (returned; "" when they agree or the folder does not say)."""
+    from hpctrain.data.tokenizer import BYTE, folder_hash
+
+    m = read_manifest(source)
+    if not m.tokenizer_hash:  # written by hand or by an older prepare: it does not say
+        return ""
+    made_byte, run_byte = m.tokenizer_hash == BYTE, tokenizer in ("", BYTE)
+    made = BYTE if made_byte else (m.tokenizer or m.tokenizer_hash[:12])
+    if made_byte != run_byte:
+        inputs = " ".join(shlex.quote(str(i.get("path", ""))) for i in m.inputs) or "INPUT"
+        raise bad_value("data.source", source, f"prepared with the tokenizer {made!r}, and this fine-tune's [data] "
+                        f"tokenizer is {tokenizer or BYTE!r}: the pretrained model would train on another "
+                        "tokenizer's ids", f"prepare it again with `hpctrain data prepare {inputs} --tokenizer "
+                        f"{shlex.quote(tokenizer or BYTE)} ...` (the options it was prepared with), or set [data] "
+                        "tokenizer to the one it was prepared with if that is the model's")
+    # The same folder is not compared: a folder prepared before the hash left weights out would always differ.
+    if run_byte or not Path(tokenizer).is_dir() or _same_path(tokenizer, m.tokenizer) or \
+            folder_hash(Path(tokenizer)) == m.tokenizer_hash:
+        return ""
+    return (f"WARNING: data.source {source} was prepared with the tokenizer {made}, whose files differ from [data] "
+            f"tokenizer {tokenizer}: if the ids differ, prepare it again with --tokenizer {shlex.quote(tokenizer)}")
+
+
+def _same_path(a: str, b: str) -> bool:
+    try:
+        return bool(b) and Path(a).resolve() == Path(b).resolve()
+    except (OSError, ValueError):
+        return False
+
+
 def submit_source(source: str, tokenizer: str, text_field: str, model_vocab: int, nodes: int,
-                  data: Any = None) -> tuple[str, str]:
+                  data: Any = None, *, finetune: bool = False) -> tuple[str, str]:
     """The source the run should read, and a note for the user ("" when unchanged); refuses as above.
-    `data`: the spec's [data] (its format and SFT options), when the caller has it."""
+    `data`: the spec's [data] (its format and SFT options), when the caller has it; `finetune`: the run starts
+    from a pretrained [model] path (its prepared data must come from its tokenizer)."""
     if source == "synthetic":
         return source, ""
     if data is not None and data.format == "chat" and tokenizer in ("", "byte"):
@@ -180,7 +215,7 @@ def submit_source(source: str, tokenizer: str, text_field: str, model_vocab: int
     if is_prepared(source):
         _check_vocab(source, model_vocab)
         _check_sft(source, data)
-        return source, ""
+        return source, _check_tokenizer(source, tokenizer) if finetune else ""
     if data is not None and data.format == "chat":
         _check_chat_template(tokenizer)
     found = _cached(source, tokenizer, text_field, data)

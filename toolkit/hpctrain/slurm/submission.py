@@ -130,15 +130,15 @@ class Submission:
 
         d = spec.data
         source, note = submit_source(d.source, d.tokenizer, d.text_field, int(plan.model.get("vocab") or 0),
-                                     plan.nodes, data=d)
+                                     plan.nodes, data=d, finetune=bool(spec.model.path))
+        if note and note not in self.notes:
+            self.notes.append(note)
         # A prepared folder is read as one whatever raw format the run file named for its inputs ("jsonl"):
         # the folder's manifest.json is not a document.
         fmt = "prepared" if source != "synthetic" and d.format not in ("prepared", "synthetic") \
             and is_prepared(source) else d.format
         if source == d.source and fmt == d.format:
             return spec
-        if note and note not in self.notes:
-            self.notes.append(note)
         return dataclasses.replace(spec, data=dataclasses.replace(d, source=source, format=fmt))
 
     @classmethod
