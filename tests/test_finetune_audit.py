@@ -350,3 +350,25 @@ def test_a_fine_tune_refuses_data_prepared_with_another_kind_of_tokenizer(tmp_pa
     assert note.startswith("WARNING: data.source") and "whose files differ from [data] tokenizer" in note
     # pretraining from a prepared folder is not a fine-tune: its tokenizer setting does not decide the ids
     assert submit_source(str(made["model"]), "byte", "text", 302, 1, data=data) == (str(made["model"]), "")
+
+
+def test_a_seq_len_past_learned_positions_is_refused_at_plan(tmp_path: Path) -> None:
+    """GPT-2's positions are a table: one token past it fails every rank's first forward (IndexError on the CPU,
+    a device assert on GPUs); the plan refused nothing. RoPE families only extrapolate and stay allowed."""
+    from transformers import AutoModelForCausalLM
+
+    import hpctrain
+    from familykit import make_folder
+    from hpctrain.errors import HpcUsageError
+
+    folder = make_folder(tmp_path, "gpt2")
+    positions = AutoModelForCausalLM.from_pretrained(str(folder)).config.n_positions
+    with pytest.raises(IndexError):  # what the node would meet
+        AutoModelForCausalLM.from_pretrained(str(folder))(input_ids=torch.zeros(1, positions + 1, dtype=torch.long))
+    source = {"model": {"path": str(folder)}, "data": {"source": "synthetic"}, "resources": {"gpus_per_node": 0}}
+    with pytest.raises(HpcUsageError, match=rf"^data.seq_len = {2 * positions}: longer than the model's {positions} "
+                                            rf"learned positions .* Fix: set \[data\] seq_len = {positions}"):
+        hpctrain.plan(source, **{"data.seq_len": 2 * positions})
+    assert hpctrain.plan(source, **{"data.seq_len": positions}).world_size == 1
+    llama = make_folder(tmp_path, "llama3")
+    assert hpctrain.plan({**source, "model": {"path": str(llama)}}, **{"data.seq_len": 4 * positions}).world_size

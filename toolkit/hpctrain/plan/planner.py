@@ -461,6 +461,20 @@ def make_plan(spec: Spec, defaults: Sequence[Default] = ()) -> Plan:
                                defaults=[x.as_json() for x in defaults])
 
 
+# Families whose positions are a learned table of max_position_embeddings / n_positions rows: a longer row
+# indexes past it, and every rank fails at its first forward (RoPE and ALiBi models only extrapolate).
+LEARNED_POSITIONS = frozenset({"gpt2", "gpt_bigcode", "gpt_neo", "opt", "biogpt"})
+
+
+def _check_positions(spec: Spec, arch: dict[str, Any]) -> None:
+    positions, kind = int(arch["positions"]), str(arch["model_type"])
+    if kind not in LEARNED_POSITIONS or not positions:
+        return
+    need(spec.data.seq_len <= positions, "data.seq_len", spec.data.seq_len,
+         f"longer than the model's {positions} learned positions ({kind} has a position embedding table, not RoPE)",
+         f"set [data] seq_len = {positions} (or less)")
+
+
 def _make_plan(spec: Spec) -> Plan:
     rpn, world, dp = _degrees(spec)
     if user_script(spec) and not (spec.model.path or spec.model.config):
@@ -468,6 +482,7 @@ def _make_plan(spec: Spec) -> Plan:
     micros = _micro_options(spec, dp)
     micro, accum, glob = batch_sizes(spec, dp)
     arch = model_arch(load_model_config(spec.model), set(spec.model.overrides))
+    _check_positions(spec, arch)
     params = param_count(arch)
     r, t = spec.resources, spec.train
     reasons = [(f"world {world} = {r.nodes} nodes x {rpn} ranks; dp {dp} = world / "
