@@ -15,7 +15,9 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -141,33 +143,14 @@ def _check_trained(run_dir: Path, state: str, ranks: dict[int, dict[str, Any]]) 
     assert CANARY not in (run_dir / "sbatch.sh").read_text()
 
 
-def test_podman_two_node_zero3_trains_and_checkpoints(image: str, tmp_path: Path) -> None:
-    run_dir, state, ranks = _submit_and_watch(tmp_path, f"podman:{image}")
-    script = (run_dir / "sbatch.sh").read_text()
-    assert "podman --runtime runc run --rm" in script
-    _check_trained(run_dir, state, ranks)
-
-
-def test_charliecloud_two_node_zero3_trains_and_checkpoints(image: str, tmp_path: Path) -> None:
-    if not shutil.which("ch-run") or not (CH_IMAGE / "bin").is_dir():
-        pytest.fail(f"no Charliecloud image at {CH_IMAGE}: containers/build.sh ci should have made it")
-    run_dir, state, ranks = _submit_and_watch(tmp_path, f"charliecloud:{CH_IMAGE}")
-    assert "ch-run --set-env" in (run_dir / "sbatch.sh").read_text()
-    _check_trained(run_dir, state, ranks)
-    image_root = os.stat(CH_IMAGE)
-    assert all(info["root"] == (image_root.st_dev, image_root.st_ino) for info in ranks.values())
-
-
 def _state(job: str) -> str:
     out = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job, "-o", "State"], capture_output=True, text=True,
                          timeout=30, check=False).stdout.split()
     return out[0] if out else ""
 
 
-def test_podman_time_limit_signal_checkpoints_requeues_and_resumes(image: str, tmp_path: Path) -> None:
-    """USR2 (what `--signal=USR2@90` sends before the time limit) reaches the ranks through podman; rank 0
-    checkpoints and asks to requeue (no scontrol in the image: the request goes through the run folder), the
-    batch script requeues the job, and the next attempt resumes from that checkpoint to the end."""
+def _signalled_run(tmp_path: Path, image: str) -> tuple[Path, str]:
+    """The 2-node podman run that gets USR2 after step 3; (run dir, job id) once the job has ended."""
     # Every step sleeps 1 s on every rank (HPCTRAIN_FAULT_INJECT slow, passed into the image with HPCTRAIN_*): no
     # CPU, and the run is still training when the USR2 sent after step 3 lands, with 15 steps instead of 40 bare ones.
     env = {**os.environ, "HPCTRAIN_RUNS_DIR": str(tmp_path / "runs"), "HPCTRAIN_STATE_DIR": str(tmp_path / "state"),
@@ -192,6 +175,76 @@ def test_podman_time_limit_signal_checkpoints_requeues_and_resumes(image: str, t
     finally:
         if _state(job) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
             subprocess.run(["scancel", job], capture_output=True, timeout=30, check=False)
+    return run_dir, job
+
+
+class Background(threading.Thread):
+    """`fn(*args)` in a thread, started at once; `result()` waits for it (bounded: `fn`'s own waits are) and
+    returns its value or raises its error."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        super().__init__(daemon=True)
+        self.fn, self.args = fn, args
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.value = self.fn(*self.args)
+        except BaseException as exc:  # noqa: BLE001 - raised again by result(), in the test
+            self.error = exc
+
+    def result(self) -> Any:
+        self.join(timeout=JOB_TIMEOUT_S + 300)
+        assert not self.is_alive(), f"{self.fn.__name__}{self.args} still running"
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+@pytest.fixture(scope="module")
+def jobs(image: str, tmp_path_factory: pytest.TempPathFactory,
+         request: pytest.FixtureRequest) -> Iterator[dict[str, Background]]:
+    """The module's 2-node runs (podman, Charliecloud, podman signalled), those the selected tests need, submitted
+    at once: one rank per node, they fit the 4 nodes side by side (6 of 8 CPUs), and each test waits for its own."""
+    selected = " ".join(item.name for item in request.session.items)
+    out: dict[str, Background] = {}
+    if "podman_two_node" in selected:
+        out["podman"] = Background(_submit_and_watch, tmp_path_factory.mktemp("podman"), f"podman:{image}")
+    if "charliecloud_two_node" in selected and shutil.which("ch-run") and (CH_IMAGE / "bin").is_dir():
+        out["charliecloud"] = Background(_submit_and_watch, tmp_path_factory.mktemp("charliecloud"),
+                                         f"charliecloud:{CH_IMAGE}")
+    if "time_limit" in selected:
+        out["usr2"] = Background(_signalled_run, tmp_path_factory.mktemp("usr2"), image)
+    yield out
+    for job in out.values():  # each cancels its job when it gives up; none outlives the module
+        job.join(timeout=JOB_TIMEOUT_S + 300)
+
+
+def test_podman_two_node_zero3_trains_and_checkpoints(jobs: dict[str, Background]) -> None:
+    run_dir, state, ranks = jobs["podman"].result()
+    script = (run_dir / "sbatch.sh").read_text()
+    assert "podman --runtime runc run --rm" in script
+    _check_trained(run_dir, state, ranks)
+
+
+def test_charliecloud_two_node_zero3_trains_and_checkpoints(jobs: dict[str, Background]) -> None:
+    if "charliecloud" not in jobs:
+        pytest.fail(f"no Charliecloud image at {CH_IMAGE}: containers/build.sh ci should have made it")
+    run_dir, state, ranks = jobs["charliecloud"].result()
+    assert "ch-run --set-env" in (run_dir / "sbatch.sh").read_text()
+    _check_trained(run_dir, state, ranks)
+    image_root = os.stat(CH_IMAGE)
+    assert all(info["root"] == (image_root.st_dev, image_root.st_ino) for info in ranks.values())
+
+
+def test_podman_time_limit_signal_checkpoints_requeues_and_resumes(jobs: dict[str, Background]) -> None:
+    """USR2 (what `--signal=USR2@90` sends before the time limit) reaches the ranks through podman; rank 0
+    checkpoints and asks to requeue (no scontrol in the image: the request goes through the run folder), the
+    batch script requeues the job, and the next attempt resumes from that checkpoint to the end."""
+    run_dir, job = jobs["usr2"].result()
+    log0 = run_dir / "logs" / "attempt-0.rank-0.log"
     logs = _logs(run_dir)
     assert _state(job) == "COMPLETED", logs
     first = log0.read_text()
