@@ -372,3 +372,48 @@ def test_a_seq_len_past_learned_positions_is_refused_at_plan(tmp_path: Path) -> 
     assert hpctrain.plan(source, **{"data.seq_len": positions}).world_size == 1
     llama = make_folder(tmp_path, "llama3")
     assert hpctrain.plan({**source, "model": {"path": str(llama)}}, **{"data.seq_len": 4 * positions}).world_size
+
+
+# ------------------------------------------------------------------------------------- a JSON array of records
+def test_a_json_array_of_alpaca_records_trains_as_its_jsonl_does(tmp_path: Path) -> None:
+    """Stanford Alpaca ships alpaca_data.json, one JSON array: prepare read it line by line ("none of its 258
+    records can be trained on ... not_json") and the node's raw reader as well. Now each item is a record, in
+    both paths: the same ids and masks as the same records written as JSON Lines, and the same counts."""
+    import json
+
+    import numpy as np
+
+    from hpctrain.data import format as fmt
+    from hpctrain.data.prepare import Options, prepare
+    from hpctrain.node.data.loader import sft_docs
+    from hpctrain.node.data.tokenize import load_tokenizer
+    from hpctrain.node.runconf import read_spec
+    from hpctrain.runs.folder import RunFolder
+
+    recs: list[object] = [{"instruction": f"Add one to {i}", "output": str(i + 1)} for i in range(6)]
+    recs += [{"instruction": "no output"}, ["not", "an", "object"]]
+    array, lines = tmp_path / "alpaca_data.json", tmp_path / "alpaca.jsonl"
+    array.write_text("\ufeff" + json.dumps(recs, indent=4), encoding="utf-8")  # with a BOM, as editors save it
+    lines.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    got = {}
+    for name, path in (("array", array), ("lines", lines)):
+        spec = read_spec(RunFolder(make_run(tmp_path / f"run-{name}", data={
+            "source": str(path), "format": "alpaca", "tokenizer": "byte", "seq_len": 256, "pack": True})))
+        docs, tally = sft_docs(spec.data, load_tokenizer("byte"))
+        out = tmp_path / f"prep-{name}"
+        prepare([str(path)], "byte", out, Options(format="alpaca", seq_len=256, val_fraction=0.0), workers=1,
+                progress=False, echo=lambda _: None)
+        got[name] = (docs, tally, fmt.read_manifest(out).records)
+    (a_docs, a_tally, a_prep), (l_docs, l_tally, l_prep) = got["array"], got["lines"]
+    assert len(a_docs) == len(l_docs) == 6 and all(np.array_equal(a, b) for a, b in zip(a_docs, l_docs, strict=True))
+    for tally in (a_tally, a_prep):
+        assert (tally["records"], tally["kept"], tally["bad"]) == (8, 6, {"missing_field": 1, "not_object": 1})
+    assert (l_tally["records"], l_tally["kept"]) == (l_prep["records"], l_prep["kept"]) == (8, 6)
+    assert a_tally["first"]["missing_field"].startswith(f"{array} item 6: ")
+    broken = tmp_path / "broken.json"
+    broken.write_text('[{"instruction": "x", "output": "y"},')
+    from hpctrain.errors import HpcUsageError
+
+    with pytest.raises(HpcUsageError, match=r"not a valid JSON array .* Fix: fix the file, or write one JSON "):
+        prepare([str(broken)], "byte", tmp_path / "prep-broken", Options(format="alpaca", seq_len=256), workers=1,
+                progress=False, echo=lambda _: None)

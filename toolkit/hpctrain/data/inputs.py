@@ -12,6 +12,7 @@ Documents: a jsonl record's `text_field`, a text file's non-empty line (as the n
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import itertools
 import json
@@ -33,7 +34,7 @@ FIX = ("pass .jsonl[.gz|.zst], .txt[.gz|.zst], .parquet or .arrow files, a datas
 
 @dataclass(frozen=True)
 class Input:
-    """One input file: `kind` is jsonl | text | parquet | arrow; `codec` is "", "gz" or "zst"."""
+    """One input file: `kind` is jsonl | json_array | text | parquet | arrow; `codec` is "", "gz" or "zst"."""
 
     path: str
     kind: str
@@ -102,7 +103,36 @@ def find_inputs(paths: list[str]) -> list[Input]:
             found.append(Input(str(p.absolute()), kind, codec))
     if not found:
         raise bad_value("INPUT", " ".join(paths), "no input files found", FIX)
-    return found
+    return [dataclasses.replace(i, kind=JSON_ARRAY) if is_json_array(i) else i for i in found]
+
+
+# A .json file holding one JSON array of records (Stanford Alpaca's alpaca_data.json, most datasets' .json
+# exports) rather than JSON Lines: read whole, as one unit, each item a record.
+JSON_ARRAY = "json_array"
+
+
+def is_json_array(inp: Input) -> bool:
+    """An uncompressed .json input whose first character (after a BOM and whitespace) opens an array."""
+    if inp.kind != "jsonl" or inp.codec or not inp.path.lower().endswith(".json"):
+        return False
+    try:
+        with open(inp.path, "rb") as fh:
+            head = fh.read(4096)
+    except OSError:
+        return False
+    return head.removeprefix(b"\xef\xbb\xbf").lstrip()[:1] == b"["
+
+
+def json_items(path: str) -> list[Any]:
+    """The items of a JSON-array file; a file that is not one valid JSON array is refused, naming why."""
+    try:
+        items = json.loads(Path(path).read_text(encoding="utf-8-sig"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_value("INPUT", path, f"not a valid JSON array ({exc})",
+                        "fix the file, or write one JSON object per line (.jsonl)") from None
+    if not isinstance(items, list):
+        raise bad_value("INPUT", path, "not a JSON array", "write one JSON object per line (.jsonl)")
+    return items
 
 
 # -------------------------------------------------------------------------------------------------- units
@@ -137,7 +167,7 @@ def _arrow_table(path: str) -> Any:
 def units_of(inp: Input, index: int, shard_bytes: int) -> list[Unit]:
     """Cut one input into units of about `shard_bytes` of input (see the module docstring)."""
     size = os.path.getsize(inp.path)
-    if inp.codec or inp.kind in ("jsonl", "text") and size <= shard_bytes:
+    if inp.codec or inp.kind == JSON_ARRAY or inp.kind in ("jsonl", "text") and size <= shard_bytes:
         return [Unit(index, 0, size, size)]
     if inp.kind in ("jsonl", "text"):
         b = _line_bounds(inp.path, size, shard_bytes)
@@ -211,10 +241,22 @@ def _column(table: Any, path: str, field: str) -> list[Any]:
     return list(table.column(field).to_pylist())
 
 
+def _array_texts(path: str, field: str) -> list[Any]:
+    items = json_items(path)
+    for i, rec in enumerate(items):
+        if not isinstance(rec, dict) or field not in rec:
+            keys = ", ".join(sorted(rec)) if isinstance(rec, dict) else type(rec).__name__
+            raise bad_value("--text-field", field, f"item {i} of {path} has no such field (it has: {keys})",
+                            "pass --text-field with the field that holds the text")
+    return [rec[field] for rec in items]
+
+
 def read_texts(inp: Input, unit: Unit, field: str) -> Iterator[str]:
     """The non-blank documents of one unit, in input order."""
     if inp.kind == "jsonl":
         texts: Iterator[Any] = _jsonl(inp, unit, field)
+    elif inp.kind == JSON_ARRAY:
+        texts = iter(_array_texts(inp.path, field))
     elif inp.kind == "text":
         # utf-8-sig at the top of the file: a BOM (Windows editors, Excel exports) is not part of the first line
         texts = (line.decode("utf-8-sig" if pos == 0 else "utf-8", errors="replace").rstrip("\r\n")
@@ -253,6 +295,10 @@ def read_records(inp: Input, unit: Unit) -> Iterator[tuple[str, Any, str]]:
             except sft.Bad as bad:
                 rec = bad
             yield where, rec, line.decode("utf-8", "replace").strip()
+        return
+    if inp.kind == JSON_ARRAY:
+        for i, rec in enumerate(json_items(inp.path)):
+            yield f"{inp.path} item {i}", rec, json.dumps(rec, sort_keys=True, default=str)
         return
     if inp.kind == "parquet":
         import pyarrow.parquet as pq

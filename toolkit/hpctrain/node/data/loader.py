@@ -117,7 +117,8 @@ def sft_encoding(d: Any, tok: Tokenizer) -> Any:
 def _sft_files(source: str) -> list[tuple[str, Any]]:
     """(name, records) per input: jsonl files (a file, or a folder's, sorted) or a save_to_disk folder's rows.
     A record is (where, parsed record or sft.Bad)."""
-    from hpctrain.data import sft
+    from hpctrain.data import inputs, sft
+    from hpctrain.errors import HpcUsageError
 
     path = Path(source)
     if not path.exists():
@@ -136,6 +137,13 @@ def _sft_files(source: str) -> list[tuple[str, Any]]:
                              "datasets.save_to_disk folder. Fix: point it at jsonl records (docs/data.md).")
 
     def lines(f: Path) -> Iterator[tuple[str, Any]]:
+        if inputs.is_json_array(inputs.Input(str(f), "jsonl")):  # one JSON array of records (alpaca_data.json)
+            try:
+                items = inputs.json_items(str(f))
+            except HpcUsageError as exc:
+                raise NodeInputError(f"[data] source = {source!r}: {exc.message}") from exc
+            yield from ((f"{f} item {i}", rec) for i, rec in enumerate(items))
+            return
         with f.open("rb") as fh:
             for n, line in enumerate(fh, 1):
                 if line.strip():
