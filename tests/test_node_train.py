@@ -29,11 +29,13 @@ def _ok(proc: subprocess.CompletedProcess[str]) -> None:
 
 @pytest.fixture(scope="module")
 def zero3_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """One uninterrupted 20-step run and one that crashes after step 12 and resumes from step-10."""
+    """One uninterrupted 20-step run and one that crashes after step 12 and resumes from step-10. The uninterrupted
+    one starts its ranks cold (`python -m hpctrain.node`), the others warm (forked by runkit's zygote): the resumed
+    steps equal to the bit say a forked rank trains as a cold one does."""
     base = tmp_path_factory.mktemp("zero3")
     common: dict = {"train": {"steps": 20}, "checkpoint": {"every_steps": 10, "keep": 2, "export_hf": True}}
     full = make_run(base / "full", **common)
-    _ok(torchrun(full, 2))
+    _ok(torchrun(full, 2, warm=False))
     crash = make_run(base / "crash", **common)
     first = torchrun(crash, 2, env={"HPCTRAIN_FAIL_AT_STEP": "12"})
     assert first.returncode != 0
