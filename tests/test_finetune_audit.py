@@ -417,3 +417,33 @@ def test_a_json_array_of_alpaca_records_trains_as_its_jsonl_does(tmp_path: Path)
     with pytest.raises(HpcUsageError, match=r"not a valid JSON array .* Fix: fix the file, or write one JSON "):
         prepare([str(broken)], "byte", tmp_path / "prep-broken", Options(format="alpaca", seq_len=256), workers=1,
                 progress=False, echo=lambda _: None)
+
+
+# -------------------------------------------------------------------------------------------------- epochs
+def test_the_start_says_how_many_epochs_the_steps_make(tmp_path: Path) -> None:
+    """hpctrain counts optimizer steps; the node's start line turns them into epochs of the run's own data (a
+    fine-tune is planned in epochs). One epoch's micro-batches hold every record's tokens exactly once."""
+    import json
+
+    from hpctrain.node.data.loader import build_source, sft_docs
+    from hpctrain.node.data.tokenize import load_tokenizer
+    from hpctrain.node.runconf import read_spec
+    from hpctrain.node.train import epochs_line
+    from hpctrain.runs.folder import RunFolder
+
+    raw = tmp_path / "alpaca.jsonl"
+    raw.write_text("".join(json.dumps({"instruction": f"Add one to {i}", "output": str(i + 1)}) + "\n"
+                           for i in range(40)))
+    spec = read_spec(RunFolder(make_run(tmp_path / "run", data={
+        "source": str(raw), "format": "alpaca", "tokenizer": "byte", "seq_len": 512, "pack": True},
+        train={"steps": 30})))
+    tok = load_tokenizer("byte")
+    src = build_source(spec, tok, micro=spec.train.micro_batch, vocab=512)
+    n = src.batches_per_epoch()
+    docs, _ = sft_docs(spec.data, tok)
+    assert sum(src.batch(i).tokens for i in range(n)) == sum(len(d) for d in docs)  # each record once
+    per_step = 2 * spec.train.grad_accum  # dp 2 (TINY's two ranks) x gas
+    assert epochs_line(n, per_step, 30) == (f"data: one epoch is {n} micro-batches = {n / per_step:.1f} optimizer "
+                                            f"steps of {per_step} micro-batches; the run's 30 steps are "
+                                            f"{30 * per_step / n:.2f} epochs")
+    assert epochs_line(0, per_step, 30) == ""  # synthetic data has no epoch

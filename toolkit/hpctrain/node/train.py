@@ -404,6 +404,20 @@ def _announce(p: Prepared, metrics: MetricsWriter, n_params: int, step0: int) ->
         _report_data(p, metrics)
     log.info("training %d params, world %d (dp %d pp %d), ZeRO %d, %s, micro %d x gas %d, steps %d -> %d",
              n_params, p.d.world_size, p.dp, p.spec.parallel.pp, p.zero, t.precision, p.micro, p.gas, step0, t.steps)
+    if p.d.rank == 0 and not getattr(p.source, "synthetic", True):
+        line = epochs_line(p.source.batches_per_epoch(), p.dp * p.gas, t.steps)
+        if line:
+            log.info("%s", line)
+
+
+def epochs_line(micro_batches: int, per_step: int, steps: int) -> str:
+    """How many passes over the data the run's steps make (hpctrain counts steps, a fine-tune is usually planned
+    in epochs: a few for SFT, and a small dataset under many steps is seen dozens of times)."""
+    if micro_batches <= 0 or per_step <= 0:
+        return ""
+    per_epoch = micro_batches / per_step
+    return (f"data: one epoch is {micro_batches:,} micro-batches = {per_epoch:,.1f} optimizer steps of {per_step} "
+            f"micro-batches; the run's {steps:,} steps are {steps / per_epoch:,.2f} epochs")
 
 
 def _report_data(p: Prepared, metrics: MetricsWriter) -> None:
