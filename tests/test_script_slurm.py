@@ -1,9 +1,11 @@
 """`hpctrain submit --script` on the local SLURM cluster, with real DeepSpeed on the CPU.
 
-The two example scripts (examples/scripts/) each run twice on 2 nodes x 2 ranks: once signalled with USR2
-after a few steps (checkpoint through hpctrain.runtime -> submitit requeues the job -> the requeued run resumes)
-and once uninterrupted; the losses must be the same at every step. A plain DeepSpeed loop goes through DeepSpeed's
-launcher (one task per node, `--pass-ds-config`), the HF Trainer with ZeRO-2 through torchrun. A script raising on
+The two example scripts (examples/scripts/) each run twice on 2 nodes: once signalled with USR2 after a few
+steps (checkpoint through hpctrain.runtime -> submitit requeues the job -> the requeued run resumes) and once
+uninterrupted; the losses must be the same at every step. A plain DeepSpeed loop goes through DeepSpeed's
+launcher (one task per node, 2 ranks each, `--pass-ds-config`), the HF Trainer with ZeRO-2 through torchrun
+(1 rank per node: what 2 would add, a node's second local rank under a per-node launcher, the DeepSpeed pair
+proves; its two jobs share 2 nodes instead of taking 4 whole ones). A script raising on
 rank 1 is classified from its own traceback and not retried; under accelerate too (its peer's and launcher's errors
 printed after it are not the cause), with its frames in `stacks`. All jobs are submitted at once (module fixture),
 so they queue together and each test waits only for its own.
@@ -35,10 +37,11 @@ STEPS = 10
 TAG = "a 'b' \"c\" $(touch /tmp/x) `id` ; é 日本\nnext line"
 COMMON = ["--executor", "slurm", "--partition", "debug", "--set", "train.precision=fp32", "--json"]
 TWO_NODES = ["--nodes", "2", "--set", "resources.tasks_per_node=2", "--zero", "2"]
+TWO_BY_ONE = ["--nodes", "2", "--set", "resources.tasks_per_node=1", "--zero", "2"]
 JOBS = {
     "ds": ["--script", str(SCRIPTS / "ds_loop.py"), "--launcher", "deepspeed", "--pass-ds-config", *TWO_NODES,
            "--", "--data", DATA, "--steps", str(STEPS), "--step-sleep", "0.5", "--tag", TAG],
-    "hf": ["--script", str(SCRIPTS / "hf_trainer.py"), "--launcher", "torchrun", *TWO_NODES,
+    "hf": ["--script", str(SCRIPTS / "hf_trainer.py"), "--launcher", "torchrun", *TWO_BY_ONE,
            "--", "--data", DATA, "--steps", str(STEPS), "--step-sleep", "0.5"],
     "raise": ["--script", str(SCRIPTS / "ds_loop.py"), "--nodes", "1", "--set", "resources.tasks_per_node=2",
               "--zero", "1", "--", "--data", DATA, "--steps", "5", "--fail-on-rank", "1"],
@@ -131,7 +134,7 @@ def _stacker(env: dict[str, str], run: Path, steps: int = 2) -> threading.Thread
     return thread
 
 
-def _stacks_are_the_scripts(runs: dict[str, Any], name: str, script: str) -> None:
+def _stacks_are_the_scripts(runs: dict[str, Any], name: str, script: str, world: int) -> None:
     """Under a per-node launcher (torchrun, DeepSpeed's), every rank's own process answered with the script's
     frames, each in its own file with its own host: not the node entry that wraps the launcher (which dumped as
     ranks 0-1 and called ranks 2-3 missing)."""
@@ -140,11 +143,11 @@ def _stacks_are_the_scripts(runs: dict[str, Any], name: str, script: str) -> Non
     steps, code, out, err = thread.result
     assert code == 0 and steps < STEPS, (steps, code, err)  # asked while the script trained
     rep = json.loads(out)
-    assert rep["missing"] == [] and rep["dumped"] == [0, 1, 2, 3], rep
+    assert rep["missing"] == [] and rep["dumped"] == list(range(world)), rep
     frames = [f for g in rep["groups"] for t in g["threads"] for f in t["frames"]]
     assert any(script in f for f in frames) and not any("hpctrain/node/" in f for f in frames), frames
     hosts = {h for g in rep["groups"] for h in g["hosts"]}
-    assert len(hosts) == 2, rep  # 2 nodes x 2 ranks
+    assert len(hosts) == 2, rep  # 2 nodes
 
 
 def _trackers_written_live(run: Path) -> None:
@@ -219,7 +222,7 @@ def test_deepspeed_loop_signal_requeue_resume_and_summary(runs: dict[str, Any]) 
     assert summary["attempts"][0]["failure_class"] == "preempted"
     assert_agrees_with_sacct(summary["attempts"])  # the requeue is one more row, as sacct -D counts it
     _trackers_written_live(run)
-    _stacks_are_the_scripts(runs, "ds_ref", "ds_loop.py")
+    _stacks_are_the_scripts(runs, "ds_ref", "ds_loop.py", world=4)
 
 
 def test_hf_trainer_zero2_signal_requeue_resume_and_summary(runs: dict[str, Any]) -> None:
@@ -231,7 +234,7 @@ def test_hf_trainer_zero2_signal_requeue_resume_and_summary(runs: dict[str, Any]
     assert summary["attempts"][-1]["last_step"] == STEPS and summary["attempts"][-1]["last_loss"] is not None
     assert_agrees_with_sacct(summary["attempts"])
     _trackers_written_live(run)
-    _stacks_are_the_scripts(runs, "hf_ref", "hf_trainer.py")
+    _stacks_are_the_scripts(runs, "hf_ref", "hf_trainer.py", world=2)
 
 
 def test_a_script_raising_on_rank_1_is_classified_and_not_retried(runs: dict[str, Any]) -> None:
