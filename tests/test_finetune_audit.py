@@ -447,3 +447,17 @@ def test_the_start_says_how_many_epochs_the_steps_make(tmp_path: Path) -> None:
                                             f"steps of {per_step} micro-batches; the run's 30 steps are "
                                             f"{30 * per_step / n:.2f} epochs")
     assert epochs_line(0, per_step, 30) == ""  # synthetic data has no epoch
+
+
+@pytest.mark.parametrize(("value", "said"), [(5, "a number"), (1.5, "a number"), (True, "a boolean"),
+                                             ({"text": "x"}, "an object")])
+def test_a_field_of_the_wrong_type_is_named_in_jsons_words(value: object, said: str) -> None:
+    """It said "'output' is a int" (Python's type name) for a record written in JSON."""
+    from hpctrain.data import sft
+
+    r = sft.Renderer("alpaca", sft.Encoding(lambda t: [ord(c) for c in t], 1, 2), 256)
+    with pytest.raises(sft.Bad, match=f"^'output' is {said}, not a string$"):
+        r.render({"instruction": "x", "output": value})
+    chat = sft.Renderer("chat", sft.Encoding(lambda t: [ord(c) for c in t], 1, 2, chat=object()), 256)
+    with pytest.raises(sft.Bad, match=f"message 1's content is {said}, not a string"):
+        chat.render({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": value}]})

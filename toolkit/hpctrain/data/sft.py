@@ -189,7 +189,7 @@ class Renderer:
                 raise Bad("missing_field", f"no {key!r} (it has: {', '.join(sorted(map(str, rec))) or 'nothing'})")
         for key in ("instruction", "input", "output"):
             if rec.get(key) is not None and not isinstance(rec[key], str):
-                raise Bad("not_string", f"{key!r} is a {type(rec[key]).__name__}, not a string")
+                raise Bad("not_string", f"{key!r} is {json_kind(rec[key])}, not a string")
         if not rec["instruction"].strip():
             raise Bad("missing_field", "'instruction' is empty")
         if not rec["output"].strip():
@@ -289,7 +289,20 @@ def _not_string(i: int, m: dict[str, Any]) -> str:
                 "one string; images and other parts cannot be trained on")
     if content is None and m.get("tool_calls"):
         return f"message {i} ({m['role']}) has tool_calls and no content string: tool calls are not trained on"
-    return f"message {i}'s content is a {type(content).__name__}, not a string"
+    return f"message {i}'s content is {json_kind(content)}, not a string"
+
+
+def json_kind(value: Any) -> str:
+    """What a JSON value is, in JSON's words (the user wrote JSON, not Python): 'a number', 'an object', ..."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, dict):
+        return "an object"
+    return "a list" if isinstance(value, list) else f"a {type(value).__name__}"
 
 
 def parse_line(line: bytes | str) -> Any:
