@@ -52,6 +52,9 @@ def test_zero3_resume_is_bit_identical(zero3_runs: dict[str, Path]) -> None:
         assert crash[step] == full[step], (step, crash[step], full[step])
     starts = [e for e in events(zero3_runs["crash"]) if e["event"] == "start"]
     assert [s["resumed_from"] for s in starts] == [None, "step-10"]
+    # forked by runkit's zygote (the crash run's two attempts) against started cold (the uninterrupted run)
+    assert all("zygote" in s["startup"] for s in starts), [s["startup"] for s in starts]
+    assert "zygote" not in next(e for e in events(zero3_runs["full"]) if e["event"] == "start")["startup"]
     ck = zero3_runs["crash"] / "checkpoints"
     assert (ck / "latest").read_text().strip() == "step-20"
     assert sorted(p.name for p in ck.iterdir() if p.name.startswith("step-")) == ["step-10", "step-20"]
