@@ -461,3 +461,13 @@ def test_a_field_of_the_wrong_type_is_named_in_jsons_words(value: object, said: 
     chat = sft.Renderer("chat", sft.Encoding(lambda t: [ord(c) for c in t], 1, 2, chat=object()), 256)
     with pytest.raises(sft.Bad, match=f"message 1's content is {said}, not a string"):
         chat.render({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": value}]})
+
+
+def test_a_broken_jsonl_line_says_where_in_that_line(tmp_path: Path) -> None:
+    """The report names FILE:LINE; json's own words added "line 2 column 1" (the newline after the record)."""
+    from hpctrain.data import sft
+
+    with pytest.raises(sft.Bad, match=r"^Expecting ',' delimiter at character 31 of the line$"):
+        sft.parse_line(b'{"messages": [{"role": "user"}\n')
+    with pytest.raises(sft.Bad, match=r"^Expecting property name enclosed in double quotes at character 9 of the"):
+        sft.parse_line('{"a": 1,}\r\n')

@@ -307,9 +307,12 @@ def json_kind(value: Any) -> str:
 
 def parse_line(line: bytes | str) -> Any:
     """A jsonl line as a record; raises Bad("not_json")."""
+    text = line.rstrip(b"\r\n") if isinstance(line, bytes) else line.rstrip("\r\n")
     try:
-        return json.loads(line)
-    except ValueError as exc:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:  # the line is the file's (FILE:LINE): where in it, not "line 2 column 1"
+        raise Bad("not_json", f"{exc.msg} at character {exc.pos + 1} of the line") from None
+    except ValueError as exc:  # bytes that are not UTF-8
         raise Bad("not_json", str(exc)) from None
 
 
