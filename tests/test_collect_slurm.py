@@ -149,6 +149,11 @@ def side_by_side(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
         out["exception"] = submit(lab, "--steps", "20", env={**env, "PYTHONPATH": pp, "COLLECT_TEST_RAISE_RANK": "1",
                                                             "COLLECT_TEST_RAISE_STEP": "4"})
         out["follow"] = submit(lab, "--steps", "5", env=env)
+        # The time limit's run waits a minute for SLURM's signal: it waits beside the others, on nodes 1-2 (the
+        # node-loss test needs node3 and node4 to itself), and test_time_limit reads it when its turn comes.
+        out["time_limit"] = submit(lab, "--steps", "100000", "--time", "00:01:00", "--set",
+                                   "resources.signal_seconds=20", "--set", "launch.retries=0", "--set",
+                                   "resources.exclude=node[3-4]", env={**env, **SLEEPY})
         entry = ("from hpctrain.cli.main import cli\n"
                  "if 'logs' not in cli.commands:\n"
                  "    from hpctrain import cli_collect; cli_collect.register(cli)\n"
@@ -241,11 +246,10 @@ def test_pending_reason_is_squeues() -> None:
         subprocess.run(["scancel", job], capture_output=True, timeout=30, check=False)
 
 
-def test_time_limit(lab: dict[str, Any]) -> None:
+def test_time_limit(batch: dict[str, Any]) -> None:
     """SLURM's pre-timeout USR2: every rank checkpoints and the job is requeued (same id, logs
     attempt-1.*) or ends. The first run's row says time_limit with nothing lost."""
-    sub = submit(lab, "--steps", "100000", "--time", "00:01:00", "--set", "resources.signal_seconds=20",
-                 "--set", "launch.retries=0", env=SLEEPY)
+    sub = batch["time_limit"]
     run_dir, job = Path(sub["run_dir"]), sub["job_id"]
     _wait(lambda: (run_dir / "logs" / "attempt-1.rank-0.log").exists() or sacct_state(job) in FINAL,
           "first run's end", 400)
