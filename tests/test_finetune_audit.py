@@ -471,3 +471,24 @@ def test_a_broken_jsonl_line_says_where_in_that_line(tmp_path: Path) -> None:
         sft.parse_line(b'{"messages": [{"role": "user"}\n')
     with pytest.raises(sft.Bad, match=r"^Expecting property name enclosed in double quotes at character 9 of the"):
         sft.parse_line('{"a": 1,}\r\n')
+
+
+def test_lora_targets_that_name_no_module_are_refused_at_submit(tmp_path: Path, base: Path) -> None:
+    """PEFT refused them on every rank after the allocation ("Target modules {...} not found"); the module names
+    come from the safetensors headers (or a sharded folder's index), read without torch."""
+    from familykit import make_folder
+
+    sharded = make_folder(tmp_path, "mistral", max_shard_size="20KB")
+    assert next(sharded.glob("*.safetensors.index.json"), None) is not None
+    for folder in (base, sharded):
+        def submit(targets: str, folder: Path = folder) -> tuple[int, str]:
+            res = CliRunner().invoke(cli, ["submit", "--model", str(folder), "--data", "synthetic", "--gpus-per-node",
+                                           "0", "--lora-r", "4", "--set", f"lora.target_modules={targets}",
+                                           "--dry-run"])
+            return res.exit_code, res.output
+
+        code, out = submit('["qproj"]')
+        assert code == 2 and "lora.target_modules = ['qproj']: none of them names a module of the model" in out, out
+        assert "q_proj" in out and "Fix: set [lora] target_modules to some of those" in out
+        for ok in ('["q_proj", "qproj"]', '["self_attn.v_proj"]', '["*_proj"]'):  # as PEFT matches a list
+            assert submit(ok)[0] == 0, (ok, submit(ok)[1])

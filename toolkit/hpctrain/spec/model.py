@@ -599,6 +599,50 @@ def _exists(path: Path, kind: str = "") -> bool:
         return False
 
 
+def _check_lora_targets(spec: Spec, folder: Path) -> None:
+    """[lora] target_modules of which none names a module of the model's weights: PEFT refused it on every rank,
+    after the allocation. Matched as PEFT matches a list (the name, or its last dotted parts); '*' as a glob."""
+    import fnmatch
+
+    targets = spec.lora.target_modules if spec.lora.r else ()
+    modules = _weight_modules(folder) if targets else None
+    if not modules:
+        return
+    def hit(t: str) -> bool:
+        if "*" in t:
+            return any(fnmatch.fnmatchcase(m, t) or fnmatch.fnmatchcase(m, f"*.{t}") for m in modules)
+        return any(m == t or m.endswith(f".{t}") for m in modules)
+
+    leaves = sorted({m.rsplit(".", 1)[-1] for m in modules if not m.rsplit(".", 1)[-1].isdigit()})
+    need(any(hit(t) for t in targets), "lora.target_modules", list(targets),
+         f"none of them names a module of the model in {folder} (its weights' modules end in: "
+         f"{', '.join(leaves[:16])}{', ...' if len(leaves) > 16 else ''})",
+         'set [lora] target_modules to some of those (e.g. ["q_proj", "v_proj"]), or [] for every linear layer')
+
+
+def _weight_modules(folder: Path) -> set[str] | None:
+    """The module names of a model folder's weights, from the safetensors index or the files' headers (no torch);
+    None when the folder does not say (pytorch_model.bin only, unreadable)."""
+    import json
+    import struct
+
+    try:
+        index = next(folder.glob("*.safetensors.index.json"), None)
+        if index is not None:
+            names = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
+        else:
+            names = set()
+            for f in folder.glob("*.safetensors"):
+                with open(f, "rb") as fh:
+                    (size,) = struct.unpack("<Q", fh.read(8))
+                    if size > 100 << 20:  # a header is kilobytes to a few MB
+                        return None
+                    names |= set(json.loads(fh.read(size))) - {"__metadata__"}
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
+    return {n.rsplit(".", 1)[0] for n in names if "." in n} or None
+
+
 WEIGHT_GLOBS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
 
 
@@ -640,6 +684,7 @@ def check_paths(spec: Spec) -> None:
              "holds a config.json but no weights (*.safetensors, or pytorch_model*.bin for ZeRO 0-2)",
              "download the whole model folder (`huggingface-cli download ORG/NAME --local-dir DIR`), or set "
              "[model] config instead of path to train from random weights")
+        _check_lora_targets(spec, p)
     if m.config and m.config not in PRESETS:
         need(_exists(Path(m.config), "file"), "model.config", m.config,
               "neither a preset nor an existing config.json", f"use a preset ({', '.join(PRESETS)}) or a path")
