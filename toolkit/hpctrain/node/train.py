@@ -402,8 +402,10 @@ def _announce(p: Prepared, metrics: MetricsWriter, n_params: int, step0: int) ->
                        "params": n_params, "resumed_from": p.resume.tag if p.resume else None,
                        "startup": phases.report()})
         _report_data(p, metrics)
-    log.info("training %d params, world %d (dp %d pp %d), ZeRO %d, %s, micro %d x gas %d, steps %d -> %d",
-             n_params, p.d.world_size, p.dp, p.spec.parallel.pp, p.zero, t.precision, p.micro, p.gas, step0, t.steps)
+    # n_params is the model's (what FLOPs count); with LoRA only the adapters train (the "LoRA r=..." line above)
+    log.info("%s %d params, world %d (dp %d pp %d), ZeRO %d, %s, micro %d x gas %d, steps %d -> %d",
+             "training LoRA adapters on a frozen base of" if p.spec.lora.r else "training", n_params, p.d.world_size,
+             p.dp, p.spec.parallel.pp, p.zero, t.precision, p.micro, p.gas, step0, t.steps)
     if p.d.rank == 0 and not getattr(p.source, "synthetic", True):
         line = epochs_line(p.source.batches_per_epoch(), p.dp * p.gas, t.steps)
         if line:
