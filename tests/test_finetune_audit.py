@@ -68,7 +68,8 @@ def test_export_never_replaces_a_folder_that_is_not_an_export(tmp_path: Path, ba
     # a folder an earlier export wrote, or an empty one, is past this check: the run has no checkpoint yet
     (tmp_path / "empty").mkdir()
     code, text = _export(str(run), "--out", str(tmp_path / "empty"))
-    assert code == 2 and "no complete checkpoint to export" in text, text
+    assert code == 2 and "no complete checkpoint to export: the run has written none (" in text, text
+    assert f"on the time-limit signal and at its end). Fix: `hpctrain status {run.name}` shows how it ended" in text
 
 
 def test_export_tag_that_names_no_checkpoint_lists_the_ones_there_are(tmp_path: Path, base: Path) -> None:

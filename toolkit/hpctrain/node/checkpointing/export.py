@@ -33,7 +33,7 @@ def export_hf(run_dir: str | Path, out: str | Path | None = None, tag: str | Non
     if out is not None:
         check_out(Path(out), paths, spec)
     _check_model_folder(spec)
-    point = _point(paths, tag)
+    point = _point(paths, tag, spec)
     cfg = hf_config(spec.model)
     if int(point.meta.get("pp", 1)) > 1:
         cfg.tie_word_embeddings = False  # the pipeline trains an untied head (see pipeline.py)
@@ -118,12 +118,17 @@ def _check_model_folder(spec: Any) -> None:
                              "Fix: put the model folder back at that path (the run's spec.toml names it)")
 
 
-def _point(paths: RunFolder, tag: str | None) -> ckpt.ResumePoint:
+def _point(paths: RunFolder, tag: str | None, spec: Any) -> ckpt.ResumePoint:
     if tag is None:
         point = ckpt.find_resume(paths.checkpoints_dir)
         if point is None:
-            raise NodeInputError(f"{paths.checkpoints_dir}: no complete checkpoint to export. Train first "
-                                 "(checkpoints are written at the end of every run).")
+            c = spec.checkpoint
+            when = [f"every {c.every_steps} steps"] * bool(c.every_steps) + \
+                [f"every {c.every_minutes:g} minutes"] * bool(c.every_minutes)
+            raise NodeInputError(f"{paths.checkpoints_dir}: no complete checkpoint to export: the run has written "
+                                 f"none ({', '.join([*when, 'on the time-limit signal and at its end'])}). Fix: "
+                                 f"`hpctrain status {paths.path.name}` shows how it ended; train first, or resubmit "
+                                 "it once it is fixed")
         return point
     path = paths.checkpoints_dir / tag
     if Path(tag).name != tag or tag in (".", "..") or not path.is_dir():  # a name in checkpoints/, never a path
