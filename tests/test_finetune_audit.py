@@ -493,3 +493,28 @@ def test_lora_targets_that_name_no_module_are_refused_at_submit(tmp_path: Path, 
         assert "q_proj" in out and "Fix: set [lora] target_modules to some of those" in out
         for ok in ('["q_proj", "qproj"]', '["self_attn.v_proj"]', '["*_proj"]'):  # as PEFT matches a list
             assert submit(ok)[0] == 0, (ok, submit(ok)[1])
+
+
+# ------------------------------------------------------------------------------ resume at another world size
+def test_a_resubmission_at_another_world_size_is_planned_for_it(tmp_path: Path, base: Path) -> None:
+    """`hpctrain resubmit RUN --nodes N --tasks-per-node M` (Run.resubmit(nodes=, tasks_per_node=)): the user's way
+    to resume a run at another size, which the ranks do through a universal checkpoint (test_lora, test_node_train).
+    There was none: resubmit kept the spec's size. The new size is judged by the spec's own rules."""
+    from hpctrain.errors import HpcUsageError
+    from hpctrain.slurm.submission import Submission
+
+    run = make_run(tmp_path / "run", model={"config": "", "path": str(base)}, lora={"r": 4},
+                   data={"source": "synthetic", "tokenizer": str(base)}, parallel={"zero": 3})
+    same = Submission.resubmission(run)
+    (spec, plan), = same.points
+    assert (spec.resources.tasks_per_node, plan.world_size, plan.dp) == (2, 2, 2)
+    one = Submission.resubmission(run, tasks_per_node=1)
+    (spec1, plan1), = one.points
+    assert (spec1.resources.tasks_per_node, plan1.world_size, plan1.dp) == (1, 1, 1)
+    assert spec1.lora == spec.lora and spec1.train.steps == spec.train.steps  # nothing else moved
+    four = Submission.resubmission(run, nodes=2)
+    assert four.points[0][1].world_size == 4
+    with pytest.raises(HpcUsageError, match=r"^resources.nodes = 0: "):
+        Submission.resubmission(run, nodes=0)
+    res = CliRunner().invoke(cli, ["resubmit", "--help"])
+    assert "--nodes" in res.output and "--tasks-per-node" in res.output and "universal checkpoint" in res.output

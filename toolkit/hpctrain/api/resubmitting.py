@@ -35,14 +35,17 @@ class Resubmitted:
 
 
 def resubmit(ref: str | os.PathLike[str], *, exclude_failed_nodes: bool = False, exclude: Sequence[str] = (),
-             max_retries: int | None = None, time_limit: str | None = None) -> Resubmitted:
+             max_retries: int | None = None, time_limit: str | None = None, nodes: int | None = None,
+             tasks_per_node: int | None = None) -> Resubmitted:
     """Submit a new attempt of the run `ref` names: same spec and run folder, a new SLURM job recorded as the next
     attempt. `exclude` adds hosts to the run's exclusions; `exclude_failed_nodes` adds the hosts the last
-    failure implicates (capped so the job still fits); `max_retries` and `time_limit` replace the run's."""
+    failure implicates (capped so the job still fits); `max_retries` and `time_limit` replace the run's;
+    `nodes` / `tasks_per_node` resume it at another world size (through a universal checkpoint)."""
     from hpctrain.fault.resubmit import resubmit_by_hand
 
     out = resubmit_by_hand(os.fspath(ref), exclude_failed_nodes=exclude_failed_nodes, exclude=exclude,
-                           max_retries=max_retries, time_limit=time_limit)
+                           max_retries=max_retries, time_limit=time_limit, nodes=nodes,
+                           tasks_per_node=tasks_per_node)
     return Resubmitted(run_id=str(out["run_id"]), run_dir=Path(str(out.get("run_dir") or "")),
                        attempt=int(out["attempt"]), job_id=str(out["job_id"]), excluded=list(out["excluded"]),
                        supervisor=out["supervisor"], resume_step=out["resume_step"], notes=list(out["notes"]),

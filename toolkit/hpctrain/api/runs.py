@@ -208,13 +208,15 @@ class Run:
         return [ln.tagged() for ln in log_lines(inp, cl.LogFilter(attempt, rank, host, pattern))]
 
     def resubmit(self, *, exclude_failed_nodes: bool = False, exclude: Sequence[str] = (),
-                 max_retries: int | None = None, time_limit: str | None = None) -> Resubmitted:
+                 max_retries: int | None = None, time_limit: str | None = None, nodes: int | None = None,
+                 tasks_per_node: int | None = None) -> Resubmitted:
         """`hpctrain resubmit RUN`: attempt K+1 in the same folder, resuming from the latest complete checkpoint
         (refused while an attempt runs or after a completed training; hpctrain.api.resubmitting)."""
         from hpctrain.api.resubmitting import resubmit
 
         return resubmit(self.run_id if self.record is not None else self.folder, exclude=exclude,
-                        exclude_failed_nodes=exclude_failed_nodes, max_retries=max_retries, time_limit=time_limit)
+                        exclude_failed_nodes=exclude_failed_nodes, max_retries=max_retries, time_limit=time_limit,
+                        nodes=nodes, tasks_per_node=tasks_per_node)
 
     def cancel(self) -> Cancelled:
         """Cancel the run's unfinished attempts (scancel, or stop the local job) and record CANCELLED."""

@@ -27,15 +27,19 @@ def register(group: click.Group) -> None:
 @click.option("--max-retries", type=int, default=None,
               help="Automatic retries after this attempt (default: the run's launch.retries; 0 = none).")
 @click.option("--time", "time_limit", default=None, help="New time limit (SLURM syntax, e.g. 02:00:00).")
+@click.option("--nodes", type=int, default=None,
+              help="Another number of nodes: the ranks resume through a universal checkpoint.")
+@click.option("--tasks-per-node", type=int, default=None,
+              help="Another number of ranks a node (CPU ranks; one per GPU on GPUs).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def resubmit_cmd(run: str, exclude_failed_nodes: bool, extra_exclude: str, max_retries: int | None,
-                 time_limit: str | None, as_json: bool) -> None:
+                 time_limit: str | None, nodes: int | None, tasks_per_node: int | None, as_json: bool) -> None:
     """Submit a new attempt of RUN: same spec and run folder, a new SLURM job recorded as the next
     attempt; the ranks resume from the latest complete checkpoint. Refused while an attempt still runs."""
     from hpctrain.api.resubmitting import resubmit
 
     done = resubmit(run, exclude_failed_nodes=exclude_failed_nodes, exclude=extra_exclude.split(","),
-                    max_retries=max_retries, time_limit=time_limit)
+                    max_retries=max_retries, time_limit=time_limit, nodes=nodes, tasks_per_node=tasks_per_node)
     _print(done.to_dict(), as_json)
 
 

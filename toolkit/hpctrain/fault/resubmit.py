@@ -45,7 +45,8 @@ def run_folder(ref: str) -> tuple[Path, list[str]]:
 
 
 def resubmit_by_hand(ref: str, *, exclude_failed_nodes: bool = False, exclude: Sequence[str] = (),
-                     max_retries: int | None = None, time_limit: str | None = None) -> dict[str, Any]:
+                     max_retries: int | None = None, time_limit: str | None = None, nodes: int | None = None,
+                     tasks_per_node: int | None = None) -> dict[str, Any]:
     """Submit a new attempt of the run `ref` names: same spec and run folder, a new job recorded as the next
     attempt; the ranks resume from the latest complete checkpoint. Returns what was submitted (run_id, attempt,
     job_id, excluded, time, supervisor, resume_step, notes). Refused while an attempt may still run."""
@@ -68,6 +69,7 @@ def resubmit_by_hand(ref: str, *, exclude_failed_nodes: bool = False, exclude: S
         excluded, notes = _exclusions(run_dir, hist, exclude_failed_nodes, exclude)
         ck = sup.latest_checkpoint(run_dir)
         out = sup.resubmit_run(run_dir, exclude=tuple(excluded), time_limit=time_limit, retries=max_retries,
+                               nodes=nodes, tasks_per_node=tasks_per_node,
                                record={"manual": True, "resubmitted_after": last_job,
                                        "reason": "hpctrain resubmit (by hand)"})
         journal.write_decision(run_dir, journal.SupervisorDecision(

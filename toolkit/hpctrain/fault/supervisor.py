@@ -98,14 +98,16 @@ def latest_checkpoint(run_dir: Path) -> int | None:
 
 def resubmit_run(run_dir: Path, *, exclude: tuple[str, ...] | None = None, time_limit: str | None = None,
                  retries: int | None = None, record: dict[str, Any] | None = None,
-                 arm_supervisor: bool = True) -> dict[str, Any]:
+                 arm_supervisor: bool = True, nodes: int | None = None,
+                 tasks_per_node: int | None = None) -> dict[str, Any]:
     """Submit attempt K+1 of the run in `run_dir` (same spec and folder; exclude/time/retries as given; the
     fine-tuning defaults plan.json recorded kept) through the one Submission, and, when the run has retries
     left, its supervisor (armed inside the submission's transaction). Returns what was submitted."""
     from hpctrain.slurm.submission import Submission
 
     run_dir = Path(run_dir).absolute()
-    sub = Submission.resubmission(run_dir, exclude=exclude, time_limit=time_limit, retries=retries)
+    sub = Submission.resubmission(run_dir, exclude=exclude, time_limit=time_limit, retries=retries, nodes=nodes,
+                                  tasks_per_node=tasks_per_node)
     spec = sub.spec
     armed: list[str] = []
 

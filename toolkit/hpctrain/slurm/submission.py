@@ -143,15 +143,25 @@ class Submission:
 
     @classmethod
     def resubmission(cls, run_dir: str | Path, *, exclude: Sequence[str] | None = None,
-                     time_limit: str | None = None, retries: int | None = None) -> Submission:
+                     time_limit: str | None = None, retries: int | None = None, nodes: int | None = None,
+                     tasks_per_node: int | None = None) -> Submission:
         """Attempt K+1 of the run in `run_dir`: its spec.toml with exclude/time/retries as given (spares cut to
-        what the partition still has), planned again with the fine-tuning defaults its plan.json recorded."""
+        what the partition still has), planned again with the fine-tuning defaults its plan.json recorded.
+        `nodes` / `tasks_per_node`: another world size; the ranks resume through a universal checkpoint."""
         from hpctrain.plan.planner import make_plan
         from hpctrain.spec.model import read_resolved
 
         d = Path(run_dir).absolute()
         spec = read_resolved(d)
         res = spec.resources
+        if nodes is not None or tasks_per_node is not None:
+            from hpctrain.spec.model import from_toml_text, to_toml
+
+            res = dataclasses.replace(res, nodes=res.nodes if nodes is None else nodes,
+                                      tasks_per_node=res.tasks_per_node if tasks_per_node is None else tasks_per_node)
+            # through spec.toml's text: the spec's own rules judge the new size, as at submit
+            spec = from_toml_text(to_toml(dataclasses.replace(spec, resources=res)))
+            res = spec.resources
         excl = tuple(exclude) if exclude is not None else res.exclude
         spec = dataclasses.replace(
             spec, resources=dataclasses.replace(res, exclude=excl, time=time_limit or res.time,
