@@ -134,17 +134,29 @@ class _WarmRanks:
         self.proc: subprocess.Popen[bytes] | None = None
         self.job = f"pytest-{os.getpid()}"
         self.dir = Path()
+        self.env: dict[str, str] = {}  # what the zygote imported under
 
     def job_id(self) -> str:
         """Started on first use; its job id (the name of its socket)."""
         if self.proc is None:
             self.dir = Path(tempfile.mkdtemp(prefix="hpctrain-zygote-"))
+            self.env = node_env()
             with open(self.dir / "zygote.log", "ab") as log:
                 self.proc = subprocess.Popen([sys.executable, "-c", _ZYGOTE, str(self.dir / "stop"), self.job,
-                                              str(os.getpid())], env=node_env(), stdin=subprocess.DEVNULL,
+                                              str(os.getpid())], env=self.env, stdin=subprocess.DEVNULL,
                                              stdout=log, stderr=log)
             atexit.register(self.stop)
         return self.job
+
+    def serves(self, env: dict[str, str]) -> bool:
+        """Whether a launch with this environment may fork its ranks here. The zygote is started now if it is not
+        yet, and again when this process's own environment has changed what it imported under (an earlier test
+        set such a variable for good); a launch that sets one apart only for itself starts cold."""
+        if self.proc is not None and _read_at_import(node_env()) != _read_at_import(self.env):
+            self.stop()
+        if self.proc is None:
+            self.job_id()
+        return _read_at_import(env) == _read_at_import(self.env)
 
     def stop(self) -> None:
         if self.proc is None:
@@ -173,10 +185,13 @@ _WARM = _WarmRanks()
 COLD_ENV = "HPCTRAIN_TESTS_COLD_RANKS"  # =1: every launch's ranks start cold (the suite as before the zygote)
 
 
+# What DeepSpeed, torch, transformers and Python read once, when the zygote imports them (the accelerator, thread
+# counts, hub settings, the module path). Not TORCHINDUCTOR_*: torch sets its cache dir in os.environ itself.
+_READ_AT_IMPORT = ("DS_", "OMP_", "MKL_", "HF_", "TRANSFORMERS_", "PYTHONPATH")
+
+
 def _read_at_import(env: dict[str, str]) -> dict[str, str]:
-    """What torch, DeepSpeed and transformers read once, when imported (the accelerator, thread counts, hub
-    settings): a launch that sets them apart from the zygote's environment starts its ranks cold."""
-    return {k: v for k, v in env.items() if k.startswith(("DS_", "OMP_", "MKL_", "HF_", "TRANSFORMERS_", "TORCH"))}
+    return {k: v for k, v in env.items() if k.startswith(_READ_AT_IMPORT)}
 
 
 def torchrun(run_dir: Path, nproc: int, *, timeout: float = 180, env: dict[str, str] | None = None,
@@ -187,12 +202,13 @@ def torchrun(run_dir: Path, nproc: int, *, timeout: float = 180, env: dict[str, 
     timeout = hang_bound(timeout)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port_pair())]
-    if warm and os.environ.get(COLD_ENV) != "1" and _read_at_import(node_env(env)) == _read_at_import(node_env()):
+    launch_env = node_env(env)
+    if warm and os.environ.get(COLD_ENV) != "1" and _WARM.serves(launch_env):
         cmd += ["--no-python", sys.executable, "-c", _WARM_RANK, _WARM.job_id()]
     else:
         cmd += ["-m", "hpctrain.node"]
     cmd += [str(run_dir), "--mode", mode]
-    return subprocess.run(cmd, env=node_env(env), capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run(cmd, env=launch_env, capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def jsonl(path: Path) -> list[dict[str, Any]]:

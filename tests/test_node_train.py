@@ -7,6 +7,7 @@ several facts per run.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import pytest
 pytest.importorskip("deepspeed")
 torch = pytest.importorskip("torch")
 
-from runkit import events, losses_by_step, make_run, metrics, node_env, torchrun
+from runkit import COLD_ENV, events, losses_by_step, make_run, metrics, node_env, torchrun
 
 pytestmark = pytest.mark.deepspeed
 
@@ -53,7 +54,8 @@ def test_zero3_resume_is_bit_identical(zero3_runs: dict[str, Path]) -> None:
     starts = [e for e in events(zero3_runs["crash"]) if e["event"] == "start"]
     assert [s["resumed_from"] for s in starts] == [None, "step-10"]
     # forked by runkit's zygote (the crash run's two attempts) against started cold (the uninterrupted run)
-    assert all("zygote" in s["startup"] for s in starts), [s["startup"] for s in starts]
+    assert all("zygote" in s["startup"] for s in starts) or os.environ.get(COLD_ENV) == "1", [s["startup"]
+                                                                                           for s in starts]
     assert "zygote" not in next(e for e in events(zero3_runs["full"]) if e["event"] == "start")["startup"]
     ck = zero3_runs["crash"] / "checkpoints"
     assert (ck / "latest").read_text().strip() == "step-20"
