@@ -12,10 +12,9 @@
 
 from __future__ import annotations
 
-import ast
 import json
 import random
-import sysconfig
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,9 @@ pytest.importorskip("peft")
 from datakit import build_tokenizer
 from runkit import make_run, metrics, torchrun
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "scripts"))
+from make_tiny_finetune import docstrings  # the example's reader of real English, offline
+
 pytestmark = pytest.mark.deepspeed
 
 # Each question's fixed answer: the pattern the fine-tuned model must follow.
@@ -36,27 +38,6 @@ QA = {"What colour is the sky on a clear day?": "blue", "Which animal says woof?
 TEMPLATE = "Answer: {}."
 SEQ = 96  # pretraining rows
 FT_SEQ = 256  # fine-tuning rows: the alpaca prompt alone is ~95 tokens of this 512-id tokenizer
-
-
-def english_docstrings(limit_chars: int = 150_000) -> list[str]:
-    """Module and function docstrings of the standard library: real English prose, offline."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    out: list[str] = []
-    total = 0
-    for path in sorted(root.glob("*.py")):
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
-        except (SyntaxError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)):
-                doc = ast.get_docstring(node)
-                if doc and len(doc) > 80:
-                    out.append(" ".join(doc.split()))
-                    total += len(out[-1])
-        if total > limit_chars:
-            break
-    return out
 
 
 def pretrain(folder: Path, texts: list[str], steps: int = 400, batch: int = 16) -> Path:
@@ -129,7 +110,7 @@ def answers(model_dir: Path, tokenizer_dir: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("learns")
-    folder = pretrain(root / "base", english_docstrings())
+    folder = pretrain(root / "base", docstrings(150_000))
     return folder, instruction_data(root / "sft.jsonl")
 
 
