@@ -104,6 +104,7 @@ class Variant:
     lora_r: int = 0
     kernels: str = "none"  # [model] kernels ("liger": hpctrain.node.model.kernels)
     fast_init: bool = True  # False: HPCTRAIN_FAST_INIT=0 (DeepSpeed's own ZeRO-3 offload engine build)
+    load_threads: int = 0  # HPCTRAIN_LOAD_THREADS (0: the node's default; 1: the weights read one after another)
 
 
 VARIANTS: dict[str, Variant] = {
@@ -121,6 +122,9 @@ VARIANTS: dict[str, Variant] = {
     "lora-liger": Variant(attention="auto", lora_r=16, kernels="liger"),
     "full-liger": Variant(attention="auto", kernels="liger"),
     "full-auto-ds-init": Variant(attention="auto", fast_init=False),
+    # The ZeRO-3 weights read by one thread (the loader before 2026-12-03's fifth session): the start-up A/B of
+    # hpctrain.node.model.build.load_threads.
+    "full-auto-load1": Variant(attention="auto", load_threads=1),
 }
 
 
@@ -132,7 +136,8 @@ class Case:
 
 
 CASES: dict[str, Case] = {
-    "startup": Case(("packed-sdpa",), 1, "process start to step 1 through `hpctrain submit --executor local`"),
+    "startup": Case(("full-auto", "full-auto-load1"), 1,
+                    "process start to step 1 through `hpctrain submit --executor local`"),
     "sft": Case(("packed-sdpa", "packed-flex", "synthetic"), 2, "packed SFT (sdpa, flex) vs synthetic, same plan"),
     "lora": Case(("lora", "full"), 2, "LoRA r=16 vs the full fine-tune, packed SFT"),
     "padded": Case(("padded-ds", "packed-sdpa"), 2, "DeepSpeed's padded fine-tuning loop vs hpctrain's packed SFT"),
@@ -246,8 +251,13 @@ def run_hpctrain(s: Setup, name: str, v: Variant, tag: str, timeout: float) -> d
     runs = s.work / "runs"
     runfile = write_runfile(s.work / "runfiles" / f"{tag}.toml", hp_tables(s, name, v))
     t0 = time.time()
+    env = env_for(s, runs)
+    if v.load_threads:
+        env["HPCTRAIN_LOAD_THREADS"] = str(v.load_threads)
+    if not v.fast_init:
+        env["HPCTRAIN_FAST_INIT"] = "0"
     proc = subprocess.run([sys.executable, "-m", "hpctrain", "submit", str(runfile), "--executor", "local", "--json"],
-                          capture_output=True, text=True, timeout=120, check=False, env=env_for(s, runs), cwd=str(ROOT))
+                          capture_output=True, text=True, timeout=120, check=False, env=env, cwd=str(ROOT))
     if proc.returncode:
         raise RunFailed(proc.returncode, proc.stdout + proc.stderr)
     sub = json.loads(proc.stdout)[0]

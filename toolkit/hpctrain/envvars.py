@@ -57,6 +57,8 @@ HPCTRAIN: dict[str, str] = {
     "HPCTRAIN_CPU_ADAM": "user: 1 = DeepSpeed's own CPU Adam on CPU ranks, in place of hpctrain's choice",
     "HPCTRAIN_DS_ADAM": "user: 1 = DeepSpeed's own Adam on GPU ranks, in place of hpctrain's choice",
     "HPCTRAIN_CPU_FP16": "tests: 1 = fp16 on CPU ranks that lack native fp16 (slow, for tests only)",
+    "HPCTRAIN_LOAD_THREADS": "user: reader threads a ZeRO-3 rank loads a model folder with (default: its share of "
+                             "the node's CPUs, at most 8; 1 = one read after another)",
     "HPCTRAIN_FAST_INIT": "user: 0 turns off the ZeRO-3 offload engine build's in-place pinning and GPU defragment",
     "HPCTRAIN_COMPILE_CACHE": "user: torch.compile's cache folder on GPU ranks ('off': torch's default; default "
                               "<runs dir>/.compile-cache/<host>)",
