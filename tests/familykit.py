@@ -3,9 +3,11 @@
 `make_folder` writes what `save_pretrained` writes for a tiny model of one family (random weights, so every
 tensor differs from any init). Run as a script under torchrun, this module loads folders through hpctrain's
 own `build_model` under ZeRO-3 and writes, from rank 0, a sha256 of every parameter (gathered) and buffer,
-or the NodeInputError a folder raised:
+or the NodeInputError a folder raised. An item `zero1=FOLDER:PRECISION` (or `zero2=`) instead builds the model
+as the node does for ZeRO 0-2 (from_pretrained) and runs `deepspeed.initialize` with the ds_config a run at that
+stage renders; every rank digests engine.module and its optimizer's fp32 master partition (`engine_digests`):
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/familykit.py OUT.json FOLDER:PRECISION ...
+    python -m torch.distributed.run --nproc-per-node 2 tests/familykit.py OUT.json [zero1=]FOLDER:PRECISION ...
 """
 
 from __future__ import annotations
@@ -176,6 +178,64 @@ def _fresh_stats(model: Any) -> dict[str, Any]:
     return {"stats": stats}
 
 
+def stage_ds_config(folder: str, precision: str, stage: int) -> dict[str, Any]:
+    """The ds_config `deepspeed.initialize` gets on the node for a 2-rank CPU run of `folder` at ZeRO `stage`:
+    rendered at submit (build_ds_config of the resolved spec and its plan), then the node's allocation edits."""
+    from hpctrain.node.runconf import effective_ds_config
+    from hpctrain.plan.planner import make_plan
+    from hpctrain.render.deepspeed import build_ds_config
+    from hpctrain.spec.model import resolve
+
+    flags = {"model.path": folder, "model.config": "", "resources.tasks_per_node": 2, "resources.gpus_per_node": 0,
+             "parallel.zero": stage, "train.precision": precision, "train.micro_batch": 1, "train.grad_accum": 1,
+             "data.seq_len": 32, "tracking.backends": "none"}  # no monitor: it would write into the cwd
+    spec = resolve(None, flags, check=False)
+    cfg, _ = effective_ds_config(build_ds_config(spec, make_plan(spec)), dp=2, universal=False, use_gpu=False)
+    return cfg
+
+
+def _master(engine: Any) -> dict[str, Any]:
+    """This rank's share of the optimizer's fp32 master weights: the flat partition its optimizer steps
+    (`flat`, padding included), the parameter elements mapped into it (`mapped`), and the parameters whose
+    mapped fragment is not exactly the module's value there, in fp32 (`differs`)."""
+    import torch
+
+    inner = engine.optimizer.optimizer  # the torch AdamW DeepSpeed wraps: it holds only this rank's partition
+    flat = sum(p.numel() for g in inner.param_groups for p in g["params"])
+    mapped, differs = 0, []
+    for name, p in engine.module.named_parameters():
+        link = getattr(p, "_hp_mapping", None)  # set by DeepSpeed where this rank's partition covers `p`
+        if link is None:
+            continue
+        hp, at = link.get_hp_fragment(), link.lp_fragment_address
+        mapped += hp.numel()
+        if not torch.equal(hp, p.data.reshape(-1).narrow(0, at.start, at.numel).float()):
+            differs.append(name)
+    return {"optimizer": type(engine.optimizer).__name__, "stage": engine.zero_optimization_stage(),
+            "elements": sum(p.numel() for p in engine.module.parameters()), "flat": flat, "mapped": mapped,
+            "differs": differs}
+
+
+def engine_digests(folder: str, precision: str, stage: int) -> dict[str, Any]:
+    """ZeRO 1/2 as the node runs it: build_model's from_pretrained, then deepspeed.initialize (which casts the
+    module to bf16 under bf16 and broadcasts rank 0's weights); engine.module's digests and `_master`."""
+    from types import SimpleNamespace
+
+    import deepspeed
+
+    from hpctrain.node.model.build import build_model, hf_config
+
+    cfg = stage_ds_config(folder, precision, stage)
+    spec = SimpleNamespace(path=folder, config="", overrides={}, freeze=())
+    model = build_model(spec, hf_config(spec), precision, cfg, zero3=False)
+    model.train()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                      config=cfg)
+    # No gc.collect() after it (its reference cycles hold a few tiny models): a full collection in a process
+    # that imported torch, DeepSpeed and transformers cost 0.95 CPU-s, six times the engine's build.
+    return {**model_digests(engine.module, zero3=False), **_master(engine)}
+
+
 def _zero3_config(precision: str) -> dict[str, Any]:
     cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
     if precision == "bf16":
@@ -183,8 +243,13 @@ def _zero3_config(precision: str) -> dict[str, Any]:
     return cfg
 
 
+_STAGE = re.compile(r"^zero([12])=")
+
+
 def main(argv: list[str]) -> None:
-    """torchrun entry: load each FOLDER:PRECISION with build_model under ZeRO-3; rank 0 writes the digests."""
+    """torchrun entry: load each FOLDER:PRECISION with build_model under ZeRO-3, each zeroN=FOLDER:PRECISION
+    through a ZeRO-N engine (every rank's result, in rank order); rank 0 writes the digests."""
+    import gc
     import os
     import resource
     from types import SimpleNamespace
@@ -196,8 +261,20 @@ def main(argv: list[str]) -> None:
     from hpctrain.node.runconf import NodeInputError
 
     dist.init_process_group(dist.detect(), use_gpu=False, timeout_min=3)  # gloo, without the shm op's JIT build
+    import transformers.modeling_utils  # noqa: F401  (before the freeze below)
+
+    # The objects torch, DeepSpeed and transformers made on import live as long as the process: frozen, the full
+    # collections build_model's ZeRO-3 tie runs (and DeepSpeed's) skip them, ~0.9 CPU-s each in this process.
+    gc.freeze()
     results: dict[str, Any] = {}
     for item in argv[1:]:
+        stage = _STAGE.match(item)
+        if stage:
+            mine = engine_digests(*item[stage.end():].rsplit(":", 1), int(stage[1]))
+            ranks: list[Any] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(ranks, mine)
+            results[item] = {"ranks": ranks}
+            continue
         folder, precision = item.removeprefix("fresh=").rsplit(":", 1)
         fresh = item.startswith("fresh=")  # a new model from the folder's config.json, not its weights
         spec = SimpleNamespace(path="" if fresh else folder, config=folder if fresh else "", overrides={}, freeze=())

@@ -2,7 +2,10 @@
 
 One torchrun launch loads every folder through hpctrain's own `build_model` under ZeRO-3 (familykit's
 script); the digests it writes are compared here with the safetensors on disk, tensor by tensor, and the
-buffers with transformers' from_pretrained (what ZeRO 0-2 use, checked against the files too).
+buffers with transformers' from_pretrained (what ZeRO 0-2 use, checked against the files too). The same
+launch also builds every case the node's way for ZeRO-1 and for ZeRO-2 and runs `deepspeed.initialize` with the
+ds_config such a run renders: what each rank trains with afterwards (engine.module after DeepSpeed's bf16 cast
+and rank-0 broadcast, and its partition of the fp32 master weights) is checked against the files too.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ CASES = [*((n, "fp32") for n in FAMILIES), ("llama3-bf16", "bf16"), ("llama3-bf1
          ("mixtral", "bf16")]
 SHARDED = ("mistral", "mixtral")  # saved in 40 KB shards: read through the index (an expert group spans shards)
 EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight")  # a tied head, as saved
+STAGES = (1, 2)  # through a DeepSpeed engine, every case at both (ZeRO-0 is build_model alone, below)
+STAGE_CASES = [(n, p, z) for n, p in CASES for z in STAGES]
+STAGE_IDS = [f"{n}-{p}-zero{z}" for n, p, z in STAGE_CASES]
 
 
 def _save_without(src: Path, dst: Path, drop: set[str]) -> Path:
@@ -59,12 +65,18 @@ def _item(folders: dict[str, Path], name: str, precision: str) -> str:
     return f"{folders[name]}:{precision}"
 
 
+def _engine_item(folders: dict[str, Path], name: str, precision: str, stage: int) -> str:
+    return f"zero{stage}={_item(folders, name, precision)}"
+
+
 @pytest.fixture(scope="module")
 def zero3(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One 2-rank launch: every case, the incomplete folder, and a fresh model from a pad_token_id config."""
+    """One 2-rank launch: every case, the incomplete folder, and a fresh model from a pad_token_id config, under
+    ZeRO-3; every case through a ZeRO-1 and a ZeRO-2 engine."""
     out = tmp_path_factory.mktemp("zero3") / "digests.json"
     items = [_item(folders, n, p) for n, p in CASES] + [_item(folders, "phi3-incomplete", "fp32"),
                                                          f"fresh={folders['gemma2']}:fp32"]
+    items += [_engine_item(folders, n, p, z) for n, p, z in STAGE_CASES]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port_pair()),
            str(Path(__file__).with_name("familykit.py")), str(out), *items]
@@ -108,6 +120,24 @@ def test_zero0_loads_exactly_and_zero3_buffers_agree(zero3: dict[str, Any], fold
     _assert_matches_files(ref["params"], folders[name], precision)
     got = zero3[_item(folders, name, precision)]
     assert got["buffers"] == ref["buffers"]  # RoPE inv_freq (llama3, yarn), Gemma's embed_scale
+
+
+@pytest.mark.parametrize(("name", "precision", "stage"), STAGE_CASES, ids=STAGE_IDS)
+def test_zero12_engines_train_from_the_files_exactly(zero3: dict[str, Any], folders: dict[str, Path], name: str,
+                                                     precision: str, stage: int) -> None:
+    """After deepspeed.initialize at ZeRO-1/2 (the node's build_model and rendered ds_config, 2 ranks): on each
+    rank engine.module equals the safetensors (in the training dtype) and its buffers the ZeRO-3 load's; the
+    optimizer is DeepSpeed's ZeRO-1/2 one and holds half the fp32 master elements a rank, each of them exactly
+    the module's weight, and the two halves cover every element once."""
+    ranks = zero3[_engine_item(folders, name, precision, stage)]["ranks"]
+    assert len(ranks) == 2
+    for got in ranks:
+        assert (got["optimizer"], got["stage"]) in {("DeepSpeedZeroOptimizer", stage), ("BF16_Optimizer", 1)}, got
+        _assert_matches_files(got["params"], folders[name], precision)
+        assert got["buffers"] == zero3[_item(folders, name, precision)]["buffers"]
+        assert 0 <= 2 * got["flat"] - got["elements"] < 16, got  # a half each, padded to a multiple of 2 x 2
+        assert not got["differs"], got["differs"]
+    assert sum(got["mapped"] for got in ranks) == ranks[0]["elements"]
 
 
 def test_the_sharded_folder_is_read_through_its_index(folders: dict[str, Path]) -> None:

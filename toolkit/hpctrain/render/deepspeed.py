@@ -43,7 +43,9 @@ def _zero_block(spec: Spec, plan: Plan) -> dict[str, Any]:
     zero.update({"overlap_comm": plan.device == "gpu", "contiguous_gradients": True,
                  "reduce_bucket_size": h * h})
     if stage in (1, 2):
-        zero.update({"allgather_partitions": True, "allgather_bucket_size": h * h, "reduce_scatter": True})
+        # DeepSpeed's ZeRO-1/2 optimizer asserts an all-gather bucket of an even number of elements: an odd hidden
+        # size (Qwen3-shaped h=33 in tests/test_node_families) failed deepspeed.initialize with h*h.
+        zero.update({"allgather_partitions": True, "allgather_bucket_size": h * h + h * h % 2, "reduce_scatter": True})
     if stage == 3:
         b = zero3_buckets(plan.device, plan.param_count, h)
         zero.update({"reduce_bucket_size": b.reduce, "stage3_prefetch_bucket_size": b.prefetch,
