@@ -66,8 +66,9 @@ cluster-status:
 cluster-wipe:
 	bash $(CLUSTER) wipe
 
-# pytest-xdist: one worker runs every SLURM/container test in turn (tests/conftest.py groups them) while the
-# others run the rest, file by file: the cluster's waits (signals, time limits, requeues) overlap CPU work.
+# pytest-xdist (tests/conftest.py groups the tests): one worker runs the cluster tests that kill or slow nodes in
+# turn, then every idle worker takes the other cluster modules, one each, beside each other; the rest runs file by
+# file meanwhile: the cluster's waits (signals, time limits, requeues) overlap CPU work.
 TEST_WORKERS ?= 2
 test: install install-system
 	$(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadgroup tests

@@ -2,7 +2,8 @@
 
 Tests marked ``@pytest.mark.slurm`` get the session fixture ``slurm_cluster`` automatically. It brings the
 cluster up once per session (``slurm.sh up``, bounded), reuses a cluster that is already healthy, and tears
-it down at the end only if this session started it (others may be using a running one). When the cluster
+it down at the end only if this session started it (others may be using a running one); under xdist the
+controller does, once every worker has ended. When the cluster
 cannot be started the slurm tests fail loudly; set ``HPCTRAIN_SKIP_SLURM=1`` to skip them instead.
 ``HPCTRAIN_KEEP_SLURM=1``, or the flag file ``$LAB/keep`` (``slurm.sh up --keep``, ``make cluster-up``),
 keeps a cluster this session started running after the session.
@@ -298,26 +299,86 @@ def slurm_cluster(request: pytest.FixtureRequest,
         # another session may have started it while we waited on slurm.sh's lock: then it is not ours
         started_here = "cluster already up" not in up.stderr
     if (os.geteuid() == 0 and os.environ.get("HPCTRAIN_SKIP_CONTAINER_BUILD") != "1"
-            and any(item.get_closest_marker("container") for item in request.session.items)):
+            and any(item.get_closest_marker("container") for item in request.session.items)
+            and _claim_image_build()):
         IMAGE_BUILD.start(tmp_path_factory.mktemp("image-build"))
+    worker = hasattr(request.config, "workerinput")
+    if started_here and worker:
+        # Another worker may still run cluster tests when this one ends: the controller stops the cluster once
+        # every worker has ended (pytest_testnodedown, pytest_sessionfinish below).
+        request.config.workeroutput[STARTED_KEY] = True  # type: ignore[attr-defined]
     yield SlurmCluster(lab=LAB, started_here=started_here)
     IMAGE_BUILD.stop()
-    # LAB/keep (`slurm.sh up --keep`, `make cluster-up`): someone wants the cluster kept for others
-    if started_here and os.environ.get("HPCTRAIN_KEEP_SLURM") != "1" and not (LAB / "keep").exists():
-        down = _slurm_sh("down", timeout=120)
-        if down.returncode != 0:
-            print(f"warning: `slurm.sh down` failed (rc {down.returncode}):\n{down.stdout}{down.stderr}")
+    if started_here and not worker:
+        _down_unless_kept()
 
 
-# pytest-xdist (`make test` runs `-n N --dist loadgroup`). The scheduling unit is a group: every test that
-# touches the cluster or the container image is in one group, run one after the other by one worker as in a
-# serial run (some kill nodes or need all four; the image build is that process's child, IMAGE_BUILD); every
-# other test is grouped by its file, so a module-scoped fixture (a training run several tests read) is built
-# once, by one worker. The other workers' CPU-bound tests then overlap the cluster's waits (signals, time
-# limits, requeues). xdist 3.8's own loadgroup cannot see groups under pytest >= 9.2 (it rewrites a nodeid
-# attribute pytest no longer reads: pytest-dev/pytest-xdist#1386), so the workers write the groups to a file
-# and the controller's scheduler below reads them.
+def _down_unless_kept() -> None:
+    """`slurm.sh down`, unless someone asked to keep the cluster for others: HPCTRAIN_KEEP_SLURM=1 or LAB/keep
+    (`slurm.sh up --keep`, `make cluster-up`)."""
+    if os.environ.get("HPCTRAIN_KEEP_SLURM") == "1" or (LAB / "keep").exists():
+        return
+    down = _slurm_sh("down", timeout=120)
+    if down.returncode != 0:
+        print(f"warning: `slurm.sh down` failed (rc {down.returncode}):\n{down.stdout}{down.stderr}")
+
+
+STARTED_KEY = "hpctrain_started_slurm"  # in a worker's workeroutput: its session started the cluster
+_STARTED_BY_A_WORKER: list[bool] = [False]
+
+
+def _claim_image_build() -> bool:
+    """Whether this process builds the image. Every xdist worker sets up its own `slurm_cluster`; the first to do
+    so is the one running the serial cluster lane (the shared cluster modules wait for that lane), which holds
+    the container module and so waits on IMAGE_BUILD in this process. A second build would only compete."""
+    groups = os.environ.get(GROUPS_ENV)
+    if not groups:
+        return True
+    try:
+        os.close(os.open(Path(groups).with_name("image-build.claim"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, on the controller
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    if getattr(node, "workeroutput", {}).get(STARTED_KEY):
+        _STARTED_BY_A_WORKER[0] = True
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The controller, after every worker has ended: stop the cluster a worker's session started."""
+    if not hasattr(session.config, "workerinput") and _STARTED_BY_A_WORKER[0]:
+        _down_unless_kept()
+
+
+# pytest-xdist (`make test` runs `-n N --dist loadgroup`). The scheduling unit is a group; every test that does not
+# touch the cluster is grouped by its file, so a module-scoped fixture (a training run several tests read) is built
+# once, by one worker. The tests that touch the cluster or the container image form two kinds of group:
+# - the serial lane, CLUSTER_GROUP: the modules in SERIAL_CLUSTER_MODULES, run one after the other by one worker as
+#   in a serial run. They kill nodes, restart daemons, drain or slow a node (any other job then would fail or wait
+#   past its bounds), or need the image that worker's IMAGE_BUILD (its child process) builds.
+# - one group per other cluster module ("cluster:<file>"): their jobs may share the cluster (each job's waits
+#   count queued time apart, so another module's job only delays them). The scheduler holds them until the serial
+#   lane has ended, then gives each to whichever worker is idle, longest first (SHARED_CLUSTER_ORDER).
+# The other workers' CPU-bound tests overlap the cluster's waits (signals, time limits, requeues). xdist 3.8's own
+# loadgroup cannot see groups under pytest >= 9.2 (it rewrites a nodeid attribute pytest no longer reads:
+# pytest-dev/pytest-xdist#1386), so the workers write the groups to a file and the controller's scheduler below
+# reads them.
 CLUSTER_GROUP = "cluster"
+SHARED_CLUSTER_PREFIX = "cluster:"
+SERIAL_CLUSTER_MODULES = frozenset({
+    "test_cluster.py",  # kill-node 4, kills and restarts the daemons (with a cluster this session started)
+    "test_fault_slurm.py",  # drains and kills node3 under a 3-node run
+    "test_injob_slurm.py",  # kills two nodes of a 4-node job (the whole cluster)
+    "test_collect_slurm.py",  # kill-node 4 under a run (skipped when node3/node4 run other jobs)
+    "test_health_slurm.py",  # slows node2's link (tc) under a run pinned to node1-node3
+    "test_container_slurm.py",  # waits on the image build that this lane's worker started
+})
+# the shared modules in the order they are handed out: the longest first (wall s in CI, 2026-12-03), the rest after
+SHARED_CLUSTER_ORDER = ("test_script_slurm.py", "test_data_slurm.py", "test_node_slurm.py", "test_submit_slurm.py",
+                        "test_watch_slurm.py", "test_remote_slurm.py", "test_api_slurm.py", "test_hatches_slurm.py")
 GROUPS_ENV = "HPCTRAIN_TEST_GROUPS"  # the groups file: set by the controller, inherited by its workers
 
 
@@ -330,14 +391,26 @@ def _group(item: pytest.Item) -> str:
     mark = item.get_closest_marker("xdist_group")
     if mark is not None:
         return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
-    return CLUSTER_GROUP if _uses_cluster(item) else item.path.name
+    if not _uses_cluster(item):
+        return item.path.name
+    return CLUSTER_GROUP if item.path.name in SERIAL_CLUSTER_MODULES else SHARED_CLUSTER_PREFIX + item.path.name
 
 
-def _schedule_rank(item: pytest.Item) -> int:
-    """Longest first (the workers take groups in collection order): the cluster, files that train, the rest."""
-    if _group(item) == CLUSTER_GROUP:
-        return 0
-    return 1 if item.get_closest_marker("deepspeed") else 2
+def _is_cluster(group: str) -> bool:
+    return group == CLUSTER_GROUP or group.startswith(SHARED_CLUSTER_PREFIX)
+
+
+def _schedule_rank(item: pytest.Item) -> tuple[int, int]:
+    """Longest first (the workers take eligible groups in collection order): the serial cluster lane, the shared
+    cluster modules, files that train, the rest."""
+    group = _group(item)
+    if group == CLUSTER_GROUP:
+        return 0, 0
+    if group.startswith(SHARED_CLUSTER_PREFIX):
+        name = group.removeprefix(SHARED_CLUSTER_PREFIX)
+        order = SHARED_CLUSTER_ORDER
+        return 1, order.index(name) if name in order else len(order)
+    return (2, 0) if item.get_closest_marker("deepspeed") else (3, 0)
 
 
 TERMINAL_ENV = "HPCTRAIN_TEST_TERMINAL"  # the controller's COLUMNS and LINES, for its workers
@@ -386,8 +459,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: absent without it
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """`-n N [--dist loadgroup]`: xdist's scope scheduler with this file's groups, taken in collection order, and no
-    other work queued behind the cluster group (it is the longest: what waits behind it ends the run last)."""
+    """`-n N [--dist loadgroup]`: xdist's scope scheduler with this file's groups, taken in collection order (the
+    first eligible one), the shared cluster groups held until the serial lane has ended, and no other work queued
+    behind a running cluster group (what waits behind one ends the run last)."""
     if config.getoption("dist") not in ("load", "loadgroup"):  # load: what a bare `-n N` means
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -405,10 +479,44 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
                 self.groups = json.loads(path.read_text())
             return self.groups[nodeid]
 
+        def _eligible(self, node: Any, scope: str) -> bool:
+            """A shared cluster group once the serial lane has ended, or behind it on the worker running it."""
+            if not scope.startswith(SHARED_CLUSTER_PREFIX):
+                return True
+            if CLUSTER_GROUP in self.workqueue:
+                return False
+            for holder, work in self.assigned_work.items():
+                if CLUSTER_GROUP in work:
+                    return holder is node or all(work[CLUSTER_GROUP].values())
+            return True  # no serial lane in this run (or its worker died: its tests went back to the queue)
+
+        def _assign_work_unit(self, node: Any) -> None:
+            scope = next((s for s in self.workqueue if self._eligible(node, s)), None)
+            if scope is None:
+                return  # every group left is held: the node idles until the serial lane's end reschedules it
+            self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
+
         def _reschedule(self, node: Any) -> None:
-            if any(not done for done in self.assigned_work.get(node, {}).get(CLUSTER_GROUP, {}).values()):
+            if node.shutting_down or not self.workqueue:
+                super()._reschedule(node)
                 return
-            super()._reschedule(node)
+            work = self.assigned_work.get(node, {})
+            pending = self._pending_of(work)
+            # A worker holds its last test until it gets the next one (it needs `nextitem`) or shuts down: 1 pending
+            # means idle. Nothing is queued behind a cluster group's running tests, and a cluster group is given
+            # only to an idle worker; other work as xdist does (up to 2 pending).
+            on_cluster = any(_is_cluster(s) and not all(w.values()) for s, w in work.items())
+            nxt = next((s for s in self.workqueue if self._eligible(node, s)), None)
+            if nxt is None or pending > (1 if on_cluster or _is_cluster(nxt) else 2):
+                return
+            self._assign_work_unit(node)
+
+        def mark_test_complete(self, node: Any, item_index: int, duration: float = 0) -> None:
+            super().mark_test_complete(node, item_index, duration)
+            for other in self.nodes:  # the serial lane's end releases held groups to the idle workers
+                if other is not node:
+                    self._reschedule(other)
 
     return GroupScheduling(config, log)
 
@@ -477,16 +585,19 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     tr.write_line(f"{'wall':>8} {'cpu':>8} {'tests':>5}  {'worker':<14} module")
     for name, m in rows:
         if m.wall_s >= TIME_TABLE_MIN_S:
-            where = ",".join(sorted(m.workers)) + (" cluster" if m.group == CLUSTER_GROUP else "")
+            lane = " cluster" if m.group == CLUSTER_GROUP else " shared" if _is_cluster(m.group) else ""
+            where = ",".join(sorted(m.workers)) + lane
             tr.write_line(f"{m.wall_s:8.1f} {m.cpu_s:8.1f} {m.tests:5d}  {where:<14} {name}")
     per_worker: dict[str, float] = {}
     for m in _MODULE_TIMES.values():
         for w in m.workers:  # a module split over workers (rare: only a group of its own is) counts in each
             per_worker[w] = per_worker.get(w, 0.0) + m.wall_s / len(m.workers)
-    cluster = sum(m.wall_s for m in _MODULE_TIMES.values() if m.group == CLUSTER_GROUP)
-    rest = sum(m.wall_s for m in _MODULE_TIMES.values() if m.group != CLUSTER_GROUP)
+    serial = sum(m.wall_s for m in _MODULE_TIMES.values() if m.group == CLUSTER_GROUP)
+    shared = sum(m.wall_s for m in _MODULE_TIMES.values() if m.group.startswith(SHARED_CLUSTER_PREFIX))
+    rest = sum(m.wall_s for m in _MODULE_TIMES.values() if not _is_cluster(m.group))
     tr.write_line(
-        f"sums: cluster group {cluster:.0f} s, the rest {rest:.0f} s; per worker "
+        f"sums: cluster serial lane {serial:.0f} s, shared cluster modules {shared:.0f} s, the rest {rest:.0f} s;"
+        " per worker "
         + ", ".join(f"{w} {t:.0f} s" for w, t in sorted(per_worker.items()))
         + f"; session {time.monotonic() - _SESSION_T0[0]:.0f} s ({len(rows)} modules, the ones over"
         f" {TIME_TABLE_MIN_S:.0f} s shown)"

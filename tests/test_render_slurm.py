@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import PENDING_TIMEOUT_S, WAITING_STATES, sacct_state, wait_until
 from hpctrain.nodelist import rendezvous_port
 from hpctrain.plan.planner import make_plan
 from hpctrain.render.sbatch import render_sbatch
@@ -91,8 +92,10 @@ def test_rendered_script_runs_on_two_nodes(tmp_path: Path) -> None:
                          check=False, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     job = res.stdout.strip().split(";")[0]
-    deadline = time.time() + 150
-    while time.time() < deadline and len(list(run.glob("rank.*"))) < 4:
+    # 150 s from the job's start: it may wait in the queue behind another module's job (bounded apart)
+    wait_until(lambda: sacct_state(job) not in WAITING_STATES, PENDING_TIMEOUT_S, f"job {job} to leave the queue")
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline and len(list(run.glob("rank.*"))) < 4:
         time.sleep(1)
     subprocess.run(["scancel", job], capture_output=True, timeout=30, check=False)
     ranks = sorted(run.glob("rank.*"))
