@@ -66,9 +66,10 @@ cluster-status:
 cluster-wipe:
 	bash $(CLUSTER) wipe
 
-# pytest-xdist (tests/conftest.py groups the tests): one worker runs the cluster tests that kill or slow nodes in
-# turn, then every idle worker takes the other cluster modules, one each, beside each other; the rest runs file by
-# file meanwhile: the cluster's waits (signals, time limits, requeues) overlap CPU work.
+# pytest-xdist (tests/conftest.py groups the tests): one worker runs every SLURM/container test in turn while the
+# others run the rest, file by file: the cluster's waits (signals, time limits, requeues) overlap CPU work.
+# HPCTRAIN_TEST_CLUSTER_LANES=2: the cluster modules that do not kill or slow nodes go to any idle worker once the
+# others are done (slower on 2 cores: the jobs are CPU-bound; see tests/conftest.py).
 TEST_WORKERS ?= 2
 test: install install-system
 	$(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadgroup tests

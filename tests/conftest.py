@@ -359,7 +359,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 # - the serial lane, CLUSTER_GROUP: the modules in SERIAL_CLUSTER_MODULES, run one after the other by one worker as
 #   in a serial run. They kill nodes, restart daemons, drain or slow a node (any other job then would fail or wait
 #   past its bounds), or need the image that worker's IMAGE_BUILD (its child process) builds.
-# - one group per other cluster module ("cluster:<file>"): their jobs may share the cluster (each job's waits
+# - with HPCTRAIN_TEST_CLUSTER_LANES=2 (LANES_ENV; else they join the serial lane), one group per other cluster
+#   module ("cluster:<file>"): their jobs may share the cluster (each job's waits
 #   count queued time apart, so another module's job only delays them). The scheduler holds them until the serial
 #   lane has ended, then gives each to whichever worker is idle, longest first (SHARED_CLUSTER_ORDER).
 # The other workers' CPU-bound tests overlap the cluster's waits (signals, time limits, requeues). xdist 3.8's own
@@ -380,6 +381,11 @@ SERIAL_CLUSTER_MODULES = frozenset({
 SHARED_CLUSTER_ORDER = ("test_script_slurm.py", "test_data_slurm.py", "test_node_slurm.py", "test_submit_slurm.py",
                         "test_watch_slurm.py", "test_remote_slurm.py", "test_api_slurm.py", "test_hatches_slurm.py")
 GROUPS_ENV = "HPCTRAIN_TEST_GROUPS"  # the groups file: set by the controller, inherited by its workers
+# The second lane is off unless HPCTRAIN_TEST_CLUSTER_LANES=2: on this 2-core machine the cluster's jobs are
+# CPU-bound, so two cluster modules side by side (beside the local DeepSpeed tests) each took up to 2.5x longer and
+# `make test` got slower (pytest 1320 s, the lanes 1261/1295 s, vs 1134-1255 s with one lane; 2026-12-03). With
+# more cores than the jobs use, set it to 2.
+LANES_ENV = "HPCTRAIN_TEST_CLUSTER_LANES"
 
 
 def _uses_cluster(item: pytest.Item) -> bool:
@@ -393,7 +399,9 @@ def _group(item: pytest.Item) -> str:
         return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
     if not _uses_cluster(item):
         return item.path.name
-    return CLUSTER_GROUP if item.path.name in SERIAL_CLUSTER_MODULES else SHARED_CLUSTER_PREFIX + item.path.name
+    if os.environ.get(LANES_ENV) != "2" or item.path.name in SERIAL_CLUSTER_MODULES:
+        return CLUSTER_GROUP
+    return SHARED_CLUSTER_PREFIX + item.path.name
 
 
 def _is_cluster(group: str) -> bool:
