@@ -12,10 +12,12 @@ stage renders; every rank digests engine.module and its optimizer's fp32 master 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -244,6 +246,19 @@ def _zero3_config(precision: str) -> dict[str, Any]:
 
 
 _STAGE = re.compile(r"^zero([12])=")
+OWN_ARANGE = "own-arange="  # as if transformers had no prevent_arange_dtype_change (5.17): hpctrain's own patch
+
+
+@contextlib.contextmanager
+def _without_transformers_arange(hide: bool) -> Iterator[None]:
+    import transformers.integrations.deepspeed as tds
+
+    saved = tds.__dict__.pop("prevent_arange_dtype_change") if hide else None
+    try:
+        yield
+    finally:
+        if saved is not None:
+            tds.prevent_arange_dtype_change = saved
 
 
 def main(argv: list[str]) -> None:
@@ -275,11 +290,12 @@ def main(argv: list[str]) -> None:
             torch.distributed.all_gather_object(ranks, mine)
             results[item] = {"ranks": ranks}
             continue
-        folder, precision = item.removeprefix("fresh=").rsplit(":", 1)
+        folder, precision = item.removeprefix("fresh=").removeprefix(OWN_ARANGE).rsplit(":", 1)
         fresh = item.startswith("fresh=")  # a new model from the folder's config.json, not its weights
         spec = SimpleNamespace(path="" if fresh else folder, config=folder if fresh else "", overrides={}, freeze=())
         try:
-            model = build_model(spec, hf_config(spec), precision, _zero3_config(precision), zero3=True)
+            with _without_transformers_arange(item.startswith(OWN_ARANGE)):
+                model = build_model(spec, hf_config(spec), precision, _zero3_config(precision), zero3=True)
         except NodeInputError as exc:
             results[item] = {"error": str(exc)}
             continue

@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("deepspeed")
 torch = pytest.importorskip("torch")
 
-from familykit import FAMILIES, family_config, file_digests, make_folder, model_digests
+from familykit import FAMILIES, OWN_ARANGE, family_config, file_digests, make_folder, model_digests
 from runkit import free_port_pair, node_env
 
 pytestmark = pytest.mark.deepspeed
@@ -75,12 +75,15 @@ def zero3(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) ->
     ZeRO-3; every case through a ZeRO-1 and a ZeRO-2 engine."""
     out = tmp_path_factory.mktemp("zero3") / "digests.json"
     items = [_item(folders, n, p) for n, p in CASES] + [_item(folders, "phi3-incomplete", "fp32"),
-                                                         f"fresh={folders['gemma2']}:fp32"]
+                                                         f"fresh={folders['gemma2']}:fp32",
+                                                         OWN_ARANGE + _item(folders, "mixtral", "bf16")]
     items += [_engine_item(folders, n, p, z) for n, p, z in STAGE_CASES]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port_pair()),
            str(Path(__file__).with_name("familykit.py")), str(out), *items]
-    proc = subprocess.run(cmd, env=node_env(), capture_output=True, text=True, timeout=600, check=False)
+    # 3 reader threads a rank (the default here is 1: 2 cores, 2 ranks): the threaded partition reads are tested
+    env = {**node_env(), "HPCTRAIN_LOAD_THREADS": "3"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, f"rc={proc.returncode}\nSTDOUT\n{proc.stdout[-3000:]}\nSTDERR\n{proc.stderr[-5000:]}"
     return dict(json.loads(out.read_text()))
 
@@ -120,6 +123,17 @@ def test_zero0_loads_exactly_and_zero3_buffers_agree(zero3: dict[str, Any], fold
     _assert_matches_files(ref["params"], folders[name], precision)
     got = zero3[_item(folders, name, precision)]
     assert got["buffers"] == ref["buffers"]  # RoPE inv_freq (llama3, yarn), Gemma's embed_scale
+
+
+def test_zero3_bf16_rope_without_transformers_arange_patch(zero3: dict[str, Any], folders: dict[str, Path]) -> None:
+    """A transformers without prevent_arange_dtype_change (5.17, the H200 image's: an ImportError before step 1
+    until hpctrain brought its own) builds the same bf16 model under ZeRO-3. Mixtral's default RoPE makes inv_freq
+    from a float arange, which zero.Init would cast to bf16 (a different buffer) without the patch."""
+    got = zero3[OWN_ARANGE + _item(folders, "mixtral", "bf16")]
+    assert got.get("error") is None, got
+    assert got["buffers"] == zero3[_item(folders, "mixtral", "bf16")]["buffers"]
+    assert got["buffers"] == model_digests(_zero0(folders["mixtral"], "bf16"), zero3=False)["buffers"]
+    _assert_matches_files(got["params"], folders["mixtral"], "bf16")
 
 
 @pytest.mark.parametrize(("name", "precision", "stage"), STAGE_CASES, ids=STAGE_IDS)

@@ -39,7 +39,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,10 +181,47 @@ def _partitioned_construction(ds_config: dict[str, Any]) -> Iterator[None]:
     """
     import deepspeed
     from transformers.initialization import no_init_weights
-    from transformers.integrations.deepspeed import prevent_arange_dtype_change
 
-    with no_init_weights(), prevent_arange_dtype_change(), deepspeed.zero.Init(config_dict_or_path=ds_config):
+    with no_init_weights(), _keep_arange_dtype(), deepspeed.zero.Init(config_dict_or_path=ds_config):
         yield
+
+
+def _keep_arange_dtype() -> contextlib.AbstractContextManager[None]:
+    """transformers' prevent_arange_dtype_change where it has one (5.24 does; 5.17, the H200 image's, does not:
+    an ImportError before step 1), else the same patch of DeepSpeed's constructor wrapper, here."""
+    try:
+        from transformers.integrations.deepspeed import prevent_arange_dtype_change
+    except ImportError:
+        return _arange_keeps_dtype()
+    keep: contextlib.AbstractContextManager[None] = prevent_arange_dtype_change()
+    return keep
+
+
+@contextlib.contextmanager
+def _arange_keeps_dtype() -> Iterator[None]:
+    """zero.Init wraps torch.arange like every floating constructor: device and dtype. Keep only the device."""
+    from deepspeed.runtime.zero import partition_parameters as pp
+
+    original = pp.zero_wrapper_for_fp_tensor_constructor
+
+    def wrapper(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[..., Any]:
+        if fn is not pp._orig_torch_arange:
+            wrapped: Callable[..., Any] = original(fn, *args, **kwargs)
+            return wrapped
+
+        def arange(*a: Any, **kw: Any) -> Any:
+            if kw.get("device") is None:  # DeepSpeed's own rule for the device, as its wrapper would apply it
+                kw["device"] = kwargs["target_device"] if "target_device" in kwargs else torch.device(
+                    pp.get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0"))))
+            return fn(*a, **kw)
+
+        return arange
+
+    pp.zero_wrapper_for_fp_tensor_constructor = wrapper
+    try:
+        yield
+    finally:
+        pp.zero_wrapper_for_fp_tensor_constructor = original
 
 
 @contextlib.contextmanager
