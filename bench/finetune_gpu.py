@@ -99,7 +99,7 @@ FIXED = {"zero": 3, "offload": "optimizer", "offload_ratio": 0.3, "micro_batch":
 @dataclass(frozen=True)
 class Variant:
     kind: str = "hpctrain"  # or "padded" (bench/gpu/padded_ds.py)
-    data: str = "sft"  # "sft" (the chat/alpaca file, packed) or "synthetic"
+    data: str = "sft"  # "sft" (the chat/alpaca file, packed), "prepared" (it, `data prepare`d) or "synthetic"
     attention: str = "sdpa"
     lora_r: int = 0
     kernels: str = "none"  # [model] kernels ("liger": hpctrain.node.model.kernels)
@@ -125,6 +125,9 @@ VARIANTS: dict[str, Variant] = {
     # The ZeRO-3 weights read by one thread (the loader before 2026-12-03's fifth session): the start-up A/B of
     # hpctrain.node.model.build.load_threads.
     "full-auto-load1": Variant(attention="auto", load_threads=1),
+    # The same SFT file tokenized once ahead by `hpctrain data prepare` (docs/finetune.md's advice for large data):
+    # the rank memory-maps tokens and masks instead of rendering every chat record at start-up.
+    "full-auto-prepared": Variant(attention="auto", data="prepared"),
 }
 
 
@@ -136,7 +139,7 @@ class Case:
 
 
 CASES: dict[str, Case] = {
-    "startup": Case(("full-auto", "full-auto-load1"), 1,
+    "startup": Case(("full-auto", "full-auto-prepared", "full-auto-load1"), 1,
                     "process start to step 1 through `hpctrain submit --executor local`"),
     "sft": Case(("packed-sdpa", "packed-flex", "synthetic"), 2, "packed SFT (sdpa, flex) vs synthetic, same plan"),
     "lora": Case(("lora", "full"), 2, "LoRA r=16 vs the full fine-tune, packed SFT"),
@@ -162,6 +165,7 @@ class Setup:
     profile: str = ""  # --profile: "both" (cProfile of the engine phase, torch.profiler of one step) or "step"
     compile_cache: str = ""  # HPCTRAIN_COMPILE_CACHE of every run ("": the node's default)
     padded_mb: int = 0  # the padded loop's micro-batch (accumulation from the global batch); 0: hpctrain's plan
+    est_s: float = 0  # --est-s: one run's expected wall time for the budget (0: est_s's rule)
 
 
 def hp_tables(s: Setup, name: str, v: Variant) -> dict[str, Any]:
@@ -173,6 +177,9 @@ def hp_tables(s: Setup, name: str, v: Variant) -> dict[str, Any]:
                 "pack": True, "max_raw_bytes": 0}
         if s.fmt == "chat":
             data["messages_field"] = "messages"
+    elif v.data == "prepared":
+        data = {"source": str(prepared_folder(s)), "format": "prepared", "tokenizer": model, "seq_len": s.seq,
+                "pack": True}
     res: dict[str, Any] = {"nodes": 1, "gpus_per_node": 0 if s.cpu else 1, "tasks_per_node": 1, "time": "00:30:00"}
     if not s.cpu:  # one H200: 139 GiB usable; the host's 125 GiB; its 16 cores
         res.update({"gpu_mem_gb": 139.0, "mem": "125G", "cpus_per_task": os.cpu_count() or 1})
@@ -201,6 +208,24 @@ def hp_tables(s: Setup, name: str, v: Variant) -> dict[str, Any]:
     if v.lora_r:
         tables["lora"] = {"r": v.lora_r}
     return tables
+
+
+def prepared_folder(s: Setup) -> Path:
+    """The SFT file through `hpctrain data prepare`, once per assets folder (a cache hit after that); its time is
+    the report's `prepare_data_s` (paid once ahead, not at each start)."""
+    out = s.assets / f"prepared-{s.fmt}-{s.seq}"
+    if (out / "manifest.json").exists():
+        return out
+    t0 = time.time()
+    cmd = [sys.executable, "-m", "hpctrain", "data", "prepare", str(s.assets / f"{s.fmt}.jsonl"), "--format", s.fmt,
+           "--seq-len", str(s.seq), "--tokenizer", str(s.assets / "model"), "--out", str(out), "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False,
+                          env=env_for(s, s.work / "runs"), cwd=str(ROOT))
+    if proc.returncode:
+        raise RunFailed(proc.returncode, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}")
+    (s.assets / f"prepared-{s.fmt}-{s.seq}.json").write_text(json.dumps(
+        {"prepare_data_s": round(time.time() - t0, 1), "command": cmd[1:], "stdout": proc.stdout[-2000:]}))
+    return out
 
 
 def write_runfile(path: Path, tables: dict[str, Any]) -> Path:
@@ -533,6 +558,8 @@ def expand(cases: list[str], runs: list[str], rounds: int) -> list[tuple[str, st
 
 def est_s(s: Setup, variant: str) -> float:
     """One run's expected wall time, start to end (the budget's unit): 8B ~150 s to step 1, ~10 s a step."""
+    if s.est_s:
+        return s.est_s
     if s.cpu:
         return 60.0
     if ":" in variant:  # an ft_alternate process: it stops its windows at the budget itself
@@ -632,7 +659,9 @@ def report(rows: list[dict[str, Any]], skipped: list[str], argv: list[str], asse
     if st:
         lines += ["## Start-up (seconds, medians)", "", *st,
                   (f"Imports alone (torch, transformers' Llama, deepspeed in a fresh process, once a call): "
-                   f"{assets.get('imports_alone_s', '-')} s."), ""]
+                   f"{assets.get('imports_alone_s', '-')} s."),
+                  *([(f"`hpctrain data prepare` of the SFT file for the prepared variant, once ahead: "
+                      f"{assets['prepare_data']['prepare_data_s']} s.")] if assets.get("prepare_data") else []), ""]
     tables = [("Packed SFT vs synthetic (same plan)", ("synthetic", "packed-sdpa", "packed-flex"), "synthetic", ""),
               ("LoRA vs full fine-tune (packed SFT; full pools packed-sdpa's runs)", ("full", "lora"), "full", ""),
               ("hpctrain packed SFT vs DeepSpeed's padded loop", ("padded-ds", "packed-sdpa"), "padded-ds", "")]
@@ -742,6 +771,8 @@ def main() -> None:
     ap.add_argument("--cold-compile", action="store_true", help="empty --compile-cache before the first run")
     ap.add_argument("--padded-mb", type=int, default=0, help="the padded loop's micro-batch (default: hpctrain's "
                     "plan's); accumulation = global batch / it")
+    ap.add_argument("--est-s", type=float, default=0, help="one run's expected wall time, for the budget (default: "
+                    "~150 s + 11 s a step; warm start-up runs take ~90 s)")
     ap.add_argument("--cpu", action="store_true", help="tiny llama on CPU ranks (DS_ACCELERATOR=cpu): a smoke test")
     ap.add_argument("--assets", default="/tmp/ft-assets", help="model, tokenizer and data (kept across calls)")
     ap.add_argument("--work", default="/tmp/ft-suite-work")
@@ -764,7 +795,7 @@ def main() -> None:
     s = Setup(cpu=a.cpu, assets=assets_dir, work=Path(a.work), seq=a.seq or (256 if a.cpu else 4096),
               global_batch=a.global_batch or (4 if a.cpu else 16), steps=a.steps, warmup=a.warmup, fixed=a.fixed,
               fmt=a.format, rounds=a.rounds or 3, profile=a.profile, padded_mb=a.padded_mb,
-              compile_cache=a.compile_cache)
+              compile_cache=a.compile_cache, est_s=a.est_s)
     if a.cold_compile and a.compile_cache:
         shutil.rmtree(a.compile_cache, ignore_errors=True)
     out = Path(a.out)
@@ -783,6 +814,9 @@ def main() -> None:
             builder.kill()  # the first run builds it itself
         builder = None
     assets["imports_alone_s"] = time_imports(s)
+    if any(c != "alt" and VARIANTS[v].data == "prepared" for c, v, _ in plan):  # once, ahead, not in a start-up
+        prepared_folder(s)
+        assets["prepare_data"] = json.loads((s.assets / f"prepared-{s.fmt}-{s.seq}.json").read_text())
     (out / "assets.json").write_text(json.dumps({**assets, "made_in_this_call_s": round(took, 1)}, indent=1))
     print(f"{time.time() - t0:6.0f} s  assets ready ({took:.0f} s), imports alone {assets['imports_alone_s']} s: "
           f"{json.dumps(assets)[:300]}", flush=True)
