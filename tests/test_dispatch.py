@@ -564,6 +564,44 @@ def test_local_executor_preflight_two_tasks(tmp_path: Path, monkeypatch: pytest.
         time.sleep(0.5)
 
 
+@pytest.mark.parametrize(("rank1", "code"), [("os._exit(0)", "17:0"), ("os.kill(os.getpid(), signal.SIGKILL)", "0:9")])
+def test_local_controller_records_how_its_tasks_ended(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       rank1: str, code: str) -> None:
+    """submitit's controller exits 0 whatever its tasks did; hpctrain's (hpctrain.slurm.localctl) records their
+    exit statuses, and the refresh gives the attempt the job's exit code in sacct's form (a signal wins: 0:9)."""
+    import shlex
+
+    from hpctrain.runs.registry import Attempt
+    from hpctrain.slurm import dispatch, localctl
+    from hpctrain.slurm.refresh import refresh
+
+    monkeypatch.setenv("HPCTRAIN_STATE_DIR", str(tmp_path / "state"))
+    (d,) = _folders(tmp_path, 1)
+    task = f"import os, signal; os._exit(17) if os.environ['SUBMITIT_LOCAL_GLOBALID'] == '0' else {rank1}"
+    proc = localctl.start_controller(runs.RunFolder(d).submitit_dir, shlex.join([sys.executable, "-c", task]),
+                                     tasks_per_node=2, cuda_devices="", timeout_min=1, signal_delay_s=5)
+    Registry().add_submitted({"run_id": d.name, "name": "tiny", "folder": str(d), "executor": "local"},
+                             Attempt(run_id=d.name, attempt=0, job_id=str(proc.pid)))
+    assert proc.wait(timeout=30) == 0  # the controller's own status says nothing of its tasks'
+    assert dispatch.local_state(d, str(proc.pid)) == ("FAILED", f"exit {code}")
+    record = json.loads(localctl.exit_record(runs.RunFolder(d).submitit_dir, str(proc.pid)).read_text())
+    assert record["task_statuses"] == [17, 0 if code == "17:0" else -9]
+    reg = Registry()
+    refresh(reg, [reg.get_run(d.name)])
+    att = Registry().get_run(d.name).latest
+    assert att is not None and (att.state, att.exit_code) == ("FAILED", code)
+    assert runs.RunFolder(d).read_attempts()[-1]["exit_code"] == code  # attempts.jsonl: summary of a bare folder
+
+
+def test_local_job_exit_code_in_sacct_form() -> None:
+    from hpctrain.slurm.localctl import job_exit_code
+
+    assert job_exit_code([0, 0]) == "0:0"
+    assert job_exit_code([17, 1, None]) == "17:0"  # srun's rule: the highest status
+    assert job_exit_code([1, -9]) == "0:9"  # a rank killed by a signal is the cause, its peer's exit 1 the consequence
+    assert job_exit_code([None]) is None and job_exit_code([]) is None
+
+
 def test_just_finished_job_is_read_again_until_settled(fake_slurm: Path, stand_in_render: None,
                                                        tmp_path: Path) -> None:
     """slurmdbd may list a just-finished 4-node job on one node for a moment: re-read it for a while."""

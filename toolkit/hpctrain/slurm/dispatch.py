@@ -470,13 +470,13 @@ def _submit_local(dirs: list[Path], spec: Spec, plan: Plan, mode: str) -> list[S
     if spec.fault.health_check:
         raise HpcUsageError("fault.health_check = true: the local executor runs no health step (a SLURM job's "
                             "in-job driver does). Fix: pass --no-health-check, or use --executor slurm")
-    import submitit
-
     from hpctrain.node.launch.entry import NodeJob
+    from hpctrain.slurm import localctl
 
     subs = []
     for d in dirs:
-        ex = submitit.LocalExecutor(folder=runs_mod.RunFolder(d).submitit_dir)
+        # submitit's executor under hpctrain's controller, which records how the tasks ended (their exit code).
+        ex = localctl.make_executor(runs_mod.RunFolder(d).submitit_dir)
         ex.update_parameters(tasks_per_node=plan.ranks_per_node, nodes=1,
                              timeout_min=time_minutes(spec.resources.time),
                              gpus_per_node=spec.resources.gpus_per_node,
@@ -512,11 +512,18 @@ def _stdio_to(path: Path) -> Iterator[None]:
 
 
 def local_state(run_dir: Path, job_id: str) -> tuple[str, str | None]:
-    """State of a local-executor job: RUNNING while its controller lives, then COMPLETED/FAILED
-    from submitit's result pickles (cached there by submitit, so this is cheap)."""
+    """State of a local-executor job: RUNNING while its controller lives, then COMPLETED/FAILED from the exit
+    code its controller recorded and submitit's result pickles (cached there by submitit, so this is cheap)."""
+    from hpctrain.slurm.localctl import read_exit_code
+
     pid = int(job_id) if job_id.isdigit() else -1
     if pid > 0 and _alive(pid) and _is_local_controller(pid, run_dir):
         return JobState.RUNNING, None
+    # A task that failed after another wrote its success pickle (or died hard, writing none) leaves pickles that
+    # all say success: its exit code says otherwise, as sacct's would for a SLURM job.
+    code = read_exit_code(runs_mod.RunFolder(run_dir).submitit_dir, job_id)
+    if code is not None and code != "0:0":
+        return JobState.FAILED, f"exit {code}"
     results = sorted(runs_mod.RunFolder(run_dir).submitit_dir.glob(f"{job_id}_*_result.pkl"))
     if not results:
         return JobState.FAILED, "no result file (killed?)"
@@ -534,14 +541,16 @@ def local_state(run_dir: Path, job_id: str) -> tuple[str, str | None]:
 
 
 def _is_local_controller(pid: int, run_dir: Path) -> bool:
-    """The PID is submitit's local controller for this run (`python -m submitit.local._local RUN/submitit`),
+    """The PID is the local controller for this run (`python -m hpctrain.slurm.localctl RUN/submitit`),
     not an unrelated process that reused the number after the controller ended: `cancel` signals it."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
             argv = fh.read().decode(errors="replace").split("\0")
     except OSError:
         return False
-    return "submitit.local._local" in argv and any(Path(run_dir).name in arg for arg in argv)
+    # hpctrain's controller (hpctrain.slurm.localctl), or submitit's own for a run submitted before it existed.
+    ours = any(m in argv for m in ("hpctrain.slurm.localctl", "submitit.local._local"))
+    return ours and any(Path(run_dir).name in arg for arg in argv)
 
 
 def _alive(pid: int) -> bool:

@@ -18,6 +18,7 @@ from hpctrain import slurmcommands as commands
 from hpctrain.runs.folder import RunFolder, append_attempt, read_attempts
 from hpctrain.runs.registry import Registry, Run
 from hpctrain.slurm.dispatch import local_state
+from hpctrain.slurm.localctl import read_exit_code
 from hpctrain.states import is_final
 
 
@@ -52,7 +53,7 @@ def refresh(reg: Registry, runs: list[Run]) -> list[str]:
             state, _ = local_state(Path(run.folder), att.job_id)
             fields: dict[str, Any] = {"state": state}
             if is_final(state):
-                fields["ended"] = time.time()
+                fields.update(_local_end(Path(run.folder), att.job_id))
         elif att.job_id in fresh:
             fields = {k: v for k, v in fresh[att.job_id].items() if v not in (None, "")}
         else:
@@ -75,6 +76,15 @@ def refresh(reg: Registry, runs: list[Run]) -> list[str]:
                 append_attempt(RunFolder(run.folder).attempts_jsonl, line)
     reg.update_attempts(updates)
     return warnings
+
+
+def _local_end(folder: Path, job_id: str) -> dict[str, Any]:
+    """An ended local job's end time and, where its controller recorded one, its exit code (sacct's form)."""
+    fields: dict[str, Any] = {"ended": time.time()}
+    code = read_exit_code(RunFolder(folder).submitit_dir, job_id)
+    if code is not None:
+        fields["exit_code"] = code
+    return fields
 
 
 def _record_runs(run: Run, att: Any, runs: list[dict[str, Any]]) -> None:
