@@ -331,3 +331,30 @@ def test_a_per_node_launchers_log_is_classified_by_the_raising_ranks_exception(l
     assert (f.failure_class, f.rank, f.host) == (FC.PYTHON_EXCEPTION, 1, "node2"), f
     assert f.exception == "ValueError: example failure on rank 1 at step 2"
     assert f.last_lines[-1] == f.exception and 'raise ValueError(f"example failure' in "\n".join(f.last_lines)
+
+
+def test_a_local_jobs_failure_names_the_local_executor_and_its_exit_code() -> None:
+    """A local-executor attempt never touched SLURM: its state is the local job's, with the exit code its controller
+    recorded (hpctrain.slurm.localctl); a SLURM attempt's words stay as they were."""
+    f = cc.classify("FAILED", [src(HEAD.format(r=0))], exit_code="17:0", executor="local")
+    assert f.failure_class == FC.UNKNOWN
+    assert f.message == "local job state FAILED, exit 17:0; no error found in the logs"
+    assert "SLURM" not in f.message
+    assert cc.classify("FAILED", [src(HEAD.format(r=0))], exit_code="17:0").message == \
+        "SLURM state FAILED, exit 17:0; no error found in the logs"
+    assert cc.classify("CANCELLED", [], executor="local").message == "local job state CANCELLED"
+    assert cc.classify("FAILED", [], exit_code="2:0", executor="local").message.startswith(
+        "local job state FAILED, exit 2:0: the node's exit code for input_error")
+    killed = cc.classify("FAILED", [src("Killed\n", "submitit/9_0_log.err")], exit_code="0:9", executor="local")
+    assert killed.failure_class == FC.HOST_OOM and "SLURM" not in killed.message
+
+
+def test_a_crash_injected_by_the_test_hook_says_so() -> None:
+    """HPCTRAIN_FAIL_AT_STEP=N: every rank logs the hook's line, then os._exit(17): no traceback, no event."""
+    hook = HEAD.format(r=1) + "2026-11-29T10:00:09 rank1 INFO HPCTRAIN_FAIL_AT_STEP=6: exiting hard\n"
+    f = cc.classify("FAILED", [src(HEAD.format(r=0)), src(hook, "logs/attempt-0.rank-1.log", 1, "host1")],
+                    exit_code="17:0", executor="local")
+    assert f.failure_class == FC.UNKNOWN
+    assert f.message == ("local job state FAILED, exit 17:0: crash injected by the HPCTRAIN_FAIL_AT_STEP=6 test hook "
+                         "(the ranks exited hard after step 6)")
+    assert (f.rank, f.host, f.source) == (1, "host1", "logs/attempt-0.rank-1.log")

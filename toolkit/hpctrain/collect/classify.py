@@ -67,6 +67,8 @@ _SIGNAL_STOP = re.compile(r"signal (\d+): checkpointed at step (\d+), stopping"
 # submitit's own handler for that signal, when chained, refuses to requeue a non-Checkpointable job.
 # (timed-out / preempted / "checkpoint function returned None" when no retry is wanted): a stop, not a bug.
 _SUBMITIT_STOP = re.compile(r"UncompletedJobError: Job not requeued because")
+# The test hook that kills every rank after step N (hpctrain.node.train._fail_hook) says so first.
+_INJECTED = re.compile(r"HPCTRAIN_FAIL_AT_STEP=(\d+): exiting hard")
 # Tags that identify who wrote a line: the node's "rank3", submitit's JobEnvironment line.
 _RANK_TAG = re.compile(r"\brank ?(\d+)\b")
 _JOBENV = re.compile(r"JobEnvironment\(job_id=([^,]+), hostname=([^,]+), local_rank=\d+\(\d+\), "
@@ -257,12 +259,13 @@ _PRIORITY = (FC.PREFLIGHT, FC.INPUT_ERROR, FC.GPU_OOM, FC.HOST_OOM, FC.CONTAINER
 
 def classify(state: str | None, sources: Iterable[LogSource], *, exit_code: str | None = None,
              hang: bool = False, hang_message: str = "", hosts: list[str] | None = None,
-             events: Iterable[Event] = ()) -> Failure:
+             events: Iterable[Event] = (), executor: str = "slurm") -> Failure:
     """One failure class for one attempt from its SLURM state, the ranks' events, logs and heartbeat verdict.
 
     `state` is SLURM's (or the local executor's) final state; None/RUNNING/PENDING mean still going.
     COMPLETED with no error evidence gives failure_class None. `events` are this attempt's lines of
-    events.jsonl: read first, and preferred over the same evidence found in the logs.
+    events.jsonl: read first, and preferred over the same evidence found in the logs. `executor` is the run's
+    ("slurm", "local"): the messages name whose state it is.
     """
     state = normalize_state(state or "") if state else ""
     srcs = [identify(s) for s in sources]
@@ -292,7 +295,8 @@ def classify(state: str | None, sources: Iterable[LogSource], *, exit_code: str 
     if state == JobState.OUT_OF_MEMORY or ("killed" in by_cls and not external and _is_kill_exit(exit_code, state)):
         killed = by_cls.get("killed")
         return _failure(FC.HOST_OOM, killed[0] if killed else None,
-                        default=f"SLURM state {state or '?'}, exit {exit_code or '?'}: killed (host memory exhausted?)")
+                        default=f"{_state_of(executor, state)}, exit {exit_code or '?'}: killed (host memory "
+                                "exhausted?)")
     if "signal_stop" in by_cls and state not in (JobState.CANCELLED, JobState.NODE_FAIL):
         return _signal_stop(by_cls["signal_stop"], state)
     if "signal_stop" in by_cls and state == JobState.CANCELLED:
@@ -312,16 +316,37 @@ def classify(state: str | None, sources: Iterable[LogSource], *, exit_code: str 
         if cls == FC.NODE_FAIL:
             host = lost_host(srcs)
             return Failure(FC.NODE_FAIL, f"SLURM lost a node{f' ({host})' if host else ''}", host=host)
-        return Failure(cls, f"SLURM state {state}")
+        return Failure(cls, _state_of(executor, state))
     if state == JobState.FAILED or (exit_code and exit_code not in ("0", "0:0")):
         if FC.COMM_TIMEOUT in by_cls:
             return _failure(FC.COMM_TIMEOUT, _culprit(by_cls[FC.COMM_TIMEOUT]))
         by_exit = class_of_exit(exit_code)  # the node's exit code names it (2: bad input, 4: pre-flight)
         if by_exit is not None:
-            return Failure(by_exit, f"SLURM state {state or '?'}, exit {exit_code}: the node's exit code for "
+            return Failure(by_exit, f"{_state_of(executor, state)}, exit {exit_code}: the node's exit code for "
                                     f"{by_exit}; no log or event says more")
-        return Failure(FC.UNKNOWN, f"SLURM state {state or '?'}, exit {exit_code or '?'}; no error found in the logs")
+        injected = _injected_crash(srcs)
+        if injected is not None:
+            return Failure(FC.UNKNOWN, f"{_state_of(executor, state)}, exit {exit_code or '?'}: {injected[0]}",
+                           rank=injected[1].rank, host=injected[1].host, source=injected[1].name)
+        return Failure(FC.UNKNOWN, f"{_state_of(executor, state)}, exit {exit_code or '?'}; no error found in the logs")
     return Failure(None)
+
+
+def _state_of(executor: str, state: str) -> str:
+    """Whose state it is: SLURM's (sacct), or the local executor's (hpctrain.slurm.dispatch.local_state), which
+    never touched SLURM. An unknown executor (a run folder from before the field) reads as SLURM, as it always did."""
+    return f"{'local job' if executor == 'local' else 'SLURM'} state {state or '?'}"
+
+
+def _injected_crash(srcs: list[LogSource]) -> tuple[str, LogSource] | None:
+    """The test hook's own line (hpctrain.node.train._fail_hook: HPCTRAIN_FAIL_AT_STEP=N kills every rank
+    with os._exit after step N): the crash was asked for, not a fault to hunt in the logs."""
+    for src in srcs:
+        m = _INJECTED.search(src.text)
+        if m:
+            return (f"crash injected by the HPCTRAIN_FAIL_AT_STEP={m.group(1)} test hook (the ranks exited hard "
+                    f"after step {m.group(1)})"), src
+    return None
 
 
 def _node_lost(evidence: list[_Evidence], srcs: list[LogSource], hosts: list[str]) -> Failure:

@@ -207,7 +207,7 @@ def _attempt_row(inp: RunInput, a: dict[str, Any], files: list[cl.LogFile], recs
     # hold what its earlier run said, and that failure belongs to the earlier run, never to its successor.
     failure = cc.classify(state if state in ENDED or hang else None, sources if state in ENDED or hang else [],
                           exit_code=a.get("exit_code"),
-                          hang=hang, hang_message=hang_msg, hosts=hosts, events=evs)
+                          hang=hang, hang_message=hang_msg, hosts=hosts, events=evs, executor=inp.executor)
     lost = journal.from_note(journal.PEER_LOST, a.get("peer_lost"))
     # The watchdog cancelled it (or is cancelling it: its verdict comes first): a node died, not a person, and
     # the verdict is the one cause; the survivors' errors blame whichever peer each one talked to.
