@@ -1,6 +1,6 @@
 #!/bin/bash
-# Source on the H200 machine: installs the carried wheels (deepspeed is not in that image) and sets the
-# environment every GPU process there needs.
+# Source on the H200 machine: installs the carried wheels (made here by bench/gpu/wheels.sh; deepspeed and
+# bitsandbytes are not in that image) and sets the environment every GPU process there needs.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
 export PYTHONPATH=/tmp/site:$PWD/toolkit${PYTHONPATH:+:$PYTHONPATH}
 # NVLink multicast stays off on shared multi-GPU hosts (see the device notes).
