@@ -37,8 +37,8 @@ install-node: install-base
 	$(PIP) install ninja setuptools wheel
 	@echo "== install: $(DEEPSPEED_SPEC), built from source against that torch"
 	$(PIP) install --no-build-isolation "$(DEEPSPEED_SPEC)"
-	@echo "== install: the node extra (transformers, datasets, ...), test and plot tools, trackers (wandb, mlflow)"
-	$(PIP) install -e ".[node,test,plot,wandb,mlflow]"
+	@echo "== install: the node extra (transformers, datasets, ...), test and plot tools, trackers (wandb, mlflow), bitsandbytes (QLoRA)"
+	$(PIP) install -e ".[node,test,plot,wandb,mlflow,qlora]"
 
 install: install-node
 	@echo "== installed. Put hpctrain on PATH in your shell: source $(VENV)/bin/activate"

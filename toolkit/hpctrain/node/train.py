@@ -173,7 +173,7 @@ def build_engine(p: Prepared) -> tuple[Any, int]:
             load_pretrained_into(model, spec.model.path, p.hf_cfg.num_hidden_layers)
         n_params = presets.llama_param_count(p.hf_cfg.to_dict())
     else:
-        if spec.lora.quantize == "4bit":  # QLoRA: NF4 base weights through bitsandbytes (GPU ranks)
+        if spec.lora.quantize == "4bit":  # QLoRA: NF4 base weights through bitsandbytes
             from hpctrain.node.model.lora import load_quantized
 
             model = load_quantized(spec.model, p.hf_cfg, spec.train.precision, attn.hf)

@@ -526,9 +526,6 @@ def _rules_lora_with(s: Spec) -> None:
          "remove [model] freeze (choose what trains with [lora] target_modules)")
     if lo.quantize != "4bit":
         return
-    need(s.resources.gpus_per_node > 0, "lora.quantize", lo.quantize,
-         "QLoRA's 4-bit layers (bitsandbytes) need GPUs and this run has CPU ranks",
-         'set [lora] quantize = "none" (LoRA on the full-precision base), or pass --gpus-per-node N')
     need(p.zero != 3, "parallel.zero", p.zero, "ZeRO-3 cannot partition QLoRA's 4-bit base weights",
          'pass --zero 2 (or auto; the base is small once quantized), or set [lora] quantize = "none"')
     need(p.offload == "none", "parallel.offload", p.offload,

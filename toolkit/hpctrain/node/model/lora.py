@@ -6,7 +6,7 @@
   layers PEFT adds afterwards are ordinary parameters, which DeepSpeed's ZeRO-3 engine partitions at
   initialize (`DeepSpeedZeRoOffload._convert_to_zero_parameters`).
 - `load_quantized` is QLoRA's load: from_pretrained with bitsandbytes NF4 weights (bf16 compute), then
-  PEFT's prepare_model_for_kbit_training. GPU ranks only, ZeRO 0-2 without offload (spec/rules.py refuses
+  PEFT's prepare_model_for_kbit_training. GPU or CPU ranks, ZeRO 0-2 without offload (spec/rules.py refuses
   the rest at submit).
 - `merge` gives the export (node/checkpointing/export.py) the adapters (PEFT save_pretrained) and the merged base.
 
@@ -101,8 +101,10 @@ def trainable_counts(model: Any) -> tuple[int, int]:
 
 def load_quantized(model_spec: Any, cfg: Any, precision: str, attn: str = "") -> Any:
     """QLoRA's base: [model] path loaded with 4-bit NF4 weights (double quantization), computing in bf16
-    (fp16 when the run trains in fp16). Needs a GPU and bitsandbytes; not run by the CPU test suite."""
+    (fp16 when the run trains in fp16), on this rank's device: its GPU, or the CPU (bitsandbytes >= 0.50 has
+    CPU kernels for NF4, so the CPU test suite runs the whole QLoRA path)."""
     import torch
+    from deepspeed.accelerator import get_accelerator
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     try:
@@ -113,9 +115,9 @@ def load_quantized(model_spec: Any, cfg: Any, precision: str, attn: str = "") ->
     compute = torch.float16 if precision == "fp16" else torch.bfloat16
     quant = BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute)
-    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0")))  # "cuda:N" or "cpu"
     return AutoModelForCausalLM.from_pretrained(model_spec.path, config=cfg, quantization_config=quant,
-                                                dtype=compute, device_map={"": local}, local_files_only=True,
+                                                dtype=compute, device_map={"": device}, local_files_only=True,
                                                 attn_implementation=attn or None)
 
 
