@@ -178,7 +178,7 @@ def hp_tables(s: Setup, name: str, v: Variant) -> dict[str, Any]:
         if s.fmt == "chat":
             data["messages_field"] = "messages"
     elif v.data == "prepared":
-        data = {"source": str(prepared_folder(s)), "format": "prepared", "tokenizer": model, "seq_len": s.seq,
+        data = {"source": str(prepared_path(s)), "format": "prepared", "tokenizer": model, "seq_len": s.seq,
                 "pack": True}
     res: dict[str, Any] = {"nodes": 1, "gpus_per_node": 0 if s.cpu else 1, "tasks_per_node": 1, "time": "00:30:00"}
     if not s.cpu:  # one H200: 139 GiB usable; the host's 125 GiB; its 16 cores
@@ -210,10 +210,15 @@ def hp_tables(s: Setup, name: str, v: Variant) -> dict[str, Any]:
     return tables
 
 
-def prepared_folder(s: Setup) -> Path:
-    """The SFT file through `hpctrain data prepare`, once per assets folder (a cache hit after that); its time is
-    the report's `prepare_data_s` (paid once ahead, not at each start)."""
-    out = s.assets / f"prepared-{s.fmt}-{s.seq}"
+def prepared_path(s: Setup) -> Path:
+    """Where prepare_data puts the SFT file tokenized by `hpctrain data prepare` (the prepared variants' source)."""
+    return s.assets / f"prepared-{s.fmt}-{s.seq}"
+
+
+def prepare_data(s: Setup) -> Path:
+    """The SFT file through `hpctrain data prepare`, once per assets folder (a cache hit after that), before any
+    run; its time is the report's `prepare_data_s` (paid once ahead, not at each start)."""
+    out = prepared_path(s)
     if (out / "manifest.json").exists():
         return out
     t0 = time.time()
@@ -815,7 +820,7 @@ def main() -> None:
         builder = None
     assets["imports_alone_s"] = time_imports(s)
     if any(c != "alt" and VARIANTS[v].data == "prepared" for c, v, _ in plan):  # once, ahead, not in a start-up
-        prepared_folder(s)
+        prepare_data(s)
         assets["prepare_data"] = json.loads((s.assets / f"prepared-{s.fmt}-{s.seq}.json").read_text())
     (out / "assets.json").write_text(json.dumps({**assets, "made_in_this_call_s": round(took, 1)}, indent=1))
     print(f"{time.time() - t0:6.0f} s  assets ready ({took:.0f} s), imports alone {assets['imports_alone_s']} s: "

@@ -97,6 +97,9 @@ def test_finetune_run_files_are_valid_specs(tmp_path: Path) -> None:
         assert spec.lora.r == v.lora_r and spec.lora.r == (16 if name.startswith("lora") else 0), name
         if v.data == "sft":
             assert (spec.data.format, spec.data.pack, spec.data.messages_field) == ("chat", True, "messages"), name
+        elif v.data == "prepared":  # `hpctrain data prepare`'s folder, made once ahead by main (no run file does it)
+            assert (spec.data.format, spec.data.source) == ("prepared", str(F.prepared_path(s))), name
+            assert not F.prepared_path(s).exists()
         else:
             assert spec.data.source == "synthetic"
 
