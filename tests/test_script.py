@@ -288,7 +288,16 @@ def _stacks_are_the_programs(run: Path, wrapper: subprocess.Popen[str]) -> None:
     """SIGURG to every process, as `scancel -s URG` sends it to the step: the program's rank process dumps its own
     frames into the rank's file (a pid of its own); the node entry, its wrapper, neither dumps nor dies of it."""
     from hpctrain.collect.stacks import local_sender, request
+    from hpctrain.collect.stragglers import newest_job_beats
+    from hpctrain.runs.beats import read_beats
 
+    # The signal goes to the pids the beats name: wait until the program's rank has beaten with its own pid
+    # (on a busy machine its first beat comes well after probe.json.ready; a signal before it reaches nobody).
+    deadline = time.monotonic() + 120
+    while not any(b.get("rank") == 0 and int(b.get("pid", 0)) not in (0, wrapper.pid)
+                  for b in newest_job_beats(read_beats(run))):
+        assert wrapper.poll() is None and time.monotonic() < deadline, "the program's rank never beat"
+        time.sleep(0.1)
     beats = local_sender(run)
 
     def send() -> None:
