@@ -228,7 +228,7 @@ def prepare_data(s: Setup) -> Path:
                           env=env_for(s, s.work / "runs"), cwd=str(ROOT))
     if proc.returncode:
         raise RunFailed(proc.returncode, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}")
-    (s.assets / f"prepared-{s.fmt}-{s.seq}.json").write_text(json.dumps(
+    out.with_suffix(".json").write_text(json.dumps(
         {"prepare_data_s": round(time.time() - t0, 1), "command": cmd[1:], "stdout": proc.stdout[-2000:]}))
     return out
 
@@ -777,7 +777,7 @@ def main() -> None:
     ap.add_argument("--padded-mb", type=int, default=0, help="the padded loop's micro-batch (default: hpctrain's "
                     "plan's); accumulation = global batch / it")
     ap.add_argument("--est-s", type=float, default=0, help="one run's expected wall time, for the budget (default: "
-                    "~150 s + 11 s a step; warm start-up runs take ~90 s)")
+                    "~150 s + 11 s a step; warm start-up runs take ~65 s)")
     ap.add_argument("--cpu", action="store_true", help="tiny llama on CPU ranks (DS_ACCELERATOR=cpu): a smoke test")
     ap.add_argument("--assets", default="/tmp/ft-assets", help="model, tokenizer and data (kept across calls)")
     ap.add_argument("--work", default="/tmp/ft-suite-work")
@@ -820,8 +820,7 @@ def main() -> None:
         builder = None
     assets["imports_alone_s"] = time_imports(s)
     if any(c != "alt" and VARIANTS[v].data == "prepared" for c, v, _ in plan):  # once, ahead, not in a start-up
-        prepare_data(s)
-        assets["prepare_data"] = json.loads((s.assets / f"prepared-{s.fmt}-{s.seq}.json").read_text())
+        assets["prepare_data"] = json.loads(prepare_data(s).with_suffix(".json").read_text())
     (out / "assets.json").write_text(json.dumps({**assets, "made_in_this_call_s": round(took, 1)}, indent=1))
     print(f"{time.time() - t0:6.0f} s  assets ready ({took:.0f} s), imports alone {assets['imports_alone_s']} s: "
           f"{json.dumps(assets)[:300]}", flush=True)

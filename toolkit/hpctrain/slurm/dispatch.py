@@ -516,15 +516,16 @@ def local_state(run_dir: Path, job_id: str) -> tuple[str, str | None]:
     code its controller recorded and submitit's result pickles (cached there by submitit, so this is cheap)."""
     from hpctrain.slurm.localctl import read_exit_code
 
+    submitit_dir = runs_mod.RunFolder(run_dir).submitit_dir
     pid = int(job_id) if job_id.isdigit() else -1
     if pid > 0 and _alive(pid) and _is_local_controller(pid, run_dir):
         return JobState.RUNNING, None
     # A task that failed after another wrote its success pickle (or died hard, writing none) leaves pickles that
     # all say success: its exit code says otherwise, as sacct's would for a SLURM job.
-    code = read_exit_code(runs_mod.RunFolder(run_dir).submitit_dir, job_id)
+    code = read_exit_code(submitit_dir, job_id)
     if code is not None and code != "0:0":
         return JobState.FAILED, f"exit {code}"
-    results = sorted(runs_mod.RunFolder(run_dir).submitit_dir.glob(f"{job_id}_*_result.pkl"))
+    results = sorted(submitit_dir.glob(f"{job_id}_*_result.pkl"))
     if not results:
         return JobState.FAILED, "no result file (killed?)"
     import pickle
@@ -549,7 +550,9 @@ def _is_local_controller(pid: int, run_dir: Path) -> bool:
     except OSError:
         return False
     # hpctrain's controller (hpctrain.slurm.localctl), or submitit's own for a run submitted before it existed.
-    ours = any(m in argv for m in ("hpctrain.slurm.localctl", "submitit.local._local"))
+    from hpctrain.slurm.localctl import MODULE
+
+    ours = any(m in argv for m in (MODULE, "submitit.local._local"))
     return ours and any(Path(run_dir).name in arg for arg in argv)
 
 
