@@ -25,6 +25,7 @@ import pytest
 from click.testing import CliRunner
 
 from hpctrain.cli import collect as cli_collect
+from slurmclock import TimeLimitClock
 from summary_schema import summary_errors
 
 pytestmark = pytest.mark.slurm
@@ -34,6 +35,7 @@ FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_F
 # (HPCTRAIN_FAULT_INJECT slow): what is tested happens between steps, and the time limit's minute would
 # otherwise keep 2 ranks busy on the CI's 2 cores for nothing.
 SLEEPY = {"HPCTRAIN_FAULT_INJECT": "slow:step=1,s=1"}
+SIGNAL_S = 20
 
 SITECUSTOMIZE = '''
 import os, sys
@@ -142,18 +144,23 @@ def side_by_side(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
     (lab["site"] / "sitecustomize.py").write_text(SITECUSTOMIZE)
     env = {"HPCTRAIN_RUNS_DIR": str(lab["runs"]), "HPCTRAIN_STATE_DIR": str(lab["state"])}
     out: dict[str, Any] = {"env": env}
-    follow = None
+    follow: subprocess.Popen[str] | None = None
+    clock: TimeLimitClock | None = None
     try:
         out["completed"] = submit(lab, "--steps", "6", env=env)
         pp = f"{lab['site']}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
         out["exception"] = submit(lab, "--steps", "20", env={**env, "PYTHONPATH": pp, "COLLECT_TEST_RAISE_RANK": "1",
                                                             "COLLECT_TEST_RAISE_STEP": "4"})
         out["follow"] = submit(lab, "--steps", "5", env=env)
-        # The time limit's run waits a minute for SLURM's signal: it waits beside the others, on nodes 1-2 (the
-        # node-loss test needs node3 and node4 to itself), and test_time_limit reads it when its turn comes.
-        out["time_limit"] = submit(lab, "--steps", "100000", "--time", "00:01:00", "--set",
-                                   "resources.signal_seconds=20", "--set", "launch.retries=0", "--set",
+        # The time limit's run waits for SLURM's signal beside the others, on nodes 1-2 (the node-loss test needs
+        # node3 and node4 to itself), and test_time_limit reads it when its turn comes. Its limit is one it never
+        # reaches: the clock moves it once the ranks train, so the signal cannot come during a slow start-up.
+        out["time_limit"] = submit(lab, "--steps", "100000", "--time", "00:10:00", "--set",
+                                   f"resources.signal_seconds={SIGNAL_S}", "--set", "launch.retries=0", "--set",
                                    "resources.exclude=node[3-4]", env={**env, **SLEEPY})
+        clock = out["time_limit_clock"] = TimeLimitClock(Path(out["time_limit"]["run_dir"]), SIGNAL_S,
+                                                         train_timeout_s=600)
+        clock.start()
         entry = ("from hpctrain.cli.main import cli\n"
                  "if 'logs' not in cli.commands:\n"
                  "    from hpctrain import cli_collect; cli_collect.register(cli)\n"
@@ -166,6 +173,8 @@ def side_by_side(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
         out["follow_proc"] = follow
         yield out
     finally:
+        if clock is not None:
+            clock.stop.set()
         if follow is not None and follow.poll() is None:
             follow.kill()
             follow.wait(timeout=30)
@@ -247,10 +256,12 @@ def test_pending_reason_is_squeues() -> None:
 
 
 def test_time_limit(batch: dict[str, Any]) -> None:
-    """SLURM's pre-timeout USR2: every rank checkpoints and the job is requeued (same id, logs
-    attempt-1.*) or ends. The first run's row says time_limit with nothing lost."""
-    sub = batch["time_limit"]
+    """SLURM's pre-timeout USR2, once the ranks train: every rank checkpoints and the job is requeued (same id,
+    logs attempt-1.*) or ends. The first run's row says time_limit with nothing lost."""
+    sub, clock = batch["time_limit"], batch["time_limit_clock"]
     run_dir, job = Path(sub["run_dir"]), sub["job_id"]
+    clock.join(timeout=clock.train_timeout_s + 180)  # its own waits are bounded: job id, then training steps
+    assert clock.error is None and not clock.is_alive(), (clock.error, clock.events)
     _wait(lambda: (run_dir / "logs" / "attempt-1.rank-0.log").exists() or sacct_state(job) in FINAL,
           "first run's end", 400)
     subprocess.run(["scancel", job], check=False, timeout=30)

@@ -23,7 +23,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,6 +32,7 @@ import pytest
 
 from conftest import SLURM_SH, assert_agrees_with_sacct, run_cmd
 from conftest import wait_until as _wait_until
+from slurmclock import TimeLimitClock
 
 pytestmark = [pytest.mark.slurm, pytest.mark.deepspeed]
 TINY = str(Path(__file__).resolve().parents[1] / "examples" / "tiny.toml")
@@ -91,64 +91,6 @@ class Campaign:
             for r in notes(run):
                 ids += [str(r[k]) for k in ("job_id", "supervisor_job") if r.get(k)]
         return sorted(set(ids))
-
-
-class TimeLimitClock(threading.Thread):
-    """Times the time-limit signal from what the job is seen doing, not from constants (a busy 2-core CI
-    machine took 39 s to start a rank, and a fixed 2-minute limit signalled the requeued attempt before it
-    had loaded its checkpoint). Submitted with a limit no attempt reaches, the job gets, once attempt 0 has
-    logged training steps, a limit that SLURM's own USR2@SIGNAL_S fires within about a minute; once attempt
-    0 has checkpointed on it, the long limit back, so the requeued attempt runs to the end however slowly
-    it starts. `scontrol update TimeLimit` (root on the test cluster) is the only lever: the signal is SLURM's."""
-
-    def __init__(self, run: Path) -> None:
-        super().__init__(daemon=True)
-        self.run_dir, self.stop = run, threading.Event()
-        self.events: list[str] = []  # what it did, for the test's failure message
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self._work()
-        except BaseException as exc:  # noqa: BLE001 - reported by the test that reads .error
-            self.error = exc
-
-    def _wait(self, cond: Callable[[], Any], timeout: float, what: str) -> Any:
-        deadline = time.monotonic() + timeout
-        while not self.stop.is_set() and time.monotonic() < deadline:
-            got = cond()
-            if got:
-                return got
-            self.stop.wait(1.0)
-        raise AssertionError(f"time-limit clock: no {what} within {timeout:.0f}s ({self.events})")
-
-    def _work(self) -> None:
-        run = self.run_dir
-        job = str(self._wait(lambda: next((n["job_id"] for n in notes(run) if n.get("job_id")), None), 120,
-                             "job id"))
-        # Started = steps logged: the start-up, however long it took, is behind us.
-        self._wait(lambda: max((r["step"] for r in metrics(run)), default=0) >= 3, 900, "training steps")
-        elapsed = _elapsed_s(job)
-        limit = -(-(elapsed + SIGNAL_S + 10) // 60)  # whole minutes: USR2 comes 10-70 s from now
-        self._set_limit(job, limit, f"attempt 0 training after {elapsed} s")
-        log0 = run / "logs" / "attempt-0.rank-0.log"
-        self._wait(lambda: log0.exists() and "checkpointed at step" in log0.read_text(errors="replace"), 300,
-                   "checkpoint on the time-limit signal in attempt 0")
-        self._set_limit(job, LONG_LIMIT_MIN, "attempt 0 checkpointed; the requeued attempt must not be signalled")
-
-    def _set_limit(self, job: str, minutes: int, why: str) -> None:
-        run_cmd(["scontrol", "update", f"JobId={job}", f"TimeLimit={minutes}"], timeout=30)
-        self.events.append(f"TimeLimit={minutes} min ({why})")
-
-
-def _elapsed_s(job: str) -> int:
-    """The job's run time as squeue shows it ("M:SS", "H:MM:SS" or "D-HH:MM:SS")."""
-    text = run_cmd(["squeue", "-h", "-j", job, "-o", "%M"], timeout=30).stdout.strip()
-    days, _, clock = text.rpartition("-")
-    secs = 0
-    for part in clock.split(":"):
-        secs = secs * 60 + int(part)
-    return int(days or 0) * 86400 + secs
 
 
 def first_job(run: Path) -> str:
@@ -260,7 +202,7 @@ def campaign(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRe
         if needed:
             c.submit(name, *flags, fault=fault)
     if "timelimit" in c.runs:
-        c.clock = TimeLimitClock(c.runs["timelimit"])
+        c.clock = TimeLimitClock(c.runs["timelimit"], SIGNAL_S, after_step=3, restore_min=LONG_LIMIT_MIN)
         c.clock.start()
     try:
         yield c
