@@ -133,3 +133,24 @@ def test_without_a_serial_lane_the_shared_modules_start_at_once_on_both_workers(
     ran = _simulate(tests, tmp_path, monkeypatch)
     first = sorted((start, w) for t, (w, start, _) in ran.items() if "slurm" in t)[:2]
     assert first == [(0.0, "gw0"), (0.0, "gw1")]
+
+
+def test_the_modules_that_need_the_container_image_end_the_serial_lane(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's collection, sorted by conftest's hook: the container image's build, started with the cluster,
+    overlaps every other cluster module; a module's tests stay together and in order."""
+    from conftest import LANES_ENV, pytest_collection_modifyitems
+
+    def item(module: str, name: str, *marks: str) -> Any:
+        return types.SimpleNamespace(path=tmp_path / module, nodeid=f"{module}::{name}", fixturenames=[],
+                                     get_closest_marker=lambda m: object() if m in marks else None)
+
+    items = [item("test_api_slurm.py", "a", "slurm"), item("test_container_slurm.py", "build", "slurm"),
+             item("test_container_slurm.py", "podman", "slurm", "container"), item("test_local.py", "x"),
+             item("test_watch_slurm.py", "w", "slurm")]
+    monkeypatch.setenv(GROUPS_ENV, str(tmp_path / "groups.json"))
+    monkeypatch.delenv(LANES_ENV, raising=False)
+    pytest_collection_modifyitems(types.SimpleNamespace(workerinput={}), items)  # type: ignore[arg-type]
+    assert [i.nodeid for i in items] == ["test_api_slurm.py::a", "test_watch_slurm.py::w",
+                                         "test_container_slurm.py::build", "test_container_slurm.py::podman",
+                                         "test_local.py::x"]
