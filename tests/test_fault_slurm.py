@@ -32,7 +32,7 @@ import pytest
 
 from conftest import SLURM_SH, assert_agrees_with_sacct, run_cmd
 from conftest import wait_until as _wait_until
-from slurmclock import TimeLimitClock
+from slurmclock import TimeLimitClock, first_job_id
 
 pytestmark = [pytest.mark.slurm, pytest.mark.deepspeed]
 TINY = str(Path(__file__).resolve().parents[1] / "examples" / "tiny.toml")
@@ -94,8 +94,9 @@ class Campaign:
 
 
 def first_job(run: Path) -> str:
-    """The first job's id: attempts.jsonl opens with the submission's intent line (no job id yet), then the job."""
-    return next(str(n["job_id"]) for n in notes(run) if n.get("job_id"))
+    job = first_job_id(run)
+    assert job is not None, f"{run}: no job id in attempts.jsonl"
+    return job
 
 
 def notes(run: Path) -> list[dict[str, Any]]:
