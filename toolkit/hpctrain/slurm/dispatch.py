@@ -36,6 +36,7 @@ import click
 
 from hpctrain.errors import HpcUsageError
 from hpctrain.runs import folder as runs_mod
+from hpctrain.slurm import localctl
 from hpctrain.slurm.transaction import Interrupted, Transaction, point_summary
 from hpctrain.slurm.uncertain import JobMayExist, drop_pickles
 from hpctrain.spec.rules import mem_bytes, secret_names
@@ -471,7 +472,6 @@ def _submit_local(dirs: list[Path], spec: Spec, plan: Plan, mode: str) -> list[S
         raise HpcUsageError("fault.health_check = true: the local executor runs no health step (a SLURM job's "
                             "in-job driver does). Fix: pass --no-health-check, or use --executor slurm")
     from hpctrain.node.launch.entry import NodeJob
-    from hpctrain.slurm import localctl
 
     subs = []
     for d in dirs:
@@ -514,15 +514,13 @@ def _stdio_to(path: Path) -> Iterator[None]:
 def local_state(run_dir: Path, job_id: str) -> tuple[str, str | None]:
     """State of a local-executor job: RUNNING while its controller lives, then COMPLETED/FAILED from the exit
     code its controller recorded and submitit's result pickles (cached there by submitit, so this is cheap)."""
-    from hpctrain.slurm.localctl import read_exit_code
-
     submitit_dir = runs_mod.RunFolder(run_dir).submitit_dir
     pid = int(job_id) if job_id.isdigit() else -1
     if pid > 0 and _alive(pid) and _is_local_controller(pid, run_dir):
         return JobState.RUNNING, None
     # A task that failed after another wrote its success pickle (or died hard, writing none) leaves pickles that
     # all say success: its exit code says otherwise, as sacct's would for a SLURM job.
-    code = read_exit_code(submitit_dir, job_id)
+    code = localctl.read_exit_code(submitit_dir, job_id)
     if code is not None and code != "0:0":
         return JobState.FAILED, f"exit {code}"
     results = sorted(submitit_dir.glob(f"{job_id}_*_result.pkl"))
@@ -550,9 +548,7 @@ def _is_local_controller(pid: int, run_dir: Path) -> bool:
     except OSError:
         return False
     # hpctrain's controller (hpctrain.slurm.localctl), or submitit's own for a run submitted before it existed.
-    from hpctrain.slurm.localctl import MODULE
-
-    ours = any(m in argv for m in (MODULE, "submitit.local._local"))
+    ours = any(m in argv for m in (localctl.MODULE, "submitit.local._local"))
     return ours and any(Path(run_dir).name in arg for arg in argv)
 
 
