@@ -24,7 +24,9 @@
 #                  or a degraded port, for the health check's tests; `slow-net N off` restores it
 #
 # Environment: LAB, NNODES (4), NODE_CPUS (2), NODE_MEM (8000 MB), SLURMD_TIMEOUT (30), FAKE_GPUS (0: off;
-#   N>0 advertises N fake GPUs per node as GRES, backed by /dev/tty0..N-1), UP_TIMEOUT (120 s).
+#   N>0 advertises N fake GPUs per node as GRES, backed by /dev/tty0..N-1), UP_TIMEOUT (120 s),
+#   LAB_CPU_SHARES (4096; 0: off): the CPU weight of the lab's daemons and so of every job they start (see
+#   cpu_group_enter), against 1024 for each of the machine's other sessions.
 #
 # Only PIDs recorded in $LAB/run (and checked by process name) or processes inside the lab's own namespaces
 # are ever signalled.
@@ -422,6 +424,33 @@ reap_ghosts() {
 }
 
 # --- commands -------------------------------------------------------------------------------------------
+CPU_GROUP=hpctrain-lab
+cpu_group_enter() { # this shell, and every daemon it starts from now on, into the lab's CPU cgroup
+  # The lab's jobs are what a test of them waits on, and the kernel shares the CPU between sessions (autogroup):
+  # each job step is one session, as is each of the machine's other busy programs (a test worker's local
+  # DeepSpeed runs, a build). A weight of LAB_CPU_SHARES against their 1024 lets the jobs run nearly as fast
+  # as on an idle machine while the others use what the jobs leave; an idle lab takes nothing from anyone.
+  # Best effort: without a writable cpu controller (a container, cgroup v2 without +cpu) nothing changes.
+  local shares=${LAB_CPU_SHARES:-4096} dir pidfile pid
+  case "$shares" in '' | *[!0-9]*) die "LAB_CPU_SHARES must be a number (0: off), got '$shares'" ;; esac
+  [ "$shares" -gt 0 ] || return 0
+  if [ -w /sys/fs/cgroup/cpu/cgroup.procs ]; then # v1
+    dir=/sys/fs/cgroup/cpu/$CPU_GROUP
+    mkdir -p "$dir" 2>/dev/null && echo "$shares" >"$dir/cpu.shares" 2>/dev/null || return 0
+  elif [ -e /sys/fs/cgroup/cgroup.controllers ]; then # v2: cpu.weight 100 is v1's 1024
+    dir=/sys/fs/cgroup/$CPU_GROUP
+    echo +cpu >/sys/fs/cgroup/cgroup.subtree_control 2>/dev/null || true
+    mkdir -p "$dir" 2>/dev/null && echo $((shares * 100 / 1024)) >"$dir/cpu.weight" 2>/dev/null || return 0
+  else
+    return 0
+  fi
+  echo "$BASHPID" >"$dir/cgroup.procs" 2>/dev/null || return 0
+  for pidfile in "$RUN"/*.pid; do # daemons started before (an older lab): their next jobs go in too
+    [ -s "$pidfile" ] || continue
+    pid=$(cat "$pidfile")
+    alive "$pid" && echo "$pid" >"$dir/cgroup.procs" 2>/dev/null || true
+  done
+}
 lock() { # serialize up/down/wipe/kill-node/restart-node between concurrent callers (4 engineers, pytest).
   # Every daemon is started with 9>&-: an inherited fd would hold the lock for the daemon's lifetime.
   exec 9>"$LOCK"
@@ -450,6 +479,7 @@ cmd_up() {
   mkdir -p "$LAB"
   lock
   mkdir -p "$RUN" "$LOG"
+  cpu_group_enter
   check_ports
   [ -e "/run/netns/${NS}1" ] || NET_CREATED=1
   trap up_failed EXIT
@@ -565,6 +595,7 @@ cmd_restart_node() {
   node_arg "${1:-}"
   lock
   ctld_up || die "slurmctld is not running; run: bash $0 up"
+  cpu_group_enter
   start_node "$1"
   say "node$1 slurmd running"
 }
